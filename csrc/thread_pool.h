@@ -1,0 +1,66 @@
+// A small fixed-size thread pool for data-parallel kernels (CPU Adam, gradient accumulation).
+//
+// Not OpenMP on purpose: a second OpenMP runtime next to torch's oversubscribes the cores and
+// can crash. The caller's thread takes part in every parallel_for, so a pool of N threads uses
+// N-1 workers plus the caller. Thread count comes from Python (config), never from the machine.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace offload {
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int num_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int num_threads() const { return num_threads_; }
+
+  // Runs fn(task) for task in [0, num_tasks), spread over the pool and the calling thread;
+  // returns when all have finished. The first exception thrown by a task is rethrown here.
+  void parallel_for(size_t num_tasks, const std::function<void(size_t)>& fn);
+
+ private:
+  void worker_loop();
+  void run_tasks();
+
+  int num_threads_;
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_start_;
+  std::condition_variable cv_done_;
+  std::mutex run_mu_;  // serialises parallel_for callers
+  const std::function<void(size_t)>* job_ = nullptr;
+  size_t num_tasks_ = 0;
+  size_t next_task_ = 0;
+  size_t tasks_done_ = 0;
+  unsigned long generation_ = 0;
+  bool stop_ = false;
+  std::exception_ptr error_;
+};
+
+// The process-wide compute pool used by the kernels; resized by set_num_threads().
+ThreadPool& compute_pool();
+void set_num_threads(int n);
+int get_num_threads();
+
+// Splits [0, n) into `parts` contiguous chunks whose boundaries are multiples of `align`
+// elements (so SIMD bodies stay aligned to each other); returns the chunk [begin, end).
+inline void chunk_range(size_t n, size_t parts, size_t part, size_t align, size_t* begin,
+                        size_t* end) {
+  size_t blocks = (n + align - 1) / align;
+  size_t per = blocks / parts, extra = blocks % parts;
+  size_t b = part * per + (part < extra ? part : extra);
+  size_t e = b + per + (part < extra ? 1 : 0);
+  *begin = b * align < n ? b * align : n;
+  *end = e * align < n ? e * align : n;
+}
+
+}  // namespace offload

@@ -1,0 +1,5 @@
+import sys
+
+from offload.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The ``offload`` command line (see :mod:`offload.cli.main`)."""

@@ -1,0 +1,63 @@
+"""``offload`` command-line entry point.
+
+Each subcommand lives in its own module ``offload.cli.<name>`` exposing ``add_arguments(parser)``
+and ``run(args) -> int``; modules are imported only when their command runs, so ``offload
+--help`` stays fast and one broken command cannot take the others down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("offload.cli.demo", "train a built-in GPT on local text with state on NVMe"),
+    "report": ("offload.cli.report", "print what this machine offers (native, SIMD, CUDA, disk)"),
+    "config": ("offload.cli.config_cmd", "validate a config file and print it normalized"),
+    "estimate": ("offload.cli.estimate", "memory per device/host/NVMe for ZeRO stages 0-3"),
+    "tune-io": ("offload.cli.tune_io", "sweep async IO settings on a disk, print the best"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="offload",
+        description="offload: train PyTorch models beyond accelerator memory "
+        "(device / pinned host / NVMe tiers).",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (modname, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=modname)
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError:
+            p.set_defaults(_missing=True)
+            continue
+        mod.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if not args.command:
+        parser.print_help()
+        return 0
+    if getattr(args, "_missing", False):
+        print(f"offload {args.command}: not built yet in this version", file=sys.stderr)
+        return 2
+    mod = importlib.import_module(args._module)
+    return int(mod.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,751 @@
+"""Memory arithmetic for ZeRO stages 0-3 with and without CPU / NVMe offload (torch-free).
+
+Everything here is plain integer arithmetic on parameter counts; nothing imports torch, so the
+``offload estimate`` command answers "will a 7B / 13B / 70B model fit, and how?" in milliseconds
+on a laptop. Byte sizes use decimal units (GB = 10**9) as the ZeRO paper does.
+
+Note: the model-state arithmetic
+    Per parameter, mixed-precision Adam keeps P = 2 bytes of compute params (bf16/fp16), G = 2
+    bytes of gradients and K = 12 bytes of optimizer state (fp32 master, Adam m, Adam v). With N
+    data-parallel ranks ZeRO partitions the optimizer state (stage >= 1), then the gradients
+    (stage >= 2), then the parameters (stage 3), so the bytes per device are
+        stage 0: (P + G + K) Psi            stage 1: (P + G) Psi + K Psi / N
+        stage 2: P Psi + (G + K) Psi / N    stage 3: (P + G + K) Psi / N
+    which for Psi = 7.5e9 and N = 64 gives the paper's 120, 31.4, 16.6 and 1.9 GB. With fp32
+    compute P = G = 4 and K = 8 (the params are their own master copy).
+
+Note: offload placements
+    ``cpu_optimizer`` (ZeRO-Offload): the optimizer runs on the host over fp32 master, m, v and
+    an fp32 gradient accumulator (16 bytes per parameter of the rank's partition); the device
+    keeps its compute params and streams each unit's gradients off as backward finishes it.
+    ``cpu_optimizer_params``: the compute params live on the host too (P bytes per parameter of
+    the partition); the device holds only the units being computed. ``nvme`` (ZeRO-Infinity):
+    both live on NVMe and the host holds only the pinned staging pools
+    (2 pools x buffer_count x buffer_size per rank). Partitioning follows the stage in every
+    placement (optimizer and fp32 grads split at stage >= 1, params at stage 3), so stage 0 with
+    offload means every rank keeps a full copy on its host or disk.
+
+Note: the working set
+    Units (one transformer block by default) are gathered on the device while they compute:
+    ``live_units`` (the running one and the prefetched one) x unit params x P bytes whenever the
+    params are partitioned (stage 3) or offloaded, plus one unit's gradients (x G bytes) while
+    they stream off the device when the optimizer is offloaded. It is an estimate of the
+    transient peak, reported beside the persistent model states, never mixed into them.
+
+Note: activations (approximate)
+    Per transformer layer with 2-byte activations and no tensor/sequence parallelism
+    (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"):
+    s b h (34 + 5 a s / h) bytes, where s = sequence length, b = micro-batch, h = hidden size,
+    a = attention heads; the 5 a s / h term (attention scores, softmax, dropout mask) vanishes
+    with a fused/flash attention kernel. With activation checkpointing only each layer's input
+    is kept (2 s b h bytes per layer) plus one layer's full set during recomputation. The logits
+    add about 4 b s V bytes (fp32 for the loss). Real numbers depend on the kernels, the gated
+    MLP (LLaMA's is wider than 4h) and the framework's temporaries: treat it as +-30 %.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GB = 10**9
+
+STAGES: tuple[int, ...] = (0, 1, 2, 3)
+PLACEMENTS: tuple[str, ...] = ("none", "cpu_optimizer", "cpu_optimizer_params", "nvme")
+PLACEMENT_TITLES: dict[str, str] = {
+    "none": "no offload",
+    "cpu_optimizer": "optimizer on CPU",
+    "cpu_optimizer_params": "optimizer+params on CPU",
+    "nvme": "optimizer+params on NVMe",
+}
+
+# Bytes per parameter on the host or NVMe for an offloaded optimizer: fp32 master, m, v, grad.
+OFFLOADED_OPTIMIZER_BYTES = 16
+
+
+class EstimateError(ValueError):
+    """A bad input to the estimator: names the option or key, the value and what is allowed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """Bytes per parameter for one compute dtype."""
+
+    name: str
+    params: int  # P: compute-dtype params on the device (bytes)
+    grads: int  # G: gradients on the device (bytes)
+    optimizer: int  # K: optimizer state when it lives on the device (bytes)
+
+
+PRECISIONS: dict[str, Precision] = {
+    "bf16": Precision("bf16", 2, 2, 12),
+    "fp16": Precision("fp16", 2, 2, 12),
+    "fp32": Precision("fp32", 4, 4, 8),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# parsing
+# ---------------------------------------------------------------------------------------------
+
+_COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_SIZE_SUFFIX = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_count(value: str | int | float, *, what: str = "--params") -> int:
+    """A positive count such as ``7e9``, ``7B``, ``6.7b``, ``350M`` or ``1.5T`` (decimal)."""
+    if isinstance(value, bool):
+        raise EstimateError(f"{what}: expected a number such as 7e9 or 7B, got {value!r}")
+    if isinstance(value, int | float):
+        number, scale = float(value), 1
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]?)\s*", value)
+        if m is None or m.group(2).lower() not in _COUNT_SUFFIX:
+            raise EstimateError(
+                f"{what}: expected a number such as 7e9, 7B, 350M or 1.5T, got {value!r}"
+            )
+        number, scale = float(m.group(1)), _COUNT_SUFFIX[m.group(2).lower()]
+    count = number * scale
+    if not math.isfinite(count) or count < 1:
+        raise EstimateError(f"{what}: must be a finite count >= 1, got {value!r}")
+    return int(round(count))
+
+
+def parse_bytes(value: str | int | float, *, what: str = "size") -> int:
+    """A byte size: ``80GB`` (10**9), ``64GiB`` (2**30), ``512MB``, ``3.84TB`` or an integer.
+
+    Same conventions as ``offload.config.parse_size`` (MB = 10**6, MiB = 2**20); kept here so the
+    estimator stays importable without torch or the config package.
+    """
+    if isinstance(value, bool):
+        raise EstimateError(f"{what}: expected a size such as 80GB or 64GiB, got {value!r}")
+    if isinstance(value, int | float):
+        number, scale = float(value), 1
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if m is None or m.group(2).lower() not in _SIZE_SUFFIX:
+            raise EstimateError(
+                f"{what}: expected a size such as 80GB, 512GB, 64GiB or 3.84TB "
+                f"(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {value!r}"
+            )
+        number, scale = float(m.group(1)), _SIZE_SUFFIX[m.group(2).lower()]
+    size = number * scale
+    if not math.isfinite(size) or size < 1:
+        raise EstimateError(f"{what}: must be a size >= 1 byte, got {value!r}")
+    return int(round(size))
+
+
+# ---------------------------------------------------------------------------------------------
+# parameter count from a Hugging Face config
+# ---------------------------------------------------------------------------------------------
+
+# Architecture families whose layout differs from the LLaMA default (see ModelShape.style).
+_GPT2_TYPES = {"gpt2", "gpt_bigcode"}
+_NEOX_TYPES = {"gpt_neox"}
+_QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The few numbers of a decoder-only transformer that its parameter count depends on.
+
+    ``style`` picks the layer layout:
+      - ``"llama"`` (default; LLaMA, Mistral, Qwen2, Mixtral, ...): q/k/v/o projections with
+        grouped-query k/v, gated MLP (gate, up, down: 3 h I), RMSNorm (h weights, 2 per layer
+        plus a final one), rotary positions (no weights), biases only where the config says
+        (``attention_bias``, ``mlp_bias``; Qwen2 has q/k/v biases).
+      - ``"gpt2"``: fused qkv and output projection with biases, MLP h -> I -> h with biases,
+        LayerNorm (weight + bias), learned position embeddings (``n_positions`` x h).
+      - ``"gpt_neox"``: like gpt2 but rotary positions (no position weights).
+    """
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tied_embeddings: bool
+    style: str = "llama"
+    num_experts: int = 1  # MoE experts per layer (MLP repeated, plus an h x E router)
+    max_positions: int = 0  # learned position embeddings (gpt2 style only)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qkv_bias: bool = False
+
+
+def _get(cfg: Mapping[str, Any], names: tuple[str, ...], source: str) -> Any:
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    raise EstimateError(
+        f"{source}: missing key {names[0]!r}"
+        + (f" (or {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else "")
+        + "; a Hugging Face decoder config needs hidden_size, num_hidden_layers, vocab_size, "
+        "num_attention_heads (intermediate_size, num_key_value_heads optional)"
+    )
+
+
+def _positive_int(value: Any, key: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EstimateError(f"{source}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> ModelShape:
+    """Read a Hugging Face ``config.json`` (as a dict) into a :class:`ModelShape`.
+
+    Accepts the GPT-2 spellings (``n_embd``, ``n_layer``, ``n_head``, ``n_inner``) as aliases.
+    ``tie_word_embeddings`` defaults to True for gpt2 (as in Hugging Face) and False otherwise.
+    Raises :class:`EstimateError` naming the key when a required one is missing or invalid.
+    """
+    if not isinstance(cfg, Mapping):
+        raise EstimateError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+    model_type = str(cfg.get("model_type", "")).lower()
+    style = (
+        "gpt2"
+        if model_type in _GPT2_TYPES
+        else "gpt_neox"
+        if model_type in _NEOX_TYPES
+        else "llama"
+    )
+    h = _positive_int(
+        _get(cfg, ("hidden_size", "n_embd", "d_model"), source), "hidden_size", source
+    )
+    layers = _positive_int(
+        _get(cfg, ("num_hidden_layers", "n_layer", "num_layers"), source),
+        "num_hidden_layers",
+        source,
+    )
+    vocab = _positive_int(_get(cfg, ("vocab_size",), source), "vocab_size", source)
+    heads = _positive_int(
+        _get(cfg, ("num_attention_heads", "n_head"), source), "num_attention_heads", source
+    )
+    inter_raw = cfg.get("intermediate_size", cfg.get("n_inner", cfg.get("ffn_dim")))
+    inter = 4 * h if inter_raw is None else _positive_int(inter_raw, "intermediate_size", source)
+    kv_raw = cfg.get("num_key_value_heads")
+    if kv_raw is None:
+        kv_heads = 1 if cfg.get("multi_query") else heads
+    else:
+        kv_heads = _positive_int(kv_raw, "num_key_value_heads", source)
+    if heads % kv_heads:
+        raise EstimateError(
+            f"{source}: num_attention_heads ({heads}) must be a multiple of "
+            f"num_key_value_heads ({kv_heads})"
+        )
+    head_dim_raw = cfg.get("head_dim")
+    if head_dim_raw is None:
+        if h % heads:
+            raise EstimateError(
+                f"{source}: hidden_size ({h}) is not a multiple of num_attention_heads "
+                f"({heads}) and no head_dim is given"
+            )
+        head_dim = h // heads
+    else:
+        head_dim = _positive_int(head_dim_raw, "head_dim", source)
+    tied_raw = cfg.get("tie_word_embeddings")
+    tied = (style == "gpt2") if tied_raw is None else bool(tied_raw)
+    experts_raw = cfg.get("num_local_experts", cfg.get("num_experts"))
+    experts = 1 if experts_raw is None else _positive_int(experts_raw, "num_local_experts", source)
+    positions = 0
+    if style == "gpt2":
+        positions = _positive_int(
+            _get(cfg, ("n_positions", "max_position_embeddings"), source), "n_positions", source
+        )
+    return ModelShape(
+        hidden_size=h,
+        num_layers=layers,
+        vocab_size=vocab,
+        intermediate_size=inter,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        tied_embeddings=tied,
+        style=style,
+        num_experts=experts,
+        max_positions=positions,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qkv_bias=model_type in _QKV_BIAS_TYPES,
+    )
+
+
+def layer_params(shape: ModelShape) -> int:
+    """Parameters of one transformer block (see :class:`ModelShape` for the layouts)."""
+    h, inter = shape.hidden_size, shape.intermediate_size
+    q_out = shape.num_heads * shape.head_dim
+    kv_out = shape.num_kv_heads * shape.head_dim
+    if shape.style in ("gpt2", "gpt_neox"):
+        attn = h * (q_out + 2 * kv_out) + (q_out + 2 * kv_out) + q_out * h + h
+        mlp = 2 * h * inter + inter + h
+        norms = 2 * (2 * h)  # two LayerNorms, weight + bias
+        return attn + mlp + norms
+    attn = h * (q_out + 2 * kv_out) + q_out * h
+    if shape.attention_bias:
+        attn += q_out + 2 * kv_out + h
+    elif shape.qkv_bias:
+        attn += q_out + 2 * kv_out
+    mlp = 3 * h * inter + (2 * inter + h if shape.mlp_bias else 0)
+    if shape.num_experts > 1:
+        mlp = shape.num_experts * mlp + h * shape.num_experts  # experts + router
+    norms = 2 * h  # two RMSNorms, weight only
+    return attn + mlp + norms
+
+
+def embedding_params(shape: ModelShape) -> int:
+    """Token embeddings, the output head unless tied, learned positions, and the final norm."""
+    h = shape.hidden_size
+    emb = shape.vocab_size * h * (1 if shape.tied_embeddings else 2)
+    emb += shape.max_positions * h
+    emb += 2 * h if shape.style in ("gpt2", "gpt_neox") else h
+    return emb
+
+
+def count_params(shape: ModelShape) -> int:
+    """Total parameters: layers x block + embeddings/head + final norm."""
+    return shape.num_layers * layer_params(shape) + embedding_params(shape)
+
+
+def params_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> int:
+    """Parameter count of a LLaMA/GPT-style Hugging Face config (LLaMA-2-7B: 6,738,415,616)."""
+    return count_params(shape_from_hf_config(cfg, source=source))
+
+
+def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a ``config.json``; errors name the path and what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise EstimateError(f"--hf-config: no such file: {os.fspath(path)!r}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EstimateError(f"--hf-config: cannot read {os.fspath(path)!r}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise EstimateError(
+            f"--hf-config: {os.fspath(path)!r} is not valid JSON ({exc}); "
+            "expected a Hugging Face config.json"
+        ) from None
+    if not isinstance(data, dict):
+        raise EstimateError(f"--hf-config: {os.fspath(path)!r} must hold a JSON object")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------
+# the arithmetic
+# ---------------------------------------------------------------------------------------------
+
+
+def _split(n: int, parts: int) -> int:
+    """Bytes of one partition when ``n`` bytes are split over ``parts`` ranks (padded up)."""
+    return -(-n // parts)
+
+
+def zero_model_state_bytes(params: int, ranks: int, stage: int, precision: str = "bf16") -> int:
+    """Bytes of model state per device for a ZeRO stage with nothing offloaded (the paper's
+    formula; see the module Note)."""
+    prec = _precision(precision)
+    return _device_states(params, ranks, stage, "none", prec)
+
+
+def _precision(name: str) -> Precision:
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise EstimateError(
+            f"--dtype: unknown compute dtype {name!r}; allowed: {', '.join(PRECISIONS)}"
+        ) from None
+
+
+def _check_stage(stage: int) -> None:
+    if stage not in STAGES:
+        raise EstimateError(f"ZeRO stage must be one of 0, 1, 2, 3, got {stage!r}")
+
+
+def _device_states(params: int, ranks: int, stage: int, placement: str, prec: Precision) -> int:
+    _check_stage(stage)
+    n_opt = ranks if stage >= 1 else 1
+    n_grad = ranks if stage >= 2 else 1
+    n_par = ranks if stage >= 3 else 1
+    par = _split(prec.params * params, n_par)
+    if placement == "none":
+        return par + _split(prec.grads * params, n_grad) + _split(prec.optimizer * params, n_opt)
+    if placement == "cpu_optimizer":
+        return par
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    """What the estimate is checked against. ``None`` limits are not checked."""
+
+    gpus_per_node: int = 1
+    nodes: int = 1
+    gpu_mem: int | None = None  # bytes per device
+    host_mem: int | None = None  # bytes per node
+    nvme: int | None = None  # bytes of NVMe per node
+    buffer_count: int = 4  # pinned staging buffers per pool (NVMe placement; 2 pools per rank)
+    buffer_size: int = 64 * 10**6  # bytes per staging buffer
+
+    @property
+    def ranks(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def __post_init__(self) -> None:
+        for key in ("gpus_per_node", "nodes", "buffer_count", "buffer_size"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EstimateError(f"{key}: must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Activations:
+    """Activation bytes per device for one micro-batch (an estimate, see the module Note)."""
+
+    seq_len: int
+    micro_batch: int
+    flash_attention: bool
+    without_checkpointing: int
+    with_checkpointing: int
+    logits: int
+
+
+def activation_bytes(
+    shape: ModelShape,
+    seq_len: int,
+    micro_batch: int,
+    *,
+    flash_attention: bool = False,
+    dtype_bytes: int = 2,
+) -> Activations:
+    """Korthikanti et al. per-layer activations, with and without checkpointing, plus logits."""
+    for key, value in (("--seq-len", seq_len), ("--micro-batch", micro_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EstimateError(f"{key}: must be an integer >= 1, got {value!r}")
+    s, b, h, a = seq_len, micro_batch, shape.hidden_size, shape.num_heads
+    scale = dtype_bytes / 2  # the formula counts 2-byte activations
+    per_layer = s * b * h * 34 + (0 if flash_attention else 5 * a * s * s * b)
+    per_layer = int(per_layer * scale)
+    logits = 4 * b * s * shape.vocab_size
+    without = shape.num_layers * per_layer + logits
+    with_ckpt = int(shape.num_layers * 2 * s * b * h * scale) + per_layer + logits
+    return Activations(s, b, flash_attention, without, with_ckpt, logits)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One (stage, placement) line of the estimate. All sizes in bytes."""
+
+    stage: int
+    placement: str
+    device_states: int  # persistent model state per device (the ZeRO paper's figure)
+    device_working: int  # transient: gathered units and streaming grads
+    device_activations: int  # 0 when not estimated
+    device_total: int
+    host_per_rank: int  # offloaded state + pinned buffers, per rank
+    host_per_node: int
+    nvme_per_rank: int
+    nvme_per_node: int
+    fits_device: bool | None  # None: limit not given
+    fits_host: bool | None
+    fits_nvme: bool | None
+    fits: bool  # all given limits hold (unknown limits count as fitting)
+
+
+def placement_row(
+    params: int,
+    stage: int,
+    placement: str,
+    machine: Machine,
+    *,
+    precision: str = "bf16",
+    unit_params: int,
+    live_units: int = 2,
+    activations: int = 0,
+) -> Row:
+    """The bytes one placement needs per device, per host and on NVMe (see the module Notes)."""
+    if placement not in PLACEMENTS:
+        raise EstimateError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    prec = _precision(precision)
+    ranks = machine.ranks
+    n_opt = ranks if stage >= 1 else 1
+    n_par = ranks if stage >= 3 else 1
+    states = _device_states(params, ranks, stage, placement, prec)
+    params_gathered = stage == 3 or placement in ("cpu_optimizer_params", "nvme")
+    grads_stream = placement != "none"
+    working = (live_units * unit_params * prec.params if params_gathered else 0) + (
+        unit_params * prec.grads if grads_stream else 0
+    )
+    opt_state = _split(OFFLOADED_OPTIMIZER_BYTES * params, n_opt)
+    param_state = _split(prec.params * params, n_par)
+    host = nvme = 0
+    if placement == "cpu_optimizer":
+        host = opt_state
+    elif placement == "cpu_optimizer_params":
+        host = opt_state + param_state
+    elif placement == "nvme":
+        host = 2 * machine.buffer_count * machine.buffer_size
+        nvme = opt_state + param_state
+    total = states + working + activations
+    r = machine.gpus_per_node
+    fits_device = None if machine.gpu_mem is None else total <= machine.gpu_mem
+    fits_host = None if machine.host_mem is None else host * r <= machine.host_mem
+    fits_nvme = None if machine.nvme is None else nvme * r <= machine.nvme
+    fits = all(f is not False for f in (fits_device, fits_host, fits_nvme))
+    return Row(
+        stage=stage,
+        placement=placement,
+        device_states=states,
+        device_working=working,
+        device_activations=activations,
+        device_total=total,
+        host_per_rank=host,
+        host_per_node=host * r,
+        nvme_per_rank=nvme,
+        nvme_per_node=nvme * r,
+        fits_device=fits_device,
+        fits_host=fits_host,
+        fits_nvme=fits_nvme,
+        fits=fits,
+    )
+
+
+@dataclass(slots=True)
+class Estimate:
+    """The full answer: inputs, assumptions and one row per (stage, placement)."""
+
+    params: int
+    params_source: str
+    precision: str
+    machine: Machine
+    unit_params: int
+    unit_source: str
+    live_units: int
+    activations: Activations | None
+    activation_checkpointing: bool
+    rows: list[Row] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        prec = PRECISIONS[self.precision]
+        return {
+            "params": self.params,
+            "params_source": self.params_source,
+            "dtype": self.precision,
+            "bytes_per_param": {
+                "params": prec.params,
+                "grads": prec.grads,
+                "optimizer": prec.optimizer,
+                "offloaded_optimizer": OFFLOADED_OPTIMIZER_BYTES,
+            },
+            "machine": asdict(self.machine) | {"ranks": self.machine.ranks},
+            "unit_params": self.unit_params,
+            "unit_source": self.unit_source,
+            "live_units": self.live_units,
+            "activations": None if self.activations is None else asdict(self.activations),
+            "activation_checkpointing": self.activation_checkpointing,
+            "rows": [asdict(r) for r in self.rows],
+        }
+
+
+def estimate(
+    params: int,
+    machine: Machine,
+    *,
+    precision: str = "bf16",
+    shape: ModelShape | None = None,
+    params_source: str = "--params",
+    unit_params: int | None = None,
+    live_units: int = 2,
+    seq_len: int | None = None,
+    micro_batch: int = 1,
+    activation_checkpointing: bool = False,
+    flash_attention: bool = False,
+) -> Estimate:
+    """Every stage x placement for ``params`` parameters on ``machine``.
+
+    ``unit_params`` (the largest unit moved at once) defaults to the larger of one block and the
+    embedding table when ``shape`` is known, else to params / 32. Activations are estimated only
+    when both ``shape`` and ``seq_len`` are given.
+    """
+    _precision(precision)
+    if isinstance(live_units, bool) or not isinstance(live_units, int) or live_units < 1:
+        raise EstimateError(f"--live-units: must be an integer >= 1, got {live_units!r}")
+    if unit_params is not None:
+        unit_source = "--unit-params"
+    elif shape is not None:
+        unit_params = max(layer_params(shape), shape.vocab_size * shape.hidden_size)
+        unit_source = "largest block or embedding of the config"
+    else:
+        unit_params = _split(params, 32)
+        unit_source = "assumed params / 32 (pass --hf-config or --unit-params)"
+    acts = None
+    act_bytes = 0
+    if shape is not None and seq_len is not None:
+        dtype_bytes = 4 if precision == "fp32" else 2
+        acts = activation_bytes(
+            shape, seq_len, micro_batch, flash_attention=flash_attention, dtype_bytes=dtype_bytes
+        )
+        act_bytes = (
+            acts.with_checkpointing if activation_checkpointing else acts.without_checkpointing
+        )
+    est = Estimate(
+        params=params,
+        params_source=params_source,
+        precision=precision,
+        machine=machine,
+        unit_params=unit_params,
+        unit_source=unit_source,
+        live_units=live_units,
+        activations=acts,
+        activation_checkpointing=activation_checkpointing,
+    )
+    for stage in STAGES:
+        for placement in PLACEMENTS:
+            est.rows.append(
+                placement_row(
+                    params,
+                    stage,
+                    placement,
+                    machine,
+                    precision=precision,
+                    unit_params=unit_params,
+                    live_units=live_units,
+                    activations=act_bytes,
+                )
+            )
+    return est
+
+
+# ---------------------------------------------------------------------------------------------
+# text output
+# ---------------------------------------------------------------------------------------------
+
+
+def fmt_bytes(n: int | None) -> str:
+    """Decimal GB with one or two decimals (the ZeRO paper's units)."""
+    if n is None:
+        return "-"
+    if n == 0:
+        return "0"
+    gb = n / GB
+    if gb >= 1000:
+        return f"{gb / 1000:.2f} TB"
+    if gb >= 10:
+        return f"{gb:.1f} GB"
+    if gb >= 1:
+        return f"{gb:.2f} GB"
+    if n >= 10**7:
+        return f"{n / 10**6:.0f} MB"
+    return f"{n / 10**6:.1f} MB"
+
+
+def _fit_mark(flag: bool | None) -> str:
+    return "?" if flag is None else ("yes" if flag else "NO")
+
+
+def format_estimate(est: Estimate) -> str:
+    """A human-readable table (GB = 1e9)."""
+    m = est.machine
+    prec = PRECISIONS[est.precision]
+    lines = [
+        f"model: {est.params / 1e9:.3f} B parameters ({est.params_source}); dtype {est.precision}: "
+        f"{prec.params} B params + {prec.grads} B grads + {prec.optimizer} B optimizer per "
+        f"parameter on the device (K = {prec.optimizer}); "
+        f"{OFFLOADED_OPTIMIZER_BYTES} B (fp32 master, m, v, grad) when offloaded",
+        f"machine: {m.ranks} ranks ({m.gpus_per_node} per node x {m.nodes} nodes); "
+        f"device {fmt_bytes(m.gpu_mem) if m.gpu_mem else 'not given'}, "
+        f"host {fmt_bytes(m.host_mem) + '/node' if m.host_mem else 'not given'}, "
+        f"NVMe {fmt_bytes(m.nvme) + '/node' if m.nvme else 'not given'}",
+        f"working set: {est.live_units} live units of {est.unit_params / 1e6:.1f} M params "
+        f"({est.unit_source}); NVMe staging: 2 pools x {m.buffer_count} x "
+        f"{fmt_bytes(m.buffer_size)} pinned per rank",
+    ]
+    if est.activations is None:
+        lines.append("activations: not included (need --hf-config and --seq-len); they come on top")
+    else:
+        a = est.activations
+        used = "with" if est.activation_checkpointing else "without"
+        lines.append(
+            f"activations (approximate, seq {a.seq_len} x micro-batch {a.micro_batch}"
+            f"{', flash attention' if a.flash_attention else ''}): "
+            f"{fmt_bytes(a.without_checkpointing)} without checkpointing, "
+            f"{fmt_bytes(a.with_checkpointing)} with (incl. {fmt_bytes(a.logits)} logits); "
+            f"'total' uses {used}"
+        )
+    header = (
+        "stage",
+        "placement",
+        "dev states",
+        "dev working",
+        "dev total",
+        "host/node",
+        "NVMe/node",
+        "fits",
+    )
+    table = [header]
+    for r in est.rows:
+        why = []
+        if r.fits_device is False:
+            why.append("device")
+        if r.fits_host is False:
+            why.append("host")
+        if r.fits_nvme is False:
+            why.append("nvme")
+        unknown = [
+            n
+            for n, f, need in (
+                ("device", r.fits_device, True),
+                ("host", r.fits_host, r.host_per_rank > 0),
+                ("nvme", r.fits_nvme, r.nvme_per_rank > 0),
+            )
+            if f is None and need
+        ]
+        if why:
+            fit = "NO (" + ", ".join(why) + ")"
+        elif unknown:
+            fit = "yes?" + " (" + ", ".join(unknown) + " not given)"
+        else:
+            fit = "yes"
+        table.append(
+            (
+                str(r.stage),
+                PLACEMENT_TITLES[r.placement],
+                fmt_bytes(r.device_states),
+                fmt_bytes(r.device_working),
+                fmt_bytes(r.device_total),
+                fmt_bytes(r.host_per_node),
+                fmt_bytes(r.nvme_per_node),
+                fit,
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines.append("")
+    for i, row in enumerate(table):
+        cells = [
+            c.ljust(widths[j]) if j in (1, 7) else c.rjust(widths[j]) for j, c in enumerate(row)
+        ]
+        lines.append("  ".join(cells).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append(
+        "dev states: persistent model state per device (ZeRO paper figure); dev working: "
+        "gathered units + streaming grads; dev total adds activations when estimated."
+    )
+    return "\n".join(lines)

@@ -1,0 +1,289 @@
+"""offload estimate: the ZeRO paper's figure, parameter counts of published configs, bad inputs, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from offload import estimate as est
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Published configs (the fields that matter) and their published parameter counts.
+LLAMA2_7B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "tie_word_embeddings": False,
+    "vocab_size": 32000,
+}
+LLAMA2_70B = LLAMA2_7B | {
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
+    "num_hidden_layers": 80,
+    "num_key_value_heads": 8,
+}
+MIXTRAL_8X7B = LLAMA2_7B | {
+    "model_type": "mixtral",
+    "intermediate_size": 14336,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+}
+GPT2_SMALL = {
+    "model_type": "gpt2",
+    "n_embd": 768,
+    "n_layer": 12,
+    "n_head": 12,
+    "n_positions": 1024,
+    "vocab_size": 50257,
+}
+PYTHIA_160M = {
+    "model_type": "gpt_neox",
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "vocab_size": 50304,
+    "tie_word_embeddings": False,
+}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-m", "offload", "estimate", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+# --- the ZeRO paper (Rajbhandari et al. 2020, Figure 1): 7.5B params, 64 ranks, K = 12 ------
+
+
+@pytest.mark.parametrize(
+    "stage, paper_gb, exact_gb",
+    [(0, 120, 120.0), (1, 31.4, 31.40625), (2, 16.6, 16.640625), (3, 1.9, 1.875)],
+)
+def test_zero_paper_figure(stage, paper_gb, exact_gb):
+    got = est.zero_model_state_bytes(7_500_000_000, 64, stage)
+    assert got == pytest.approx(exact_gb * est.GB, abs=64)
+    assert round(got / est.GB, 1) == paper_gb
+
+
+def test_estimate_rows_carry_the_paper_figure_and_offload_shrinks_the_device():
+    e = est.estimate(7_500_000_000, est.Machine(gpus_per_node=8, nodes=8))
+    rows = {(r.stage, r.placement): r for r in e.rows}
+    assert len(rows) == len(est.STAGES) * len(est.PLACEMENTS)
+    for stage, gb in [(0, 120.0), (1, 31.40625), (2, 16.640625), (3, 1.875)]:
+        assert rows[stage, "none"].device_states == pytest.approx(gb * est.GB, abs=64)
+    psi, n = 7_500_000_000, 64
+    for stage in est.STAGES:
+        none, opt, both, nvme = (rows[stage, p] for p in est.PLACEMENTS)
+        assert none.device_states > opt.device_states > both.device_states == 0
+        assert nvme.device_states == 0
+        # offloaded optimizer: fp32 master + m + v + grad = 16 bytes per param of the partition
+        part = n if stage >= 1 else 1
+        assert opt.host_per_rank == -(-16 * psi // part)
+        assert opt.host_per_node == 8 * opt.host_per_rank
+        assert both.host_per_rank == opt.host_per_rank + -(-2 * psi // (n if stage == 3 else 1))
+        # NVMe: the state moves to disk, the host keeps only 2 pools of pinned buffers
+        assert nvme.nvme_per_rank == both.host_per_rank
+        assert nvme.host_per_rank == 2 * 4 * 64 * 10**6
+        assert 0 < opt.device_working <= nvme.device_working
+
+
+def test_fp32_uses_4_4_8_bytes():
+    assert est.zero_model_state_bytes(10**9, 1, 0, "fp32") == 16 * 10**9
+    assert est.zero_model_state_bytes(10**9, 4, 1, "fp32") == 8 * 10**9 + 2 * 10**9
+
+
+def test_fits_against_the_machine():
+    m = est.Machine(gpu_mem=80 * est.GB, host_mem=256 * est.GB, nvme=2000 * est.GB)
+    e = est.estimate(7_000_000_000, m)
+    rows = {(r.stage, r.placement): r for r in e.rows}
+    assert rows[0, "none"].fits_device is False and not rows[0, "none"].fits
+    assert rows[0, "cpu_optimizer"].fits_device is True  # 14 GB of bf16 params on the device
+    assert rows[0, "cpu_optimizer"].fits_host is True  # 112 GB of fp32 state on the host
+    assert rows[0, "cpu_optimizer_params"].fits
+    assert rows[0, "nvme"].fits and rows[0, "nvme"].nvme_per_node == 18 * 7 * est.GB
+    small = est.estimate(7_000_000_000, est.Machine(gpu_mem=80 * est.GB, host_mem=64 * est.GB))
+    row = {(r.stage, r.placement): r for r in small.rows}
+    assert row[0, "cpu_optimizer"].fits_host is False and not row[0, "cpu_optimizer"].fits
+    assert row[0, "nvme"].fits_host is True and row[0, "nvme"].fits_nvme is None
+
+
+# --- parameter counts of published configs ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cfg, expected",
+    [
+        (LLAMA2_7B, 6_738_415_616),
+        (LLAMA2_70B, 68_976_648_192),
+        (MIXTRAL_8X7B, 46_702_792_704),
+        (GPT2_SMALL, 124_439_808),
+        (PYTHIA_160M, 162_322_944),
+    ],
+    ids=["llama2-7b", "llama2-70b", "mixtral-8x7b", "gpt2", "pythia-160m"],
+)
+def test_hf_config_param_counts(cfg, expected):
+    assert est.params_from_hf_config(cfg) == expected
+
+
+def test_llama2_7b_is_6_74b_and_tying_removes_one_table():
+    n = est.params_from_hf_config(LLAMA2_7B)
+    assert round(n / 1e9, 2) == 6.74
+    tied = est.params_from_hf_config(LLAMA2_7B | {"tie_word_embeddings": True})
+    assert n - tied == 32000 * 4096
+
+
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({k: v for k, v in LLAMA2_7B.items() if k != "hidden_size"}, "missing key 'hidden_size'"),
+        ({k: v for k, v in LLAMA2_7B.items() if k != "vocab_size"}, "missing key 'vocab_size'"),
+        (LLAMA2_7B | {"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer"),
+        (LLAMA2_7B | {"hidden_size": "4096"}, "hidden_size must be a positive integer"),
+        (LLAMA2_7B | {"num_key_value_heads": 5}, "multiple of num_key_value_heads"),
+        (
+            LLAMA2_7B | {"num_attention_heads": 33, "num_key_value_heads": 33},
+            "not a multiple of num_attention_heads",
+        ),
+    ],
+)
+def test_bad_hf_configs_name_the_key(cfg, match):
+    with pytest.raises(est.EstimateError, match=match):
+        est.params_from_hf_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("7e9", 7 * 10**9), ("7B", 7 * 10**9), ("6.7b", 6_700_000_000), ("350M", 350 * 10**6)],
+)
+def test_parse_count(text, expected):
+    assert est.parse_count(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "7Q", "-5", "0", "1e400", "nan"])
+def test_parse_count_rejects(text):
+    with pytest.raises(est.EstimateError, match="--params"):
+        est.parse_count(text)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("80GB", 80 * 10**9),
+        ("64GiB", 64 * 2**30),
+        ("512mb", 512 * 10**6),
+        ("3.84TB", 3_840 * 10**9),
+    ],
+)
+def test_parse_bytes(text, expected):
+    assert est.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["80XB", "GB", "-1GB", "0"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(est.EstimateError, match="size"):
+        est.parse_bytes(text, what="size")
+
+
+def test_bad_machine_and_options():
+    with pytest.raises(est.EstimateError, match="gpus_per_node"):
+        est.Machine(gpus_per_node=0)
+    with pytest.raises(est.EstimateError, match="--dtype"):
+        est.estimate(10**9, est.Machine(), precision="int3")
+    with pytest.raises(est.EstimateError, match="stage"):
+        est.zero_model_state_bytes(10**9, 8, 4)
+
+
+def test_activation_estimate():
+    shape = est.shape_from_hf_config(LLAMA2_7B)
+    a = est.activation_bytes(shape, 4096, 1)
+    # 32 layers x s b h (34 + 5 a s / h) + fp32 logits
+    assert a.without_checkpointing == 32 * 4096 * 4096 * (34 + 5 * 32) + 4 * 4096 * 32000
+    assert a.logits < a.with_checkpointing < a.without_checkpointing
+    flash = est.activation_bytes(shape, 4096, 1, flash_attention=True)
+    assert flash.without_checkpointing < a.without_checkpointing
+    two = est.activation_bytes(shape, 4096, 2)
+    assert two.without_checkpointing == 2 * a.without_checkpointing
+    with pytest.raises(est.EstimateError, match="--seq-len"):
+        est.activation_bytes(shape, 0, 1)
+    e = est.estimate(
+        shape_params := est.count_params(shape),
+        est.Machine(),
+        shape=shape,
+        seq_len=4096,
+        activation_checkpointing=True,
+    )
+    assert shape_params == 6_738_415_616
+    assert all(r.device_activations == a.with_checkpointing for r in e.rows)
+    assert all(
+        r.device_total == r.device_states + r.device_working + a.with_checkpointing for r in e.rows
+    )
+
+
+# --- the command -------------------------------------------------------------------------
+
+
+def test_cli_text_shows_paper_numbers():
+    res = run_cli("--params", "7.5e9", "--gpus", "8", "--nodes", "8")
+    assert res.returncode == 0, res.stderr
+    for text in ("120.0 GB", "31.4 GB", "16.6 GB", "1.88 GB", "optimizer+params on NVMe"):
+        assert text in res.stdout
+
+
+def test_cli_json_from_hf_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA2_7B))
+    res = run_cli(
+        "--hf-config", str(path), "--gpus", "1", "--gpu-mem", "24GB", "--host-mem", "64GB",
+        "--nvme", "1TB", "--seq-len", "2048", "--activation-checkpointing", "--json",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["params"] == 6_738_415_616
+    assert data["machine"]["gpu_mem"] == 24 * 10**9
+    rows = {(r["stage"], r["placement"]): r for r in data["rows"]}
+    assert len(rows) == 16
+    assert rows[0, "none"]["fits"] is False  # 108 GB of model state on a 24 GB card
+    assert rows[0, "nvme"]["fits"] is True  # the ZeRO-Infinity answer for one 24 GB card
+    assert rows[0, "cpu_optimizer_params"]["fits_host"] is False  # 121 GB > 64 GB of RAM
+    assert data["activations"]["with_checkpointing"] < data["activations"]["without_checkpointing"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--params", "seven"], "argument --params"),
+        (["--params", "7e9", "--gpu-mem", "lots"], "argument --gpu-mem"),
+        (["--params", "7e9", "--gpus", "0"], "argument --gpus"),
+        (["--hf-config", "/nonexistent/config.json"], "no such file"),
+        (["--params", "7e9", "--seq-len", "2048"], "needs the model shape"),
+        ([], "one of the arguments --params --hf-config is required"),
+    ],
+)
+def test_cli_bad_inputs(args, message):
+    res = run_cli(*args)
+    assert res.returncode == 2
+    assert message in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_cli_rejects_non_json_config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("hidden_size: 4096\n")
+    res = run_cli("--hf-config", str(path))
+    assert res.returncode == 2 and "not valid JSON" in res.stderr

@@ -1,0 +1,259 @@
+"""``AsyncIO``: asynchronous reads and writes between CPU tensors and files.
+
+Note: backends. The engine is native (``offload._C.AioEngine``, ``csrc/aio.cpp``: its own IO
+threads, each keeping up to its share of ``queue_depth`` O_DIRECT requests in flight through
+Linux AIO, or blocking ``pread``/``pwrite`` where that is unavailable) or, without the
+extension, :class:`offload.io._thread_engine.ThreadEngine` on Python threads. Both split a
+request the same way (see ``_thread_engine.plan``): the part of the buffer whose address and
+file offset are 4096-aligned together goes through O_DIRECT in ``block_size`` pieces, the
+unaligned head and tail through a buffered descriptor. Any size and any offset round-trip.
+
+Note: lifetimes. An :class:`IOHandle` holds a reference to its tensor until the request has
+completed, so the memory the kernel writes into cannot be freed underneath it. ``close()`` (and
+leaving the ``with`` block) waits for every request in flight before stopping the threads.
+
+Note: errors. A failure (open, read, write, short file) is recorded on the request and raised by
+``IOHandle.wait()`` as ``OSError(errno, message, path)``; submission itself never raises for IO
+errors, so a caller has one place to handle them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from offload import _native
+from offload.io._thread_engine import ALIGN, ThreadEngine
+
+logger = logging.getLogger("offload.io")
+
+_STAT_KEYS = ("bytes_read", "bytes_written", "reads", "writes", "read_seconds", "write_seconds")
+
+
+class IOHandle:
+    """The completion record of one :meth:`AsyncIO.read` / :meth:`AsyncIO.write`.
+
+    ``wait()`` is the only way to learn that the data is in place; it raises the request's
+    error. Callbacks registered with :meth:`add_done_callback` run once, in the first ``wait()``
+    that sees the request complete (they may raise, which then becomes the handle's error).
+    """
+
+    __slots__ = ("_req", "_tensor", "_path", "_what", "_callbacks", "_error", "_finished", "_lock")
+
+    def __init__(self, req: Any, tensor: torch.Tensor | None, path: str, what: str) -> None:
+        self._req = req
+        self._tensor = tensor  # keeps the buffer alive while the kernel may touch it
+        self._path = path
+        self._what = what
+        self._callbacks: list[Callable[[], None]] = []
+        self._error: BaseException | None = None
+        self._finished = False
+        self._lock = threading.Lock()
+
+    @property
+    def path(self) -> str:
+        """The file this request reads or writes."""
+        return self._path
+
+    def done(self) -> bool:
+        """Whether the request has completed (successfully or not); never blocks."""
+        return self._finished or self._req is None or bool(self._req.done())
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` after a successful completion, inside the first ``wait()`` that sees it."""
+        with self._lock:
+            if not self._finished:
+                self._callbacks.append(fn)
+                return
+        if self._error is None:
+            fn()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block (GIL released) until the request completes; raise its error.
+
+        Args:
+            timeout: seconds; ``None`` waits forever. On expiry raises ``TimeoutError`` and the
+                request stays in flight (wait again later).
+        """
+        if not self._finished:
+            if self._req is not None and not self._req.wait(-1.0 if timeout is None else timeout):
+                raise TimeoutError(
+                    f"{self._what} of {self._path!r} still in flight after {timeout} s"
+                )
+            with self._lock:
+                if not self._finished:
+                    self._finish_locked()
+        if self._error is not None:
+            raise self._error
+
+    def _finish_locked(self) -> None:
+        req = self._req
+        if req is not None and req.error():
+            err = req.error()
+            self._error = OSError(err, f"{self._what}: {req.message()}", self._path)
+        self._tensor = None
+        self._finished = True
+        if self._error is None:
+            for fn in self._callbacks:
+                try:
+                    fn()
+                except BaseException as exc:  # becomes this handle's error, raised on wait
+                    self._error = exc
+                    break
+        self._callbacks = []
+
+
+class AsyncIO:
+    """Asynchronous file IO for contiguous CPU tensors, O_DIRECT where the filesystem allows.
+
+    Args:
+        block_size: bytes per piece a request is split into; a multiple of 4096.
+        queue_depth: pieces in flight at most, over all threads (count).
+        thread_count: IO threads owned by this engine (count; not the compute pool).
+        direct_io: use O_DIRECT for the aligned part of each request (bypasses the page cache).
+    """
+
+    def __init__(
+        self,
+        block_size: int = 1 << 20,
+        queue_depth: int = 8,
+        thread_count: int = 2,
+        direct_io: bool = True,
+    ) -> None:
+        for name, value, low in (
+            ("block_size", block_size, ALIGN),
+            ("queue_depth", queue_depth, 1),
+            ("thread_count", thread_count, 1),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"aio.{name}={value!r}; allowed: an integer >= {low}")
+        if block_size % ALIGN:
+            raise ValueError(f"aio.block_size={block_size}; allowed: a multiple of {ALIGN} bytes")
+        self.block_size = block_size
+        self.queue_depth = queue_depth
+        self.thread_count = thread_count
+        self.direct_io = bool(direct_io)
+        mod = _native.get()
+        if mod is not None and hasattr(mod, "AioEngine"):
+            self._engine = mod.AioEngine(block_size, queue_depth, thread_count, self.direct_io)
+            self.backend = "native"
+        else:
+            self._engine = ThreadEngine(block_size, queue_depth, thread_count, self.direct_io)
+            self.backend = "threads"
+        self._closed = False
+        self._refused_dirs: set[str] = set()
+        self._direct_cache: dict[str, bool] = {}
+
+    # ---- requests ---------------------------------------------------------------------
+    def read(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> IOHandle:
+        """Fill ``tensor``'s bytes from ``path[offset : offset + tensor.nbytes]``."""
+        return self._submit(False, tensor, path, offset)
+
+    def write(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> IOHandle:
+        """Write ``tensor``'s bytes to ``path`` at ``offset`` (file created 0600 if missing)."""
+        return self._submit(True, tensor, path, offset)
+
+    def _submit(self, is_write: bool, tensor: torch.Tensor, path: Any, offset: int) -> IOHandle:
+        if self._closed:
+            raise RuntimeError("AsyncIO is closed")
+        what = "write" if is_write else "read"
+        path = os.fspath(path)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"AsyncIO.{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(
+                f"AsyncIO.{what} {path!r}: the tensor must be a contiguous CPU tensor "
+                f"(got device={tensor.device}, contiguous={tensor.is_contiguous()})"
+            )
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"AsyncIO.{what} {path!r}: offset={offset!r}; allowed: an int >= 0")
+        nbytes = tensor.numel() * tensor.element_size()
+        req = self._engine.submit(is_write, path, tensor.data_ptr(), nbytes, offset)
+        if req.direct_refused:
+            self._note_refused(path)
+        return IOHandle(req, tensor, path, f"{what} of {nbytes} bytes at offset {offset}")
+
+    def _note_refused(self, path: str) -> None:
+        d = os.path.dirname(os.path.abspath(path))
+        if d not in self._refused_dirs:
+            self._refused_dirs.add(d)
+            logger.warning(
+                "offload.io: O_DIRECT refused by the filesystem of %s; using buffered IO with "
+                "posix_fadvise(DONTNEED) there (page cache is bypassed only approximately)",
+                d,
+            )
+
+    # ---- introspection ----------------------------------------------------------------
+    def direct_io_active(self, path: str | os.PathLike) -> bool:
+        """Whether requests on ``path`` (a file, or a directory for new files) use O_DIRECT."""
+        if not self.direct_io:
+            return False
+        path = os.path.abspath(os.fspath(path))
+        if path in self._direct_cache:
+            return self._direct_cache[path]
+        ok = probe_direct_io(path)
+        self._direct_cache[path] = ok
+        return ok
+
+    def stats(self) -> dict:
+        """Completed-request counters: bytes_read/written (bytes), reads/writes (count),
+        read_seconds/write_seconds (sum of submit-to-completion times, seconds)."""
+        s = self._engine.stats()
+        return {k: s[k] for k in _STAT_KEYS}
+
+    # ---- lifetime ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for every request in flight, then stop the IO threads. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._engine.close()
+
+    def __enter__(self) -> AsyncIO:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (
+            f"AsyncIO(block_size={self.block_size}, queue_depth={self.queue_depth}, "
+            f"thread_count={self.thread_count}, direct_io={self.direct_io}, "
+            f"backend={self.backend!r})"
+        )
+
+
+def probe_direct_io(path: str) -> bool:
+    """Whether the filesystem holding ``path`` (file, directory, or a new file's name) accepts
+    O_DIRECT opens."""
+    if not os.path.exists(path):
+        path = os.path.dirname(path) or "."
+    try:
+        if os.path.isdir(path):
+            fd, name = tempfile.mkstemp(prefix=".odirect-probe-", dir=path)
+            os.close(fd)
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_DIRECT)
+                os.close(fd)
+            finally:
+                os.unlink(name)
+        else:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            os.close(fd)
+        return True
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise

@@ -1,0 +1,84 @@
+"""``offload config FILE``: validate a config file and print it normalized, defaults filled in.
+
+The plain output is YAML that ``offload.load_config`` reads back to an equal config (byte sizes
+carry a comment in binary units), so it also converts a DeepSpeed config to offload's format.
+``--json`` prints the same as JSON. A bad config, or a missing or unparseable file, prints the
+one-line error on stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from offload.config import ConfigError, load_config
+from offload.config.deepspeed import is_deepspeed_config
+from offload.config.loader import read_config_file
+from offload.config.sizes import format_size
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "file",
+        metavar="FILE",
+        help="config file (.json, .yaml or .yml; offload's format or DeepSpeed's)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    fmt = parser.add_mutually_exclusive_group()
+    fmt.add_argument(
+        "--deepspeed",
+        dest="deepspeed",
+        action="store_true",
+        default=None,
+        help="read FILE as a DeepSpeed config (default: detected from its keys)",
+    )
+    fmt.add_argument(
+        "--no-deepspeed",
+        dest="deepspeed",
+        action="store_false",
+        help="read FILE as an offload config even if it looks like DeepSpeed's",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    log = logging.getLogger("offload.config")
+    try:
+        data = read_config_file(args.file)
+        deepspeed = args.deepspeed
+        if deepspeed is None:
+            deepspeed = isinstance(data, dict) and is_deepspeed_config(data)
+        config = load_config(args.file, deepspeed=deepspeed)
+    except ConfigError as exc:
+        print(f"offload config: error: {exc}", file=sys.stderr)
+        return 1
+    log.debug("config %s is valid", args.file)
+    plain = config.to_dict()
+    if args.json:
+        print(json.dumps(plain, indent=2))
+        return 0
+    kind = "DeepSpeed config mapped to offload's format" if deepspeed else "offload config"
+    print(f"# {args.file}: valid {kind}; normalized, defaults filled in")
+    print(to_yaml(plain), end="")
+    return 0
+
+
+def to_yaml(plain: dict[str, Any]) -> str:
+    """Block-style YAML of a normalized config; scalars in JSON syntax (valid YAML), byte sizes
+    annotated in binary units."""
+    lines: list[str] = []
+
+    def emit(indent: str, key: str, value: Any) -> None:
+        if isinstance(value, dict):
+            lines.append(f"{indent}{key}:")
+            for k, v in value.items():
+                emit(indent + "  ", k, v)
+            return
+        note = f"  # {format_size(value)}" if key.endswith("_size") and value >= 1024 else ""
+        lines.append(f"{indent}{key}: {json.dumps(value)}{note}")
+
+    for key, value in plain.items():
+        emit("", key, value)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,153 @@
+"""Field checks shared by the config sections: each returns the normalized value or raises.
+
+Note: what counts as which type
+    - bool: ``True``/``False`` only. Strings such as ``"yes"`` are refused (YAML's unquoted
+      ``yes``/``no`` already arrive as booleans).
+    - int: an ``int`` or an integral ``float`` (``1e5`` in JSON); never a bool, never a string.
+    - float: an ``int`` or ``float``, finite; never a bool, never a string (YAML's ``1e-4`` is
+      read as a float by offload's YAML loader, see ``loader.py``).
+    - choice: a string matched case-insensitively against the allowed names and their aliases;
+      the canonical name is stored.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from offload.config.errors import ConfigError
+from offload.config.sizes import SIZE_HELP, parse_size
+
+_INT_MAX = 2**62
+
+
+def as_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError.bad(key, value, "true or false (a boolean, not a string)")
+
+
+def _range_text(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
+    parts = []
+    if lo is not None:
+        parts.append(f"{'>' if lo_open else '>='} {lo:g}")
+    if hi is not None:
+        parts.append(f"{'<' if hi_open else '<='} {hi:g}")
+    return " and ".join(parts)
+
+
+def as_int(
+    key: str, value: Any, *, lo: int | None = None, hi: int | None = None, what: str = ""
+) -> int:
+    """An integer in [lo, hi]; ``what`` is a short phrase about its meaning and unit."""
+    rng = _range_text(lo, hi, False, False)
+    allowed = " ".join(x for x in ("an integer", rng, f"({what})" if what else "") if x)
+    if isinstance(value, bool):
+        raise ConfigError.bad(key, value, allowed)
+    if isinstance(value, float) and value.is_integer() and abs(value) < _INT_MAX:
+        value = int(value)
+    if not isinstance(value, int):
+        raise ConfigError.bad(key, value, allowed)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ConfigError.bad(key, value, allowed)
+    return value
+
+
+def as_float(
+    key: str,
+    value: Any,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    what: str = "",
+) -> float:
+    """A finite float in the given range (open or closed at each end)."""
+    rng = _range_text(lo, hi, lo_open, hi_open)
+    allowed = " ".join(x for x in ("a finite number", rng, f"({what})" if what else "") if x)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError.bad(key, value, allowed)
+    out = float(value)
+    if not math.isfinite(out):
+        raise ConfigError.bad(key, value, allowed)
+    if lo is not None and (out <= lo if lo_open else out < lo):
+        raise ConfigError.bad(key, value, allowed)
+    if hi is not None and (out >= hi if hi_open else out > hi):
+        raise ConfigError.bad(key, value, allowed)
+    return out
+
+
+def as_choice(key: str, value: Any, choices: Mapping[str, Iterable[str]]) -> str:
+    """One of ``choices`` (canonical name -> aliases), matched case-insensitively."""
+    names = ", ".join(repr(c) for c in choices)
+    if isinstance(value, str):
+        low = value.strip().lower()
+        for canonical, aliases in choices.items():
+            if low == canonical or low in aliases:
+                return canonical
+    raise ConfigError.bad(key, value, f"one of {names}")
+
+
+def as_size(
+    key: str, value: Any, *, lo: int = 0, hi: int | None = None, multiple: int = 1, what: str = ""
+) -> int:
+    """Bytes (see ``sizes.py``), at least ``lo``, at most ``hi``, a multiple of ``multiple``."""
+    nbytes = parse_size(value, key=key)
+    extra = f" ({what})" if what else ""
+    if nbytes < lo or (hi is not None and nbytes > hi):
+        bound = f">= {lo}" + (f" and <= {hi}" if hi is not None else "")
+        raise ConfigError.bad(key, value, f"{SIZE_HELP}; {bound} bytes{extra}")
+    if nbytes % multiple:
+        down = nbytes - nbytes % multiple
+        up = down + multiple
+        near = f"{down} or {up}" if down else f"{up}"
+        raise ConfigError.bad(
+            key,
+            value,
+            f"a multiple of {multiple} bytes (the O_DIRECT alignment){extra}; "
+            f"nearest: {near}, or use binary units such as MiB/GiB",
+        )
+    return nbytes
+
+
+def as_opt_path(key: str, value: Any) -> str | None:
+    """``None`` or a non-empty path string (``os.PathLike`` accepted, stored as ``str``)."""
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str) and value.strip() and "\0" not in value:
+        return value
+    raise ConfigError.bad(key, value, "null or a non-empty path string")
+
+
+def as_betas(key: str, value: Any) -> tuple[float, float]:
+    allowed = "two numbers, each in [0, 1) (Adam's moment decay rates), e.g. [0.9, 0.999]"
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ConfigError.bad(key, value, allowed)
+    out = []
+    for b in value:
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise ConfigError.bad(key, value, allowed)
+        out.append(float(b))
+    return (out[0], out[1])
+
+
+_DOTTED_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def as_name_list(key: str, value: Any) -> list[str]:
+    allowed = "a list of class names, e.g. ['LlamaDecoderLayer'] or ['my_pkg.model.Block']"
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ConfigError.bad(key, value, allowed)
+    out = []
+    for name in value:
+        if not isinstance(name, str) or not _DOTTED_NAME.match(name):
+            raise ConfigError.bad(key, value, allowed)
+        if name not in out:
+            out.append(name)
+    return out

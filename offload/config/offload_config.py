@@ -1,0 +1,172 @@
+"""``OffloadConfig``: the whole config, built from a plain dict and turned back into one.
+
+Note: unknown keys
+    DeepSpeed ignores keys it does not know, so a typo (``"offload_optimzer"``) runs for days
+    with the default. Here every key of every section must be a known field; otherwise the error
+    names the dotted key and suggests the closest known one (``difflib``), or the section that
+    owns a field of that name (``lr`` at the top level -> ``optimizer.lr``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from offload.config._checks import as_choice, as_float
+from offload.config.errors import ConfigError
+from offload.config.sections import (
+    SECTIONS,
+    AioConfig,
+    LossScaleConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    OptimizerConfig,
+    PrefetchConfig,
+    TelemetryConfig,
+    WrapConfig,
+    _Section,
+)
+
+DTYPES: dict[str, tuple[str, ...]] = {
+    "fp32": ("float32", "float", "torch.float32"),
+    "bf16": ("bfloat16", "torch.bfloat16"),
+    "fp16": ("float16", "half", "torch.float16"),
+}
+_CUDA_N = re.compile(r"^cuda:(0|[1-9][0-9]{0,3})$")
+_DEVICE_HELP = "'auto', 'cpu', 'cuda' or 'cuda:N' with N a device index >= 0 (e.g. 'cuda:0')"
+
+
+def _check_device(key: str, value: Any) -> str:
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in ("auto", "cpu", "cuda") or _CUDA_N.match(low):
+            return low
+    raise ConfigError.bad(key, value, _DEVICE_HELP)
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadConfig:
+    """Everything ``offload.wrap`` needs to know: the compute device and dtype, the optimizer,
+    where parameters and optimizer state live and how they move. Build it with
+    :func:`offload.load_config` (dict, JSON, YAML or a DeepSpeed config) or directly.
+    """
+
+    device: str = "auto"
+    """Compute device: "auto" (cuda:0 when CUDA is available, else cpu), "cpu", "cuda", "cuda:N"."""
+    dtype: str = "bf16"
+    """Compute dtype of parameters, activations and gradients: "fp32", "bf16" or "fp16"."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The CPU optimizer and its hyperparameters."""
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    """Where fp32 master weights, gradients and Adam moments live."""
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    """Where compute-dtype parameters live while unused."""
+    aio: AioConfig = field(default_factory=AioConfig)
+    """The async NVMe IO engine."""
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    """How far ahead units are fetched."""
+    gradient_clipping: float = 0.0
+    """Clip gradients to this global L2 norm before the step (>= 0; 0 = off)."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Dynamic loss scaling, used when dtype is "fp16"."""
+    wrap: WrapConfig = field(default_factory=WrapConfig)
+    """Which modules form offload units."""
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    """Per-step counters output."""
+
+    def __post_init__(self) -> None:
+        self.device = _check_device("device", self.device)
+        self.dtype = as_choice("dtype", self.dtype, DTYPES)
+        self.gradient_clipping = as_float(
+            "gradient_clipping", self.gradient_clipping, lo=0.0, what="max global L2 norm; 0 = off"
+        )
+        for f in dataclasses.fields(self):
+            cls = _SECTION_TYPES.get(f.name)
+            if cls is None:
+                continue
+            value = getattr(self, f.name)
+            if value is None:
+                setattr(self, f.name, cls())
+            elif isinstance(value, Mapping):
+                setattr(self, f.name, _build_section(cls, value))
+            elif not isinstance(value, cls):
+                raise ConfigError.bad(
+                    f.name,
+                    value,
+                    f"a mapping of {f.name} keys "
+                    f"({', '.join(_field_names(cls))}) or {cls.__name__}",
+                )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> OffloadConfig:
+        """Build and validate from a plain dict in offload's own format (see ``load_config`` for
+        files and DeepSpeed configs). Missing keys take their defaults."""
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise ConfigError.bad("<config>", data, "a mapping of config sections")
+        _reject_unknown("", data, _field_names(cls))
+        kwargs: dict[str, Any] = {}
+        for name, value in data.items():
+            section = _SECTION_TYPES.get(name)
+            kwargs[name] = _build_section(section, value) if section is not None else value
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The normalized config as plain JSON-able values (sizes in bytes, betas as a list);
+        ``OffloadConfig.from_dict(cfg.to_dict()) == cfg``."""
+        return _plain(self)
+
+
+_SECTION_TYPES: dict[str, type[_Section]] = {s.KEY: s for s in SECTIONS}
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _reject_unknown(prefix: str, data: Mapping[str, Any], allowed: list[str]) -> None:
+    for key in data:
+        if key in allowed:
+            continue
+        dotted = f"{prefix}{key}"
+        if not isinstance(key, str):
+            raise ConfigError.bad(dotted, key, f"string keys: {', '.join(allowed)}")
+        hint = ""
+        close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+        if close:
+            hint = f"did you mean '{prefix}{close[0]}'? "
+        else:
+            owners = [s.KEY for s in SECTIONS if key in _field_names(s)]
+            if not prefix and owners:
+                hint = f"did you mean '{owners[0]}.{key}'? "
+        raise ConfigError(
+            f"{dotted}: unknown key; {hint}allowed: {', '.join(allowed)}",
+            key=dotted,
+            value=key,
+            allowed=", ".join(allowed),
+        )
+
+
+def _build_section(cls: type[_Section], value: Any) -> _Section:
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return dataclasses.replace(value)  # validates again
+    names = _field_names(cls)
+    if not isinstance(value, Mapping):
+        raise ConfigError.bad(cls.KEY, value, f"a mapping with keys {', '.join(names)}")
+    _reject_unknown(cls.KEY + ".", value, names)
+    return cls(**value)
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(x) for x in obj]
+    return obj

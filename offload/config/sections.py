@@ -1,0 +1,284 @@
+"""The config sections: one typed dataclass per component, validated on construction.
+
+Note: validation and normalization
+    Every section checks its fields in ``__post_init__`` and stores the normalized value (sizes
+    as ``int`` bytes, betas as a tuple, choice names in canonical lower case), so two configs
+    that mean the same compare equal. A bad field raises :class:`ConfigError` naming the dotted
+    key (``<section>.<field>``), the value and what is allowed. Sections stay mutable plain
+    dataclasses; ``dataclasses.replace`` and ``load_config(cfg)`` validate again.
+
+Note: 4096-byte multiples
+    ``buffer_size`` and ``aio.block_size`` must be multiples of 4096 bytes, whatever the device:
+    shards are padded to 4096 bytes, pool buffers are 4096-aligned, and O_DIRECT needs offsets
+    and lengths in 4096 multiples. Rounding silently would change what the user asked for, so a
+    bad value is refused and the error names the two nearest valid sizes. Binary units
+    (``"256MiB"``) are always multiples; decimal ones may not be (``"1GB"`` = 10**9 is not).
+
+Note: defaults
+    The defaults fit one 24 GB GPU with 64 GB of RAM: optimizer state on the CPU, parameters on
+    the device, 4 x 256 MiB pinned optimizer buffers and 5 x 256 MiB parameter buffers when those
+    are moved (2.25 GiB of pinned memory at most), 1 MiB IO blocks 8 deep on 2 IO threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from offload.config._checks import (
+    as_betas,
+    as_bool,
+    as_choice,
+    as_float,
+    as_int,
+    as_name_list,
+    as_opt_path,
+    as_size,
+)
+from offload.config.errors import ConfigError
+
+MiB = 2**20
+ALIGN = 4096
+_MAX_BUFFER = 2**40  # 1 TiB: far above any sane pinned buffer, catches unit mistakes
+_MAX_COUNT = 4096
+
+
+class _Section:
+    """Mixin: the section's top-level key and the dotted name of one of its fields."""
+
+    __slots__ = ()
+    KEY: ClassVar[str] = ""
+
+    def _k(self, name: str) -> str:
+        return f"{self.KEY}.{name}"
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig(_Section):
+    """The optimizer run on the CPU over fp32 master weights (``offload.CPUAdam``)."""
+
+    KEY: ClassVar[str] = "optimizer"
+
+    type: str = "adamw"
+    """Update rule: "adamw" (decoupled weight decay) or "adam" (L2 added to the gradient)."""
+    lr: float = 1e-3
+    """Learning rate (> 0); an LR scheduler may change it at run time."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Decay rates of the first and second moment estimates, each in [0, 1)."""
+    eps: float = 1e-8
+    """Term added to the denominator for numerical stability (> 0)."""
+    weight_decay: float = 0.0
+    """Weight decay coefficient (>= 0); decoupled for "adamw", L2 for "adam"."""
+    bias_correction: bool = True
+    """Divide the moments by (1 - beta**step) as in the Adam paper."""
+
+    def __post_init__(self) -> None:
+        self.type = as_choice(self._k("type"), self.type, {"adamw": (), "adam": ()})
+        self.lr = as_float(self._k("lr"), self.lr, lo=0.0, lo_open=True, what="learning rate")
+        self.betas = as_betas(self._k("betas"), self.betas)
+        self.eps = as_float(self._k("eps"), self.eps, lo=0.0, lo_open=True)
+        self.weight_decay = as_float(self._k("weight_decay"), self.weight_decay, lo=0.0)
+        self.bias_correction = as_bool(self._k("bias_correction"), self.bias_correction)
+
+
+def _check_nvme_path(section: _Section, device: str, nvme_path: str | None) -> None:
+    if device == "nvme" and nvme_path is None:
+        raise ConfigError(
+            f"{section._k('nvme_path')}: got None; allowed: a directory path on a fast local "
+            f"disk, required because {section._k('device')} is 'nvme'",
+            key=section._k("nvme_path"),
+            value=None,
+            allowed="a directory path",
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadOptimizerConfig(_Section):
+    """Where the fp32 master weights, gradients and Adam moments live between steps."""
+
+    KEY: ClassVar[str] = "offload_optimizer"
+
+    device: str = "cpu"
+    """Home of the optimizer state: "cpu" (host memory) or "nvme" (files under nvme_path)."""
+    nvme_path: str | None = None
+    """Directory for the state files when device is "nvme" (a private subdirectory is made)."""
+    pin_memory: bool = True
+    """Page-lock the host buffers (faster device copies; counts against RLIMIT_MEMLOCK)."""
+    buffer_count: int = 4
+    """Number of host swap buffers used to stream the state from NVMe (count)."""
+    buffer_size: int = 256 * MiB
+    """Bytes per swap buffer, a multiple of 4096; one optimizer shard must fit in one buffer."""
+    threads: int = 0
+    """CPU threads of the optimizer step, caller included (count; 0 = all cores)."""
+
+    def __post_init__(self) -> None:
+        self.device = as_choice(self._k("device"), self.device, {"cpu": (), "nvme": ()})
+        self.nvme_path = as_opt_path(self._k("nvme_path"), self.nvme_path)
+        self.pin_memory = as_bool(self._k("pin_memory"), self.pin_memory)
+        self.buffer_count = as_int(
+            self._k("buffer_count"), self.buffer_count, lo=1, hi=_MAX_COUNT, what="count"
+        )
+        self.buffer_size = as_size(
+            self._k("buffer_size"), self.buffer_size, lo=ALIGN, hi=_MAX_BUFFER, multiple=ALIGN
+        )
+        self.threads = as_int(
+            self._k("threads"), self.threads, lo=0, hi=_MAX_COUNT, what="count; 0 = all cores"
+        )
+        _check_nvme_path(self, self.device, self.nvme_path)
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadParamConfig(_Section):
+    """Where the compute-dtype parameters live while not in use by forward or backward."""
+
+    KEY: ClassVar[str] = "offload_param"
+
+    device: str = "none"
+    """Home of the parameters: "none" (stay on the compute device), "cpu" or "nvme"."""
+    nvme_path: str | None = None
+    """Directory for the parameter files when device is "nvme"."""
+    pin_memory: bool = True
+    """Page-lock the host buffers (faster device copies; counts against RLIMIT_MEMLOCK)."""
+    buffer_count: int = 5
+    """Number of host buffers for parameter shards in flight (count)."""
+    buffer_size: int = 256 * MiB
+    """Bytes per buffer, a multiple of 4096; one unit's parameters must fit in one buffer."""
+    persistence_threshold: int = 100_000
+    """Units with fewer parameters than this stay on the compute device (elements)."""
+
+    def __post_init__(self) -> None:
+        self.device = as_choice(self._k("device"), self.device, {"none": (), "cpu": (), "nvme": ()})
+        self.nvme_path = as_opt_path(self._k("nvme_path"), self.nvme_path)
+        self.pin_memory = as_bool(self._k("pin_memory"), self.pin_memory)
+        self.buffer_count = as_int(
+            self._k("buffer_count"), self.buffer_count, lo=1, hi=_MAX_COUNT, what="count"
+        )
+        self.buffer_size = as_size(
+            self._k("buffer_size"), self.buffer_size, lo=ALIGN, hi=_MAX_BUFFER, multiple=ALIGN
+        )
+        self.persistence_threshold = as_int(
+            self._k("persistence_threshold"), self.persistence_threshold, lo=0, what="elements"
+        )
+        _check_nvme_path(self, self.device, self.nvme_path)
+
+
+@dataclass(kw_only=True, slots=True)
+class AioConfig(_Section):
+    """The asynchronous file IO engine (``offload.io.AsyncIO``) used for NVMe shards."""
+
+    KEY: ClassVar[str] = "aio"
+
+    block_size: int = 1 * MiB
+    """Bytes per IO request, a multiple of 4096; a transfer is split into such blocks."""
+    queue_depth: int = 8
+    """IO requests in flight per thread (count)."""
+    thread_count: int = 2
+    """IO worker threads (count)."""
+    direct_io: bool = True
+    """Open shard files with O_DIRECT (bypasses the page cache; falls back where unsupported)."""
+    checksum: bool = False
+    """Store a checksum per NVMe shard and verify it on every read (costs a pass over the data)."""
+
+    def __post_init__(self) -> None:
+        self.block_size = as_size(
+            self._k("block_size"), self.block_size, lo=ALIGN, hi=2**30, multiple=ALIGN
+        )
+        self.queue_depth = as_int(
+            self._k("queue_depth"), self.queue_depth, lo=1, hi=_MAX_COUNT, what="count"
+        )
+        self.thread_count = as_int(
+            self._k("thread_count"), self.thread_count, lo=1, hi=1024, what="count"
+        )
+        self.direct_io = as_bool(self._k("direct_io"), self.direct_io)
+        self.checksum = as_bool(self._k("checksum"), self.checksum)
+
+
+@dataclass(kw_only=True, slots=True)
+class PrefetchConfig(_Section):
+    """The trace-driven prefetcher that brings units in before they are used."""
+
+    KEY: ClassVar[str] = "prefetch"
+
+    depth: int = 2
+    """Units fetched ahead of the one in use (count; 0 = fetch on demand only)."""
+
+    def __post_init__(self) -> None:
+        self.depth = as_int(self._k("depth"), self.depth, lo=0, hi=_MAX_COUNT, what="units ahead")
+
+
+@dataclass(kw_only=True, slots=True)
+class LossScaleConfig(_Section):
+    """Dynamic loss scaling for fp16 (unused for bf16/fp32): grow after clean steps, back off
+    and skip the step on inf/nan gradients. growth_factor = backoff_factor = 1 is a static scale.
+    """
+
+    KEY: ClassVar[str] = "loss_scale"
+
+    initial: float = 65536.0
+    """Loss scale of the first step (> 0; 2**16)."""
+    growth_factor: float = 2.0
+    """Multiplier applied after growth_interval clean steps (>= 1)."""
+    backoff_factor: float = 0.5
+    """Multiplier applied on an overflow, in (0, 1]."""
+    growth_interval: int = 1000
+    """Clean steps between two growths (steps)."""
+    min_scale: float = 1.0
+    """The scale never drops below this (> 0, <= initial)."""
+
+    def __post_init__(self) -> None:
+        self.initial = as_float(self._k("initial"), self.initial, lo=0.0, lo_open=True)
+        self.growth_factor = as_float(self._k("growth_factor"), self.growth_factor, lo=1.0)
+        self.backoff_factor = as_float(
+            self._k("backoff_factor"), self.backoff_factor, lo=0.0, hi=1.0, lo_open=True
+        )
+        self.growth_interval = as_int(
+            self._k("growth_interval"), self.growth_interval, lo=1, what="steps"
+        )
+        self.min_scale = as_float(self._k("min_scale"), self.min_scale, lo=0.0, lo_open=True)
+        if self.min_scale > self.initial:
+            raise ConfigError.bad(
+                self._k("min_scale"),
+                self.min_scale,
+                f"a number > 0 and <= loss_scale.initial ({self.initial:g})",
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class WrapConfig(_Section):
+    """Which modules form an offload unit (parameters that move together)."""
+
+    KEY: ClassVar[str] = "wrap"
+
+    module_classes: list[str] = field(default_factory=list)
+    """Class names (plain or dotted) whose instances are units; empty = automatic policy."""
+    min_params: int = 0
+    """Without a class match, modules with >= this many params are units (elements; 0 = off)."""
+
+    def __post_init__(self) -> None:
+        self.module_classes = as_name_list(self._k("module_classes"), self.module_classes)
+        self.min_params = as_int(self._k("min_params"), self.min_params, lo=0, what="elements")
+
+
+@dataclass(kw_only=True, slots=True)
+class TelemetryConfig(_Section):
+    """Per-step counters (bytes moved per tier, waits, step time)."""
+
+    KEY: ClassVar[str] = "telemetry"
+
+    jsonl_path: str | None = None
+    """File to append one JSON line per step to; null = off."""
+
+    def __post_init__(self) -> None:
+        self.jsonl_path = as_opt_path(self._k("jsonl_path"), self.jsonl_path)
+
+
+SECTIONS: tuple[type[_Section], ...] = (
+    OptimizerConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    AioConfig,
+    PrefetchConfig,
+    LossScaleConfig,
+    WrapConfig,
+    TelemetryConfig,
+)

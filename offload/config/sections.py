@@ -103,7 +103,7 @@ class OffloadOptimizerConfig(_Section):
     nvme_path: str | None = None
     """Directory for the state files when device is "nvme" (a private subdirectory is made)."""
     pin_memory: bool = True
-    """Page-lock the host buffers (faster device copies; counts against RLIMIT_MEMLOCK)."""
+    """Page-lock the host buffers for fast asynchronous device copies (CUDA only)."""
     buffer_count: int = 4
     """Number of host swap buffers used to stream the state from NVMe (count)."""
     buffer_size: int = 256 * MiB
@@ -138,7 +138,7 @@ class OffloadParamConfig(_Section):
     nvme_path: str | None = None
     """Directory for the parameter files when device is "nvme"."""
     pin_memory: bool = True
-    """Page-lock the host buffers (faster device copies; counts against RLIMIT_MEMLOCK)."""
+    """Page-lock the host buffers for fast asynchronous device copies (CUDA only)."""
     buffer_count: int = 5
     """Number of host buffers for parameter shards in flight (count)."""
     buffer_size: int = 256 * MiB

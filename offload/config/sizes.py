@@ -86,11 +86,11 @@ def parse_size(value: Any, *, key: str = "size") -> int:
 
 
 def format_size(nbytes: int) -> str:
-    """A short exact human form: ``268435456`` -> ``"256 MiB"``, ``1000`` -> ``"1000 B"``."""
-    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= factor and nbytes % factor == 0:
-            return f"{nbytes // factor} {unit}"
+    """A short human form in binary units: ``268435456`` -> ``"256 MiB"``, exact when it is a
+    whole number of the largest fitting unit, else two decimals (``"23.54 GiB"``)."""
     for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if nbytes >= factor:
+            if nbytes % factor == 0:
+                return f"{nbytes // factor} {unit}"
             return f"{nbytes / factor:.2f} {unit}"
     return f"{nbytes} B"

@@ -102,8 +102,11 @@ class _Request:
             if fd >= 0:
                 os.close(fd)
         self.fd_direct = self.fd_buffered = -1
-        self.engine._completed(self)
+        # counters first, then the event, then the engine's outstanding count (close() returns
+        # only after every handle reports done)
+        self.engine._count(self)
         self.event.set()
+        self.engine._release()
 
 
 class ThreadEngine:
@@ -222,7 +225,7 @@ class ThreadEngine:
             return req.fd_buffered
 
     # ---- completion and lifetime ------------------------------------------------------
-    def _completed(self, req: _Request) -> None:
+    def _count(self, req: _Request) -> None:
         dt = time.perf_counter() - req.t0
         with self._lock:
             if not req.err:
@@ -234,6 +237,9 @@ class ThreadEngine:
                     self._stats["bytes_read"] += req.nbytes
                     self._stats["reads"] += 1
                     self._stats["read_seconds"] += dt
+
+    def _release(self) -> None:
+        with self._lock:
             self._outstanding -= 1
             if self._outstanding == 0:
                 self._idle.notify_all()

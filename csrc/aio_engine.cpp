@@ -1,0 +1,412 @@
+// Async file IO engine: see aio_engine.h for the design.
+#include "aio_engine.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/aio_abi.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+namespace offload {
+namespace aio {
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// ---- test-only fault injection ---------------------------------------------------------
+std::mutex g_fault_mu;
+int g_fault_op = 0, g_fault_err = 0, g_fault_count = 0;
+
+// kind: 1 read, 2 write, 3 O_DIRECT open. Returns the errno to fail with, or 0.
+int take_fault(int kind) {
+  std::lock_guard<std::mutex> lk(g_fault_mu);
+  if (g_fault_count <= 0 || g_fault_err == 0) return 0;
+  if (!(g_fault_op == kind || (g_fault_op == 0 && kind != 3))) return 0;
+  --g_fault_count;
+  return g_fault_err;
+}
+
+// ---- Linux AIO through raw syscalls (no libaio dependency) ------------------------------
+long sys_io_setup(unsigned nr, aio_context_t* ctx) { return syscall(SYS_io_setup, nr, ctx); }
+long sys_io_destroy(aio_context_t ctx) { return syscall(SYS_io_destroy, ctx); }
+long sys_io_submit(aio_context_t ctx, long n, struct iocb** cbs) {
+  return syscall(SYS_io_submit, ctx, n, cbs);
+}
+long sys_io_getevents(aio_context_t ctx, long min_nr, long nr, struct io_event* ev) {
+  return syscall(SYS_io_getevents, ctx, min_nr, nr, ev, nullptr);
+}
+
+std::string piece_error(const Request& r, size_t len, off_t foff, const char* why) {
+  return std::string(r.is_write ? "write" : "read") + " of " + std::to_string(len) +
+         " bytes at offset " + std::to_string(static_cast<long long>(foff)) + " failed: " + why;
+}
+
+}  // namespace
+
+void inject_fault(int op, int err, int count) {
+  std::lock_guard<std::mutex> lk(g_fault_mu);
+  g_fault_op = op;
+  g_fault_err = err;
+  g_fault_count = count;
+}
+
+// ---- Request ----------------------------------------------------------------------------
+bool Request::wait(double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu);
+  if (timeout_s < 0) {
+    cv.wait(lk, [this] { return finished; });
+    return true;
+  }
+  return cv.wait_for(lk, std::chrono::duration<double>(timeout_s), [this] { return finished; });
+}
+
+bool Request::done() {
+  std::lock_guard<std::mutex> lk(mu);
+  return finished;
+}
+
+std::string Request::message() {
+  std::lock_guard<std::mutex> lk(mu);
+  return msg;
+}
+
+void Request::fail(int e, const std::string& m) {
+  std::lock_guard<std::mutex> lk(mu);
+  if (err.load() == 0) {
+    msg = m;
+    err.store(e);
+  }
+}
+
+int Request::buffered_fd() {
+  std::lock_guard<std::mutex> lk(mu);
+  if (fd_buffered < 0)
+    fd_buffered = ::open(path.c_str(), (is_write ? O_WRONLY : O_RDONLY) | O_CLOEXEC);
+  return fd_buffered;
+}
+
+// ---- Engine -----------------------------------------------------------------------------
+Engine::Engine(size_t block_size, int queue_depth, int thread_count, bool direct_io)
+    : block_size_(block_size < kAlign ? kAlign : block_size / kAlign * kAlign),
+      queue_depth_(queue_depth < 1 ? 1 : queue_depth),
+      direct_io_(direct_io) {
+  if (thread_count < 1) thread_count = 1;
+  aio_context_t probe = 0;
+  if (sys_io_setup(1, &probe) == 0) {
+    kernel_aio_ = true;
+    sys_io_destroy(probe);
+  }
+  for (int i = 0; i < thread_count; ++i) {
+    // queue_depth is shared out over the threads (each gets at least one slot)
+    int depth = queue_depth_ / thread_count + (i < queue_depth_ % thread_count ? 1 : 0);
+    if (depth < 1) depth = 1;
+    threads_.emplace_back([this, depth] {
+      if (kernel_aio_)
+        worker(depth);
+      else
+        worker_sync();
+    });
+  }
+}
+
+Engine::~Engine() { close(); }
+
+std::shared_ptr<Request> Engine::submit(bool is_write, const std::string& path, uintptr_t addr,
+                                        size_t nbytes, off_t offset) {
+  auto r = std::make_shared<Request>();
+  r->is_write = is_write;
+  r->path = path;
+  r->buf = reinterpret_cast<char*>(addr);
+  r->nbytes = nbytes;
+  r->offset = offset;
+  r->t0 = now_s();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) throw std::runtime_error("AsyncIO engine is closed");
+    ++outstanding_;
+  }
+
+  std::vector<Piece> pieces;
+  auto plan = [&](bool direct) {
+    pieces.clear();
+    auto add = [&](size_t start, size_t len, bool d) {
+      for (size_t pos = start; pos < start + len; pos += block_size_) {
+        size_t n = std::min(block_size_, start + len - pos);
+        pieces.push_back(Piece{r, pos, offset + static_cast<off_t>(pos), n, d});
+      }
+    };
+    if (direct && addr % kAlign == static_cast<uintptr_t>(offset) % kAlign) {
+      size_t head = std::min((kAlign - addr % kAlign) % kAlign, nbytes);
+      size_t body = (nbytes - head) / kAlign * kAlign;
+      add(0, head, false);
+      add(head, body, true);
+      add(head + body, nbytes - head - body, false);
+    } else {
+      add(0, nbytes, false);
+    }
+  };
+  plan(direct_io_);
+
+  int flags = (is_write ? (O_WRONLY | O_CREAT) : O_RDONLY) | O_CLOEXEC;
+  bool need_direct = false, need_buffered = pieces.empty();
+  for (auto& p : pieces) (p.direct ? need_direct : need_buffered) = true;
+  if (need_direct) {
+    int f = take_fault(3);
+    r->fd_direct = f ? (errno = f, -1) : ::open(path.c_str(), flags | O_DIRECT, 0600);
+    if (r->fd_direct < 0) {
+      if (errno == EINVAL) {
+        r->direct_refused = true;  // filesystem without O_DIRECT (ramfs, some network fs)
+        need_buffered = true;
+        plan(false);
+      } else {
+        r->fail(errno, std::string("open failed: ") + std::strerror(errno));
+      }
+    }
+  }
+  if (!r->err.load() && need_buffered) {
+    r->fd_buffered = ::open(path.c_str(), flags, 0600);
+    if (r->fd_buffered < 0) r->fail(errno, std::string("open failed: ") + std::strerror(errno));
+  }
+  if (r->err.load() || pieces.empty()) {
+    complete(*r);
+    return r;
+  }
+  r->remaining.store(pieces.size());
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    for (auto& p : pieces) queue_.push_back(std::move(p));
+  }
+  cv_work_.notify_all();
+  return r;
+}
+
+bool Engine::pop(Piece* out, bool block) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (block) cv_work_.wait(lk, [this] { return stop_ || !queue_.empty(); });
+  if (queue_.empty()) return false;
+  *out = std::move(queue_.front());
+  queue_.pop_front();
+  return true;
+}
+
+// Runs one piece with blocking syscalls; finishes short O_DIRECT transfers on the buffered fd.
+void Engine::run_sync(Piece& p) {
+  Request& r = *p.req;
+  if (r.err.load()) return;  // the request already failed: skip the rest
+  bool direct = p.direct && !r.direct_refused;
+  int fd = direct ? r.fd_direct : r.buffered_fd();
+  char* b = r.buf + p.boff;
+  size_t done = 0;
+  while (done < p.len) {
+    int f = take_fault(r.is_write ? 2 : 1);
+    ssize_t n;
+    if (f) {
+      n = -1;
+      errno = f;
+    } else {
+      n = r.is_write ? ::pwrite(fd, b + done, p.len - done, p.foff + done)
+                     : ::pread(fd, b + done, p.len - done, p.foff + done);
+    }
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EINVAL && direct && !f) {  // O_DIRECT accepted at open, refused at IO
+        fd = r.buffered_fd();
+        direct = false;
+        continue;
+      }
+      r.fail(errno, piece_error(r, p.len, p.foff, std::strerror(errno)));
+      return;
+    }
+    if (n == 0) {
+      if (r.is_write)
+        r.fail(EIO, piece_error(r, p.len, p.foff, "pwrite wrote 0 bytes"));
+      else
+        r.fail(ENODATA, piece_error(r, p.len, p.foff, "file ends before the requested range"));
+      return;
+    }
+    done += static_cast<size_t>(n);
+    if (direct && (n % static_cast<ssize_t>(kAlign)) && done < p.len) {
+      fd = r.buffered_fd();  // short O_DIRECT transfer: the unaligned rest goes buffered
+      direct = false;
+    }
+  }
+  if (r.direct_refused) ::posix_fadvise(fd, p.foff, p.len, POSIX_FADV_DONTNEED);
+}
+
+void Engine::worker_sync() {
+  Piece p;
+  while (pop(&p, true)) {
+    run_sync(p);
+    piece_done(p);
+  }
+}
+
+void Engine::worker(int depth) {
+  aio_context_t ctx = 0;
+  if (sys_io_setup(static_cast<unsigned>(depth), &ctx) != 0) {
+    worker_sync();
+    return;
+  }
+  std::vector<struct iocb> cbs(depth);
+  std::vector<Piece> slots(depth);
+  std::vector<int> free_slots;
+  for (int i = depth - 1; i >= 0; --i) free_slots.push_back(i);
+  std::vector<struct iocb*> batch;
+  std::vector<int> batch_slots;
+  std::vector<struct io_event> events(depth);
+  int inflight = 0;
+
+  for (;;) {
+    // 1. take pieces until every slot is busy (blocking only when nothing is in flight)
+    batch.clear();
+    batch_slots.clear();
+    bool stop_now = false;
+    while (!free_slots.empty()) {
+      Piece p;
+      if (!pop(&p, inflight == 0 && batch.empty())) {
+        std::lock_guard<std::mutex> lk(mu_);
+        stop_now = stop_ && queue_.empty() && inflight == 0 && batch.empty();
+        break;
+      }
+      Request& r = *p.req;
+      if (r.err.load() || !p.direct || r.direct_refused) {
+        run_sync(p);  // buffered pieces, and skipping pieces of failed requests
+        piece_done(p);
+        continue;
+      }
+      int f = take_fault(r.is_write ? 2 : 1);
+      if (f) {
+        r.fail(f, piece_error(r, p.len, p.foff, std::strerror(f)));
+        piece_done(p);
+        continue;
+      }
+      int s = free_slots.back();
+      free_slots.pop_back();
+      struct iocb& cb = cbs[s];
+      std::memset(&cb, 0, sizeof(cb));
+      cb.aio_fildes = static_cast<uint32_t>(r.fd_direct);
+      cb.aio_lio_opcode = r.is_write ? IOCB_CMD_PWRITE : IOCB_CMD_PREAD;
+      cb.aio_buf = reinterpret_cast<uint64_t>(r.buf + p.boff);
+      cb.aio_nbytes = p.len;
+      cb.aio_offset = p.foff;
+      cb.aio_data = static_cast<uint64_t>(s);
+      slots[s] = std::move(p);
+      batch.push_back(&cb);
+      batch_slots.push_back(s);
+    }
+    if (stop_now) break;
+
+    // 2. submit; anything the kernel does not take runs synchronously
+    size_t submitted = 0;
+    while (submitted < batch.size()) {
+      long n = sys_io_submit(ctx, static_cast<long>(batch.size() - submitted),
+                             batch.data() + submitted);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      submitted += static_cast<size_t>(n);
+    }
+    inflight += static_cast<int>(submitted);
+    for (size_t i = submitted; i < batch.size(); ++i) {
+      int s = batch_slots[i];
+      run_sync(slots[s]);
+      piece_done(slots[s]);
+      slots[s] = Piece{};
+      free_slots.push_back(s);
+    }
+
+    // 3. reap at least one completion when anything is in flight
+    if (inflight == 0) continue;
+    long got = sys_io_getevents(ctx, 1, depth, events.data());
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      got = 0;  // cannot happen with a valid context; keep the loop alive
+    }
+    for (long i = 0; i < got; ++i) {
+      int s = static_cast<int>(events[i].data);
+      Piece& p = slots[s];
+      Request& r = *p.req;
+      long long res = static_cast<long long>(events[i].res);
+      if (res < 0) {
+        if (res == -EINVAL) {
+          p.direct = false;  // refused at IO time: redo this piece buffered
+          run_sync(p);
+        } else {
+          int e = static_cast<int>(-res);
+          r.fail(e, piece_error(r, p.len, p.foff, std::strerror(e)));
+        }
+      } else if (static_cast<size_t>(res) < p.len) {
+        Piece rest{p.req, p.boff + static_cast<size_t>(res), p.foff + static_cast<off_t>(res),
+                   p.len - static_cast<size_t>(res), false};
+        run_sync(rest);  // short transfer (end of file): finish or report it buffered
+      }
+      piece_done(p);
+      p = Piece{};
+      free_slots.push_back(s);
+      --inflight;
+    }
+  }
+  sys_io_destroy(ctx);
+}
+
+void Engine::piece_done(Piece& p) {
+  if (p.req->remaining.fetch_sub(1) == 1) complete(*p.req);
+}
+
+void Engine::complete(Request& r) {
+  for (int* fd : {&r.fd_direct, &r.fd_buffered}) {
+    if (*fd >= 0) ::close(*fd);
+    *fd = -1;
+  }
+  // order: counters first (a waiter reads them right after), then the request's own flag,
+  // then outstanding_ (close() returns only after every handle reports done)
+  double dt = now_s() - r.t0;
+  std::unique_lock<std::mutex> lk(mu_);
+  if (!r.err.load()) {
+    if (r.is_write) {
+      stats_.bytes_written += r.nbytes;
+      stats_.writes += 1;
+      stats_.write_seconds += dt;
+    } else {
+      stats_.bytes_read += r.nbytes;
+      stats_.reads += 1;
+      stats_.read_seconds += dt;
+    }
+  }
+  lk.unlock();
+  {
+    std::lock_guard<std::mutex> rl(r.mu);
+    r.finished = true;
+  }
+  r.cv.notify_all();
+  lk.lock();
+  if (--outstanding_ == 0) cv_idle_.notify_all();
+}
+
+Stats Engine::stats() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return stats_;
+}
+
+void Engine::close() {
+  {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (closed_) return;
+    cv_idle_.wait(lk, [this] { return outstanding_ == 0; });
+    closed_ = true;
+    stop_ = true;
+  }
+  cv_work_.notify_all();
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+}
+
+}  // namespace aio
+}  // namespace offload

@@ -1,0 +1,119 @@
+// Async file IO engine behind offload.io.AsyncIO (bindings in aio.cpp; no Python here).
+//
+// A request (path, buffer, bytes, file offset) is split into pieces: when the buffer address
+// and the file offset are congruent modulo 4096, the aligned body goes through an O_DIRECT
+// descriptor in block_size pieces and the unaligned head/tail through a buffered one;
+// otherwise the whole request is buffered. The engine owns thread_count IO threads (not the
+// compute pool: IO threads sleep in the kernel and must not steal compute slots). Each thread
+// keeps up to its share of queue_depth O_DIRECT pieces in flight with Linux AIO
+// (io_setup/io_submit/io_getevents, raw syscalls, no libaio needed); where Linux AIO is not
+// available it falls back to blocking pread/pwrite. Buffered pieces always use pread/pwrite.
+//
+// Errors are recorded on the request (errno + message, the path is on the request) and raised
+// by Python when the handle is waited on. If open(O_DIRECT) is refused with EINVAL the request
+// is served buffered, each piece followed by posix_fadvise(DONTNEED), and direct_refused is set
+// so Python can say so once.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace offload {
+namespace aio {
+
+constexpr size_t kAlign = 4096;
+
+class Engine;
+
+struct Request {
+  bool is_write = false;
+  std::string path;
+  char* buf = nullptr;
+  size_t nbytes = 0;
+  off_t offset = 0;
+  int fd_direct = -1;
+  int fd_buffered = -1;
+  bool direct_refused = false;
+  double t0 = 0;
+  std::atomic<size_t> remaining{0};
+  std::atomic<int> err{0};
+  std::string msg;  // guarded by mu
+  std::mutex mu;
+  std::condition_variable cv;
+  bool finished = false;  // guarded by mu
+
+  // Waits up to timeout_s seconds (< 0: forever); true when the request has completed.
+  bool wait(double timeout_s);
+  bool done();
+  int error() const { return err.load(); }
+  std::string message();
+  void fail(int e, const std::string& m);
+  int buffered_fd();  // opens the buffered descriptor on demand
+};
+
+struct Piece {
+  std::shared_ptr<Request> req;
+  size_t boff;  // offset in the buffer (bytes)
+  off_t foff;   // offset in the file (bytes)
+  size_t len;   // bytes
+  bool direct;  // through the O_DIRECT descriptor
+};
+
+struct Stats {
+  uint64_t bytes_read = 0, bytes_written = 0, reads = 0, writes = 0;
+  double read_seconds = 0, write_seconds = 0;
+};
+
+class Engine {
+ public:
+  Engine(size_t block_size, int queue_depth, int thread_count, bool direct_io);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Never throws for IO errors: a failed open is recorded on the returned request.
+  std::shared_ptr<Request> submit(bool is_write, const std::string& path, uintptr_t addr,
+                                  size_t nbytes, off_t offset);
+  Stats stats();
+  void close();  // waits for every submitted request, then joins the threads
+  bool uses_kernel_aio() const { return kernel_aio_; }
+
+ private:
+  friend struct Request;
+  void worker(int depth);
+  void worker_sync();
+  void run_sync(Piece& p);
+  void piece_done(Piece& p);
+  void complete(Request& r);
+  bool pop(Piece* out, bool block);
+
+  size_t block_size_;
+  int queue_depth_;
+  bool direct_io_;
+  bool kernel_aio_ = false;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_work_, cv_idle_;
+  std::deque<Piece> queue_;
+  size_t outstanding_ = 0;
+  bool stop_ = false;
+  bool closed_ = false;
+  Stats stats_;
+};
+
+// Test-only fault injection: the next `count` syscalls of kind `op` (0 any read/write, 1 read,
+// 2 write, 3 open with O_DIRECT) fail with errno `err`.
+void inject_fault(int op, int err, int count);
+
+}  // namespace aio
+}  // namespace offload

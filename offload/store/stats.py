@@ -1,0 +1,84 @@
+"""Counters of the tiered store: bytes, transfers and waiting per tier pair, prefetch, evictions.
+
+Telemetry reads these (``TieredStore.stats()``), never estimates: every byte the store moves is
+counted where the transfer is issued, every second it blocks is counted where it waits.
+"""
+
+from __future__ import annotations
+
+from offload.store.state import Tier
+
+PAIRS: tuple[tuple[Tier, Tier], ...] = (
+    (Tier.NVME, Tier.HOST),
+    (Tier.HOST, Tier.NVME),
+    (Tier.HOST, Tier.DEVICE),
+    (Tier.DEVICE, Tier.HOST),
+)
+
+
+def pair_name(src: Tier, dst: Tier) -> str:
+    """``"nvme->host"`` etc."""
+    return f"{src.name.lower()}->{dst.name.lower()}"
+
+
+class StoreCounters:
+    """Plain counters; ``as_dict`` returns a JSON-able snapshot."""
+
+    def __init__(self) -> None:
+        self._pairs: dict[str, dict[str, float]] = {
+            pair_name(s, d): {"bytes": 0, "transfers": 0, "wait_seconds": 0.0} for s, d in PAIRS
+        }
+        self.prefetch_hits = 0
+        """Replayed uses whose shard was resident or in flight (count)."""
+        self.prefetch_misses = 0
+        """Replayed uses whose shard had not been started (count)."""
+        self.prefetches_started = 0
+        """Prefetches that started a transfer or took a buffer (count)."""
+        self.prefetches_deferred = 0
+        """Prefetches that found no buffer they were allowed to take (retried later; count)."""
+        self.rerecords = 0
+        """Times the recorded trace was replaced (count)."""
+        self.evictions = {"host": 0, "device": 0}
+        self.budget_waits = 0
+        """Times a demand fetch waited for a transfer in flight to free a buffer (count)."""
+
+    def moved(self, src: Tier, dst: Tier, nbytes: int) -> None:
+        entry = self._pairs[pair_name(src, dst)]
+        entry["bytes"] += nbytes
+        entry["transfers"] += 1
+
+    def waited(self, src: Tier, dst: Tier, seconds: float) -> None:
+        self._pairs[pair_name(src, dst)]["wait_seconds"] += seconds
+
+    def prefetch(self, hit: bool) -> None:
+        if hit:
+            self.prefetch_hits += 1
+        else:
+            self.prefetch_misses += 1
+
+    def prefetch_started(self, started: bool) -> None:
+        if started:
+            self.prefetches_started += 1
+        else:
+            self.prefetches_deferred += 1
+
+    def evicted(self, tier: Tier) -> None:
+        self.evictions[tier.name.lower()] += 1
+
+    def as_dict(self, *, host: dict, device: dict) -> dict:
+        uses = self.prefetch_hits + self.prefetch_misses
+        return {
+            **{name: dict(entry) for name, entry in self._pairs.items()},
+            "prefetch": {
+                "hits": self.prefetch_hits,
+                "misses": self.prefetch_misses,
+                "hit_rate": self.prefetch_hits / uses if uses else 0.0,
+                "started": self.prefetches_started,
+                "deferred": self.prefetches_deferred,
+                "rerecords": self.rerecords,
+            },
+            "evictions": dict(self.evictions),
+            "budget_waits": self.budget_waits,
+            "host": host,
+            "device": device,
+        }

@@ -1,0 +1,134 @@
+"""The access trace: record, replay with lookahead, quiet re-record; steady-state hit rate."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from offload.store import Tier, TieredStore
+from offload.store.prefetch import TracePrefetcher
+
+
+def test_first_iteration_records_then_replays_with_lookahead():
+    p = TracePrefetcher(depth=2)
+    p.begin_iteration()
+    assert [p.use(x) for x in "abcd"] == [[], [], [], []]  # recording: no lookahead yet
+    assert p.end_iteration() == ["a", "b"]  # head of the next iteration
+    assert p.trace == tuple("abcd")
+    p.begin_iteration()
+    assert p.use("a") == ["b", "c"]
+    assert p.use("b") == ["c", "d"]
+    assert p.use("c") == ["d", "a"]  # wraps into the next iteration
+    assert p.use("d") == ["a", "b"]
+    p.end_iteration()
+    assert p.rerecords == 0
+
+
+def test_distance_counts_from_the_current_access():
+    p = TracePrefetcher(depth=1)
+    for x in "abc":
+        p.use(x)
+    p.end_iteration()
+    p.begin_iteration()
+    assert p.distance("a") == 0  # before any use: position 0
+    p.use("a")
+    assert p.distance("a") == 0  # the access just recorded is the nearest
+    assert p.distance("b") == 1
+    assert p.distance("zz") == float("inf")
+
+
+def test_order_change_rerecords_quietly(caplog):
+    p = TracePrefetcher(depth=1)
+    for x in "abc":
+        p.use(x)
+    p.end_iteration()
+    caplog.set_level(logging.DEBUG, logger="offload.store.prefetch")
+    p.begin_iteration()
+    assert p.use("a") == ["b"]
+    assert p.use("c") == []  # diverged: stop replaying
+    assert not p.replaying and p.distance("a") is None
+    p.use("b")
+    p.end_iteration()
+    assert p.rerecords == 1
+    assert p.trace == ("a", "c", "b")
+    assert all(r.levelno == logging.DEBUG for r in caplog.records)
+    # same order again: nothing changes
+    p.begin_iteration()
+    for x in "acb":
+        p.use(x)
+    p.end_iteration()
+    assert p.rerecords == 1
+
+
+def test_shorter_iteration_is_a_change_and_empty_one_is_not():
+    p = TracePrefetcher(depth=1)
+    for x in "abc":
+        p.use(x)
+    p.end_iteration()
+    p.begin_iteration()
+    p.end_iteration()  # no uses at all: keep the trace
+    assert p.trace == tuple("abc") and p.rerecords == 0
+    p.begin_iteration()
+    p.use("a")
+    p.use("b")
+    p.end_iteration()
+    assert p.trace == ("a", "b") and p.rerecords == 1
+
+
+def test_depth_is_validated():
+    with pytest.raises(ValueError, match="prefetch depth"):
+        TracePrefetcher(depth=-1)
+
+
+def _run_iterations(store: TieredStore, order: list[tuple[str, Tier]], iterations: int) -> list:
+    """Engine-like loop: use, fetch, wait, release; returns (hits, misses) per iteration."""
+    per_iteration = []
+    for _ in range(iterations):
+        before = store.stats()["prefetch"]
+        store.begin_iteration()
+        for key, tier in order:
+            store.use(key, tier)
+            tensor = store.fetch(key, tier).wait()
+            assert tensor.numel() > 0
+            store.release(key, tier)
+        store.end_iteration()
+        after = store.stats()["prefetch"]
+        per_iteration.append((after["hits"] - before["hits"], after["misses"] - before["misses"]))
+    return per_iteration
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_steady_state_hit_rate_is_100_percent_host_home(depth):
+    """Host-homed shards cached on the device through a budget of depth + 1 slabs."""
+    numel = 1023
+    slab = ((numel * 4 + 4095) // 4096) * 4096
+    store = TieredStore(
+        device="cpu", pool=None, nvme=None, device_budget=(depth + 1) * slab, prefetch_depth=depth
+    )
+    order = [(f"u{i}", Tier.DEVICE) for i in range(7)]
+    for key, _ in order:
+        store.register(key, numel, torch.float32, Tier.HOST)
+    result = _run_iterations(store, order, iterations=4)
+    assert result[0] == (0, 0)  # recording: nothing counted
+    for hits, misses in result[1:]:
+        assert (hits, misses) == (len(order), 0)
+    assert store.stats()["device"]["peak_allocated"] <= (depth + 1) * slab
+    store.close()
+
+
+def test_order_change_is_counted_and_replay_recovers():
+    store = TieredStore(device="cpu", pool=None, nvme=None, device_budget=0, prefetch_depth=2)
+    keys = [f"k{i}" for i in range(5)]
+    for key in keys:
+        store.register(key, 7, torch.float16, Tier.HOST)
+    order = [(k, Tier.DEVICE) for k in keys]
+    _run_iterations(store, order, iterations=2)
+    changed = list(reversed(order))
+    _run_iterations(store, changed, iterations=1)
+    assert store.stats()["prefetch"]["rerecords"] == 1
+    result = _run_iterations(store, changed, iterations=2)
+    assert result[-1] == (len(order), 0)
+    assert store.stats()["prefetch"]["rerecords"] == 1
+    store.close()

@@ -26,6 +26,7 @@ Note: defaults and "auto"
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -168,10 +169,32 @@ def map_deepspeed(data: Mapping[str, Any]) -> DeepSpeedMapping:
     try:
         config = OffloadConfig.from_dict(out)
     except ConfigError as exc:
-        if exc.key in origin and origin[exc.key] != exc.key:
-            raise exc.renamed(origin[exc.key], f"(DeepSpeed key; offload's {exc.key})") from None
+        ds_key = origin.get(exc.key or "") or _default_origin(exc.key or "")
+        if ds_key and ds_key != exc.key:
+            raise exc.renamed(ds_key, f"(DeepSpeed key; offload's {exc.key})") from None
         raise
     return DeepSpeedMapping(config=config, unsupported=m.unsupported, auto=m.auto)
+
+
+# Where an offload key would have come from in a DeepSpeed file (for errors about keys the file
+# did not set, e.g. a missing nvme_path).
+_DEFAULT_ORIGIN = {
+    "offload_param.": "zero_optimization.offload_param.",
+    "offload_optimizer.": "zero_optimization.offload_optimizer.",
+    "optimizer.": "optimizer.params.",
+}
+
+
+def _default_origin(key: str) -> str | None:
+    for ours, theirs in _DEFAULT_ORIGIN.items():
+        if key.startswith(ours) and key != "optimizer.type":
+            return theirs + key[len(ours) :]
+    return None
+
+
+def _did_you_mean(key: Any, table: Mapping[str, Any]) -> str | None:
+    close = difflib.get_close_matches(str(key), list(table), n=1, cutoff=0.8)
+    return f"did you mean {close[0]}?" if close else None
 
 
 def _first_marker(data: Mapping[str, Any]) -> str:
@@ -220,7 +243,7 @@ class _Mapper:
                 else:
                     self.raw[ds_key] = value
             else:
-                hint = _HINTS.get(ds_key)
+                hint = _HINTS.get(ds_key) or _did_you_mean(key, table)
                 self.unsupported.append(f"{ds_key} ({hint})" if hint else ds_key)
 
     def finish(self) -> tuple[dict[str, Any], dict[str, str]]:

@@ -1,0 +1,119 @@
+"""``offload tune-io``: sweep async IO settings on a disk and print the best ``aio`` section.
+
+Examples::
+
+    offload tune-io --path /mnt/nvme0                       # 2 GiB scratch file, full grid
+    offload tune-io --path /mnt/nvme0 --size 4GiB --output aio.json
+    offload tune-io --path /tmp --size 64MiB --block-sizes 1MiB --queue-depths 4,8 --threads 1
+
+Prints a table of write and read GB/s (1e9 bytes/s) per (block size, queue depth, threads),
+then the best setting (highest harmonic mean of read and write) as a JSON ``{"aio": {...}}``
+section to paste into an offload config. The scratch file is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from offload.config import ConfigError, parse_size
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, key="size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size_list(text: str) -> list[int]:
+    out = [_size(t.strip()) for t in text.split(",") if t.strip()]
+    if not out or any(v < 4096 or v % 4096 for v in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes must be multiples of 4096 bytes")
+    return out
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers like 4,8,16") from None
+    if not out or any(v < 1 for v in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--path", required=True, help="directory on the disk to tune (nvme_path)")
+    parser.add_argument("--size", type=_size, default=2 << 30, help="scratch file size (2GiB)")
+    parser.add_argument(
+        "--block-sizes",
+        type=_size_list,
+        default=[256 << 10, 1 << 20, 4 << 20],
+        help="comma list of block sizes (256KiB,1MiB,4MiB)",
+    )
+    parser.add_argument(
+        "--queue-depths", type=_int_list, default=[4, 8, 16, 32], help="comma list (4,8,16,32)"
+    )
+    parser.add_argument("--threads", type=_int_list, default=[1, 2], help="comma list (1,2)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per point; median kept (1)")
+    parser.add_argument("--output", metavar="FILE", help="also write the JSON aio section here")
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    from offload.io._tune import sweep  # torch is imported only when the command runs
+
+    if not os.path.isdir(args.path):
+        print(f"offload tune-io: --path {args.path!r} is not a directory", file=sys.stderr)
+        return 2
+    points = len(args.block_sizes) * len(args.queue_depths) * len(args.threads)
+    print(f"tune-io: {points} settings on {args.path} with a {args.size / 2**20:.0f} MiB file")
+    header = (
+        f"{'block_size':>10} {'queue_depth':>11} {'threads':>7} {'write GB/s':>10} {'read GB/s':>9}"
+    )
+    print(header)
+
+    def show(p) -> None:
+        print(
+            f"{p.block_size:>10} {p.queue_depth:>11} {p.thread_count:>7} "
+            f"{p.write_gbps:>10.2f} {p.read_gbps:>9.2f}",
+            flush=True,
+        )
+
+    try:
+        results, direct = sweep(
+            args.path,
+            args.size,
+            args.block_sizes,
+            args.queue_depths,
+            args.threads,
+            repeats=max(1, args.repeats),
+            progress=show,
+        )
+    except OSError as exc:
+        print(f"offload tune-io: {exc}", file=sys.stderr)
+        return 1
+    if not direct:
+        print("note: O_DIRECT is refused on this filesystem; measured buffered IO")
+    best = max(results, key=lambda p: p.score)
+    section = {
+        "aio": {
+            "block_size": best.block_size,
+            "queue_depth": best.queue_depth,
+            "thread_count": best.thread_count,
+            "direct_io": direct,
+        }
+    }
+    print(
+        f"best: write {best.write_gbps:.2f} GB/s, read {best.read_gbps:.2f} GB/s "
+        f"(harmonic mean {best.score:.2f})"
+    )
+    text = json.dumps(section, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    return 0

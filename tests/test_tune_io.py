@@ -1,0 +1,44 @@
+"""offload tune-io: a tiny sweep prints a table and a valid aio section, leaves no scratch."""
+
+import json
+import os
+
+import pytest
+
+from offload import _native
+from offload.cli.main import main
+
+
+@pytest.mark.parametrize("backend", ["native", "fallback"])
+def test_tiny_sweep_prints_table_and_best_section(tmp_path, capsys, backend):
+    out_file = tmp_path / "aio.json"
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    argv = [
+        "tune-io", "--path", str(disk), "--size", "8MiB", "--block-sizes", "1MiB,256KiB",
+        "--queue-depths", "2", "--threads", "1", "--output", str(out_file),
+    ]  # fmt: skip
+    if backend == "fallback":
+        with _native.force_fallback():
+            rc = main(argv)
+    else:
+        rc = main(argv)
+    assert rc == 0
+    text = capsys.readouterr().out
+    rows = [
+        line.split() for line in text.splitlines() if line.split()[:1] in (["1048576"], ["262144"])
+    ]
+    assert len(rows) == 2 and all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)
+    section = json.loads(out_file.read_text())["aio"]
+    assert section["block_size"] in (1 << 20, 256 << 10)
+    assert section["queue_depth"] == 2 and section["thread_count"] == 1
+    assert section["direct_io"] is True
+    assert json.loads(text[text.index("{") :]) == {"aio": section}
+    assert os.listdir(disk) == []  # scratch removed
+
+
+def test_bad_path_and_bad_sizes(tmp_path, capsys):
+    assert main(["tune-io", "--path", str(tmp_path / "missing"), "--size", "8MiB"]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tune-io", "--path", str(tmp_path), "--block-sizes", "1000"])

@@ -1,0 +1,268 @@
+"""TieredStore on the CPU: round trips, write-back, budgets, eviction order, errors, counters."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from offload import _native
+from offload.io import AsyncIO, BufferPool, NvmeStore
+from offload.store import LEGAL_TRANSITIONS, ShardState, Tier, TieredStore
+from offload.store.shard import Shard
+from offload.store.state import IllegalTransition, check_transition
+
+KIB4 = 4096
+
+
+@pytest.fixture(params=["native", "fallback"])
+def backend(request):
+    """Run the IO underneath with the native engine and with the torch/thread fallback."""
+    if request.param == "native":
+        mod = _native.get() if _native.available() else None
+        if mod is None or not hasattr(mod, "AioEngine"):
+            pytest.skip("native AioEngine not built")
+        yield "native"
+    else:
+        with _native.force_fallback():
+            yield "fallback"
+
+
+@contextlib.contextmanager
+def make_store(tmp_path, *, buffers=3, buffer_size=1 << 16, timeout=0.3, **kw):
+    aio = AsyncIO(block_size=1 << 16, queue_depth=4, thread_count=2)
+    pool = BufferPool(buffers, buffer_size, timeout=timeout)
+    nvme = NvmeStore(tmp_path, aio=aio, checksum=True)
+    kw.setdefault("name", "offload_param")
+    store = TieredStore(device="cpu", pool=pool, nvme=nvme, **kw)
+    try:
+        yield store
+    finally:
+        store.close()
+        assert pool.free_count == pool.buffer_count  # every buffer came back
+        nvme.close()
+        pool.close()
+        aio.close()
+
+
+@pytest.mark.parametrize("numel", [1, 7, 1023, (1 << 20) + 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvme_round_trip_odd_sizes(tmp_path, backend, numel, dtype):
+    size = ((numel * dtype.itemsize + KIB4 - 1) // KIB4) * KIB4
+    with make_store(tmp_path, buffers=2, buffer_size=size, device_budget=size) as store:
+        init = torch.randn(numel).to(dtype)
+        store.register("a", numel, dtype, Tier.NVME, init=init)
+        store.register("z", numel, dtype, Tier.NVME)  # zeros
+        for tier in (Tier.HOST, Tier.DEVICE):
+            got = store.fetch("a", tier).wait()
+            assert got.dtype == dtype and got.numel() == numel
+            assert torch.equal(got, init)
+            store.release("a", tier)
+        zeros = store.fetch("z", Tier.DEVICE).wait()
+        assert torch.count_nonzero(zeros) == 0
+        store.release("z", Tier.DEVICE)
+
+
+@pytest.mark.parametrize("tier", [Tier.HOST, Tier.DEVICE])
+def test_dirty_release_is_written_back_and_survives_eviction(tmp_path, backend, tier):
+    with make_store(tmp_path, buffers=1, device_budget=KIB4) as store:
+        for key in ("a", "b"):
+            store.register(key, 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 1.0))
+        store.fetch("a", tier).wait().add_(41.0)
+        store.release("a", tier, dirty=True)
+        # "b" needs the only buffer: "a" must be written back, then evicted, never lost
+        assert torch.equal(store.fetch("b", tier).wait(), torch.ones(1000))
+        store.release("b", tier)
+        assert store.state("a") is ShardState.NVME
+        assert torch.equal(store.fetch("a", tier).wait(), torch.full((1000,), 42.0))
+        store.release("a", tier)
+        out = torch.empty(1000)
+        store.read_into("a", out)
+        assert torch.equal(out, torch.full((1000,), 42.0))
+
+
+def test_read_false_skips_the_disk_read_and_counts_as_dirty(tmp_path):
+    with make_store(tmp_path) as store:
+        store.register("g", 513, torch.float32, Tier.NVME)
+        reads = store.stats()["nvme->host"]["transfers"]
+        buf = store.fetch("g", Tier.HOST, read=False).wait()
+        assert store.stats()["nvme->host"]["transfers"] == reads
+        buf.fill_(3.0)
+        store.release("g", Tier.HOST)  # not flagged dirty: read=False already made it dirty
+        store.flush()
+        out = torch.empty(513)
+        store.read_into("g", out)
+        assert torch.equal(out, torch.full((513,), 3.0))
+
+
+def test_host_dirty_release_drops_a_stale_device_copy(tmp_path):
+    with make_store(tmp_path, device_budget=2 * KIB4) as store:
+        store.register("p", 100, torch.float32, Tier.NVME)
+        store.fetch("p", Tier.DEVICE).wait()
+        store.release("p", Tier.DEVICE)
+        assert store.state("p") is ShardState.DEVICE  # cached on the device
+        store.fetch("p", Tier.HOST).wait().fill_(5.0)
+        store.release("p", Tier.HOST, dirty=True)
+        assert torch.equal(store.fetch("p", Tier.DEVICE).wait(), torch.full((100,), 5.0))
+        store.release("p", Tier.DEVICE)
+
+
+@pytest.mark.parametrize("home", [Tier.HOST, Tier.DEVICE])
+def test_host_and_device_homes(home):
+    store = TieredStore(device="cpu", pool=None, nvme=None, device_budget=0)
+    init = torch.arange(7, dtype=torch.float16)
+    store.register("h", 7, torch.float16, home, init=init)
+    got = store.fetch("h", Tier.DEVICE).wait()
+    assert torch.equal(got, init)
+    got.mul_(2)
+    store.release("h", Tier.DEVICE, dirty=True)
+    out = torch.empty(7, dtype=torch.float16)
+    store.read_into("h", out)
+    assert torch.equal(out, init * 2)
+    store.write_from("h", torch.zeros(7))
+    store.read_into("h", out)
+    assert torch.count_nonzero(out) == 0
+    if home is Tier.DEVICE:
+        with pytest.raises(ValueError, match="its home is DEVICE"):
+            store.fetch("h", Tier.HOST)
+    stats = store.stats()
+    assert stats["device"]["in_use"] == 0  # no cap: nothing stays cached on the device
+    store.close()
+
+
+def test_write_from_and_read_into_nvme(tmp_path):
+    with make_store(tmp_path) as store:
+        store.register("m", 1023, torch.float32, Tier.NVME)
+        src = torch.randn(1023)
+        store.fetch("m", Tier.HOST).wait()
+        with pytest.raises(RuntimeError, match="while it is fetched"):
+            store.write_from("m", src)
+        store.release("m", Tier.HOST)
+        store.write_from("m", src)
+        assert store.state("m") is ShardState.NVME  # cached copy dropped
+        out = torch.empty(1023)
+        store.read_into("m", out)
+        assert torch.equal(out, src)
+        with pytest.raises(ValueError, match="exactly 1023"):
+            store.read_into("m", torch.empty(5))
+
+
+def test_shard_larger_than_a_buffer_is_rejected_naming_the_key(tmp_path):
+    with make_store(tmp_path, buffer_size=8192, name="offload_optimizer") as store:
+        with pytest.raises(ValueError) as info:
+            store.register("big", 4096, torch.float32, Tier.NVME)
+        msg = str(info.value)
+        assert "offload_optimizer.buffer_size=8192" in msg and "16384" in msg and "'big'" in msg
+        with pytest.raises(ValueError, match="device_budget"):
+            TieredStore(device="cpu", pool=None, nvme=None, device_budget=4096).register(
+                "d", 2000, torch.float32, Tier.HOST
+            )
+        with pytest.raises(ValueError, match="already registered"):
+            store.register("x", 1, torch.float32, Tier.NVME)
+            store.register("x", 1, torch.float32, Tier.NVME)
+
+
+def test_nvme_home_needs_pool_and_nvme():
+    store = TieredStore(device="cpu", pool=None, nvme=None)
+    with pytest.raises(ValueError, match="without a pool"):
+        store.register("a", 1, torch.float32, Tier.NVME)
+
+
+def test_host_budget_exhaustion_raises_a_clear_error(tmp_path):
+    with make_store(tmp_path, buffers=2, timeout=0.2) as store:
+        for key in "abc":
+            store.register(key, 10, torch.float32, Tier.NVME)
+        store.fetch("a", Tier.HOST).wait()
+        store.fetch("b", Tier.HOST).wait()
+        with pytest.raises(RuntimeError) as info:
+            store.fetch("c", Tier.HOST).wait()
+        msg = str(info.value)
+        assert "offload_param.buffer_count=2" in msg and "'c'" in msg
+        store.release("a", Tier.HOST)
+        store.release("b", Tier.HOST)
+        store.release("c", Tier.HOST)
+
+
+def test_device_budget_exhaustion_raises_a_clear_error():
+    store = TieredStore(
+        device="cpu", pool=None, nvme=None, device_budget=KIB4, name="offload_param"
+    )
+    store.register("a", 10, torch.float32, Tier.HOST)
+    store.register("b", 10, torch.float32, Tier.HOST)
+    store.fetch("a", Tier.DEVICE).wait()
+    with pytest.raises(RuntimeError, match="device budget exhausted.*device_budget=4096"):
+        store.fetch("b", Tier.DEVICE).wait()
+
+
+def test_release_without_fetch_and_unknown_key():
+    store = TieredStore(device="cpu", pool=None, nvme=None)
+    store.register("a", 3, torch.float32, Tier.HOST)
+    with pytest.raises(RuntimeError, match="without a matching fetch"):
+        store.release("a", Tier.HOST)
+    with pytest.raises(KeyError, match="unknown shard 'nope'"):
+        store.fetch("nope", Tier.HOST)
+    with pytest.raises(ValueError, match="cannot fetch 'a' at NVME"):
+        store.fetch("a", Tier.NVME)
+
+
+def test_transition_table_and_checked_methods():
+    for old, targets in LEGAL_TRANSITIONS.items():
+        for new in ShardState:
+            if new in targets:
+                check_transition("k", old, new)
+            else:
+                with pytest.raises(IllegalTransition, match=f"{old.name} -> {new.name}"):
+                    check_transition("k", old, new)
+    shard = Shard(key="k", numel=4, dtype=torch.float32, home=Tier.NVME, io_nbytes=KIB4)
+    assert shard.state is ShardState.NVME
+    with pytest.raises(RuntimeError, match="drop_device needs state DEVICE, but it is NVME"):
+        shard.drop_device()
+    with pytest.raises(RuntimeError, match="load_device needs state HOST"):
+        shard.load_device(None, None)
+    with pytest.raises(RuntimeError, match="nothing in flight"):
+        shard.finish_pending()
+
+
+def test_eviction_follows_the_recorded_trace(tmp_path):
+    """Pool of 2, cyclic trace a b c: the store gives up the buffer used farthest ahead, where
+    LRU would give up the one used longest ago."""
+    with make_store(tmp_path, buffers=2, prefetch_depth=0) as store:
+        for key in "abc":
+            store.register(key, 64, torch.float32, Tier.NVME)
+
+        def step(key):
+            store.use(key, Tier.HOST)
+            store.fetch(key, Tier.HOST).wait()
+            store.release(key, Tier.HOST)
+
+        store.begin_iteration()
+        for key in "abc":
+            step(key)
+        # no trace yet: LRU gave a's buffer to c
+        assert store.state("a") is ShardState.NVME and store.state("b") is ShardState.HOST
+        store.end_iteration()
+        store.begin_iteration()
+        step("a")  # miss; next uses: b in 1, c in 2 -> evict c (LRU would evict b)
+        assert store.state("c") is ShardState.NVME and store.state("b") is ShardState.HOST
+        step("b")  # hit
+        step("c")  # miss; next uses: a in 1 (next iteration), b in 2 -> evict b (LRU: a)
+        assert store.state("b") is ShardState.NVME and store.state("a") is ShardState.HOST
+        store.end_iteration()
+        assert store.stats()["evictions"]["host"] == 3
+
+
+def test_counters_add_up(tmp_path):
+    with make_store(tmp_path, buffers=2, device_budget=KIB4) as store:
+        store.register("a", 1024, torch.float32, Tier.NVME)  # exactly 4096 bytes
+        start = store.stats()
+        assert start["host->nvme"] == {"bytes": KIB4, "transfers": 1, "wait_seconds": 0.0}
+        store.fetch("a", Tier.DEVICE).wait()
+        store.release("a", Tier.DEVICE, dirty=True)
+        store.flush()
+        s = store.stats()
+        assert s["nvme->host"]["bytes"] == KIB4 and s["nvme->host"]["transfers"] == 1
+        assert s["host->device"]["bytes"] == KIB4 and s["device->host"]["bytes"] == KIB4
+        assert s["host->nvme"]["transfers"] == 2
+        assert s["host"]["peak_in_use"] == 1 and s["device"]["peak_allocated"] == KIB4
+        assert all(s[p]["wait_seconds"] >= 0 for p in ("nvme->host", "host->nvme"))

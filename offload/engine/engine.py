@@ -1,0 +1,403 @@
+"""The engine: one record per wrapped model that owns its units, the placement strategies, the
+hooks and the counters. ``offload.wrap`` builds it; the optimizer and checkpoints drive it.
+
+Note: the hooks (what FSDP2 does, in words)
+    - root forward pre-hook: casts floating inputs to the compute dtype and gathers the root unit
+      (parameters outside every unit, and tied ones); the root stays gathered until the end of
+      backward.
+    - unit forward pre-hook: gathers the unit (its pieces were prefetched while the previous unit
+      ran); unit forward post-hook: releases it (unless persistent) and registers a hook on each
+      output tensor that requires grad; that hook fires when backward reaches the unit and
+      gathers it again (the pre-backward gather).
+    - a post-accumulate-grad hook on every trainable parameter counts down the unit's pending
+      grads; at zero the unit's gradients are streamed off the device and its params released.
+    - one callback queued on the autograd engine at the first pre-backward hook finishes every
+      unit that did not complete (unused params, frozen units, the root) and returns to IDLE.
+    - during backward a forward hook means activation-checkpoint recomputation: gather, keep.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from offload.engine.layout import FlatLayout
+from offload.engine.optstate import Hyper, OptimState
+from offload.engine.params import ParamHome
+from offload.engine.phase import Phase, PhaseError, PhaseTracker
+from offload.engine.transfer import Transfers
+from offload.engine.units import Unit
+
+logger = logging.getLogger("offload.engine")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Engine:
+    def __init__(
+        self,
+        model: nn.Module,
+        units: list[Unit],
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        params: ParamHome,
+        optim: OptimState,
+        transfers: Transfers,
+        stores: dict,
+        pin: bool,
+    ) -> None:
+        self.model = model
+        self.units = units  # units[0] is the root
+        self.device, self.dtype = device, dtype
+        self.params, self.optim, self.transfers = params, optim, transfers
+        self.stores = stores  # name -> TieredStore (for stats and close)
+        self.phase = PhaseTracker()
+        self.owner: dict[nn.Parameter, Unit] = {}
+        for unit in units:
+            for seg in unit.layout.segments:
+                self.owner[seg.param] = unit
+        self.step_count = 0  # optimizer steps taken (not counting skipped ones)
+        self.backwards_since_step = 0
+        self.first_micro_step = True  # next grad sink overwrites instead of adding
+        self._callback_queued = False
+        self._handles: list = []
+        max_train = max((u.layout.trainable for u in units), default=0)
+        self._grad_staging = transfers.host_empty(max(max_train, 1), dtype, pin)
+        self._dev_staging = (
+            torch.empty(max(max_train, 1), dtype=dtype, device=device)
+            if transfers.is_cuda
+            else None
+        )
+        self.timers: dict[str, float] = defaultdict(float)  # seconds, current step
+        self.totals: dict[str, float] = defaultdict(float)
+        self._step_started = time.perf_counter()
+        self._fwd_start: float | None = None
+        self._bwd_start: float | None = None
+        self.closed = False
+        self.orig_dtype: dict[nn.Parameter, torch.dtype] = {}  # set by wrap
+
+    # ---------------------------------------------------------------- hooks
+    def install_hooks(self) -> None:
+        h = self.model.register_forward_pre_hook(
+            self._root_pre_forward, with_kwargs=True, prepend=True
+        )
+        self._handles.append(h)
+        self._handles.append(self.model.register_forward_hook(self._root_post_forward))
+        for unit in self.units[1:]:
+            unit.hook_handles.append(
+                unit.module.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
+            )
+            unit.hook_handles.append(
+                unit.module.register_forward_hook(lambda m, a, o, u=unit: self._post_forward(u, o))
+            )
+        for unit in self.units:
+            for p in unit.trainable_params:
+                unit.hook_handles.append(
+                    p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u))
+                )
+        self._handles.append(self.model._register_state_dict_hook(self._state_dict_hook))
+
+    def remove_hooks(self) -> None:
+        for unit in self.units:
+            for h in unit.hook_handles:
+                h.remove()
+            unit.hook_handles.clear()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _cast_input(self, x):
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point() and x.dtype != self.dtype:
+                x = x.to(self.dtype)
+            if x.device != self.device:
+                x = x.to(self.device)
+        return x
+
+    def _root_pre_forward(self, module, args, kwargs):
+        self._check_open()
+        if self.phase.phase is Phase.BACKWARD:
+            return None  # recomputation of the whole model (unusual) keeps everything gathered
+        if self.phase.phase is Phase.IDLE:
+            self._begin_micro_step()
+        self.phase.to(Phase.FORWARD)
+        self._gather(self.units[0])
+        return tree_map(self._cast_input, args), tree_map(self._cast_input, kwargs)
+
+    def _root_post_forward(self, module, args, output):
+        if self.phase.phase is not Phase.FORWARD:
+            return output
+        if self._fwd_start is not None:
+            self.timers["forward_seconds"] += time.perf_counter() - self._fwd_start
+            self._fwd_start = None
+        if not (torch.is_grad_enabled() and _requires_grad(output)):
+            # inference: nothing will come back through backward
+            for unit in self.units:
+                if not unit.persistent:
+                    self._release(unit)
+            self.phase.to(Phase.IDLE)
+        return output
+
+    def _begin_micro_step(self) -> None:
+        self._fwd_start = time.perf_counter()
+        for unit in self.units:
+            unit.grads_pending = len(unit.trainable_params)
+            unit.backward_done = False
+        if self.backwards_since_step == 0:
+            for store in self.stores.values():
+                store.begin_iteration()
+
+    def _pre_forward(self, unit: Unit) -> None:
+        if self.phase.phase is Phase.IDLE:  # a unit called directly, outside the model
+            self._begin_micro_step()
+            self.phase.to(Phase.FORWARD)
+        self._gather(unit)
+
+    def _post_forward(self, unit: Unit, output):
+        if self.phase.phase is Phase.BACKWARD:
+            return output  # activation-checkpoint recomputation: keep gathered for its backward
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+            for t in tensors:
+                if t.requires_grad:
+                    t.register_hook(lambda g, u=unit: self._pre_backward(u))
+        if not unit.persistent:
+            self._release(unit)
+        return output
+
+    def _pre_backward(self, unit: Unit) -> None:
+        if self.phase.phase is Phase.FORWARD:
+            self.phase.to(Phase.BACKWARD)
+            if self._fwd_start is not None:
+                self.timers["forward_seconds"] += time.perf_counter() - self._fwd_start
+                self._fwd_start = None
+            self._bwd_start = time.perf_counter()
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if not unit.backward_done:
+            self._gather(unit)
+
+    def _grad_ready(self, unit: Unit) -> None:
+        if self.phase.phase is not Phase.BACKWARD:
+            # a backward that reached no unit output (e.g. a loss on root params only)
+            self.phase.to(Phase.BACKWARD)
+            self._bwd_start = time.perf_counter()
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        unit.grads_pending -= 1
+        if unit.grads_pending == 0 and not unit.is_root:
+            self._finish_unit_backward(unit)
+
+    def _end_backward(self) -> None:
+        for unit in reversed(self.units):
+            if not unit.backward_done:
+                self._finish_unit_backward(unit)
+        for unit in self.units:
+            if not unit.persistent:
+                self._release(unit)
+        self._callback_queued = False
+        self.backwards_since_step += 1
+        self.first_micro_step = False
+        if self._bwd_start is not None:
+            self.timers["backward_seconds"] += time.perf_counter() - self._bwd_start
+            self._bwd_start = None
+        self.phase.to(Phase.IDLE)
+
+    # ---------------------------------------------------------------- movement
+    def _gather(self, unit: Unit) -> None:
+        if unit.gathered:
+            return
+        t0 = time.perf_counter()
+        self.params.gather(unit)
+        self.timers["io_wait_seconds"] += time.perf_counter() - t0
+
+    def _release(self, unit: Unit) -> None:
+        self.params.release(unit)
+
+    def _finish_unit_backward(self, unit: Unit) -> None:
+        """Streams the unit's gradients off the device and releases its params."""
+        unit.backward_done = True
+        if unit.layout.trainable and not self.optim.keeps_grads:
+            flat = self._flatten_grads(unit)
+            self.optim.sink_grads(unit, flat, first=self.first_micro_step)
+            for p in unit.trainable_params:
+                p.grad = None
+        if not unit.persistent and not unit.is_root:
+            self._release(unit)
+
+    def _flatten_grads(self, unit: Unit) -> torch.Tensor:
+        n = unit.layout.trainable
+        stage = self._dev_staging if self._dev_staging is not None else self._grad_staging
+        flat = stage[:n]
+        prev_end = 0
+        for seg in unit.layout.segments:
+            if not seg.trainable:
+                continue
+            if seg.offset > prev_end:
+                flat[prev_end : seg.offset].zero_()
+            dst = flat[seg.offset : seg.end]
+            g = seg.param.grad
+            if g is None:
+                dst.zero_()
+            else:
+                dst.copy_(g.reshape(-1))
+            prev_end = seg.end
+        if prev_end < n:
+            flat[prev_end:n].zero_()
+        if self._dev_staging is not None:
+            host = self._grad_staging[:n]
+            self.transfers.wait(self.transfers.to_host(host, flat))
+            return host
+        return flat
+
+    # ---------------------------------------------------------------- step
+    def grad_norm_sq(self) -> tuple[bool, float]:
+        """(any inf/NaN, sum of squares) of the accumulated gradients (still loss-scaled)."""
+        if self.optim.keeps_grads:
+            grads = [p.grad for u in self.units for p in u.trainable_params if p.grad is not None]
+            if not grads:
+                return False, 0.0
+            norms = torch._foreach_norm(grads, 2.0)
+            ss = float(sum(float(n.double() ** 2) for n in norms))
+            return not torch.isfinite(torch.tensor(ss)).item(), ss
+        return self.optim.grad_stats()
+
+    def check_idle(self, what: str) -> None:
+        self._check_open()
+        if self.phase.phase is not Phase.IDLE:
+            raise PhaseError(
+                f"offload: {what} called during {self.phase.phase.value}; call it between steps"
+            )
+
+    def check_can_step(self) -> None:
+        self._check_open()
+        if self.phase.phase is not Phase.IDLE:
+            raise PhaseError(
+                f"offload: optimizer.step() called during {self.phase.phase.value}; "
+                "call it after loss.backward() has returned"
+            )
+        if self.backwards_since_step == 0:
+            raise PhaseError(
+                "offload: optimizer.step() called with no backward since the last step; "
+                "call loss.backward() first (gradients would be missing or stale)"
+            )
+
+    def step(self, hyper_base: dict, grad_scale: float) -> None:
+        self.check_can_step()
+        t0 = time.perf_counter()
+        self.phase.to(Phase.STEP)
+        try:
+            if self.transfers.is_cuda:
+                self.transfers.h2d_stream.synchronize()  # host homes are about to be rewritten
+            hyper = Hyper(step=self.step_count + 1, grad_scale=grad_scale, **hyper_base)
+            for unit in self.units:
+                self.optim.step(unit, self.params, hyper)
+            for unit in self.units:
+                if unit.persistent:
+                    self._release(unit)  # its device copy is stale now; gathered fresh next use
+            for store in self.stores.values():
+                store.end_iteration()
+        finally:
+            self.phase.to(Phase.IDLE)
+        self.step_count += 1
+        self.timers["optimizer_seconds"] += time.perf_counter() - t0
+        self._end_step()
+
+    def skip_step(self) -> None:
+        """An fp16 overflow: no update; gradients are discarded."""
+        for store in self.stores.values():
+            store.end_iteration()
+        self._end_step()
+
+    def _end_step(self) -> None:
+        now = time.perf_counter()
+        self.timers["step_seconds"] = now - self._step_started
+        self._step_started = now
+        self.backwards_since_step = 0
+        self.first_micro_step = True
+        self.last_timers = dict(self.timers)
+        for k, v in self.timers.items():
+            self.totals[k] += v
+        self.timers.clear()
+
+    def zero_grad(self) -> None:
+        self.first_micro_step = True
+        for unit in self.units:
+            for p in unit.trainable_params:
+                p.grad = None
+
+    # ---------------------------------------------------------------- values
+    def full_values(self, unit: Unit) -> dict[nn.Parameter, torch.Tensor]:
+        """Current values of the unit's parameters as new host tensors: the fp32 master for
+        trainable ones, the compute params for frozen ones."""
+        out: dict[nn.Parameter, torch.Tensor] = {}
+        layout = unit.layout
+        for seg in layout.segments:
+            out[seg.param] = torch.empty(
+                seg.numel, dtype=torch.float32 if seg.trainable else self.dtype
+            )
+        for lo, hi in self.optim.pieces(unit):
+            master = self.optim.read(unit, "master", lo, hi)
+            for seg, a, b in layout.overlaps(lo, hi, trainable_only=True):
+                out[seg.param][a:b].copy_(master[seg.offset + a - lo : seg.offset + b - lo])
+        frozen = [s for s in layout.segments if not s.trainable]
+        if frozen:
+            lo, hi = layout.trainable, layout.total
+            for plo, phi in self.compute_pieces(unit, lo, hi):
+                vals = self.params.read(unit, plo, phi)
+                for seg, a, b in layout.overlaps(plo, phi):
+                    if not seg.trainable:
+                        out[seg.param][a:b].copy_(vals[seg.offset + a - plo : seg.offset + b - plo])
+        return {p: t.view(p.shape) for p, t in out.items()}
+
+    def compute_pieces(self, unit: Unit, lo: int, hi: int) -> list[tuple[int, int]]:
+        return self.params.pieces_in(unit, lo, hi)
+
+    def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
+        if prefix:  # only the root's own call sees the whole dict
+            return state_dict
+        names = dict(self.model.named_parameters(remove_duplicate=False))
+        values: dict[nn.Parameter, torch.Tensor] = {}
+        for unit in self.units:
+            values.update(self.full_values(unit))
+        for name, p in names.items():
+            if name in state_dict and p in values:
+                state_dict[name] = values[p].to(self.orig_dtype.get(p, values[p].dtype))
+        return state_dict
+
+    # ---------------------------------------------------------------- lifecycle
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("offload: this model's engine was closed; wrap the model again")
+
+    def stats(self) -> dict:
+        out = {k: float(v) for k, v in getattr(self, "last_timers", {}).items()}
+        out["steps"] = self.step_count
+        out["stores"] = {name: store.stats() for name, store in self.stores.items()}
+        out["total"] = {k: float(v) for k, v in self.totals.items()}
+        return out
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.remove_hooks()
+        self.params.close()
+        self.optim.close()
+        for store in self.stores.values():
+            store.close()
+
+
+def _requires_grad(output) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0])
+
+
+__all__ = ["Engine", "DTYPES", "FlatLayout"]

@@ -1,0 +1,222 @@
+"""The optimizer users get from ``offload.wrap``: a real ``torch.optim.Optimizer``.
+
+``param_groups`` holds one group with the user's parameters and hyperparameters (so LR
+schedulers work); ``step()`` runs the engine's pipelined per-unit CPU Adam over the flat
+buffers wherever they live. fp16 training needs loss scaling::
+
+    optimizer.scale_loss(loss).backward()   # dynamic scaling; an overflow skips the step
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from offload.engine.engine import Engine
+from offload.engine.loss_scale import DynamicLossScaler
+from offload.engine.optstate import KINDS
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        adamw_mode: bool,
+        gradient_clipping: float,
+        scaler: DynamicLossScaler | None,
+    ) -> None:
+        params = [p for u in engine.units for p in u.trainable_params]
+        if not params:
+            raise ValueError(
+                "offload.wrap: the model has no trainable parameters (all requires_grad=False)"
+            )
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw_mode=adamw_mode,
+            bias_correction=True,
+        )
+        super().__init__(params, defaults)
+        self._engine = engine
+        self.gradient_clipping = gradient_clipping
+        self.scaler = scaler
+        self._clip_coef: float | None = None
+        self.skipped_steps = 0
+
+    # ---------------------------------------------------------------- training
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale (fp16); ``loss`` itself otherwise."""
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the global L2 norm of the accumulated gradients to ``max_norm`` (applied inside
+        the next ``step()``, fused into the Adam kernel); returns the norm before clipping."""
+        if norm_type != 2.0:
+            raise ValueError(f"clip_grad_norm_: norm_type={norm_type!r} is not supported; only 2.0")
+        if not max_norm > 0:
+            raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm!r}")
+        found_inf, ss = self._engine.grad_norm_sq()
+        norm = math.sqrt(ss) if not found_inf else math.inf
+        if self.scaler is not None:
+            norm /= self.scaler.scale
+        coef = float(
+            torch.tensor(max_norm, dtype=torch.float32)
+            / torch.tensor(norm + 1e-6, dtype=torch.float32)
+        )
+        self._clip_coef = min(coef, 1.0)
+        return torch.tensor(norm, dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        engine = self._engine
+        engine.check_can_step()
+        inv_scale = 1.0
+        if self.scaler is not None:
+            found_inf, _ = engine.grad_norm_sq()
+            if found_inf:
+                self.scaler.update(found_inf=True)
+                self.skipped_steps += 1
+                self._clip_coef = None
+                engine.skip_step()
+                return loss
+            inv_scale = 1.0 / self.scaler.scale
+        if self._clip_coef is None and self.gradient_clipping > 0:
+            self.clip_grad_norm_(self.gradient_clipping)
+        coef = 1.0 if self._clip_coef is None else self._clip_coef
+        group = self.param_groups[0]
+        hyper = dict(
+            lr=float(group["lr"]),
+            betas=tuple(float(b) for b in group["betas"]),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            adamw_mode=bool(group["adamw_mode"]),
+            bias_correction=bool(group["bias_correction"]),
+        )
+        engine.step(hyper, grad_scale=inv_scale * coef)
+        if self.scaler is not None:
+            self.scaler.update(found_inf=False)
+        self._clip_coef = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.zero_grad()
+        self._clip_coef = None
+
+    def stats(self) -> dict:
+        """Counters of the last step and totals: seconds per phase, bytes per tier pair, prefetch
+        hits, memory peaks (see ``offload.engine.telemetry``)."""
+        from offload.engine.telemetry import step_stats  # noqa: PLC0415
+
+        out = step_stats(self._engine)
+        out["skipped_steps"] = self.skipped_steps
+        if self.scaler is not None:
+            out["loss_scale"] = self.scaler.scale
+        return out
+
+    def close(self) -> None:
+        """Removes the hooks and the swap files; the model cannot train afterwards."""
+        self._engine.close()
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """Per-parameter state in torch's layout (``exp_avg``, ``exp_avg_sq``, ``step``, and the
+        fp32 ``master``), gathered from wherever it lives. This pulls the whole optimizer state
+        into RAM; use ``offload.save_checkpoint`` for models whose state does not fit."""
+        engine = self._engine
+        index = {p: i for i, p in enumerate(self.param_groups[0]["params"])}
+        state: dict[int, dict] = {}
+        for unit in engine.units:
+            per_kind = _read_unit_kinds(engine, unit)
+            for seg in unit.layout.segments:
+                if seg.trainable:
+                    entry = {k: per_kind[k][seg.param].view(seg.shape) for k in KINDS}
+                    entry["step"] = torch.tensor(float(engine.step_count))
+                    state[index[seg.param]] = entry
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        groups[0]["params"] = list(range(len(index)))
+        extra = {"step_count": engine.step_count, "skipped_steps": self.skipped_steps}
+        if self.scaler is not None:
+            extra["loss_scaler"] = self.scaler.state_dict()
+        return {"state": state, "param_groups": groups, "offload": extra}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        engine = self._engine
+        params = self.param_groups[0]["params"]
+        state = state_dict["state"]
+        if len(state_dict["param_groups"]) != 1 or len(
+            state_dict["param_groups"][0]["params"]
+        ) != len(params):
+            raise ValueError(
+                "load_state_dict: the saved optimizer has "
+                f"{sum(len(g['params']) for g in state_dict['param_groups'])} parameters in "
+                f"{len(state_dict['param_groups'])} group(s); this one has {len(params)} in 1"
+            )
+        by_param = {}
+        for i, p in enumerate(params):
+            entry = state.get(i, state.get(str(i)))
+            if entry is None:
+                raise ValueError(f"load_state_dict: no saved state for parameter index {i}")
+            by_param[p] = entry
+        for unit in engine.units:
+            for kind in KINDS:
+                _write_unit_kind(engine, unit, kind, {p: s[kind] for p, s in by_param.items()})
+        saved_group = state_dict["param_groups"][0]
+        for k, v in saved_group.items():
+            if k != "params":
+                self.param_groups[0][k] = tuple(v) if k == "betas" else v
+        extra = state_dict.get("offload", {})
+        engine.step_count = int(extra.get("step_count", engine.step_count))
+        self.skipped_steps = int(extra.get("skipped_steps", 0))
+        if self.scaler is not None and "loss_scaler" in extra:
+            self.scaler.load_state_dict(extra["loss_scaler"])
+
+
+def _read_unit_kinds(engine: Engine, unit) -> dict[str, dict]:
+    out: dict[str, dict] = {k: {} for k in KINDS}
+    for seg in unit.layout.segments:
+        if seg.trainable:
+            for k in KINDS:
+                out[k][seg.param] = torch.empty(seg.numel, dtype=torch.float32)
+    for lo, hi in engine.optim.pieces(unit):
+        for k in KINDS:
+            vals = engine.optim.read(unit, k, lo, hi)
+            for seg, a, b in unit.layout.overlaps(lo, hi, trainable_only=True):
+                out[k][seg.param][a:b].copy_(vals[seg.offset + a - lo : seg.offset + b - lo])
+    return out
+
+
+def _write_unit_kind(engine: Engine, unit, kind: str, values: dict) -> None:
+    """Writes per-parameter values of ``kind`` into the unit's flat state (and, for the master,
+    the compute params derived from it)."""
+    for lo, hi in engine.optim.pieces(unit):
+        piece = torch.zeros(hi - lo, dtype=torch.float32)
+        for seg, a, b in unit.layout.overlaps(lo, hi, trainable_only=True):
+            if seg.param not in values:
+                raise ValueError(f"load_state_dict: no saved state for parameter '{seg.name}'")
+            src = values[seg.param].reshape(-1).to(torch.float32)
+            if src.numel() != seg.numel:
+                raise ValueError(
+                    f"load_state_dict: '{kind}' of parameter '{seg.name}' has {src.numel()} "
+                    f"elements; the model's has {seg.numel}"
+                )
+            piece[seg.offset + a - lo : seg.offset + b - lo].copy_(src[a:b])
+        engine.optim.write(unit, kind, lo, hi, piece)
+        if kind == "master":
+            for plo, phi in engine.compute_pieces(unit, lo, hi):
+                vals = piece[plo - lo : phi - lo].to(engine.dtype)
+                if engine.params.master_alias(unit) is None:
+                    engine.params.write(unit, plo, phi, vals)
+    if kind == "master":
+        engine.params.release(unit)  # a gathered copy would be stale

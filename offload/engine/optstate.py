@@ -1,0 +1,247 @@
+"""Where the fp32 master weights, Adam moments and fp32 gradients live
+(``offload_optimizer.device``), and the per-unit optimizer step over them.
+
+- :class:`HostOptimState` (``"cpu"``): flat fp32 host tensors per unit. The step is one native
+  CPU Adam call per unit (the kernel's thread pool splits it), writing the new compute params
+  straight into their home through ``out=``.
+- :class:`NvmeOptimState` (``"nvme"``): one NVMe shard per (unit, piece, kind) for master,
+  exp_avg, exp_avg_sq and grad, streamed through the ``offload_optimizer`` buffer pool. Host RAM
+  never holds a model-sized fp32 buffer.
+
+Note: gradients
+    When a unit's backward completes its gradients are flattened into a compute-dtype staging
+    buffer (zero where a parameter got no grad) and accumulated into the fp32 grad shard with
+    the native one-pass kernel, which also reports inf/NaN and the sum of squares of the result.
+    The first micro-step after ``zero_grad`` overwrites instead of adding, so nothing is ever
+    zeroed and, on NVMe, the first write needs no read. The latest sum of squares per unit (or
+    piece) gives the global norm for clipping without another pass.
+
+    One special case keeps the CPU tier at the speed of plain PyTorch: with the compute device
+    being the CPU, fp32 compute and the optimizer on the CPU (``KeepGrads``), gradients already
+    are where the optimizer runs, so they stay in ``p.grad`` (autograd accumulates them) and the
+    step reads them in place; the master is the parameter itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from offload.engine.params import ParamHome
+from offload.engine.units import Unit
+from offload.optim import accumulate_grad, adam_step
+
+
+@dataclass(slots=True)
+class Hyper:
+    """The hyperparameters of one step."""
+
+    step: int
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    adamw_mode: bool
+    bias_correction: bool
+    grad_scale: float
+
+    def kwargs(self) -> dict:
+        return dict(
+            step=self.step,
+            lr=self.lr,
+            betas=self.betas,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            adamw_mode=self.adamw_mode,
+            bias_correction=self.bias_correction,
+            grad_scale=self.grad_scale,
+        )
+
+
+@dataclass(slots=True)
+class GradRecord:
+    """Latest accumulation result of one unit or piece."""
+
+    found_inf: bool = False
+    sumsq: float = 0.0
+
+
+class OptimState:
+    """Interface of the optimizer-state placement strategies."""
+
+    keeps_grads = False  # grads stay in p.grad (see the module Note)
+
+    def setup(self, unit: Unit, params: ParamHome, master: torch.Tensor | None) -> None:
+        """Creates the unit's state; ``master`` holds the fp32 initial values of ``[0, trainable)``."""
+        raise NotImplementedError
+
+    def sink_grads(self, unit: Unit, flat_grad: torch.Tensor, first: bool) -> None:
+        """Accumulates a host compute-dtype flat grad over ``[0, trainable)`` into the fp32 grads."""
+        raise NotImplementedError
+
+    def grad_stats(self) -> tuple[bool, float]:
+        """(any inf/NaN, sum of squares) over all accumulated grads."""
+        recs = [r for rs in self.records.values() for r in rs]
+        return any(r.found_inf for r in recs), sum(r.sumsq for r in recs)
+
+    def step(self, unit: Unit, params: ParamHome, hyper: Hyper) -> None:
+        raise NotImplementedError
+
+    def pieces(self, unit: Unit) -> list[tuple[int, int]]:
+        raise NotImplementedError
+
+    def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
+        """Host fp32 copy of ``kind`` in {"master", "exp_avg", "exp_avg_sq"} over a piece."""
+        raise NotImplementedError
+
+    def write(self, unit: Unit, kind: str, lo: int, hi: int, values: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class HostOptimState(OptimState):
+    def __init__(self, *, pin: bool, keep_grads: bool, transfers) -> None:
+        self.pin, self.keeps_grads, self.transfers = pin, keep_grads, transfers
+        self.bufs: dict[int, dict[str, torch.Tensor]] = {}
+        self.aliased: dict[int, bool] = {}  # master is the compute params' own fp32 buffer
+        self.records: dict[int, list[GradRecord]] = {}
+
+    def setup(self, unit: Unit, params: ParamHome, master: torch.Tensor | None) -> None:
+        n = unit.layout.trainable
+        if n == 0:
+            return
+        alias = params.master_alias(unit)
+        master = alias if alias is not None else master
+        bufs = {
+            "master": master,
+            "exp_avg": torch.zeros(n, dtype=torch.float32),
+            "exp_avg_sq": torch.zeros(n, dtype=torch.float32),
+        }
+        if not self.keeps_grads:
+            bufs["grad"] = self.transfers.host_empty(n, torch.float32, self.pin)
+        self.bufs[unit.index] = bufs
+        self.records[unit.index] = [GradRecord()]
+        self.aliased[unit.index] = alias is not None
+
+    def sink_grads(self, unit: Unit, flat_grad: torch.Tensor, first: bool) -> None:
+        inf, ss = accumulate_grad(self.bufs[unit.index]["grad"], flat_grad, overwrite=first)
+        self.records[unit.index][0] = GradRecord(inf, ss)
+
+    def pieces(self, unit: Unit) -> list[tuple[int, int]]:
+        n = unit.layout.trainable
+        return [(0, n)] if n else []
+
+    def step(self, unit: Unit, params: ParamHome, hyper: Hyper) -> None:
+        bufs = self.bufs.get(unit.index)
+        if bufs is None:
+            return
+        n = unit.layout.trainable
+        aliased = self.aliased[unit.index]
+        if self.keeps_grads:
+            for seg in unit.layout.segments:
+                if not seg.trainable or seg.param.grad is None:
+                    continue
+                sl = slice(seg.offset, seg.end)
+                adam_step(
+                    bufs["master"][sl],
+                    seg.param.grad.view(-1),
+                    bufs["exp_avg"][sl],
+                    bufs["exp_avg_sq"][sl],
+                    **hyper.kwargs(),
+                    out=None if aliased else params.out_buffer(unit, seg.offset, seg.end),
+                )
+                if not aliased:
+                    params.commit(unit, seg.offset, seg.end)
+            return
+        if aliased:
+            adam_step(
+                bufs["master"], bufs["grad"], bufs["exp_avg"], bufs["exp_avg_sq"], **hyper.kwargs()
+            )
+            return
+        for lo, hi in params.pieces_in(unit, 0, n):
+            adam_step(
+                bufs["master"][lo:hi],
+                bufs["grad"][lo:hi],
+                bufs["exp_avg"][lo:hi],
+                bufs["exp_avg_sq"][lo:hi],
+                **hyper.kwargs(),
+                out=params.out_buffer(unit, lo, hi),
+            )
+            params.commit(unit, lo, hi)
+
+    def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
+        return self.bufs[unit.index][kind][lo:hi].clone()
+
+    def write(self, unit: Unit, kind: str, lo: int, hi: int, values: torch.Tensor) -> None:
+        self.bufs[unit.index][kind][lo:hi].copy_(values)
+
+
+class NvmeOptimState(OptimState):
+    def __init__(self, store, piece_numel: int) -> None:
+        from offload.store import Tier  # noqa: PLC0415
+
+        self.store, self.piece_numel, self.tier, self._nvme = (
+            store,
+            piece_numel,
+            Tier.HOST,
+            Tier.NVME,
+        )
+        self._pieces: dict[int, list[tuple[int, int]]] = {}
+        self.records: dict[int, list[GradRecord]] = {}
+
+    @staticmethod
+    def key(unit: Unit, kind: str, lo: int) -> str:
+        return f"{kind}.u{unit.index}.{lo}"
+
+    def setup(self, unit: Unit, params: ParamHome, master: torch.Tensor | None) -> None:
+        n = unit.layout.trainable
+        pieces = unit.layout.pieces(self.piece_numel, n)
+        self._pieces[unit.index] = pieces
+        self.records[unit.index] = [GradRecord() for _ in pieces]
+        for lo, hi in pieces:
+            self.store.register(
+                self.key(unit, "master", lo), hi - lo, torch.float32, self._nvme, init=master[lo:hi]
+            )
+            for kind in ("exp_avg", "exp_avg_sq", "grad"):
+                self.store.register(self.key(unit, kind, lo), hi - lo, torch.float32, self._nvme)
+
+    def pieces(self, unit: Unit) -> list[tuple[int, int]]:
+        return self._pieces.get(unit.index, [])
+
+    def sink_grads(self, unit: Unit, flat_grad: torch.Tensor, first: bool) -> None:
+        recs = self.records[unit.index]
+        for j, (lo, hi) in enumerate(self.pieces(unit)):
+            key = self.key(unit, "grad", lo)
+            self.store.use(key, self.tier)
+            buf = self.store.fetch(key, self.tier, read=not first).wait()
+            inf, ss = accumulate_grad(buf, flat_grad[lo:hi], overwrite=first)
+            recs[j] = GradRecord(inf, ss)
+            self.store.release(key, self.tier, dirty=True)
+
+    def step(self, unit: Unit, params: ParamHome, hyper: Hyper) -> None:
+        for lo, hi in self.pieces(unit):
+            keys = [self.key(unit, k, lo) for k in (*KINDS, "grad")]
+            for k in keys:
+                self.store.use(k, self.tier)
+            futs = [self.store.fetch(k, self.tier) for k in keys]
+            master, exp_avg, exp_avg_sq, grad = (f.wait() for f in futs)
+            out = params.out_buffer(unit, lo, hi)
+            adam_step(master, grad, exp_avg, exp_avg_sq, **hyper.kwargs(), out=out)
+            params.commit(unit, lo, hi)
+            for k in keys[:3]:
+                self.store.release(k, self.tier, dirty=True)
+            self.store.release(keys[3], self.tier)
+
+    def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        self.store.read_into(self.key(unit, kind, lo), out)
+        return out
+
+    def write(self, unit: Unit, kind: str, lo: int, hi: int, values: torch.Tensor) -> None:
+        self.store.write_from(self.key(unit, kind, lo), values.to(torch.float32).contiguous())

@@ -1,0 +1,178 @@
+"""Models and loops shared by the engine tests (parity, resume, memory).
+
+The model is built to expose races and bookkeeping bugs: tied input/output embeddings (a
+parameter used by the root in two places), a block called twice in one forward, a block run
+under non-reentrant activation checkpointing, a frozen parameter, a buffer, parameters outside any
+unit, and a "huge and cheap" block whose parameters are large and whose compute is trivial, so
+transfers dwarf compute and a missing wait shows up as wrong numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+VOCAB, DIM = 64, 32
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.register_buffer("gain", torch.full((dim,), 0.5))
+
+    def forward(self, x):
+        return x + self.gain * self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class HugeCheapBlock(nn.Module):
+    """Many parameters, almost no compute: every element gets a gradient."""
+
+    def __init__(self, dim: int, rows: int) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(rows, dim) * 0.02)
+
+    def forward(self, x):
+        return x + self.table.mean(0)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, n_blocks: int = 3, hidden: int = 96, huge_rows: int = 3000) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(DIM, hidden) for _ in range(n_blocks))
+        self.huge = HugeCheapBlock(DIM, huge_rows)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.blocks[0].fc1.bias.requires_grad_(False)  # a frozen parameter
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        x = self.blocks[0](x)
+        x = self.blocks[1](x)
+        x = self.blocks[1](x)  # the same block twice
+        x = checkpoint(self.blocks[2], x, use_reentrant=False)
+        x = self.huge(x)
+        return self.head(self.norm(x))
+
+
+def make_model(seed: int = 0, **kw) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(**kw)
+
+
+def batches(n: int, seed: int = 1, batch: int = 4, seq: int = 12):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, seq + 1), generator=g) for _ in range(n)]
+
+
+def lm_loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def reference_fp32(model, data, steps, accum, clip, lr=1e-2, wd=0.1):
+    """Plain PyTorch: AdamW(foreach=False), grad accumulation, clipping, an LR schedule."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=wd, foreach=False
+    )
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    losses = []
+    for s in range(steps):
+        total = 0.0
+        for m in range(accum):
+            loss = lm_loss(model, data[(s * accum + m) % len(data)]) / accum
+            loss.backward()
+            total += float(loss.detach())
+        if clip:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(total)
+    return model, losses
+
+
+def reference_mixed(model, data, steps, accum, clip, dtype, lr=1e-2, wd=0.1):
+    """Reference mixed precision: fp32 master updated by AdamW, a low-precision copy used for
+    compute, gradients accumulated in fp32."""
+    master = copy.deepcopy(model)
+    compute = copy.deepcopy(model).to(dtype)
+    mparams = [p for p in master.parameters() if p.requires_grad]
+    cparams = [p for p in compute.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(mparams, lr=lr, weight_decay=wd, foreach=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    losses = []
+    for s in range(steps):
+        total = 0.0
+        for m in range(accum):
+            loss = lm_loss(compute, data[(s * accum + m) % len(data)]) / accum
+            loss.backward()
+            total += float(loss.detach())
+            for mp, cp in zip(mparams, cparams):
+                g = cp.grad.float()
+                mp.grad = g if mp.grad is None else mp.grad + g
+                cp.grad = None
+        if clip:
+            torch.nn.utils.clip_grad_norm_(mparams, clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for mp, cp in zip(mparams, cparams):
+                cp.copy_(mp)
+        losses.append(total)
+    return master, losses
+
+
+def train_wrapped(model, optimizer, data, steps, accum, clip, start=0, sched=None):
+    if sched is None:
+        sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+    losses = []
+    for s in range(start, steps):
+        total = 0.0
+        for m in range(accum):
+            loss = lm_loss(model, data[(s * accum + m) % len(data)]) / accum
+            loss.backward()
+            total += float(loss.detach())
+        if clip:
+            optimizer.clip_grad_norm_(clip)
+        optimizer.step()
+        sched.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses, sched
+
+
+def placement_config(param_dev: str, opt_dev: str, tmp_path, dtype="fp32", **over) -> dict:
+    cfg = {
+        "device": "cpu",
+        "dtype": dtype,
+        "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.1},
+        "offload_param": {
+            "device": param_dev,
+            "buffer_count": 4,
+            "buffer_size": "64KiB",
+            "persistence_threshold": 0,
+        },
+        "offload_optimizer": {"device": opt_dev, "buffer_count": 8, "buffer_size": "64KiB"},
+        "wrap": {"module_classes": ["Block", "HugeCheapBlock"]},
+        "prefetch": {"depth": 2},
+    }
+    if param_dev == "nvme":
+        (tmp_path / "nvme_p").mkdir(parents=True, exist_ok=True)
+        cfg["offload_param"]["nvme_path"] = str(tmp_path / "nvme_p")
+    if opt_dev == "nvme":
+        (tmp_path / "nvme_o").mkdir(parents=True, exist_ok=True)
+        cfg["offload_optimizer"]["nvme_path"] = str(tmp_path / "nvme_o")
+    for k, v in over.items():
+        cfg[k] = v
+    return cfg

@@ -1,10 +1,9 @@
 """``offload report``: what this machine offers to offload, as text or ``--json``.
 
 Native extension (loaded, or why not), SIMD levels, compute threads, CPU, torch version, CUDA
-devices and whether pinned memory works, total and available RAM with the mlock limit,
-and for one directory (``--path``, default the temp dir):
-its filesystem, free space and whether O_DIRECT works there. Every probe catches its own
-failure and reports it, so the command always exits 0.
+devices and whether pinned memory works, total and available RAM and the mlock limit, and for
+one directory (``--path``, default the temp dir) its filesystem, free space and whether O_DIRECT
+works there. Every probe catches its own failure and reports it, so the command always exits 0.
 
 Note: the O_DIRECT probe
     O_DIRECT needs the buffer address, the file offset and the length aligned (4096 bytes covers

@@ -112,6 +112,9 @@ class TieredStore:
         self._shards: dict[str, Shard] = {}
         self._inflight: dict[str, Shard] = {}
         self._wanted: dict[str, Tier] = {}
+        # shards holding a pool buffer / a device slab: the only eviction candidates
+        self._on_host: dict[str, Shard] = {}
+        self._on_device: dict[str, Shard] = {}
         self._clock = 0
         self._lock = threading.RLock()
         self._counters = StoreCounters()
@@ -236,7 +239,7 @@ class TieredStore:
             ):
                 self._settle(shard)
                 if shard.state is ShardState.DEVICE and not shard.dirty:
-                    self._slabs.give(shard.drop_device())  # no cap: nothing cached on device
+                    self._give_slab(shard)  # no cap: nothing cached on device
             self._poll()
 
     # -- trace ------------------------------------------------------------------------------------
@@ -298,9 +301,9 @@ class TieredStore:
                 raise RuntimeError(f"{self.name}: write_from({key!r}) while it is fetched")
             self._settle(shard)
             if shard.state is ShardState.DEVICE and shard.home is not Tier.DEVICE:
-                self._slabs.give(shard.drop_device())
+                self._give_slab(shard)
             if shard.state is ShardState.HOST and shard.home is Tier.NVME:
-                self._host.give(shard.drop_host())
+                self._give_buf(shard)
             shard.dirty = False
             flat = src.detach().reshape(-1)
             if shard.home_tensor is not None:
@@ -362,6 +365,8 @@ class TieredStore:
                     self._host.give(shard.host_buf)
                     shard.host_buf = None
             self._slabs.release_all()
+            self._on_host.clear()
+            self._on_device.clear()
             self._shards.clear()
             self._staging = None
             self._closed = True
@@ -415,6 +420,7 @@ class TieredStore:
                     handle = self._nvme.read(shard.key, buf[: shard.io_nbytes])
                     transfer = Transfer(Tier.NVME, Tier.HOST, shard.io_nbytes, handle, keep=buf)
                 shard.load_host(buf, transfer)
+                self._on_host[shard.key] = shard
                 self._issued(shard, transfer)
                 continue
             # state is HOST and the target is DEVICE
@@ -428,6 +434,7 @@ class TieredStore:
                 )
                 transfer = Transfer(Tier.HOST, Tier.DEVICE, shard.nbytes, event)
             shard.load_device(slab, transfer)
+            self._on_device[shard.key] = shard
             self._issued(shard, transfer)
 
     def _issued(self, shard: Shard, transfer: Transfer | None) -> None:
@@ -508,7 +515,15 @@ class TieredStore:
                 f"{self.name}: {what} for {shard.key!r} would make its device copy stale, but "
                 "that copy is fetched; release it at DEVICE first"
             )
+        self._give_slab(shard)
+
+    def _give_slab(self, shard: Shard) -> None:
         self._slabs.give(shard.drop_device())
+        self._on_device.pop(shard.key, None)
+
+    def _give_buf(self, shard: Shard) -> None:
+        self._host.give(shard.drop_host())
+        self._on_host.pop(shard.key, None)
 
     # -- budgets -----------------------------------------------------------------------------------------
     def _distance(self, key: str, tiers: tuple[Tier, ...]) -> float | None:
@@ -527,7 +542,7 @@ class TieredStore:
                 return buf
             candidates = [
                 s
-                for s in self._shards.values()
+                for s in self._on_host.values()
                 if s is not shard
                 and s.home is Tier.NVME
                 and s.pending is None
@@ -538,8 +553,8 @@ class TieredStore:
             victim = self._choose(candidates, shard, tiers, prefetch)
             if victim is not None:
                 if victim.state is ShardState.DEVICE:
-                    self._slabs.give(victim.drop_device())
-                host.give(victim.drop_host())
+                    self._give_slab(victim)
+                self._give_buf(victim)
                 self._counters.evicted(Tier.HOST)
                 continue
             if not blocking:
@@ -550,7 +565,9 @@ class TieredStore:
             try:
                 return host.take_blocking(timeout)
             except Exception as exc:
-                held = [s.key for s in self._shards.values() if s.host_buf is not None]
+                held = list(self._on_host)
+                if not held:
+                    held = ["none of this store's; is the pool shared with another user?"]
                 raise RuntimeError(
                     f"{self.name}: host budget exhausted fetching {shard.key!r}: all "
                     f"{host.capacity} buffers ({self.name}.buffer_count={host.capacity}, "
@@ -567,9 +584,8 @@ class TieredStore:
                 return slab
             candidates = [
                 s
-                for s in self._shards.values()
+                for s in self._on_device.values()
                 if s is not shard
-                and s.home is not Tier.DEVICE
                 and s.state is ShardState.DEVICE
                 and s.pending is None
                 and not s.pins[Tier.DEVICE]
@@ -577,7 +593,7 @@ class TieredStore:
             ]
             victim = self._choose(candidates, shard, tiers, prefetch)
             if victim is not None:
-                self._slabs.give(victim.drop_device())
+                self._give_slab(victim)
                 self._counters.evicted(Tier.DEVICE)
                 continue
             if not blocking:

@@ -266,3 +266,42 @@ def test_counters_add_up(tmp_path):
         assert s["host->nvme"]["transfers"] == 2
         assert s["host"]["peak_in_use"] == 1 and s["device"]["peak_allocated"] == KIB4
         assert all(s[p]["wait_seconds"] >= 0 for p in ("nvme->host", "host->nvme"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_round_trip_without_device_synchronize(tmp_path, monkeypatch):
+    """Streams + events on a real GPU: data intact, and no device-wide synchronize anywhere."""
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("torch.cuda.synchronize() called in the store")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+    aio = AsyncIO()
+    pool = BufferPool(2, 1 << 16, timeout=1.0)
+    nvme = NvmeStore(tmp_path, aio=aio)
+    store = TieredStore(
+        device="cuda", pool=pool, nvme=nvme, device_budget=2 << 16, prefetch_depth=1
+    )
+    ref = {}
+    for i in range(4):
+        ref[f"s{i}"] = torch.randn(4099)
+        store.register(f"s{i}", 4099, torch.float32, Tier.NVME, init=ref[f"s{i}"])
+    for _ in range(3):
+        store.begin_iteration()
+        for key in ref:
+            store.use(key, Tier.DEVICE)
+            got = store.fetch(key, Tier.DEVICE).wait()
+            assert got.is_cuda and torch.equal(got.cpu(), ref[key])
+            got.mul_(2)
+            ref[key] *= 2
+            store.release(key, Tier.DEVICE, dirty=True)
+        store.end_iteration()
+    store.flush()
+    for key, value in ref.items():
+        out = torch.empty(4099)
+        store.read_into(key, out)
+        assert torch.equal(out, value)
+    store.close()
+    nvme.close()
+    pool.close()
+    aio.close()

@@ -77,6 +77,8 @@ class Slab:
 
     nbytes: int
     memory: Any
+    fence: Any = None
+    """The compute-stream event recorded at the last release of the copy it holds (CUDA)."""
 
 
 class DeviceBudget:

@@ -2,11 +2,14 @@
 
 Note: streams and events
     One persistent copy stream per direction (host -> device, device -> host), created once with
-    the store. Before a copy is queued, its stream waits on the compute stream (a stream-to-stream
-    dependency, not a synchronize): a slab being refilled may still be read by kernels queued
-    earlier, and a device copy being flushed may still be written by them. Each copy records a
-    CUDA event; the transfer record carries it, and waiting on that event (``Event.wait``) is the
-    only host-side wait. Nothing here calls ``torch.cuda.synchronize()``.
+    the store. When a device copy is released, the store records a *fence* (a CUDA event on the
+    compute stream) in its slab: kernels queued before the release may still read it (a slab
+    about to be refilled) or write it (a dirty copy about to be flushed). The next copy into or
+    out of that slab makes its copy stream wait on that fence (``wait_event``: a stream-side
+    dependency, not a host wait, and not on the whole compute stream, so a prefetch still
+    overlaps compute queued later). Each copy records a CUDA event; the transfer record carries
+    it, and waiting on that event (``Event.wait``) is the only host-side wait. Nothing here calls
+    ``torch.cuda.synchronize()``.
 
     Host buffers are pinned (the pool pins them under CUDA), so ``non_blocking=True`` copies are
     truly asynchronous; they stay alive until the event completes because the store frees a
@@ -18,7 +21,7 @@ Note: streams and events
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -78,22 +81,35 @@ class DeviceCopier:
         """Uninitialised device memory of ``nbytes`` bytes (a slab)."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
-        """Queue ``dst.copy_(src)`` host -> device; the returned event says when it is done."""
+    def fence(self) -> Any:
+        """Mark "compute queued so far" on the compute stream (a CUDA event; ``None`` on CPU).
+
+        Recorded when a device copy is released: a later copy into or out of that slab waits on
+        this fence only, so prefetches still overlap compute queued after the release.
+        """
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Event:
+        """Queue ``dst.copy_(src)`` host -> device once ``after`` (a fence) has passed."""
         if not self.is_cuda:
             dst.copy_(src)
             return COMPLETED
-        return self._queue(self._to_device, dst, src)
+        return self._queue(self._to_device, dst, src, after)
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
-        """Queue ``dst.copy_(src)`` device -> host; the returned event says when it is done."""
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Event:
+        """Queue ``dst.copy_(src)`` device -> host once ``after`` (a fence) has passed."""
         if not self.is_cuda:
             dst.copy_(src)
             return COMPLETED
-        return self._queue(self._to_host, dst, src)
+        return self._queue(self._to_host, dst, src, after)
 
-    def _queue(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor) -> Event:
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+    def _queue(self, stream: Any, dst: torch.Tensor, src: torch.Tensor, after: Any) -> Event:
+        if after is not None:
+            stream.wait_event(after)  # a stream-side wait; the host does not block
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()

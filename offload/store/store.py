@@ -223,6 +223,8 @@ class TieredStore:
                     f"{self.name}: release({key!r}, {tier.name}) without a matching fetch"
                 )
             shard.pins[tier] -= 1
+            if tier is Tier.DEVICE and shard.slab is not None:
+                shard.slab.fence = self._copier.fence()  # see device.py, Note: streams and events
             if dirty:
                 shard.dirty = True
                 if tier is Tier.HOST:
@@ -430,7 +432,7 @@ class TieredStore:
             transfer = None
             if read:
                 event = self._copier.to_device(
-                    slab.memory[: shard.nbytes], shard.host_view().view(torch.uint8)
+                    slab.memory[: shard.nbytes], shard.host_view().view(torch.uint8), slab.fence
                 )
                 transfer = Transfer(Tier.HOST, Tier.DEVICE, shard.nbytes, event)
             shard.load_device(slab, transfer)
@@ -493,7 +495,9 @@ class TieredStore:
             return
         if shard.state is ShardState.DEVICE:
             event = self._copier.to_host(
-                shard.host_view().view(torch.uint8), shard.device_view().view(torch.uint8)
+                shard.host_view().view(torch.uint8),
+                shard.device_view().view(torch.uint8),
+                shard.slab.fence if shard.slab is not None else None,
             )
             transfer = Transfer(Tier.DEVICE, Tier.HOST, shard.nbytes, event)
             shard.flush(transfer)

@@ -132,3 +132,22 @@ def test_order_change_is_counted_and_replay_recovers():
     assert result[-1] == (len(order), 0)
     assert store.stats()["prefetch"]["rerecords"] == 1
     store.close()
+
+
+def test_prefetch_never_displaces_a_copy_needed_sooner():
+    """Device budget of 2 slabs, depth 3, trace a b c d: the window does not fit, so the
+    prefetcher must keep a and b (needed first) instead of trading them for c and d."""
+    store = TieredStore(
+        device="cpu", pool=None, nvme=None, device_budget=2 * 4096, prefetch_depth=3
+    )
+    order = [(k, Tier.DEVICE) for k in "abcd"]
+    for key, _ in order:
+        store.register(key, 1024, torch.float32, Tier.HOST)
+    _run_iterations(store, order, iterations=1)  # record; head prefetch brings a and b
+    store.flush()
+    assert [store.state(k).name for k in "abcd"] == ["DEVICE", "DEVICE", "HOST", "HOST"]
+    store.begin_iteration()
+    store.use("a", Tier.DEVICE)  # window b, c, d: nothing may evict a or b
+    assert store.state("a").name == "DEVICE" and store.state("b").name == "DEVICE"
+    assert store.stats()["prefetch"]["deferred"] >= 1
+    store.close()

@@ -85,9 +85,9 @@ def test_dirty_release_is_written_back_and_survives_eviction(tmp_path, backend, 
 def test_read_false_skips_the_disk_read_and_counts_as_dirty(tmp_path):
     with make_store(tmp_path) as store:
         store.register("g", 513, torch.float32, Tier.NVME)
-        reads = store.stats()["nvme->host"]["transfers"]
+        reads = store.stats()["tiers"]["nvme->host"]["transfers"]
         buf = store.fetch("g", Tier.HOST, read=False).wait()
-        assert store.stats()["nvme->host"]["transfers"] == reads
+        assert store.stats()["tiers"]["nvme->host"]["transfers"] == reads
         buf.fill_(3.0)
         store.release("g", Tier.HOST)  # not flagged dirty: read=False already made it dirty
         store.flush()
@@ -127,7 +127,7 @@ def test_host_and_device_homes(home):
         with pytest.raises(ValueError, match="its home is DEVICE"):
             store.fetch("h", Tier.HOST)
     stats = store.stats()
-    assert stats["device"]["in_use"] == 0  # no cap: nothing stays cached on the device
+    assert stats["device_in_use_bytes"] == 0  # no cap: nothing stays cached on the device
     store.close()
 
 
@@ -256,16 +256,21 @@ def test_counters_add_up(tmp_path):
     with make_store(tmp_path, buffers=2, device_budget=KIB4) as store:
         store.register("a", 1024, torch.float32, Tier.NVME)  # exactly 4096 bytes
         start = store.stats()
-        assert start["host->nvme"] == {"bytes": KIB4, "transfers": 1, "wait_seconds": 0.0}
+        assert start["tiers"]["host->nvme"] == {"bytes": KIB4, "transfers": 1, "wait_seconds": 0.0}
         store.fetch("a", Tier.DEVICE).wait()
         store.release("a", Tier.DEVICE, dirty=True)
         store.flush()
         s = store.stats()
-        assert s["nvme->host"]["bytes"] == KIB4 and s["nvme->host"]["transfers"] == 1
-        assert s["host->device"]["bytes"] == KIB4 and s["device->host"]["bytes"] == KIB4
-        assert s["host->nvme"]["transfers"] == 2
-        assert s["host"]["peak_in_use"] == 1 and s["device"]["peak_allocated"] == KIB4
-        assert all(s[p]["wait_seconds"] >= 0 for p in ("nvme->host", "host->nvme"))
+        assert (
+            s["tiers"]["nvme->host"]["bytes"] == KIB4 and s["tiers"]["nvme->host"]["transfers"] == 1
+        )
+        assert (
+            s["tiers"]["host->device"]["bytes"] == KIB4
+            and s["tiers"]["device->host"]["bytes"] == KIB4
+        )
+        assert s["tiers"]["host->nvme"]["transfers"] == 2
+        assert s["peak_host_buffers"] == 1 and s["peak_device_bytes"] == KIB4
+        assert all(s["tiers"][p]["wait_seconds"] >= 0 for p in ("nvme->host", "host->nvme"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -66,19 +66,19 @@ class StoreCounters:
         self.evictions[tier.name.lower()] += 1
 
     def as_dict(self, *, host: dict, device: dict) -> dict:
+        """Snapshot: ``tiers`` (per pair: bytes, transfers, wait_seconds), prefetch counts,
+        evictions, and the ``host_*`` / ``device_*`` budget figures passed in (flat keys)."""
         uses = self.prefetch_hits + self.prefetch_misses
         return {
-            **{name: dict(entry) for name, entry in self._pairs.items()},
-            "prefetch": {
-                "hits": self.prefetch_hits,
-                "misses": self.prefetch_misses,
-                "hit_rate": self.prefetch_hits / uses if uses else 0.0,
-                "started": self.prefetches_started,
-                "deferred": self.prefetches_deferred,
-                "rerecords": self.rerecords,
-            },
+            "tiers": {name: dict(entry) for name, entry in self._pairs.items()},
+            "prefetch_hits": self.prefetch_hits,
+            "prefetch_misses": self.prefetch_misses,
+            "prefetch_hit_rate": self.prefetch_hits / uses if uses else 0.0,
+            "prefetches_started": self.prefetches_started,
+            "prefetches_deferred": self.prefetches_deferred,
+            "rerecords": self.rerecords,
             "evictions": dict(self.evictions),
             "budget_waits": self.budget_waits,
-            "host": host,
-            "device": device,
+            **host,
+            **device,
         }

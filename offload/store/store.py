@@ -333,23 +333,36 @@ class TieredStore:
         return key in self._shards
 
     def stats(self) -> dict:
-        """Counters as a plain dict: per tier pair, prefetch, host and device budgets."""
+        """Counters as a plain dict (JSON-able).
+
+        Keys: ``tiers`` -> ``{"nvme->host"|"host->nvme"|"host->device"|"device->host": {bytes,
+        transfers, wait_seconds}}``; ``prefetch_hits``, ``prefetch_misses``, ``prefetch_hit_rate``,
+        ``prefetches_started``, ``prefetches_deferred``, ``rerecords``; ``evictions`` ->
+        ``{host, device}``; ``budget_waits``; ``host_buffers``, ``host_buffer_size``,
+        ``host_buffers_in_use``, ``peak_host_buffers``, ``peak_host_bytes``; ``device_budget``,
+        ``device_allocated_bytes``, ``device_in_use_bytes``, ``peak_device_bytes``,
+        ``peak_device_in_use_bytes``, ``device_slab_allocations``.
+        """
         with self._lock:
             host = self._host
+            count = host.capacity if host else 0
+            size = host.buffer_size if host else 0
+            slabs = self._slabs
             return self._counters.as_dict(
                 host={
-                    "buffer_count": host.capacity if host else 0,
-                    "buffer_size": host.buffer_size if host else 0,
-                    "in_use": host.in_use if host else 0,
-                    "peak_in_use": host.peak if host else 0,
+                    "host_buffers": count,
+                    "host_buffer_size": size,
+                    "host_buffers_in_use": host.in_use if host else 0,
+                    "peak_host_buffers": host.peak if host else 0,
+                    "peak_host_bytes": (host.peak if host else 0) * size,
                 },
                 device={
-                    "budget": self._slabs.budget,
-                    "allocated": self._slabs.allocated,
-                    "in_use": self._slabs.in_use,
-                    "peak_allocated": self._slabs.peak_allocated,
-                    "peak_in_use": self._slabs.peak_in_use,
-                    "slab_allocations": self._slabs.allocations,
+                    "device_budget": slabs.budget,
+                    "device_allocated_bytes": slabs.allocated,
+                    "device_in_use_bytes": slabs.in_use,
+                    "peak_device_bytes": slabs.peak_allocated,
+                    "peak_device_in_use_bytes": slabs.peak_in_use,
+                    "device_slab_allocations": slabs.allocations,
                 },
             )
 

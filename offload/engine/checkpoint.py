@@ -240,7 +240,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -
                 for lo, hi in engine.optim.pieces(unit):
                     piece = sl[lo:hi]
                     engine.optim.write(unit, kind, lo, hi, piece)
-                    if kind == "master" and engine.params.master_alias(unit) is None:
+                    if kind == "master" and not engine.optim.master_is_compute(unit):
                         for plo, phi in engine.compute_pieces(unit, lo, hi):
                             engine.params.write(
                                 unit, plo, phi, piece[plo - lo : phi - lo].to(engine.dtype)

@@ -216,7 +216,7 @@ def _write_unit_kind(engine: Engine, unit, kind: str, values: dict) -> None:
         if kind == "master":
             for plo, phi in engine.compute_pieces(unit, lo, hi):
                 vals = piece[plo - lo : phi - lo].to(engine.dtype)
-                if engine.params.master_alias(unit) is None:
+                if not engine.optim.master_is_compute(unit):
                     engine.params.write(unit, plo, phi, vals)
     if kind == "master":
         engine.params.release(unit)  # a gathered copy would be stale

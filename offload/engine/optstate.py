@@ -91,6 +91,10 @@ class OptimState:
     def pieces(self, unit: Unit) -> list[tuple[int, int]]:
         raise NotImplementedError
 
+    def master_is_compute(self, unit: Unit) -> bool:
+        """Whether the master is the compute params' own buffer (writing one writes both)."""
+        return False
+
     def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
         """Host fp32 copy of ``kind`` in {"master", "exp_avg", "exp_avg_sq"} over a piece."""
         raise NotImplementedError
@@ -136,6 +140,9 @@ class HostOptimState(OptimState):
     def pieces(self, unit: Unit) -> list[tuple[int, int]]:
         n = unit.layout.trainable
         return [(0, n)] if n else []
+
+    def master_is_compute(self, unit: Unit) -> bool:
+        return self.aliased.get(unit.index, False)
 
     def step(self, unit: Unit, params: ParamHome, hyper: Hyper) -> None:
         bufs = self.bufs.get(unit.index)

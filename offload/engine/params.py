@@ -20,6 +20,8 @@ Note: gather and release keep the Parameter objects
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from offload.engine.layout import FlatLayout
@@ -188,11 +190,13 @@ class NvmeParams(ParamHome):
         transfers: Transfers,
         store,
         piece_numel: int,
+        window: int,
     ) -> None:
         from offload.store import Tier  # noqa: PLC0415
 
         self.device, self.dtype, self.transfers = device, dtype, transfers
         self.store, self.piece_numel, self.tier = store, piece_numel, Tier.HOST
+        self.window = max(1, window)  # pieces fetched ahead while gathering one unit
         self._tier_mod = Tier
         self.pieces: dict[int, list[tuple[int, int]]] = {}
 
@@ -229,13 +233,18 @@ class NvmeParams(ParamHome):
         pieces = self.pieces[unit.index]
         for lo, _ in pieces:
             self.store.use(self.key(unit, lo), self.tier)
-        futures = [(lo, hi, self.store.fetch(self.key(unit, lo), self.tier)) for lo, hi in pieces]
-        for lo, hi, fut in futures:
+        # demand fetches run at most `window` pieces ahead: the pool must keep a buffer free
+        inflight: deque = deque()
+        for i in range(len(pieces)):
+            while len(inflight) < self.window and i + len(inflight) < len(pieces):
+                a, b = pieces[i + len(inflight)]
+                inflight.append((a, b, self.store.fetch(self.key(unit, a), self.tier)))
+            a, b, fut = inflight.popleft()
             buf = fut.wait()
-            self.transfers.to_device(_copy_pairs(unit.layout, buf, lo, hi))
+            self.transfers.to_device(_copy_pairs(unit.layout, buf, a, b))
             if self.transfers.is_cuda:
                 self.transfers.h2d_stream.synchronize()  # the pool buffer goes back next line
-            self.store.release(self.key(unit, lo), self.tier)
+            self.store.release(self.key(unit, a), self.tier)
         unit.gathered = True
 
     def release(self, unit: Unit) -> None:

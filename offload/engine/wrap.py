@@ -191,7 +191,14 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
         pin_p = cfg.offload_param.pin_memory
         if cfg.offload_param.device == "nvme":
             stores["offload_param"] = _make_store(cfg, "offload_param", device, aio, pin_p)
-            params = NvmeParams(device, dtype, transfers, stores["offload_param"], piece)
+            params = NvmeParams(
+                device,
+                dtype,
+                transfers,
+                stores["offload_param"],
+                piece,
+                window=cfg.offload_param.buffer_count - 1,
+            )
         elif cfg.offload_param.device == "cpu":
             params = HostParams(device, dtype, transfers, pin_p)
         else:

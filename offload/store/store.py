@@ -6,24 +6,8 @@ Note: one shard, three tiers
     shard at ``tier``, starts whatever transfers it can without blocking, and returns a ``Fetch``;
     ``Fetch.wait()`` drives the remaining steps (blocking on the transfer records) and returns the
     typed view. ``release(key, tier, dirty=...)`` unpins; the last dirty release starts the
-    write-back home (device -> host copy, then host -> NVMe) at once, asynchronously.
-
-Note: budgets and eviction
-    A host copy of an NVMe-homed shard takes one ``BufferPool`` buffer; a device copy takes a
-    device slab (``budget.py``). When a budget is full the store evicts a released, clean,
-    settled copy chosen by ``planner.choose_victim``: farthest next use in the recorded trace,
-    LRU before one exists. Dirty copies are never evicted: their write-back was started at
-    release, and when nothing else is evictable the store waits for the oldest unpinned transfer
-    in flight (a write-back, or a prefetch nobody has claimed yet) and tries again. Only when
-    every buffer belongs to a fetched, unreleased shard does it block on the pool for the pool's
-    timeout and then raise an error that names the budget.
-
-Note: prefetch never starves a demand fetch
-    Prefetches never block and never wait. They take a free buffer, or evict a copy whose next
-    use is strictly farther than the prefetched shard's; an unclaimed prefetched copy is an
-    ordinary candidate for a demand fetch (near next use, so it goes last), and an unclaimed
-    prefetch still in flight is waited for and then evicted. So with a pool of one shard plus
-    ``prefetch_depth`` buffers a single outstanding demand fetch always gets a buffer.
+    write-back home (device -> host copy, then host -> NVMe) at once, asynchronously. Budgets,
+    eviction and the rule that a prefetch never starves a demand fetch: ``reclaim.py``.
 
 Note: coherence
     A dirty release at the host tier drops a device copy (it is stale); ``fetch(..., read=False)``
@@ -42,8 +26,9 @@ import torch
 
 from offload.store.budget import DeviceBudget, HostBudget, round_up
 from offload.store.device import DeviceCopier
-from offload.store.planner import choose_victim
+from offload.store.fetch import Fetch
 from offload.store.prefetch import TracePrefetcher
+from offload.store.reclaim import Reclaimer
 from offload.store.shard import Shard, Transfer
 from offload.store.state import ShardState, Tier
 from offload.store.stats import StoreCounters
@@ -51,34 +36,7 @@ from offload.store.stats import StoreCounters
 logger = logging.getLogger("offload.store")
 
 
-class Fetch:
-    """A future for one ``fetch``: ``wait()`` is the only way to reach the data."""
-
-    __slots__ = ("_store", "_shard", "tier", "_read")
-
-    def __init__(self, store: TieredStore, shard: Shard, tier: Tier, read: bool) -> None:
-        self._store = store
-        self._shard = shard
-        self.tier = tier
-        self._read = read
-
-    @property
-    def key(self) -> str:
-        return self._shard.key
-
-    def wait(self) -> torch.Tensor:
-        """Block until resident at ``tier``; returns exactly ``numel`` elements of ``dtype``."""
-        return self._store._wait(self._shard, self.tier, self._read)
-
-    def done(self) -> bool:
-        """Whether ``wait()`` would return without blocking on a transfer."""
-        return self._store._try(self._shard, self.tier, self._read)
-
-    def __repr__(self) -> str:
-        return f"Fetch({self.key!r}, {self.tier.name}, state={self._shard.state.name})"
-
-
-class TieredStore:
+class TieredStore(Reclaimer):
     """Shards across device, host and NVMe with hard budgets (see the module notes).
 
     Args:
@@ -533,124 +491,6 @@ class TieredStore:
                 "that copy is fetched; release it at DEVICE first"
             )
         self._give_slab(shard)
-
-    def _give_slab(self, shard: Shard) -> None:
-        self._slabs.give(shard.drop_device())
-        self._on_device.pop(shard.key, None)
-
-    def _give_buf(self, shard: Shard) -> None:
-        self._host.give(shard.drop_host())
-        self._on_host.pop(shard.key, None)
-
-    # -- budgets -----------------------------------------------------------------------------------------
-    def _distance(self, key: str, tiers: tuple[Tier, ...]) -> float | None:
-        distances = [self._prefetcher.distance((key, t)) for t in tiers]
-        if distances[0] is None:
-            return None
-        return min(distances)
-
-    def _take_host(self, shard: Shard, *, blocking: bool, prefetch: bool) -> torch.Tensor | None:
-        host = self._host
-        assert host is not None
-        tiers = (Tier.HOST, Tier.DEVICE)
-        while True:
-            buf = host.try_take()
-            if buf is not None:
-                return buf
-            candidates = [
-                s
-                for s in self._on_host.values()
-                if s is not shard
-                and s.home is Tier.NVME
-                and s.pending is None
-                and not s.pinned()
-                and not s.dirty
-                and s.state in (ShardState.HOST, ShardState.DEVICE)
-            ]
-            victim = self._choose(candidates, shard, tiers, prefetch)
-            if victim is not None:
-                if victim.state is ShardState.DEVICE:
-                    self._give_slab(victim)
-                self._give_buf(victim)
-                self._counters.evicted(Tier.HOST)
-                continue
-            if not blocking:
-                return None
-            if self._wait_one(shard):
-                continue
-            timeout = getattr(self._pool, "timeout", 60.0)
-            try:
-                return host.take_blocking(timeout)
-            except Exception as exc:
-                held = list(self._on_host)
-                if not held:
-                    held = ["none of this store's; is the pool shared with another user?"]
-                raise RuntimeError(
-                    f"{self.name}: host budget exhausted fetching {shard.key!r}: all "
-                    f"{host.capacity} buffers ({self.name}.buffer_count={host.capacity}, "
-                    f"{self.name}.buffer_size={host.buffer_size} bytes) are held by fetched, "
-                    f"unreleased shards {held[:8]} and none came free within {timeout} s; "
-                    f"raise {self.name}.buffer_count or release shards sooner"
-                ) from exc
-
-    def _take_slab(self, shard: Shard, *, blocking: bool, prefetch: bool) -> Any | None:
-        tiers = (Tier.DEVICE,)
-        while True:
-            slab = self._slabs.try_take(shard.nbytes)
-            if slab is not None:
-                return slab
-            candidates = [
-                s
-                for s in self._on_device.values()
-                if s is not shard
-                and s.state is ShardState.DEVICE
-                and s.pending is None
-                and not s.pins[Tier.DEVICE]
-                and not s.dirty
-            ]
-            victim = self._choose(candidates, shard, tiers, prefetch)
-            if victim is not None:
-                self._give_slab(victim)
-                self._counters.evicted(Tier.DEVICE)
-                continue
-            if not blocking:
-                return None
-            if self._wait_one(shard):
-                continue
-            raise RuntimeError(
-                f"{self.name}: device budget exhausted fetching {shard.key!r} "
-                f"({shard.nbytes} bytes): {self._slabs.in_use} of device_budget="
-                f"{self._slabs.budget} bytes are held by fetched, unreleased shards; raise "
-                "device_budget or release device shards sooner"
-            )
-
-    def _choose(
-        self, candidates: list[Shard], shard: Shard, tiers: tuple[Tier, ...], prefetch: bool
-    ) -> Shard | None:
-        if not candidates:
-            return None
-        farther: float | None = None
-        if prefetch:
-            farther = self._distance(shard.key, tiers)
-            if farther is None:
-                return None  # no known future: a prefetch never evicts
-        trace_known = self._prefetcher.position() is not None
-        return choose_victim(
-            candidates,
-            next_use=(lambda s: self._distance(s.key, tiers)) if trace_known else None,
-            last_used=lambda s: s.last_used,
-            farther_than=farther,
-        )
-
-    def _wait_one(self, shard: Shard) -> bool:
-        """Finish the oldest unpinned transfer in flight (it may free a copy); False if none."""
-        waiting = [s for s in self._inflight.values() if s is not shard and not s.pinned()]
-        if not waiting:
-            return False
-        oldest = min(waiting, key=lambda s: s.pending.issued)
-        self._counters.budget_waits += 1
-        self._finish(oldest)
-        return True
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _get(self, key: str, tier: Tier | None) -> Shard:

@@ -1,6 +1,180 @@
-// CPU Adam/AdamW kernel family (placeholder until the CPU Adam issue lands).
+// CPU Adam/AdamW kernel family: run-time SIMD dispatch, the split over the compute pool, and the
+// Python bindings. The kernels themselves are in cpu_adam_body.h (one source, three levels).
+//
+// Note (threading): a call is cut into one contiguous chunk per pool thread (the caller's thread
+// included), with chunk boundaries on multiples of 64 elements so no two threads write the same
+// cache line of any buffer (fp32, bf16 or fp16). Below 32K elements per thread the call runs on
+// the caller alone: waking a worker costs more than it saves. Adam is element-wise, so results do
+// not depend on the thread count; the sum of squares of accumulate_grad is combined per thread
+// in double and is deterministic for a given thread count.
+#include "cpu_adam.h"
+
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "simd.h"
+#include "thread_pool.h"
+
+namespace py = pybind11;
+
 namespace offload {
-void register_cpu_adam(pybind11::module_& /*m*/) {}
+namespace {
+
+namespace ca = cpu_adam;
+
+constexpr size_t kAlignElems = 64;
+constexpr size_t kMinPerThread = size_t{1} << 15;
+
+using AdamFn = void (*)(const ca::AdamArgs&, size_t, size_t);
+using AccumFn = double (*)(const ca::AccumArgs&, size_t, size_t);
+using StreamFn = void (*)(const ca::StreamArgs&, size_t, size_t);
+
+template <class Fn>
+Fn pick(Fn scalar_fn, Fn avx2_fn, Fn avx512_fn) {
+  switch (simd_level()) {
+    case SimdLevel::kAvx512: return avx512_fn;
+    case SimdLevel::kAvx2: return avx2_fn;
+    default: return scalar_fn;
+  }
+}
+
+// Runs f(part, begin, end) over [0, n) cut into contiguous chunks, one per pool thread.
+template <class F>
+size_t split(size_t n, const F& f) {
+  ThreadPool& pool = compute_pool();
+  size_t parts = std::min<size_t>(static_cast<size_t>(pool.num_threads()), n / kMinPerThread);
+  if (parts <= 1) {
+    f(0, 0, n);
+    return 1;
+  }
+  pool.parallel_for(parts, [&](size_t part) {
+    size_t b, e;
+    chunk_range(n, parts, part, kAlignElems, &b, &e);
+    if (b < e) f(part, b, e);
+  });
+  return parts;
+}
+
+void check_dtype(const char* what, int code, bool allow_none) {
+  if (code == ca::kF32 || code == ca::kBF16 || code == ca::kF16) return;
+  if (allow_none && code == ca::kNone) return;
+  throw std::invalid_argument(std::string(what) + " dtype code " + std::to_string(code) +
+                              " is not supported; allowed: 0 (float32), 1 (bfloat16), 2 (float16)" +
+                              (allow_none ? ", -1 (none)" : ""));
+}
+
+void check_ptr(const char* what, uintptr_t p, size_t n) {
+  if (n > 0 && p == 0) throw std::invalid_argument(std::string(what) + " is a null pointer");
+}
+
+template <class T>
+T* as_ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+               size_t n, int grad_dtype, uintptr_t out, int out_dtype, float grad_scale,
+               float decay, float l2, float w1, float beta2, float c2, float bc2_sqrt, float eps,
+               float neg_step) {
+  check_dtype("grad", grad_dtype, false);
+  check_dtype("out", out_dtype, true);
+  check_ptr("param", param, n);
+  check_ptr("grad", grad, n);
+  check_ptr("exp_avg", exp_avg, n);
+  check_ptr("exp_avg_sq", exp_avg_sq, n);
+  if (out_dtype != ca::kNone) check_ptr("out", out, n);
+  ca::AdamArgs a;
+  a.param = as_ptr<float>(param);
+  a.grad = as_ptr<const void>(grad);
+  a.exp_avg = as_ptr<float>(exp_avg);
+  a.exp_avg_sq = as_ptr<float>(exp_avg_sq);
+  a.out = out_dtype == ca::kNone ? nullptr : as_ptr<void>(out);
+  a.grad_dtype = grad_dtype;
+  a.out_dtype = out_dtype;
+  a.grad_scale = grad_scale;
+  a.decay = decay;
+  a.l2 = l2;
+  a.w1 = w1;
+  a.beta2 = beta2;
+  a.c2 = c2;
+  a.bc2_sqrt = bc2_sqrt;
+  a.eps = eps;
+  a.neg_step = neg_step;
+  AdamFn fn = pick<AdamFn>(ca::scalar::adam_range, ca::avx2::adam_range, ca::avx512::adam_range);
+  py::gil_scoped_release release;
+  split(n, [&](size_t, size_t b, size_t e) { fn(a, b, e); });
+}
+
+py::tuple accumulate_grad(uintptr_t acc, uintptr_t grad, size_t n, int grad_dtype, float scale,
+                          bool overwrite) {
+  check_dtype("grad", grad_dtype, false);
+  check_ptr("acc", acc, n);
+  check_ptr("grad", grad, n);
+  ca::AccumArgs a;
+  a.acc = as_ptr<float>(acc);
+  a.grad = as_ptr<const void>(grad);
+  a.grad_dtype = grad_dtype;
+  a.scale = scale;
+  a.overwrite = overwrite;
+  AccumFn fn = pick<AccumFn>(ca::scalar::accumulate_range, ca::avx2::accumulate_range,
+                             ca::avx512::accumulate_range);
+  double sumsq = 0.0;
+  {
+    py::gil_scoped_release release;
+    std::vector<double> partial(static_cast<size_t>(get_num_threads()) + 1, 0.0);
+    size_t parts = split(n, [&](size_t part, size_t b, size_t e) { partial[part] = fn(a, b, e); });
+    for (size_t i = 0; i < parts && i < partial.size(); ++i) sumsq += partial[i];
+  }
+  // A square of a finite float is at most ~1.2e77, so the double sum of squares is finite
+  // exactly when every element is finite: the inf/NaN check costs nothing extra.
+  bool found_inf = !std::isfinite(sumsq);
+  return py::make_tuple(found_inf, sumsq);
+}
+
+void stream_4r3w(uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t d, size_t n, float k) {
+  check_ptr("a", a, n);
+  check_ptr("b", b, n);
+  check_ptr("c", c, n);
+  check_ptr("d", d, n);
+  ca::StreamArgs s;
+  s.a = as_ptr<float>(a);
+  s.b = as_ptr<const float>(b);
+  s.c = as_ptr<float>(c);
+  s.d = as_ptr<float>(d);
+  s.k = k;
+  StreamFn fn =
+      pick<StreamFn>(ca::scalar::stream_range, ca::avx2::stream_range, ca::avx512::stream_range);
+  py::gil_scoped_release release;
+  split(n, [&](size_t, size_t b0, size_t e0) { fn(s, b0, e0); });
+}
+
+}  // namespace
+
+void register_cpu_adam(py::module_& m) {
+  m.def("adam_step", &adam_step, py::arg("param"), py::arg("grad"), py::arg("exp_avg"),
+        py::arg("exp_avg_sq"), py::arg("n"), py::arg("grad_dtype"), py::arg("out"),
+        py::arg("out_dtype"), py::arg("grad_scale"), py::arg("decay"), py::arg("l2"),
+        py::arg("w1"), py::arg("beta2"), py::arg("c2"), py::arg("bc2_sqrt"), py::arg("eps"),
+        py::arg("neg_step"),
+        "One Adam/AdamW step over n elements of flat fp32 param/exp_avg/exp_avg_sq (addresses), "
+        "gradient of dtype code grad_dtype (0 fp32, 1 bf16, 2 fp16), optional copy-out of the "
+        "updated params to `out` (out_dtype -1 = none). Coefficients are precomputed by the "
+        "caller (offload.optim): decay = 1 - lr*wd (AdamW), l2 = wd (Adam), w1 = 1 - beta1, "
+        "c2 = 1 - beta2, bc2_sqrt = sqrt(1 - beta2^t), neg_step = -lr / (1 - beta1^t).");
+  m.def("accumulate_grad", &accumulate_grad, py::arg("acc"), py::arg("grad"), py::arg("n"),
+        py::arg("grad_dtype"), py::arg("scale"), py::arg("overwrite"),
+        "acc = (overwrite ? 0 : acc) + grad * scale over n fp32 elements in one pass; returns "
+        "(found_inf_or_nan, sum of squares of the new acc, as a double).");
+  m.def("stream_4r3w", &stream_4r3w, py::arg("a"), py::arg("b"), py::arg("c"), py::arg("d"),
+        py::arg("n"), py::arg("k") = 0.5f,
+        "Bandwidth reference with Adam's access pattern: reads a, b, c, d and writes a, c, d "
+        "(n fp32 each) on the compute pool (a += b*k; c = c*k + b; d = d*k + b).");
+}
+
 }  // namespace offload

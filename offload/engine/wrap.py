@@ -171,10 +171,10 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
     transfers = Transfers(device)
     piece = _piece_numel(cfg, dtype)
     orig_dtype = {s.param: s.param.dtype for u in units for s in u.layout.segments}
-    for m in model.modules():  # buffers (norm statistics, ...) simply live on the device
+    for m in model.modules():  # buffers live on the device, floating ones in the compute dtype
         for name, b in m._buffers.items():
-            if b is not None and b.device != device:
-                m._buffers[name] = b.to(device)
+            if b is not None:
+                m._buffers[name] = b.to(device, dtype if b.is_floating_point() else b.dtype)
 
     stores: dict = {}
     aio = None

@@ -668,7 +668,8 @@ def format_estimate(est: Estimate) -> str:
         f"{prec.params} B params + {prec.grads} B grads + {prec.optimizer} B optimizer per "
         f"parameter on the device (K = {prec.optimizer}); "
         f"{OFFLOADED_OPTIMIZER_BYTES} B (fp32 master, m, v, grad) when offloaded",
-        f"machine: {m.ranks} ranks ({m.gpus_per_node} per node x {m.nodes} nodes); "
+        f"machine: {m.ranks} rank{'s' if m.ranks > 1 else ''} ({m.gpus_per_node} per node x "
+        f"{m.nodes} node{'s' if m.nodes > 1 else ''}); "
         f"device {fmt_bytes(m.gpu_mem) if m.gpu_mem else 'not given'}, "
         f"host {fmt_bytes(m.host_mem) + '/node' if m.host_mem else 'not given'}, "
         f"NVMe {fmt_bytes(m.nvme) + '/node' if m.nvme else 'not given'}",

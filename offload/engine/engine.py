@@ -81,6 +81,8 @@ class Engine:
         self._bwd_start: float | None = None
         self.closed = False
         self.orig_dtype: dict[nn.Parameter, torch.dtype] = {}  # set by wrap
+        self.resources: list = []  # pools, NVMe stores, IO engine (set by wrap; closed last)
+        self.buffer_dtypes: dict = {}  # (module, name) -> dtype before wrap (set by wrap)
 
     # ---------------------------------------------------------------- hooks
     def install_hooks(self) -> None:
@@ -385,15 +387,39 @@ class Engine:
         out["total"] = {k: float(v) for k, v in self.totals.items()}
         return out
 
-    def close(self) -> None:
+    def close(self, restore: bool = False) -> None:
+        """Removes the hooks and frees pools and swap files. With ``restore`` every parameter
+        first gets its current value back (original dtype, on the device), so the model goes
+        on as a plain PyTorch model; without, using the model afterwards is an error."""
         if self.closed:
             return
+        if restore:
+            self.check_idle("close(restore=True)")
+            for unit in self.units:
+                values = self.full_values(unit)
+                self.params.release(unit)
+                for p, v in values.items():
+                    p.data = v.to(self.device, self.orig_dtype.get(p, v.dtype))
+            for (m, name), dt in self.buffer_dtypes.items():
+                if m._buffers.get(name) is not None:
+                    m._buffers[name] = m._buffers[name].to(dt)
         self.closed = True
         self.remove_hooks()
+        if not restore:
+            self._handles.append(self.model.register_forward_pre_hook(self._closed_hook))
         self.params.close()
         self.optim.close()
         for store in self.stores.values():
             store.close()
+        for res in reversed(self.resources):
+            res.close()
+
+    @staticmethod
+    def _closed_hook(module, args):
+        raise RuntimeError(
+            "offload: this model's engine was closed (optimizer.close()); its parameters were "
+            "released. Wrap it again, or close with optimizer.close(restore=True) to keep using it"
+        )
 
 
 def _requires_grad(output) -> bool:

@@ -125,9 +125,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             out["loss_scale"] = self.scaler.scale
         return out
 
-    def close(self) -> None:
-        """Removes the hooks and the swap files; the model cannot train afterwards."""
-        self._engine.close()
+    def close(self, restore: bool = False) -> None:
+        """Removes the hooks, frees the buffers and the swap files. ``restore=True`` first puts
+        every parameter's value back in place, so the model goes on as a plain PyTorch model."""
+        self._engine.close(restore=restore)
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:

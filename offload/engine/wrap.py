@@ -58,12 +58,22 @@ def engine_of(model: nn.Module) -> Engine:
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload.wrap: expected a torch.nn.Module, got {type(model).__name__}")
-    for m in model.modules():
-        if m in _ENGINES and not _ENGINES[m].closed:
-            where = "this model" if m is model else f"its submodule {type(m).__name__}"
+    for wrapped, engine in list(_ENGINES.items()):
+        if engine.closed:
+            continue
+        if any(m is model for m in wrapped.modules()):
+            where = (
+                "this model"
+                if wrapped is model
+                else f"this module (part of a wrapped {type(wrapped).__name__})"
+            )
             raise ValueError(
                 f"offload.wrap: {where} is already wrapped; wrap a model once "
                 "(call optimizer.close() first to unwrap)"
+            )
+        if any(m is wrapped for m in model.modules()):
+            raise ValueError(
+                f"offload.wrap: its submodule {type(wrapped).__name__} is already wrapped"
             )
     for name, p in model.named_parameters():
         if p.is_meta:
@@ -122,7 +132,7 @@ def _piece_numel(cfg: OffloadConfig, dtype: torch.dtype) -> int:
     return piece
 
 
-def _make_store(cfg, section: str, device, aio, pin: bool):
+def _make_store(cfg, section: str, device, aio, pin: bool, resources: list):
     from offload.io import BufferPool, NvmeStore  # noqa: PLC0415
     from offload.store import TieredStore  # noqa: PLC0415
 
@@ -139,7 +149,9 @@ def _make_store(cfg, section: str, device, aio, pin: bool):
         nvme = NvmeStore(sec.nvme_path, aio=aio, checksum=cfg.aio.checksum)
     except OSError as exc:
         raise ConfigError(f"{section}.nvme_path={sec.nvme_path!r}: {exc}") from exc
+    resources.append(nvme)
     pool = BufferPool(sec.buffer_count, sec.buffer_size, pin=pin and device.type == "cuda")
+    resources.append(pool)
     return TieredStore(
         device=device, pool=pool, nvme=nvme, prefetch_depth=cfg.prefetch.depth, name=section
     )
@@ -171,12 +183,15 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
     transfers = Transfers(device)
     piece = _piece_numel(cfg, dtype)
     orig_dtype = {s.param: s.param.dtype for u in units for s in u.layout.segments}
+    buffer_dtypes = {}  # (module, name) -> dtype before wrap, restored by close(restore=True)
     for m in model.modules():  # buffers live on the device, floating ones in the compute dtype
         for name, b in m._buffers.items():
             if b is not None:
+                buffer_dtypes[(m, name)] = b.dtype
                 m._buffers[name] = b.to(device, dtype if b.is_floating_point() else b.dtype)
 
     stores: dict = {}
+    resources: list = []  # pools, NVMe stores and the IO engine, closed with the engine
     aio = None
     if "nvme" in (cfg.offload_optimizer.device, cfg.offload_param.device):
         from offload.io import AsyncIO  # noqa: PLC0415
@@ -187,10 +202,13 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
             thread_count=cfg.aio.thread_count,
             direct_io=cfg.aio.direct_io,
         )
+        resources.append(aio)
     try:
         pin_p = cfg.offload_param.pin_memory
         if cfg.offload_param.device == "nvme":
-            stores["offload_param"] = _make_store(cfg, "offload_param", device, aio, pin_p)
+            stores["offload_param"] = _make_store(
+                cfg, "offload_param", device, aio, pin_p, resources
+            )
             params = NvmeParams(
                 device,
                 dtype,
@@ -205,7 +223,7 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
             params = DeviceParams(device, dtype, transfers)
         if cfg.offload_optimizer.device == "nvme":
             stores["offload_optimizer"] = _make_store(
-                cfg, "offload_optimizer", device, aio, cfg.offload_optimizer.pin_memory
+                cfg, "offload_optimizer", device, aio, cfg.offload_optimizer.pin_memory, resources
             )
             optim = NvmeOptimState(stores["offload_optimizer"], piece)
         else:
@@ -229,6 +247,8 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
     except BaseException:
         for store in stores.values():
             store.close()
+        for res in reversed(resources):
+            res.close()
         raise
 
     engine = Engine(
@@ -243,8 +263,9 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
         pin=cfg.offload_optimizer.pin_memory and device.type == "cuda",
     )
     engine.orig_dtype = orig_dtype
+    engine.buffer_dtypes = buffer_dtypes
     engine.config = cfg
-    engine.aio = aio
+    engine.resources = resources
     engine.install_hooks()
     _ENGINES[model] = engine
     scaler = None

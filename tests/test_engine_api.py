@@ -1,0 +1,182 @@
+"""The engine's public behaviour beyond parity: inference, misuse errors, fp16 loss scaling,
+telemetry, unwrapping."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from engine_models import batches, lm_loss, make_model, placement_config
+
+import offload
+from offload.config import ConfigError
+from offload.engine.phase import PhaseError
+
+
+def test_eval_no_grad_inference_and_released_storage(tmp_path):
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
+    tokens = batches(1)[0][:, :-1]
+    try:
+        model.eval()
+        with torch.no_grad():
+            a = model(tokens)
+            b = model(tokens)
+        assert torch.equal(a, b)
+        # outside a forward, offloaded parameters hold no storage ...
+        blk = model.blocks[1].fc1.weight
+        assert blk.untyped_storage().nbytes() == 0
+        # ... yet state_dict returns real values
+        sd = model.state_dict()
+        assert sd["blocks.1.fc1.weight"].shape == blk.shape
+        assert sd["blocks.1.fc1.weight"].abs().sum() > 0
+        ref = make_model().eval()
+        with torch.no_grad():
+            torch.testing.assert_close(a, ref(tokens), rtol=1e-5, atol=1e-6)
+    finally:
+        opt.close()
+
+
+def test_step_without_backward_is_an_error(tmp_path):
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path))
+    with pytest.raises(PhaseError, match="no backward since the last step"):
+        opt.step()
+    lm_loss(model, batches(1)[0]).backward()
+    opt.step()
+    with pytest.raises(PhaseError, match="no backward since the last step"):
+        opt.step()
+    opt.close()
+
+
+def test_wrapping_twice_is_an_error(tmp_path):
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path))
+    with pytest.raises(ValueError, match="already wrapped"):
+        offload.wrap(model, placement_config("none", "cpu", tmp_path))
+    with pytest.raises(ValueError, match="already wrapped"):
+        offload.wrap(model.blocks[0], placement_config("none", "cpu", tmp_path))
+    opt.close()
+    model2, opt2 = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path))
+    opt2.close()
+
+
+def test_buffers_too_small_for_one_piece(tmp_path):
+    cfg = placement_config("nvme", "nvme", tmp_path)
+    cfg["offload_optimizer"]["buffer_count"] = 2
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.buffer_count=2"):
+        offload.wrap(make_model(), cfg)
+    cfg = placement_config("nvme", "nvme", tmp_path)
+    cfg["offload_optimizer"]["buffer_size"] = 4096
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.buffer_size=4096"):
+        offload.wrap(make_model(), cfg)
+
+
+def test_meta_device_model_is_an_error(tmp_path):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="'0.weight' is on the meta device"):
+        offload.wrap(model, placement_config("none", "cpu", tmp_path))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_nvme_path_nonroot(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    cfg = placement_config("none", "nvme", tmp_path)
+    cfg["offload_optimizer"]["nvme_path"] = str(ro)
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path="):
+        offload.wrap(make_model(), cfg)
+
+
+def test_missing_or_file_nvme_path(tmp_path):
+    cfg = placement_config("nvme", "cpu", tmp_path)
+    cfg["offload_param"]["nvme_path"] = str(tmp_path / "does-not-exist")
+    with pytest.raises(ConfigError, match=r"offload_param\.nvme_path=.*does-not-exist"):
+        offload.wrap(make_model(), cfg)
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    cfg["offload_param"]["nvme_path"] = str(afile)
+    with pytest.raises(ConfigError, match=r"offload_param\.nvme_path="):
+        offload.wrap(make_model(), cfg)
+    # nothing half-built is left behind: the same model wraps fine afterwards
+    m, o = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path))
+    o.close()
+
+
+def test_fp16_loss_scaling_skips_overflowing_steps(tmp_path):
+    cfg = placement_config("cpu", "cpu", tmp_path, dtype="fp16")
+    cfg["loss_scale"] = {"initial": 2.0**11, "growth_interval": 2}
+    model, opt = offload.wrap(make_model(), cfg)
+    data = batches(4)
+    try:
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        loss = lm_loss(model, data[0])
+        opt.scale_loss(loss * 1e30).backward()  # overflows fp16 for sure
+        opt.step()
+        opt.zero_grad()
+        assert opt.skipped_steps == 1 and opt.scaler.scale == 2.0**10
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), k  # the step was skipped
+        losses = []
+        for s in range(6):
+            loss = lm_loss(model, data[s % 4])
+            opt.scale_loss(loss).backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        assert opt.skipped_steps == 1
+        assert opt.scaler.scale == 2.0**13  # grew every 2 clean steps
+        assert losses[-1] < losses[0]
+    finally:
+        opt.close()
+
+
+def test_stats_and_close(tmp_path):
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
+    data = batches(2)
+    for s in range(2):
+        lm_loss(model, data[s]).backward()
+        opt.step()
+        opt.zero_grad()
+    st = opt.stats()
+    assert st["steps"] == 2
+    assert st["bytes"]["nvme->host"] > 0 and st["bytes"]["host->nvme"] > 0
+    assert st["optimizer_seconds"] > 0 and st["step_seconds"] >= st["optimizer_seconds"]
+    assert st["total"]["bytes"]["nvme->host"] >= st["bytes"]["nvme->host"]
+    swap_dirs = list((tmp_path / "nvme_p").iterdir()) + list((tmp_path / "nvme_o").iterdir())
+    assert swap_dirs
+    opt.close()
+    assert not list((tmp_path / "nvme_p").iterdir()) and not list((tmp_path / "nvme_o").iterdir())
+    with pytest.raises(RuntimeError, match="closed"):
+        model(data[0][:, :-1])
+
+
+def test_close_with_restore_gives_back_a_plain_model(tmp_path):
+    model, opt = offload.wrap(
+        make_model(), placement_config("nvme", "nvme", tmp_path, dtype="bf16")
+    )
+    data = batches(2)
+    lm_loss(model, data[0]).backward()
+    opt.step()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.close(restore=True)
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, expected[k]), k
+    plain = make_model()
+    plain.load_state_dict(expected)
+    torch.testing.assert_close(model(data[1][:, :-1]), plain(data[1][:, :-1]))
+
+
+def test_scheduler_drives_lr(tmp_path):
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0)
+    lm_loss(model, batches(1)[0]).backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.step()
+    sched.step()
+    lm_loss(model, batches(1)[0]).backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.step()  # lr is 0 now: nothing moves (weight decay is scaled by lr too)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    opt.close()

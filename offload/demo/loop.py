@@ -9,7 +9,10 @@ Note: where the numbers come from
     ``io_wait_seconds`` / ``optimizer_seconds`` when present and falls back to the loop's own
     wall time for a phase the engine does not report (IO wait then counts as 0), so a plain
     ``torch.optim`` optimizer (``--baseline``) yields a meaningful report too. Nothing is
-    computed twice: a number is either the engine's or the loop's, never both summed.
+    computed twice: a number is either the engine's or the loop's, never both summed. The
+    engine counts IO wait (blocking on a parameter gather) inside its forward/backward timers,
+    so the three phases add up to the step and the IO wait is a part of them, not a fourth
+    addend.
 
 Note: Ctrl-C
     ``KeyboardInterrupt`` anywhere in a step ends the loop; the result says how many steps

@@ -6,10 +6,12 @@ Note: the records
     Ctrl-C), one ``{"kind": "summary", ...}`` line. Step records are flat apart from ``bytes``
     (tier pair -> bytes moved in that step), so ``pandas.read_json(lines=True)`` or ``jq`` read
     them directly. The PNG has four panels: loss per step (validation points when evaluated),
-    the step-time split as stacked bars (forward, backward, IO wait, CPU optimizer step; the
-    measured wall time of the step drawn over them as a line, so overlap or a gap shows), bytes
-    moved per tier pair per step, and resident host memory (RSS) over time beside the host
-    buffer budget. Only matplotlib's Agg backend is used (no display needed).
+    the step-time split as stacked bars (forward, backward, CPU optimizer step, with the
+    measured wall time of the step drawn over them as a line, so overlap or a gap shows; the
+    engine's IO wait is part of its forward/backward timers and is drawn hatched inside them
+    rather than stacked on top), bytes moved per tier pair per step, and resident host memory
+    (RSS) over time beside the host buffer budget. Only matplotlib's Agg backend is used (no
+    display needed).
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-TIME_PARTS: tuple[tuple[str, str], ...] = (
+PHASES: tuple[tuple[str, str], ...] = (
     ("forward_seconds", "forward"),
     ("backward_seconds", "backward"),
-    ("io_wait_seconds", "IO wait"),
     ("optimizer_seconds", "CPU step"),
 )
+IO_WAIT = ("io_wait_seconds", "IO wait")
+TIME_PARTS: tuple[tuple[str, str], ...] = (*PHASES, IO_WAIT)
 TIER_PAIRS: tuple[str, ...] = ("nvme->host", "host->nvme", "host->device", "device->host")
 
 
@@ -114,10 +117,17 @@ def plot_report(
     ax_loss.legend(loc="upper right", fontsize=8)
 
     bottom = [0.0] * len(steps)
-    for i, (key, label) in enumerate(TIME_PARTS):
+    for (key, label), color in zip(PHASES, ("C0", "C1", "C3")):
         vals = [float(r.get(key, 0.0) or 0.0) for r in steps]
-        ax_time.bar(xs, vals, bottom=bottom, label=label, color=f"C{i}", width=0.85)
+        ax_time.bar(xs, vals, bottom=bottom, label=label, color=color, width=0.85)
         bottom = [b + v for b, v in zip(bottom, vals)]
+    io_wait = [float(r.get(IO_WAIT[0], 0.0) or 0.0) for r in steps]
+    if any(io_wait):
+        # the engine counts waits for gathered params inside the forward/backward timers
+        ax_time.bar(
+            xs, io_wait, width=0.85, fill=False, hatch="///", edgecolor="C2", lw=0,
+            label="IO wait (part of forward/backward)",
+        )  # fmt: skip
     ax_time.plot(xs, [r.get("wall_seconds", 0.0) for r in steps], "k.-", lw=1, label="wall")
     ax_time.set(title="time per step", xlabel="step", ylabel="seconds")
     ax_time.legend(loc="upper right", fontsize=8)
@@ -236,8 +246,9 @@ def format_summary(summary: Mapping[str, Any], header: Iterable[tuple[str, str]]
     rows.append(
         (
             "step time (median)",
-            f"{s['wall_seconds_median']:.3f} s wall = "
-            + ", ".join(f"{k} {v:.3f}" for k, v in split.items()),
+            f"{s['wall_seconds_median']:.3f} s wall: "
+            + ", ".join(f"{label} {split[label]:.3f}" for _, label in PHASES)
+            + f" s; IO wait {split[IO_WAIT[1]]:.3f} s of forward+backward",
         )
     )
     moved = {k: v for k, v in s["bytes_total"].items() if v}

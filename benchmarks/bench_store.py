@@ -190,6 +190,7 @@ def main() -> int:
     try:
         bench = Bench(args, directory)
         total = bench.shard_bytes * args.shards
+        load0 = os.getloadavg()[0]
         print(f"machine: {cpu_model()}, {os.cpu_count()} cores, SIMD {_native.simd_level()}; "
               f"torch {torch.__version__}, compute threads {args.compute_threads}, IO backend "
               f"{bench.aio.backend}")  # fmt: skip
@@ -233,6 +234,8 @@ def main() -> int:
         print(f"prefetch hit rate {hits['prefetch_hit_rate']:.3f} ({hits['prefetch_hits']} hits, "
               f"{hits['prefetch_misses']} "
               f"misses); direct IO {bench.aio.direct_io_active(directory)}")  # fmt: skip
+        print(f"load average (1 min) at start {load0:.1f}, at end {os.getloadavg()[0]:.1f} "
+              f"(other processes on these {os.cpu_count()} cores slow compute and IO unevenly)")  # fmt: skip
         verdict = "PASS" if ratio <= 1.15 else "MISS"
         print(f"bar: store / max(io, compute) = {ratio:.3f} of medians, {per_rep:.3f} median of "
               f"per-rep ratios (<= 1.15: {verdict}); reps "

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -50,6 +51,16 @@ std::string piece_error(const Request& r, size_t len, off_t foff, const char* wh
 }
 
 }  // namespace
+
+Bounce::~Bounce() { std::free(ptr_); }
+
+char* Bounce::get() {
+  if (ptr_ == nullptr) {
+    void* p = nullptr;
+    if (posix_memalign(&p, kAlign, bytes_) == 0) ptr_ = static_cast<char*>(p);
+  }
+  return ptr_;  // nullptr when out of memory: the caller fails the request with ENOMEM
+}
 
 void inject_fault(int op, int err, int count) {
   std::lock_guard<std::mutex> lk(g_fault_mu);
@@ -137,27 +148,28 @@ std::shared_ptr<Request> Engine::submit(bool is_write, const std::string& path, 
   std::vector<Piece> pieces;
   auto plan = [&](bool direct) {
     pieces.clear();
-    auto add = [&](size_t start, size_t len, bool d) {
+    auto add = [&](size_t start, size_t len, Mode m) {
       for (size_t pos = start; pos < start + len; pos += block_size_) {
         size_t n = std::min(block_size_, start + len - pos);
-        pieces.push_back(Piece{r, pos, offset + static_cast<off_t>(pos), n, d});
+        pieces.push_back(Piece{r, pos, offset + static_cast<off_t>(pos), n, m});
       }
     };
-    if (direct && addr % kAlign == static_cast<uintptr_t>(offset) % kAlign) {
-      size_t head = std::min((kAlign - addr % kAlign) % kAlign, nbytes);
-      size_t body = (nbytes - head) / kAlign * kAlign;
-      add(0, head, false);
-      add(head, body, true);
-      add(head + body, nbytes - head - body, false);
+    size_t head = std::min((kAlign - static_cast<size_t>(offset) % kAlign) % kAlign, nbytes);
+    size_t body = direct ? (nbytes - head) / kAlign * kAlign : 0;
+    if (body == 0) {
+      add(0, nbytes, Mode::kBuffered);
     } else {
-      add(0, nbytes, false);
+      bool congruent = addr % kAlign == static_cast<uintptr_t>(offset) % kAlign;
+      add(0, head, Mode::kBuffered);
+      add(head, body, congruent ? Mode::kDirect : Mode::kBounce);
+      add(head + body, nbytes - head - body, Mode::kBuffered);
     }
   };
   plan(direct_io_);
 
   int flags = (is_write ? (O_WRONLY | O_CREAT) : O_RDONLY) | O_CLOEXEC;
   bool need_direct = false, need_buffered = pieces.empty();
-  for (auto& p : pieces) (p.direct ? need_direct : need_buffered) = true;
+  for (auto& p : pieces) (p.mode != Mode::kBuffered ? need_direct : need_buffered) = true;
   if (need_direct) {
     int f = take_fault(3);
     r->fd_direct = f ? (errno = f, -1) : ::open(path.c_str(), flags | O_DIRECT, 0600);
@@ -198,28 +210,41 @@ bool Engine::pop(Piece* out, bool block) {
 }
 
 // Runs one piece with blocking syscalls; finishes short O_DIRECT transfers on the buffered fd.
-void Engine::run_sync(Piece& p) {
+void Engine::run_sync(Piece& p, Bounce* bounce) {
   Request& r = *p.req;
   if (r.err.load()) return;  // the request already failed: skip the rest
-  bool direct = p.direct && !r.direct_refused;
+  bool direct = p.mode != Mode::kBuffered && !r.direct_refused;
+  char* user = r.buf + p.boff;
+  // staged pieces move through the bounce buffer while direct, the caller's memory otherwise
+  char* stage = (direct && p.mode == Mode::kBounce) ? bounce->get() : nullptr;
+  if (direct && p.mode == Mode::kBounce && stage == nullptr) {
+    r.fail(ENOMEM, piece_error(r, p.len, p.foff, "no memory for the bounce buffer"));
+    return;
+  }
+  if (stage != nullptr && r.is_write) std::memcpy(stage, user, p.len);
   int fd = direct ? r.fd_direct : r.buffered_fd();
-  char* b = r.buf + p.boff;
   size_t done = 0;
+  auto leave_direct = [&] {  // continue the rest of this piece buffered
+    if (stage != nullptr && !r.is_write) std::memcpy(user, stage, done);
+    stage = nullptr;
+    fd = r.buffered_fd();
+    direct = false;
+  };
   while (done < p.len) {
+    char* b = (stage != nullptr ? stage : user) + done;
     int f = take_fault(r.is_write ? 2 : 1);
     ssize_t n;
     if (f) {
       n = -1;
       errno = f;
     } else {
-      n = r.is_write ? ::pwrite(fd, b + done, p.len - done, p.foff + done)
-                     : ::pread(fd, b + done, p.len - done, p.foff + done);
+      n = r.is_write ? ::pwrite(fd, b, p.len - done, p.foff + done)
+                     : ::pread(fd, b, p.len - done, p.foff + done);
     }
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EINVAL && direct && !f) {  // O_DIRECT accepted at open, refused at IO
-        fd = r.buffered_fd();
-        direct = false;
+        leave_direct();
         continue;
       }
       r.fail(errno, piece_error(r, p.len, p.foff, std::strerror(errno)));
@@ -233,18 +258,18 @@ void Engine::run_sync(Piece& p) {
       return;
     }
     done += static_cast<size_t>(n);
-    if (direct && (n % static_cast<ssize_t>(kAlign)) && done < p.len) {
-      fd = r.buffered_fd();  // short O_DIRECT transfer: the unaligned rest goes buffered
-      direct = false;
-    }
+    // a short O_DIRECT transfer leaves an unaligned rest: finish it buffered
+    if (direct && (n % static_cast<ssize_t>(kAlign)) && done < p.len) leave_direct();
   }
+  if (stage != nullptr && !r.is_write) std::memcpy(user, stage, p.len);
   if (r.direct_refused) ::posix_fadvise(fd, p.foff, p.len, POSIX_FADV_DONTNEED);
 }
 
 void Engine::worker_sync() {
+  Bounce bounce(block_size_);
   Piece p;
   while (pop(&p, true)) {
-    run_sync(p);
+    run_sync(p, &bounce);
     piece_done(p);
   }
 }
@@ -257,6 +282,8 @@ void Engine::worker(int depth) {
   }
   std::vector<struct iocb> cbs(depth);
   std::vector<Piece> slots(depth);
+  std::vector<std::unique_ptr<Bounce>> bounces;  // one per slot, for staged pieces
+  for (int i = 0; i < depth; ++i) bounces.emplace_back(new Bounce(block_size_));
   std::vector<int> free_slots;
   for (int i = depth - 1; i >= 0; --i) free_slots.push_back(i);
   std::vector<struct iocb*> batch;
@@ -277,8 +304,8 @@ void Engine::worker(int depth) {
         break;
       }
       Request& r = *p.req;
-      if (r.err.load() || !p.direct || r.direct_refused) {
-        run_sync(p);  // buffered pieces, and skipping pieces of failed requests
+      if (r.err.load() || p.mode == Mode::kBuffered || r.direct_refused) {
+        run_sync(p, bounces[0].get());  // buffered pieces; skips pieces of failed requests
         piece_done(p);
         continue;
       }
@@ -294,7 +321,18 @@ void Engine::worker(int depth) {
       std::memset(&cb, 0, sizeof(cb));
       cb.aio_fildes = static_cast<uint32_t>(r.fd_direct);
       cb.aio_lio_opcode = r.is_write ? IOCB_CMD_PWRITE : IOCB_CMD_PREAD;
-      cb.aio_buf = reinterpret_cast<uint64_t>(r.buf + p.boff);
+      char* mem = r.buf + p.boff;
+      if (p.mode == Mode::kBounce) {
+        mem = bounces[s]->get();
+        if (mem == nullptr) {
+          r.fail(ENOMEM, piece_error(r, p.len, p.foff, "no memory for the bounce buffer"));
+          piece_done(p);
+          free_slots.push_back(s);
+          continue;
+        }
+        if (r.is_write) std::memcpy(mem, r.buf + p.boff, p.len);
+      }
+      cb.aio_buf = reinterpret_cast<uint64_t>(mem);
       cb.aio_nbytes = p.len;
       cb.aio_offset = p.foff;
       cb.aio_data = static_cast<uint64_t>(s);
@@ -316,7 +354,7 @@ void Engine::worker(int depth) {
     inflight += static_cast<int>(submitted);
     for (size_t i = submitted; i < batch.size(); ++i) {
       int s = batch_slots[i];
-      run_sync(slots[s]);
+      run_sync(slots[s], bounces[s].get());
       piece_done(slots[s]);
       slots[s] = Piece{};
       free_slots.push_back(s);
@@ -334,18 +372,23 @@ void Engine::worker(int depth) {
       Piece& p = slots[s];
       Request& r = *p.req;
       long long res = static_cast<long long>(events[i].res);
+      bool staged = p.mode == Mode::kBounce;
       if (res < 0) {
         if (res == -EINVAL) {
-          p.direct = false;  // refused at IO time: redo this piece buffered
-          run_sync(p);
+          p.mode = Mode::kBuffered;  // refused at IO time: redo this piece buffered
+          run_sync(p, nullptr);
         } else {
           int e = static_cast<int>(-res);
           r.fail(e, piece_error(r, p.len, p.foff, std::strerror(e)));
         }
-      } else if (static_cast<size_t>(res) < p.len) {
-        Piece rest{p.req, p.boff + static_cast<size_t>(res), p.foff + static_cast<off_t>(res),
-                   p.len - static_cast<size_t>(res), false};
-        run_sync(rest);  // short transfer (end of file): finish or report it buffered
+      } else {
+        size_t got_bytes = static_cast<size_t>(res);
+        if (staged && !r.is_write) std::memcpy(r.buf + p.boff, bounces[s]->get(), got_bytes);
+        if (got_bytes < p.len) {
+          Piece rest{p.req, p.boff + got_bytes, p.foff + static_cast<off_t>(got_bytes),
+                     p.len - got_bytes, Mode::kBuffered};
+          run_sync(rest, nullptr);  // short transfer (end of file): finish or report it
+        }
       }
       piece_done(p);
       p = Piece{};

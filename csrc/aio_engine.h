@@ -1,9 +1,10 @@
 // Async file IO engine behind offload.io.AsyncIO (bindings in aio.cpp; no Python here).
 //
-// A request (path, buffer, bytes, file offset) is split into pieces: when the buffer address
-// and the file offset are congruent modulo 4096, the aligned body goes through an O_DIRECT
-// descriptor in block_size pieces and the unaligned head/tail through a buffered one;
-// otherwise the whole request is buffered. The engine owns thread_count IO threads (not the
+// A request (path, buffer, bytes, file offset) is split into pieces: the part of the file range
+// that is 4096-aligned (the body) goes through an O_DIRECT descriptor in block_size pieces, the
+// unaligned head/tail through a buffered one. When the buffer address is congruent with the
+// file offset modulo 4096 the body moves straight from/to the caller's memory; otherwise each
+// body piece is staged through an aligned bounce buffer (one memcpy, far cheaper than the disk). The engine owns thread_count IO threads (not the
 // compute pool: IO threads sleep in the kernel and must not steal compute slots). Each thread
 // keeps up to its share of queue_depth O_DIRECT pieces in flight with Linux AIO
 // (io_setup/io_submit/io_getevents, raw syscalls, no libaio needed); where Linux AIO is not
@@ -61,12 +62,30 @@ struct Request {
   int buffered_fd();  // opens the buffered descriptor on demand
 };
 
+// How a piece moves: buffered descriptor; O_DIRECT straight from/to the caller's buffer; or
+// O_DIRECT through an aligned bounce buffer (file side aligned, buffer address not).
+enum class Mode : int { kBuffered = 0, kDirect = 1, kBounce = 2 };
+
 struct Piece {
   std::shared_ptr<Request> req;
-  size_t boff;  // offset in the buffer (bytes)
-  off_t foff;   // offset in the file (bytes)
-  size_t len;   // bytes
-  bool direct;  // through the O_DIRECT descriptor
+  size_t boff = 0;  // offset in the buffer (bytes)
+  off_t foff = 0;   // offset in the file (bytes)
+  size_t len = 0;   // bytes
+  Mode mode = Mode::kBuffered;
+};
+
+// A block_size, 4096-aligned scratch buffer owned by one IO thread (or one AIO slot).
+class Bounce {
+ public:
+  explicit Bounce(size_t bytes) : bytes_(bytes) {}
+  ~Bounce();
+  Bounce(const Bounce&) = delete;
+  Bounce& operator=(const Bounce&) = delete;
+  char* get();  // allocated on first use
+
+ private:
+  size_t bytes_;
+  char* ptr_ = nullptr;
 };
 
 struct Stats {
@@ -92,7 +111,7 @@ class Engine {
   friend struct Request;
   void worker(int depth);
   void worker_sync();
-  void run_sync(Piece& p);
+  void run_sync(Piece& p, Bounce* bounce);
   void piece_done(Piece& p);
   void complete(Request& r);
   bool pop(Piece* out, bool block);

@@ -1,8 +1,10 @@
 """AsyncIO: round trips at any size/offset/alignment, many requests in flight, buffered fallback,
 errors with errno and path (fault injection at the syscall boundary), both backends."""
 
+import ctypes
 import errno
 import logging
+import mmap
 import os
 import random
 import subprocess
@@ -258,6 +260,44 @@ def test_waiting_releases_the_gil(backend, tmp_path):
         t.join()
     # a thread that needs the GIL kept running while we waited (it ticks every ~0.5 ms)
     assert elapsed > 0 and ticks >= 5
+
+
+def _cached_fraction(path) -> float:
+    """Fraction of the file's pages in the page cache (mincore on a shared read mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]  # fmt: skip
+    size = os.path.getsize(path)
+    pages = (size + 4095) // 4096
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value)
+        vec = (ctypes.c_ubyte * pages)()
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
+        libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec) / pages
+
+
+@pytest.mark.parametrize("shift", [0, 1, 100])
+def test_aligned_file_range_bypasses_the_page_cache(backend, tmp_path, shift):
+    # any buffer address: aligned buffers go direct, misaligned ones through a bounce buffer
+    n = 4 << 20
+    src = _at_misalignment(n, shift)
+    src.copy_(_random_bytes(n, torch.Generator().manual_seed(shift)))
+    with AsyncIO(block_size=1 << 20) as aio:
+        aio.write(src, tmp_path / "direct.bin").wait()
+        assert _cached_fraction(tmp_path / "direct.bin") < 0.05
+        dst = _at_misalignment(n, (shift * 3) % 4096)
+        aio.read(dst, tmp_path / "direct.bin").wait()
+        assert torch.equal(src, dst)
+        assert _cached_fraction(tmp_path / "direct.bin") < 0.05
+    with AsyncIO(block_size=1 << 20, direct_io=False) as aio:  # the measurement sees caching
+        aio.write(src, tmp_path / "cached.bin").wait()
+        assert _cached_fraction(tmp_path / "cached.bin") > 0.95
 
 
 def test_bad_arguments(tmp_path):

@@ -2,9 +2,11 @@
 
 Note: this mirrors ``csrc/aio.cpp`` piece for piece so both backends give the same results and
 the same errors. A request (path, buffer address, bytes, file offset) is planned into pieces by
-:func:`plan`: when the buffer address and the file offset are congruent modulo 4096, the aligned
-body goes through an O_DIRECT descriptor in ``block_size`` pieces and the unaligned head/tail
-through a buffered one; otherwise everything is buffered. ``thread_count`` Python threads run the
+:func:`plan`: the 4096-aligned part of the file range (the body) goes through an O_DIRECT
+descriptor in ``block_size`` pieces, the unaligned head/tail through a buffered one. When the
+buffer address is congruent with the file offset modulo 4096 the body moves straight from/to
+the tensor (DIRECT); otherwise each body piece is staged through an aligned per-thread bounce
+buffer (BOUNCE). ``thread_count`` Python threads run the
 pieces with ``os.preadv``/``os.pwritev`` into a memoryview over the tensor's memory (the syscalls
 release the GIL, so threads overlap). With blocking syscalls at most ``thread_count`` pieces are
 in flight, so ``queue_depth`` is only an upper bound here.
@@ -28,29 +30,45 @@ from offload.io import faults
 ALIGN = 4096
 
 
+BUFFERED, DIRECT, BOUNCE = 0, 1, 2  # how a piece moves (see the Note)
+
+
 def plan(
     addr: int, nbytes: int, offset: int, block: int, direct: bool
-) -> list[tuple[int, int, int, bool]]:
-    """Pieces ``(buffer offset, file offset, length, use O_DIRECT)`` covering a request (bytes)."""
-    pieces: list[tuple[int, int, int, bool]] = []
+) -> list[tuple[int, int, int, int]]:
+    """Pieces ``(buffer offset, file offset, length, mode)`` covering a request (bytes)."""
+    pieces: list[tuple[int, int, int, int]] = []
 
-    def add(start: int, length: int, d: bool) -> None:
+    def add(start: int, length: int, mode: int) -> None:
         pos = start
         end = start + length
         while pos < end:
             n = min(block, end - pos)
-            pieces.append((pos, offset + pos, n, d))
+            pieces.append((pos, offset + pos, n, mode))
             pos += n
 
-    if direct and (addr - offset) % ALIGN == 0:
-        head = min((-addr) % ALIGN, nbytes)
-        body = (nbytes - head) // ALIGN * ALIGN
-        add(0, head, False)
-        add(head, body, True)
-        add(head + body, nbytes - head - body, False)
+    head = min((-offset) % ALIGN, nbytes)
+    body = (nbytes - head) // ALIGN * ALIGN if direct else 0
+    if body == 0:
+        add(0, nbytes, BUFFERED)
     else:
-        add(0, nbytes, False)
+        add(0, head, BUFFERED)
+        add(head, body, DIRECT if (addr - offset) % ALIGN == 0 else BOUNCE)
+        add(head + body, nbytes - head - body, BUFFERED)
     return pieces
+
+
+def _view(addr: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` of memory at ``addr`` (a tensor's data)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(addr)).cast("B")
+
+
+def _aligned_view(nbytes: int) -> memoryview:
+    """A private, 4096-aligned byte buffer (kept alive by the view)."""
+    raw = bytearray(nbytes + ALIGN)
+    addr = ctypes.addressof((ctypes.c_char * len(raw)).from_buffer(raw))
+    skip = (-addr) % ALIGN
+    return memoryview(raw)[skip : skip + nbytes]
 
 
 class _Request:
@@ -156,10 +174,10 @@ class ThreadEngine:
             self._queue.put((req, p))
         return req
 
-    def _open(self, req: _Request, pieces: list[tuple[int, int, int, bool]]) -> None:
+    def _open(self, req: _Request, pieces: list[tuple[int, int, int, int]]) -> None:
         flags = (os.O_WRONLY | os.O_CREAT) if req.is_write else os.O_RDONLY
         flags |= os.O_CLOEXEC
-        need_direct = any(p[3] for p in pieces)
+        need_direct = any(p[3] != BUFFERED for p in pieces)
         if need_direct:
             try:
                 injected = faults.take("open_direct")
@@ -170,19 +188,24 @@ class ThreadEngine:
                 if exc.errno != errno_mod.EINVAL:
                     raise
                 req.direct_refused = True  # filesystem without O_DIRECT (tmpfs, some NFS)
-        if req.direct_refused or not all(p[3] for p in pieces) or not pieces:
+        if req.direct_refused or not all(p[3] != BUFFERED for p in pieces) or not pieces:
             req.fd_buffered = os.open(req.path, flags, 0o600)
 
     # ---- workers ----------------------------------------------------------------------
     def _worker(self) -> None:
+        bounce: memoryview | None = None  # this thread's staging buffer, made on first use
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            req, (boff, foff, length, direct) = item
+            req, (boff, foff, length, mode) = item
             if not req.err:  # after a failure the rest of the request is skipped
+                if req.direct_refused:
+                    mode = BUFFERED
+                if mode == BOUNCE and bounce is None:
+                    bounce = _aligned_view(self.block_size)
                 try:
-                    self._run_piece(req, boff, foff, length, direct and not req.direct_refused)
+                    self._run_piece(req, boff, foff, length, mode, bounce)
                 except OSError as exc:
                     what = "write" if req.is_write else "read"
                     req.fail(
@@ -193,27 +216,54 @@ class ThreadEngine:
                     req.fail(errno_mod.EIO, f"unexpected error: {exc}")
             req.piece_done()
 
-    def _run_piece(self, req: _Request, boff: int, foff: int, length: int, direct: bool) -> None:
+    def _run_piece(
+        self,
+        req: _Request,
+        boff: int,
+        foff: int,
+        length: int,
+        mode: int,
+        bounce: memoryview | None,
+    ) -> None:
+        direct = mode != BUFFERED
+        user = _view(req.addr + boff, length)
+        stage = bounce[:length] if mode == BOUNCE else None
+        if stage is not None and req.is_write:
+            stage[:] = user
         fd = req.fd_direct if direct else req.fd_buffered
-        view = memoryview((ctypes.c_char * length).from_address(req.addr + boff)).cast("B")
         done = 0
+
+        def leave_direct() -> int:  # finish the rest of this piece buffered
+            nonlocal stage, direct
+            if stage is not None and not req.is_write:
+                user[:done] = stage[:done]
+            stage, direct = None, False
+            return req.fd_buffered if req.fd_buffered >= 0 else self._buffered(req)
+
         while done < length:
             injected = faults.take("write" if req.is_write else "read")
-            if injected:
-                raise OSError(injected, os.strerror(injected))
-            chunk = view[done:]
-            if req.is_write:
-                n = os.pwritev(fd, [chunk], foff + done)
-            else:
-                n = os.preadv(fd, [chunk], foff + done)
+            chunk = (stage if stage is not None else user)[done:]
+            try:
+                if injected:
+                    raise OSError(injected, os.strerror(injected))
+                if req.is_write:
+                    n = os.pwritev(fd, [chunk], foff + done)
+                else:
+                    n = os.preadv(fd, [chunk], foff + done)
+            except OSError as exc:
+                if exc.errno == errno_mod.EINVAL and direct and not injected:
+                    fd = leave_direct()  # O_DIRECT accepted at open, refused at IO
+                    continue
+                raise
             if n == 0:
                 if req.is_write:
                     raise OSError(errno_mod.EIO, "pwrite wrote 0 bytes")
                 raise OSError(errno_mod.ENODATA, "file ends before the requested range")
             done += n
             if n % ALIGN and direct and done < length:
-                fd = req.fd_buffered if req.fd_buffered >= 0 else self._buffered(req)
-                direct = False  # short O_DIRECT transfer: finish the unaligned rest buffered
+                fd = leave_direct()  # short O_DIRECT transfer: the unaligned rest goes buffered
+        if stage is not None and not req.is_write:
+            user[:] = stage
         if req.direct_refused:
             os.posix_fadvise(fd, foff, length, os.POSIX_FADV_DONTNEED)
 

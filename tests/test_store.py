@@ -310,3 +310,44 @@ def test_cuda_round_trip_without_device_synchronize(tmp_path, monkeypatch):
     nvme.close()
     pool.close()
     aio.close()
+
+
+def test_io_errors_surface_once_and_lose_nothing(tmp_path, backend):
+    """A failed read frees its buffer and is retried by the next fetch; a failed write-back
+    keeps the copy dirty and cached until a flush writes it successfully."""
+    import errno
+
+    from offload.io import faults
+
+    with make_store(tmp_path, buffers=2) as store:
+        store.register("a", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 2.0))
+        faults.inject(errno.EIO, count=1, op="read")
+        try:
+            with pytest.raises(OSError):
+                store.fetch("a", Tier.HOST).wait()
+        finally:
+            faults.clear()
+        assert store.state("a") is ShardState.NVME
+        assert store.stats()["host_buffers_in_use"] == 0
+        store.release("a", Tier.HOST)  # the failed fetch still holds its pin
+        got = store.fetch("a", Tier.HOST).wait()
+        assert torch.equal(got, torch.full((1000,), 2.0))
+        got.fill_(7.0)
+        faults.inject(errno.EIO, count=1, op="write")
+        try:
+            with pytest.raises(OSError):  # from the next call that sees the write complete
+                store.release("a", Tier.HOST, dirty=True)
+                store.flush()
+        finally:
+            faults.clear()
+        assert store.state("a") is ShardState.HOST  # still cached, still dirty
+        store.flush()  # written again, successfully
+        store.register("b", 1000, torch.float32, Tier.NVME)
+        store.register("c", 1000, torch.float32, Tier.NVME)
+        for key in ("b", "c"):  # push "a" out of the 2-buffer pool
+            store.fetch(key, Tier.HOST).wait()
+        assert store.state("a") is ShardState.NVME
+        store.release("b", Tier.HOST)
+        store.release("c", Tier.HOST)
+        assert torch.equal(store.fetch("a", Tier.HOST).wait(), torch.full((1000,), 7.0))
+        store.release("a", Tier.HOST)

@@ -190,6 +190,24 @@ class Shard:
             self._move((ShardState.WRITING_BACK,), top, "written_back")
         return transfer
 
+    def abort_pending(self) -> torch.Tensor | None:
+        """Undo a transfer that failed (or was refused at submission).
+
+        TO_HOST -> NVME (returns the host buffer to give back); WRITING_BACK or FLUSHING ->
+        the copy on top, dirty again (nothing was lost: the source copy is intact).
+        """
+        self.pending = None
+        if self.state is ShardState.TO_HOST:
+            self._move((ShardState.TO_HOST,), ShardState.NVME, "abort_load")
+            buf, self.host_buf = self.host_buf, None
+            return buf
+        top = ShardState.DEVICE if self.slab is not None else ShardState.HOST
+        if self.home is Tier.DEVICE:
+            top = ShardState.DEVICE
+        self._move((ShardState.WRITING_BACK, ShardState.FLUSHING), top, "abort_write_back")
+        self.dirty = True
+        return None
+
     def drop_device(self) -> Slab | None:
         """DEVICE -> HOST: forget the device copy; returns its slab (to the budget)."""
         if self.home is Tier.DEVICE:

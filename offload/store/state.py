@@ -53,7 +53,8 @@ class ShardState(enum.Enum):
 LEGAL_TRANSITIONS: dict[ShardState, frozenset[ShardState]] = {
     # fetch to host (read), or take a buffer without reading (fetch(..., read=False))
     ShardState.NVME: frozenset({ShardState.TO_HOST, ShardState.HOST}),
-    ShardState.TO_HOST: frozenset({ShardState.HOST}),
+    # loaded, or the read failed (the buffer goes back; the next fetch retries)
+    ShardState.TO_HOST: frozenset({ShardState.HOST, ShardState.NVME}),
     # copy up, take a slab without copying (read=False), drop the host buffer, or flush it home
     ShardState.HOST: frozenset(
         {ShardState.TO_DEVICE, ShardState.DEVICE, ShardState.NVME, ShardState.WRITING_BACK}
@@ -62,8 +63,10 @@ LEGAL_TRANSITIONS: dict[ShardState, frozenset[ShardState]] = {
     # drop the device copy, or flush a dirty one down
     ShardState.DEVICE: frozenset({ShardState.HOST, ShardState.FLUSHING}),
     # host-homed shards are done after the device -> host copy; NVMe-homed ones go on to disk
+    # (and back to DEVICE, still dirty, when the disk write is refused)
     ShardState.FLUSHING: frozenset({ShardState.DEVICE, ShardState.WRITING_BACK}),
-    # back to whatever copy sits on top (a device copy survives a write-back)
+    # back to whatever copy sits on top (a device copy survives a write-back); on failure the
+    # same, with the copy still dirty
     ShardState.WRITING_BACK: frozenset({ShardState.HOST, ShardState.DEVICE}),
 }
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 import offload
 from offload.config import (
@@ -245,6 +247,41 @@ def test_public_face():
 def test_parse_size_units(text, expected):
     assert parse_size(text) == expected
     assert type(parse_size(text)) is int
+
+
+UNIT_FACTORS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+    "K": 2**10,
+    "M": 2**20,
+    "G": 2**30,
+    "T": 2**40,
+}
+
+
+@given(
+    n=st.integers(0, 10**6),
+    unit=st.sampled_from(sorted(UNIT_FACTORS)),
+    space=st.sampled_from(["", " "]),
+    upper=st.booleans(),
+)
+def test_parse_size_is_number_times_unit(n, unit, space, upper):
+    text = f"{n}{space}{unit.upper() if upper else unit.lower()}"
+    assert parse_size(text) == n * UNIT_FACTORS[unit]
+
+
+def test_choice_typos_get_a_suggestion():
+    pattern = r"allowed: one of 'none', 'cpu', 'nvme' \(did you mean 'nvme'\?\)$"
+    with pytest.raises(ConfigError, match=pattern):
+        load_config({"offload_param": {"device": "nvm"}})
 
 
 @pytest.mark.parametrize(

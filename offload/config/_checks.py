@@ -12,6 +12,7 @@ Note: what counts as which type
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -84,12 +85,16 @@ def as_float(
 def as_choice(key: str, value: Any, choices: Mapping[str, Iterable[str]]) -> str:
     """One of ``choices`` (canonical name -> aliases), matched case-insensitively."""
     names = ", ".join(repr(c) for c in choices)
+    hint = ""
     if isinstance(value, str):
         low = value.strip().lower()
         for canonical, aliases in choices.items():
             if low == canonical or low in aliases:
                 return canonical
-    raise ConfigError.bad(key, value, f"one of {names}")
+        every = [*choices, *(a for aliases in choices.values() for a in aliases)]
+        close = difflib.get_close_matches(low, every, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError.bad(key, value, f"one of {names}{hint}")
 
 
 def as_size(

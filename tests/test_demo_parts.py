@@ -25,6 +25,15 @@ def corpus() -> ByteCorpus:
     return ByteCorpus.from_stdlib(max_bytes=400_000)
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models train fastest on one thread (and do not suffer from a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # --- model ---------------------------------------------------------------------------------
 
 
@@ -71,15 +80,6 @@ def test_size_is_close_to_target(size, target):
     cfg = config_for_size(size)
     assert abs(param_count(cfg) / target - 1) < 0.10
     assert cfg.d_model % cfg.n_head == 0 and cfg.d_model // cfg.n_head == 64
-
-
-def test_50m_model_built_on_meta_has_the_planned_count():
-    cfg = config_for_size("50M")
-    with torch.device("meta"):
-        model = GPT(cfg)
-    n = sum(p.numel() for p in model.parameters())
-    assert n == param_count(cfg)
-    assert abs(n / 50e6 - 1) < 0.10
 
 
 @pytest.mark.parametrize("size", ["abc", "10", "0M", "-5M", "5X"])
@@ -245,21 +245,21 @@ def test_normalize_stats_fills_missing_keys():
     assert demo_train.normalize_stats(None)["bytes"]["host->device"] == 0
 
 
-def test_train_loop_learns_and_writes_records(corpus, tmp_path):
+def test_train_loop_learns_and_writes_records(corpus, tmp_path, one_thread):
     torch.manual_seed(0)
     cfg = config_for_size("tiny", seq_len=32)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     with demo_report.MetricsWriter(tmp_path / "m.jsonl") as w:
         res = demo_train.train(
-            model, opt, corpus, steps=40, batch_size=8, seq_len=32, lr=3e-3, warmup_steps=3,
+            model, opt, corpus, steps=30, batch_size=8, seq_len=32, lr=3e-3, warmup_steps=3,
             eval_batches=2, writer=w, progress=False,
         )  # fmt: skip
-    assert res.steps_done == 40 and not res.interrupted
+    assert res.steps_done == 30 and not res.interrupted
     steps = [r for r in res.records if r["kind"] == "step"]
     evals = [r for r in res.records if r["kind"] == "eval"]
-    assert [r["step"] for r in steps] == list(range(1, 41))
-    assert [e["step"] for e in evals] == [0, 40]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    assert [e["step"] for e in evals] == [0, 30]
     assert evals[1]["val_loss"] < evals[0]["val_loss"] - 0.3
     first = sum(r["loss"] for r in steps[:5]) / 5
     last = sum(r["loss"] for r in steps[-5:]) / 5
@@ -273,7 +273,7 @@ def test_train_loop_learns_and_writes_records(corpus, tmp_path):
     assert demo_report.read_metrics(tmp_path / "m.jsonl") == res.records
 
 
-def test_train_loop_uses_engine_counters_and_stops_on_ctrl_c(corpus):
+def test_train_loop_uses_engine_counters_and_stops_on_ctrl_c(corpus, one_thread):
     torch.manual_seed(0)
     model = GPT(config_for_size("tiny", seq_len=16))
     opt = _EngineLike(model.parameters(), lr=1e-3)

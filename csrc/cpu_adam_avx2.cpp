@@ -35,19 +35,39 @@ struct V {
   T reg load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  static constexpr bool kHasNT = true;
+  template <bool NT>
+  T void store_f32_out(float* p, reg x) {
+    if (NT) {
+      _mm256_stream_ps(p, x);
+    } else {
+      _mm256_storeu_ps(p, x);
+    }
+  }
+  template <bool NT>
+  T void store_128(uint16_t* p, __m128i x) {
+    if (NT) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(p), x);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), x);
+    }
+  }
+  T void store_fence() { _mm_sfence(); }
   // Round to nearest even with the rounding bias; NaN -> 0xFFFF (as torch).
+  template <bool NT>
   T void store_bf16(uint16_t* p, reg x) {
     __m256i u = _mm256_castps_si256(x);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i t = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)), u), 16);
+    __m256i bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF));
+    __m256i t = _mm256_srli_epi32(_mm256_add_epi32(bias, u), 16);
     __m256i ord = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q));
     t = _mm256_blendv_epi8(_mm256_set1_epi32(0xFFFF), t, ord);
     __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(t, t), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    store_128<NT>(p, _mm256_castsi256_si128(packed));
   }
+  template <bool NT>
   T void store_f16(uint16_t* p, reg x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    store_128<NT>(p, _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   T dacc dzero() { return _mm256_setzero_pd(); }
   T dacc dacc_sq(dacc s, reg x) {

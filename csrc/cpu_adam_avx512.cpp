@@ -43,18 +43,38 @@ struct V {
   T reg load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  static constexpr bool kHasNT = true;
+  template <bool NT>
+  T void store_f32_out(float* p, reg x) {
+    if (NT) {
+      _mm512_stream_ps(p, x);
+    } else {
+      _mm512_storeu_ps(p, x);
+    }
+  }
+  template <bool NT>
+  T void store_256(uint16_t* p, __m256i x) {
+    if (NT) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(p), x);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x);
+    }
+  }
+  T void store_fence() { _mm_sfence(); }
   // Round to nearest even with the rounding bias; NaN -> 0xFFFF (as torch).
+  template <bool NT>
   T void store_bf16(uint16_t* p, reg x) {
     __m512i u = _mm512_castps_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i t = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)), u), 16);
+    __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+    __m512i t = _mm512_srli_epi32(_mm512_add_epi32(bias, u), 16);
     __mmask16 ord = _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q);
     t = _mm512_mask_blend_epi32(ord, _mm512_set1_epi32(0xFFFF), t);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(t));
+    store_256<NT>(p, _mm512_cvtepi32_epi16(t));
   }
+  template <bool NT>
   T void store_f16(uint16_t* p, reg x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    store_256<NT>(p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   T dacc dzero() { return _mm512_setzero_pd(); }
   T dacc dacc_sq(dacc s, reg x) {

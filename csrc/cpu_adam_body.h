@@ -17,6 +17,14 @@ namespace {
 
 using reg = typename V::reg;
 
+// Note (stores): param, exp_avg and exp_avg_sq are read and written in place, so their lines
+// are already cached when written and ordinary stores cost no extra traffic (streaming stores
+// measured slower there). The copy-out buffer is write-only: an ordinary store first reads each
+// line (write-allocate, +2 B/param for bf16), a streaming store does not, so large ranges use
+// streaming stores for it (then a store fence, before the pool reports the range done). Short
+// ranges keep ordinary stores: their output is likely to be read again from cache soon.
+constexpr size_t kStreamOutMin = size_t{1} << 16;  // elements per range
+
 struct Coef {
   reg scale, decay, l2, w, wm1, beta2, c2, bc2, eps, nstep;
 };
@@ -51,19 +59,20 @@ OFFLOAD_KTARGET inline reg load_as_f32(const void* base, size_t i) {
   }
 }
 
-template <int O>
+// NT: non-temporal (streaming) store, for the write-only copy-out (see the Note on stores).
+template <int O, bool NT>
 OFFLOAD_KTARGET inline void store_from_f32(void* base, size_t i, reg x) {
   if constexpr (O == kF32) {
-    V::store(static_cast<float*>(base) + i, x);
+    V::template store_f32_out<NT>(static_cast<float*>(base) + i, x);
   } else if constexpr (O == kBF16) {
-    V::store_bf16(static_cast<uint16_t*>(base) + i, x);
+    V::template store_bf16<NT>(static_cast<uint16_t*>(base) + i, x);
   } else if constexpr (O == kF16) {
-    V::store_f16(static_cast<uint16_t*>(base) + i, x);
+    V::template store_f16<NT>(static_cast<uint16_t*>(base) + i, x);
   }
 }
 
 // One vector of W elements at offset i.
-template <int G, int O>
+template <int G, int O, bool NT = false>
 OFFLOAD_KTARGET inline void adam_vec(const Coef& c, bool l2, bool lerp_hi, bool bc, float* p_,
                                      const void* g_, float* m_, float* v_, void* o_, size_t i) {
   reg g = V::keep(V::mul(load_as_f32<G>(g_, i), c.scale));
@@ -83,7 +92,7 @@ OFFLOAD_KTARGET inline void adam_vec(const Coef& c, bool l2, bool lerp_hi, bool 
   V::store(p_ + i, p);
   V::store(m_ + i, m);
   V::store(v_ + i, v);
-  store_from_f32<O>(o_, i, p);
+  store_from_f32<O, NT>(o_, i, p);
 }
 
 template <int G, int O>
@@ -106,8 +115,18 @@ OFFLOAD_KTARGET void adam_typed(const AdamArgs& a, size_t begin, size_t end) {
   const bool hi = !(a.w1 < 0.5f && a.w1 > -0.5f);
   const bool bc = a.bc2_sqrt != 1.0f;
   size_t i = begin;
-  for (; i + W <= end; i += W)
-    adam_vec<G, O>(c, l2, hi, bc, a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.out, i);
+  // Streaming stores need each vector's slice of `out` aligned to its own size.
+  const bool nt =
+      O != kNone && V::kHasNT && end - begin >= kStreamOutMin &&
+      reinterpret_cast<uintptr_t>(static_cast<OT*>(a.out) + begin) % (W * sizeof(OT)) == 0;
+  if (nt) {
+    for (; i + W <= end; i += W)
+      adam_vec<G, O, true>(c, l2, hi, bc, a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.out, i);
+    V::store_fence();
+  } else {
+    for (; i + W <= end; i += W)
+      adam_vec<G, O>(c, l2, hi, bc, a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.out, i);
+  }
   if (i < end) {
     const size_t r = end - i;
     alignas(64) float p[W] = {}, m[W] = {}, v[W] = {};

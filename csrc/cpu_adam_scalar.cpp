@@ -36,8 +36,20 @@ struct V {
   }
   static inline reg load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static inline reg load_f16(const uint16_t* p) { return f16_to_f32(*p); }
-  static inline void store_bf16(uint16_t* p, reg x) { *p = f32_to_bf16(x); }
-  static inline void store_f16(uint16_t* p, reg x) { *p = f32_to_f16(x); }
+  static constexpr bool kHasNT = false;  // streaming stores need vectors
+  template <bool NT>
+  static inline void store_f32_out(float* p, reg x) {
+    *p = x;
+  }
+  template <bool NT>
+  static inline void store_bf16(uint16_t* p, reg x) {
+    *p = f32_to_bf16(x);
+  }
+  template <bool NT>
+  static inline void store_f16(uint16_t* p, reg x) {
+    *p = f32_to_f16(x);
+  }
+  static inline void store_fence() {}
   static inline dacc dzero() { return 0.0; }
   static inline dacc dacc_sq(dacc s, reg x) {
     double d = x;

@@ -111,6 +111,26 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     assert list(nvme.iterdir()) == []  # the temporary swap directory is gone
 
 
+@needs_engine
+def test_demo_config_file_overrides_defaults(tmp_path, capsys):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"offload_optimizer": {"device": "cpu"}, "prefetch": {"depth": 1}}))
+    code = run_main(
+        "--size", "tiny", "--steps", "2", "--config", str(cfg), "--eval-batches", "0",
+        "--nvme-path", str(tmp_path / "nvme"), "--report", str(tmp_path / "rep"),
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and "params on nvme, optimizer on cpu" in out
+    run = _records(tmp_path / "rep")[0]
+    assert run["config"]["offload_optimizer"]["device"] == "cpu"
+    assert run["config"]["offload_param"]["device"] == "nvme"  # the demo's default kept
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"offload_param": {"device": "floppy"}}))
+    assert run_main("--size", "tiny", "--config", str(bad), "--no-report") == 2
+    err = capsys.readouterr().err
+    assert "offload_param.device" in err and "floppy" in err
+
+
 def _interrupt_after_steps(args: list[str], report: Path, steps: int = 1) -> tuple[int, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "offload", "demo", "--no-progress", *args, "--report", str(report)],

@@ -173,18 +173,22 @@ def _resolve_device(name: str | None) -> str:
 
 
 def _host_budget(cfg: dict[str, Any]) -> int:
+    """Bytes of host swap buffers for the sections that live on NVMe (normalized config)."""
     total = 0
     for section in ("offload_optimizer", "offload_param"):
         sec = cfg.get(section) or {}
-        if isinstance(sec, dict) and sec.get("device") in ("cpu", "nvme"):
-            try:
-                from offload.config import parse_size  # noqa: PLC0415
-
-                size = parse_size(sec.get("buffer_size", 0) or 0)
-            except Exception:  # noqa: BLE001 - the budget line is informative only
-                size = int(sec.get("buffer_size", 0) or 0)
-            total += int(sec.get("buffer_count", 0) or 0) * size
+        if isinstance(sec, dict) and sec.get("device") == "nvme":
+            total += int(sec.get("buffer_count", 0) or 0) * int(sec.get("buffer_size", 0) or 0)
     return total
+
+
+def _normalized(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config as the engine will read it (DeepSpeed keys mapped, sizes parsed)."""
+    try:
+        from offload.config import load_config  # noqa: PLC0415
+    except ImportError:
+        return cfg
+    return load_config(cfg).to_dict()
 
 
 def _close(optimizer: Any, model: Any) -> None:
@@ -240,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
                 model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01
             )
             cfg: dict[str, Any] = {"baseline": "torch.optim.AdamW, all state in memory"}
+            norm = {"dtype": "fp32"}
             budget = 0
             header.append(("state", "plain PyTorch AdamW, everything in memory (baseline)"))
         else:
@@ -249,14 +254,15 @@ def run(args: argparse.Namespace) -> int:
 
             try:
                 cfg = build_config(args, tmpdir, device)
-            except ValueError as exc:
+                norm = _normalized(cfg)
+                model, optimizer = wrap(model, cfg)
+            except (ValueError, OSError) as exc:  # ConfigError is a ValueError
                 print(f"offload demo: error: {exc}", file=sys.stderr)
                 return 2
-            budget = _host_budget(cfg)
+            budget = _host_budget(norm)
             fp32_state = 16 * n_params
-            model, optimizer = wrap(model, cfg)
             where = ", ".join(
-                f"{label} on {(cfg.get(name) or {}).get('device', '?')}"
+                f"{label} on {(norm.get(name) or {}).get('device', '?')}"
                 for name, label in (("offload_param", "params"), ("offload_optimizer", "optimizer"))
             )
             header.append(
@@ -270,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         header.append(
             ("data", f"{len(corpus.train) / 1e6:.1f} MB of stdlib source ({load_s:.1f} s)")
         )
-        header.append(("device", f"{device}, dtype {cfg.get('dtype', 'fp32')}"))
+        header.append(("device", f"{device}, dtype {norm.get('dtype', 'fp32')}"))
         if report_dir is not None:
             writer = rep.MetricsWriter(report_dir / "metrics.jsonl")
             writer.write(
@@ -303,6 +309,8 @@ def run(args: argparse.Namespace) -> int:
             writer=writer,
             progress=not args.no_progress,
         )
+    except KeyboardInterrupt:  # Ctrl-C while setting up (wrap, first IO), before any step
+        result = None
     finally:
         previous = None
         try:
@@ -317,6 +325,13 @@ def run(args: argparse.Namespace) -> int:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
 
+    if result is None:
+        if writer is not None:
+            writer.close()
+        print(
+            "offload demo: interrupted before training started; swap files removed", file=sys.stderr
+        )
+        return 130
     summary = rep.summarize(result.records)
     if result.interrupted:
         header.append(("stopped", f"Ctrl-C after {result.steps_done} of {args.steps} steps"))

@@ -57,7 +57,7 @@ FULL = {
         "device": "nvme",
         "nvme_path": "/local_nvme/opt",
         "pin_memory": False,
-        "buffer_count": 3,
+        "buffer_count": 5,
         "buffer_size": "64MiB",
         "threads": 7,
     },
@@ -101,7 +101,7 @@ optimizer:
   eps: 1e-6
   weight_decay: 0.1
   bias_correction: false
-offload_optimizer: {device: nvme, nvme_path: /local_nvme/opt, pin_memory: no, buffer_count: 3,
+offload_optimizer: {device: nvme, nvme_path: /local_nvme/opt, pin_memory: no, buffer_count: 5,
                     buffer_size: 67108864, threads: 7}
 offload_param:
   device: nvme

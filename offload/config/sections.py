@@ -16,8 +16,9 @@ Note: 4096-byte multiples
 
 Note: defaults
     The defaults fit one 24 GB GPU with 64 GB of RAM: optimizer state on the CPU, parameters on
-    the device, 4 x 256 MiB pinned optimizer buffers and 5 x 256 MiB parameter buffers when those
-    are moved (2.25 GiB of pinned memory at most), 1 MiB IO blocks 8 deep on 2 IO threads.
+    the device; when they are moved to NVMe, 8 x 256 MiB optimizer swap buffers (enough for the
+    step to read the next piece while updating this one) and 5 x 256 MiB parameter buffers, so
+    3.25 GiB of host buffers at most; 1 MiB IO blocks 8 deep on 2 IO threads.
 """
 
 from __future__ import annotations
@@ -104,10 +105,10 @@ class OffloadOptimizerConfig(_Section):
     """Directory for the state files when device is "nvme" (a private subdirectory is made)."""
     pin_memory: bool = True
     """Page-lock the host buffers for fast asynchronous device copies (CUDA only)."""
-    buffer_count: int = 4
-    """Number of host swap buffers used to stream the state from NVMe (count)."""
+    buffer_count: int = 8
+    """Host swap buffers for streaming the state from NVMe (count; wrap needs >= 4 with "nvme")."""
     buffer_size: int = 256 * MiB
-    """Bytes per swap buffer, a multiple of 4096; one optimizer shard must fit in one buffer."""
+    """Bytes per swap buffer, a multiple of 4096; the NVMe step streams fp32 pieces this size."""
     threads: int = 0
     """CPU threads of the optimizer step, caller included (count; 0 = all cores)."""
 
@@ -142,7 +143,7 @@ class OffloadParamConfig(_Section):
     buffer_count: int = 5
     """Number of host buffers for parameter shards in flight (count)."""
     buffer_size: int = 256 * MiB
-    """Bytes per buffer, a multiple of 4096; one unit's parameters must fit in one buffer."""
+    """Bytes per buffer, a multiple of 4096; parameters stream from NVMe in pieces this size."""
     persistence_threshold: int = 100_000
     """Units with fewer parameters than this stay on the compute device (elements)."""
 

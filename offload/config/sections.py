@@ -145,7 +145,7 @@ class OffloadParamConfig(_Section):
     buffer_size: int = 256 * MiB
     """Bytes per buffer, a multiple of 4096; parameters stream from NVMe in pieces this size."""
     persistence_threshold: int = 100_000
-    """Units with fewer parameters than this stay on the compute device (elements)."""
+    """Units with at most this many parameters stay on the compute device (elements)."""
 
     def __post_init__(self) -> None:
         self.device = as_choice(self._k("device"), self.device, {"none": (), "cpu": (), "nvme": ()})

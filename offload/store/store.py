@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +32,9 @@ from offload.store.reclaim import Reclaimer
 from offload.store.shard import Shard, Transfer
 from offload.store.state import ShardState, Tier
 from offload.store.stats import StoreCounters
+
+if TYPE_CHECKING:  # pragma: no cover  (io is imported only when NVMe is used)
+    from offload.io import BufferPool, NvmeStore
 
 logger = logging.getLogger("offload.store")
 
@@ -53,8 +56,8 @@ class TieredStore(Reclaimer):
         self,
         *,
         device: torch.device | str,
-        pool: Any | None,
-        nvme: Any | None,
+        pool: BufferPool | None,
+        nvme: NvmeStore | None,
         device_budget: int = 0,
         prefetch_depth: int = 2,
         name: str = "store",

@@ -88,6 +88,8 @@ def _native_info() -> dict[str, Any]:
         "detected_simd_level": "none",
         "supported_simd_levels": [],
         "compute_threads": _native.get_num_threads(),
+        "abi_version": None,
+        "entry_points": [],
     }
     if loaded:
         mod = _native.get()
@@ -96,6 +98,12 @@ def _native_info() -> dict[str, Any]:
             simd_level=mod.simd_level(),
             detected_simd_level=mod.detect_simd_level(),
             supported_simd_levels=list(mod.supported_simd_levels()),
+            abi_version=getattr(mod, "ABI_VERSION", None),
+            entry_points=sorted(
+                n
+                for n in dir(mod)
+                if not n.startswith("_") and n.isidentifier() and callable(getattr(mod, n))
+            ),
         )
     return info
 
@@ -259,6 +267,8 @@ def render(r: dict[str, Any]) -> str:
     else:
         row("status", f"fallback: torch implementations in use ({n.get('reason')})")
         row("simd level", "none (fallback)")
+    if n.get("entry_points"):
+        row("entry points", ", ".join(n["entry_points"]))
     row("compute threads", n.get("compute_threads"))
     head("cpu")
     row("model", c.get("model"))

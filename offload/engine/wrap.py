@@ -9,6 +9,7 @@ meta device, a model wrapped twice.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import weakref
 
@@ -157,6 +158,15 @@ def _make_store(cfg, section: str, device, aio, pin: bool, resources: list):
     )
 
 
+def _trim_host_heap() -> None:
+    """Gives the heap pages freed by moving the model's storage out back to the OS (glibc keeps
+    freed heap memory mapped otherwise, so RSS would stay as if the model were still there)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
 def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
     """Wraps ``model`` for offloaded training; returns ``(model, optimizer)``.
 
@@ -268,6 +278,7 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
     engine.resources = resources
     engine.install_hooks()
     _ENGINES[model] = engine
+    _trim_host_heap()
     scaler = None
     if dtype == torch.float16:
         ls = cfg.loss_scale

@@ -1,0 +1,108 @@
+"""Run by test_memory.py in a fresh process: peak RSS while training with params and optimizer
+state on NVMe, against the host memory the configuration allows. Prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from engine_models import Block
+
+import offload
+
+DIM, HIDDEN = 256, 1024
+PARAM_BUF, OPT_BUF = 256 * 1024, 512 * 1024
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(DIM, HIDDEN) for _ in range(blocks))
+        self.out = nn.Linear(DIM, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def main() -> None:
+    workdir = Path(sys.argv[1])
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    x, y = torch.randn(2, 4, DIM), torch.randn(2, 4, 1)  # activations stay negligible
+    proc = psutil.Process()
+    (workdir / "p").mkdir()
+    (workdir / "o").mkdir()
+    cfg = {
+        "device": "cpu",
+        "dtype": "fp32",
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": str(workdir / "p"),
+            "buffer_count": 4,
+            "buffer_size": PARAM_BUF,
+            "persistence_threshold": 0,
+        },
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": str(workdir / "o"),
+            "buffer_count": 8,
+            "buffer_size": OPT_BUF,
+        },
+        "wrap": {"module_classes": ["Block"]},
+    }
+    # Warm up what any training loop pays once, before the baseline: the autograd engine and
+    # the first torch.optim.Optimizer (which imports torch._dynamo, ~50 MB of RSS).
+    warm = nn.Linear(DIM, 1)
+    F.mse_loss(warm(x), y).backward()
+    torch.optim.SGD(warm.parameters(), lr=0.1).step()
+    base = proc.memory_info().rss  # before the model exists: everything after is the run's
+    model = Stack(int(sys.argv[2]))
+    n_params = sum(p.numel() for p in model.parameters())
+    unit_params = sum(p.numel() for p in model.blocks[0].parameters())
+    peak = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.002)
+
+    model, opt = offload.wrap(model, cfg)  # the model's own fp32 storage is released here
+    after_wrap = proc.memory_info().rss
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    for _ in range(3):
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    stop.set()
+    t.join()
+    peak[0] = max(peak[0], proc.memory_info().rss)
+    opt.close()
+    print(
+        json.dumps(
+            {
+                "base": base,
+                "after_wrap": after_wrap,
+                "peak": peak[0],
+                "growth": peak[0] - base,
+                "n_params": n_params,
+                "unit_params": unit_params,
+                "fp32_state": 16 * n_params,
+                "buffers": 4 * PARAM_BUF + 8 * OPT_BUF,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -196,14 +196,25 @@ def test_config_maps_a_deepspeed_file(tmp_path: Path):
         ("broken.json", "{", "not valid JSON"),
     ],
 )
-def test_config_bad_file_exits_nonzero_with_one_line(tmp_path: Path, name, text, expected):
+def test_config_bad_file_exits_nonzero_with_one_line(tmp_path: Path, capsys, name, text, expected):
     path = tmp_path / name
     if text is not None:
         path.write_text(text)
-    out = offload_cli("config", str(path))
-    assert out.returncode == 1
-    assert out.stdout == ""
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1, out.stderr
+    assert main(["config", str(path)]) == 1  # in-process; one subprocess run is below
+    out = capsys.readouterr()
+    assert out.out == ""
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1, out.err
     assert lines[0].startswith("offload config: error: ") and expected in lines[0]
     assert str(path) in lines[0]
+
+
+def test_config_bad_file_from_a_subprocess(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("aio:\n  direct_io: maybe\n")
+    out = offload_cli("config", str(path))
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == (
+        f"offload config: error: aio.direct_io: got 'maybe'; allowed: true or false (a boolean, "
+        f"not a string) (in {path})\n"
+    )

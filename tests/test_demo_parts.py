@@ -100,7 +100,7 @@ def test_stdlib_text_is_found_without_network(monkeypatch):
     files = stdlib_source_files()
     assert any(f.name == "os.py" for f in files)
     assert all(f.suffix == ".py" for f in files)
-    assert not any("site-packages" in f.parts for f in files)
+    assert not any("site-packages" in f.parts or "encodings" in f.parts for f in files)
     text = load_corpus(200_000)
     assert len(text) == 200_000
     assert b"def " in text and b"import " in text
@@ -199,6 +199,12 @@ def test_png_report(tmp_path):
     width, height = struct.unpack(">II", blob[16:24])
     assert (width, height) == (1300, 850)
     assert 20_000 < len(blob) < 2_000_000
+
+
+def test_ema_is_bias_corrected():
+    assert demo_report.ema([4.0, 4.0, 4.0]) == pytest.approx([4.0, 4.0, 4.0])
+    smooth = demo_report.ema([5.0, 1.0, 5.0, 1.0])
+    assert smooth[0] == 5.0 and 1.0 < min(smooth[1:]) and max(smooth[1:]) < 5.0
 
 
 def test_summary_numbers_and_table():

@@ -6,7 +6,8 @@ Note: why the standard library
     bytes). The files are found at run time (``sysconfig``'s ``stdlib`` path, else the
     directory of ``os.__file__``), walked in sorted order and concatenated, so the corpus is
     the same on every run of the same Python. Third-party packages (``site-packages``,
-    ``dist-packages``) and ``__pycache__`` are skipped. The last ``val_fraction`` of the bytes
+    ``dist-packages``), ``__pycache__`` and ``encodings`` (generated charmap tables whose
+    rows of hex codes make the loss jump whenever a batch lands in them) are skipped. The last ``val_fraction`` of the bytes
     (whole files at the end of the walk, mostly) is the validation split.
 """
 
@@ -21,7 +22,8 @@ from pathlib import Path
 import torch
 
 DEFAULT_MAX_BYTES = 8_000_000  # corpus cap: plenty for a few minutes of training, reads in < 1 s
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+# third-party code, bytecode, and the generated codec tables (hex charmaps, not prose or code)
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "encodings"}
 FILE_SEPARATOR = b"\n\n"
 
 

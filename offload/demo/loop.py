@@ -160,6 +160,7 @@ def train(
                 group["lr"] = lr * scale
             x, y = next(stream)
             x, y = x.to(device), y.to(device)
+            c0 = time.process_time()
             t0 = time.perf_counter()
             loss = lm_loss(model(x), y)
             t1 = time.perf_counter()
@@ -185,6 +186,7 @@ def train(
                 lr=lr * scale,
                 tokens=tokens,
                 wall_seconds=wall,
+                cpu_seconds=time.process_time() - c0,  # all threads of this process
                 forward_wall=walls["forward"],
                 backward_wall=walls["backward"],
                 step_wall=walls["optimizer"],

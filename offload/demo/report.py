@@ -107,7 +107,9 @@ def plot_report(
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), dpi=100)
     ax_loss, ax_time, ax_bytes, ax_rss = axes[0, 0], axes[0, 1], axes[1, 0], axes[1, 1]
 
-    ax_loss.plot(xs, [r.get("loss", math.nan) for r in steps], label="train", color="C0")
+    losses = [float(r.get("loss", math.nan)) for r in steps]
+    ax_loss.plot(xs, losses, color="C0", alpha=0.35, lw=1, label="train (per step)")
+    ax_loss.plot(xs, ema(losses), color="C0", lw=2, label="train (moving average)")
     if evals:
         ax_loss.plot(
             [r["step"] for r in evals], [r["val_loss"] for r in evals], "o", label="validation"
@@ -168,6 +170,17 @@ def plot_report(
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png")
     plt.close(fig)
+    return out
+
+
+def ema(values: list[float], alpha: float = 0.3) -> list[float]:
+    """Exponential moving average, bias-corrected so the first value is the first sample."""
+    out: list[float] = []
+    avg, weight = 0.0, 0.0
+    for v in values:
+        avg = (1 - alpha) * avg + alpha * v
+        weight = (1 - alpha) * weight + alpha
+        out.append(avg / weight)
     return out
 
 

@@ -4,9 +4,11 @@ Note: backends. The engine is native (``offload._C.AioEngine``, ``csrc/aio.cpp``
 threads, each keeping up to its share of ``queue_depth`` O_DIRECT requests in flight through
 Linux AIO, or blocking ``pread``/``pwrite`` where that is unavailable) or, without the
 extension, :class:`offload.io._thread_engine.ThreadEngine` on Python threads. Both split a
-request the same way (see ``_thread_engine.plan``): the part of the buffer whose address and
-file offset are 4096-aligned together goes through O_DIRECT in ``block_size`` pieces, the
-unaligned head and tail through a buffered descriptor. Any size and any offset round-trip.
+request the same way (see ``_thread_engine.plan``): the 4096-aligned part of the file range
+goes through O_DIRECT in ``block_size`` pieces (straight from/to the tensor when its address is
+congruent with the file offset modulo 4096, else staged through an aligned bounce buffer), the
+unaligned head and tail through a buffered descriptor. Any size, any offset and any buffer
+address round-trip.
 
 Note: lifetimes. An :class:`IOHandle` holds a reference to its tensor until the request has
 completed, so the memory the kernel writes into cannot be freed underneath it. ``close()`` (and
@@ -115,7 +117,8 @@ class AsyncIO:
 
     Args:
         block_size: bytes per piece a request is split into; a multiple of 4096.
-        queue_depth: pieces in flight at most, over all threads (count).
+        queue_depth: O_DIRECT pieces in flight at most, shared over the threads (count; each
+            thread gets at least one slot).
         thread_count: IO threads owned by this engine (count; not the compute pool).
         direct_io: use O_DIRECT for the aligned part of each request (bypasses the page cache).
     """

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 # Steps of the default run: ~2 minutes on 2 CPU cores with the default 50M model.
-DEFAULT_STEPS = 40
+DEFAULT_STEPS = 30
 DEFAULT_SIZE = "50M"
 DEFAULT_BATCH = 4
 DEFAULT_LR = 1e-3

@@ -43,6 +43,7 @@ struct V {
   T reg load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  T void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
   static constexpr bool kHasNT = true;
   template <bool NT>
   T void store_f32_out(float* p, reg x) {

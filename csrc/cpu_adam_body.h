@@ -25,6 +25,19 @@ using reg = typename V::reg;
 // ranges keep ordinary stores: their output is likely to be read again from cache soon.
 constexpr size_t kStreamOutMin = size_t{1} << 16;  // elements per range
 
+// Note (prefetch): each input stream is prefetched kPrefetchAhead elements (2 KiB of fp32)
+// ahead. With five concurrent streams the hardware prefetcher alone left the step at ~87% of
+// the streaming kernel on the development machine (Xeon, AVX-512); with this it reaches the
+// streaming kernel. Prefetch instructions never fault, so running past the end is harmless;
+// the address is formed in integers to stay clear of out-of-bounds pointer arithmetic.
+constexpr size_t kPrefetchAhead = 512;
+
+template <class T>
+OFFLOAD_KTARGET inline void prefetch_ahead(const T* base, size_t i) {
+  V::prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(base) +
+                                            (i + kPrefetchAhead) * sizeof(T)));
+}
+
 struct Coef {
   reg scale, decay, l2, w, wm1, beta2, c2, bc2, eps, nstep;
 };
@@ -75,6 +88,10 @@ OFFLOAD_KTARGET inline void store_from_f32(void* base, size_t i, reg x) {
 template <int G, int O, bool NT = false>
 OFFLOAD_KTARGET inline void adam_vec(const Coef& c, bool l2, bool lerp_hi, bool bc, float* p_,
                                      const void* g_, float* m_, float* v_, void* o_, size_t i) {
+  prefetch_ahead(static_cast<const typename Elem<G>::type*>(g_), i);
+  prefetch_ahead(p_, i);
+  prefetch_ahead(m_, i);
+  prefetch_ahead(v_, i);
   reg g = V::keep(V::mul(load_as_f32<G>(g_, i), c.scale));
   reg p = V::load(p_ + i);
   reg m = V::load(m_ + i);
@@ -166,6 +183,8 @@ OFFLOAD_KTARGET void adam_impl(const AdamArgs& a, size_t begin, size_t end) {
 template <int G>
 OFFLOAD_KTARGET inline void accumulate_vec(const void* g_, float* acc, reg scale, bool overwrite,
                                            typename V::dacc& sq, size_t i) {
+  prefetch_ahead(static_cast<const typename Elem<G>::type*>(g_), i);
+  if (!overwrite) prefetch_ahead(acc, i);
   reg g = load_as_f32<G>(g_, i);
   reg x = overwrite ? V::mul(g, scale) : V::fmadd(g, scale, V::load(acc + i));
   V::store(acc + i, x);
@@ -208,7 +227,11 @@ OFFLOAD_KTARGET void stream_impl(const StreamArgs& s, size_t begin, size_t end) 
   constexpr size_t W = V::W;
   const reg k = V::set1(s.k);
   size_t i = begin;
-  for (; i + W <= end; i += W) {
+  for (; i + W <= end; i += W) {  // prefetched like adam_vec, so it stays a fair roof
+    prefetch_ahead(s.a, i);
+    prefetch_ahead(s.b, i);
+    prefetch_ahead(s.c, i);
+    prefetch_ahead(s.d, i);
     reg b = V::load(s.b + i);
     V::store(s.a + i, V::fmadd(b, k, V::load(s.a + i)));
     V::store(s.c + i, V::fmadd(V::load(s.c + i), k, b));

@@ -36,6 +36,7 @@ struct V {
   }
   static inline reg load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static inline reg load_f16(const uint16_t* p) { return f16_to_f32(*p); }
+  static inline void prefetch(const void*) {}  // one element a step: nothing to gain
   static constexpr bool kHasNT = false;  // streaming stores need vectors
   template <bool NT>
   static inline void store_f32_out(float* p, reg x) {

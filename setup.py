@@ -9,8 +9,11 @@ compiled with per-function target attributes and chosen at run time (never ``-ma
 import os
 import sys
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+# Compile the translation units in parallel (OFFLOAD_BUILD_JOBS, default: all cores).
+ParallelCompile("OFFLOAD_BUILD_JOBS", default=0).install()
 
 SOURCES = sorted(os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".cpp"))
 

@@ -153,9 +153,9 @@ def _make_store(cfg, section: str, device, aio, pin: bool, resources: list):
     resources.append(nvme)
     pool = BufferPool(sec.buffer_count, sec.buffer_size, pin=pin and device.type == "cuda")
     resources.append(pool)
-    return TieredStore(
-        device=device, pool=pool, nvme=nvme, prefetch_depth=cfg.prefetch.depth, name=section
-    )
+    # prefetch.depth counts pieces ahead; an optimizer piece is 4 shards (master, moments, grad)
+    depth = cfg.prefetch.depth * (4 if section == "offload_optimizer" else 1)
+    return TieredStore(device=device, pool=pool, nvme=nvme, prefetch_depth=depth, name=section)
 
 
 def _trim_host_heap() -> None:

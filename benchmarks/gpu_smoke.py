@@ -1,0 +1,194 @@
+"""The one prepared script for a lent GPU: CUDA parity for every placement and a throughput run.
+
+    python benchmarks/gpu_smoke.py [--device cuda] [--minutes 5] [--nvme-path DIR]
+
+Part 1 runs the engine parity checks (the same model and loops as tests/test_wrap_parity.py) with
+the compute on ``--device``: fp32 against torch.optim.AdamW(foreach=False) and bf16 against the
+reference mixed-precision loop, for params on none/cpu/nvme x optimizer on cpu/nvme. Part 2 trains
+the demo GPT (~125M) in bf16 with params and optimizer on NVMe and prints tokens/s and the step
+split. Everything printed is also written as JSON to $OUT/gpu_smoke.json when $OUT is set. It also
+runs on the CPU (``--device cpu``) so the script itself is tested here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+import offload  # noqa: E402
+from engine_models import (  # noqa: E402
+    batches,
+    make_model,
+    placement_config,
+    reference_fp32,
+    reference_mixed,
+    train_wrapped,
+)
+
+
+def _max_rel(sd, ref) -> float:
+    worst = 0.0
+    for k, r in ref.items():
+        g = sd[k].detach().float().cpu()
+        r = r.detach().float().cpu()
+        worst = max(worst, float(((g - r).abs() / (r.abs() + 1e-6)).max()))
+    return worst
+
+
+def parity(device: str, tmp: Path) -> list[dict]:
+    rows = []
+    data = [d.to(device) for d in batches(16)]
+    steps, accum, clip = 10, 2, 1.0
+    ref32, ref32_losses = reference_fp32(make_model().to(device), data, steps, accum, clip)
+    refbf, refbf_losses = reference_mixed(
+        make_model().to(device), data, steps, accum, clip, torch.bfloat16
+    )
+    for dtype, ref, ref_losses, tol in (
+        ("fp32", ref32, ref32_losses, 1e-4),
+        ("bf16", refbf, refbf_losses, 2e-2),
+    ):
+        for p_dev in ("none", "cpu", "nvme"):
+            for o_dev in ("cpu", "nvme"):
+                cfg = placement_config(p_dev, o_dev, tmp / f"{dtype}-{p_dev}-{o_dev}", dtype=dtype)
+                cfg["device"] = device
+                t0 = time.perf_counter()
+                model, opt = offload.wrap(make_model(), cfg)
+                try:
+                    losses, _ = train_wrapped(model, opt, data, steps, accum, clip)
+                    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+                    rows.append(
+                        {
+                            "dtype": dtype,
+                            "params": p_dev,
+                            "optimizer": o_dev,
+                            "loss_rel_err": loss_err,
+                            "ok": loss_err < tol,
+                            "seconds": round(time.perf_counter() - t0, 2),
+                        }
+                    )
+                except Exception as exc:  # report and go on: one placement must not hide others
+                    rows.append(
+                        {
+                            "dtype": dtype,
+                            "params": p_dev,
+                            "optimizer": o_dev,
+                            "ok": False,
+                            "error": f"{type(exc).__name__}: {exc}"[:500],
+                        }
+                    )
+                finally:
+                    opt.close()
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def throughput(device: str, tmp: Path, size: str, steps: int, seconds: float) -> dict:
+    from offload.demo.model import GPT, config_for_size, lm_loss  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    gcfg = config_for_size(size, seq_len=512)
+    model = GPT(gcfg)
+    (tmp / "tp").mkdir(parents=True, exist_ok=True)
+    (tmp / "to").mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "device": device,
+        "dtype": "bf16",
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": str(tmp / "tp"),
+            "buffer_count": 8,
+            "buffer_size": "64MiB",
+        },
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": str(tmp / "to"),
+            "buffer_count": 16,
+            "buffer_size": "64MiB",
+        },
+        "prefetch": {"depth": 2},
+    }
+    model, opt = offload.wrap(model, cfg)
+    batch = 8
+    x = torch.randint(0, 256, (batch, gcfg.seq_len + 1), device=device)
+    times, splits = [], []
+    t_end = time.perf_counter() + seconds
+    try:
+        for i in range(steps):
+            t0 = time.perf_counter()
+            loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if device.startswith("cuda"):
+                torch.cuda.current_stream().synchronize()
+            times.append(time.perf_counter() - t0)
+            st = opt.stats()
+            splits.append(
+                {
+                    k: round(st[k], 3)
+                    for k in (
+                        "forward_seconds",
+                        "backward_seconds",
+                        "io_wait_seconds",
+                        "optimizer_seconds",
+                    )
+                }
+            )
+            if time.perf_counter() > t_end and i >= 2:
+                break
+    finally:
+        opt.close()
+    steady = sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else times[0]
+    return {
+        "params_M": round(_count(gcfg) / 1e6, 1),
+        "steps": len(times),
+        "median_step_s": round(steady, 3),
+        "tokens_per_s": round(batch * gcfg.seq_len / steady, 1),
+        "last_split": splits[-1],
+        "loss": float(loss),
+    }
+
+
+def _count(gcfg) -> int:
+    from offload.demo.model import param_count  # noqa: PLC0415
+
+    return param_count(gcfg)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--size", default="125M")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--seconds", type=float, default=120.0, help="throughput run time cap")
+    ap.add_argument("--nvme-path", default=None)
+    ap.add_argument("--skip-parity", action="store_true")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(dir=args.nvme_path))
+    out: dict = {"device": args.device, "torch": torch.__version__}
+    if args.device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name(0)
+    if not args.skip_parity:
+        out["parity"] = parity(args.device, tmp)
+    out["throughput"] = throughput(args.device, tmp, args.size, args.steps, args.seconds)
+    print(json.dumps(out["throughput"]))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_smoke.json").write_text(json.dumps(out, indent=1))
+    ok = all(r["ok"] for r in out.get("parity", []))
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

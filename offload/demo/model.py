@@ -13,6 +13,15 @@ Note: sizing
     MLP d -> 4d -> d with biases, two LayerNorms); embeddings add (256 + seq_len) d, the untied
     head 256 d and the final norm 2 d. ``--size tiny`` is a fixed 2-layer, 64-wide model for
     tests (about 0.14 M parameters).
+
+Note: initialisation
+    GPT-2's N(0, 0.02) for every weight, except the embeddings: with a 0.02 residual stream, the
+    first sign-like Adam steps (every weight moves by about the learning rate) make the blocks'
+    outputs dwarf the embeddings, and the 50M model's loss jumped from 4.4 to 8.6 at step 3 even
+    with warm-up. Token embeddings drawn from N(0, 1) (PyTorch's own default) and positions from
+    N(0, 0.3) keep the stream wide from the start; the loss then falls 5.6 -> 2.8 in 7 steps
+    without the jump. With tied embeddings the table is also the output head, so it keeps 0.02
+    (large logits at step 0 otherwise).
 """
 
 from __future__ import annotations
@@ -174,6 +183,10 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
+        if not cfg.tie_embeddings:
+            # See the Note on initialisation: a wide residual stream next to the blocks' outputs.
+            nn.init.normal_(self.tok_emb.weight, mean=0.0, std=1.0)
+            nn.init.normal_(self.pos_emb.weight, mean=0.0, std=0.3)
         # GPT-2's scaled init of the residual projections keeps the residual stream's variance
         # independent of depth.
         for name, p in self.named_parameters():

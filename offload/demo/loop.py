@@ -105,8 +105,8 @@ def _postfix(rec: Mapping[str, Any]) -> str:
     return (
         f"loss {rec['loss']:.3f} | {rec['tokens_per_second']:.0f} tok/s | "
         f"IO {rec['io_gb_per_second']:.2f} GB/s | fwd {rec['forward_seconds']:.2f} "
-        f"bwd {rec['backward_seconds']:.2f} io {rec['io_wait_seconds']:.2f} "
-        f"step {rec['optimizer_seconds']:.2f} s"
+        f"bwd {rec['backward_seconds']:.2f} cpu-step {rec['optimizer_seconds']:.2f} s "
+        f"(io wait {rec['io_wait_seconds']:.2f})"
     )
 
 

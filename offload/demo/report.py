@@ -8,8 +8,8 @@ Note: the records
     them directly. The PNG has four panels: loss per step (validation points when evaluated),
     the step-time split as stacked bars (forward, backward, CPU optimizer step, with the
     measured wall time of the step drawn over them as a line, so overlap or a gap shows; the
-    engine's IO wait is part of its forward/backward timers and is drawn hatched inside them
-    rather than stacked on top), bytes moved per tier pair per step, and resident host memory
+    engine's IO wait is part of its forward/backward timers and is drawn as a narrow bar over
+    them rather than stacked on top), bytes moved per tier pair per step, and resident host memory
     (RSS) over time beside the host buffer budget. Only matplotlib's Agg backend is used (no
     display needed).
 """
@@ -127,7 +127,7 @@ def plot_report(
     if any(io_wait):
         # the engine counts waits for gathered params inside the forward/backward timers
         ax_time.bar(
-            xs, io_wait, width=0.85, fill=False, hatch="///", edgecolor="C2", lw=0,
+            xs, io_wait, width=0.35, color="C2", alpha=0.9,
             label="IO wait (part of forward/backward)",
         )  # fmt: skip
     ax_time.plot(xs, [r.get("wall_seconds", 0.0) for r in steps], "k.-", lw=1, label="wall")
@@ -162,7 +162,7 @@ def plot_report(
     ax_rss.set(title="host memory", xlabel="seconds", ylabel="MB")
     top = max([r.get("rss_bytes", 0) / 1e6 for r in steps] + [(host_budget_bytes or 0) / 1e6])
     ax_rss.set_ylim(0, max(1.0, top * 1.15))
-    ax_rss.legend(loc="lower right", fontsize=8)
+    ax_rss.legend(loc="center right", fontsize=8)
 
     fig.suptitle(title)
     fig.tight_layout()

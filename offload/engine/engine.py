@@ -300,8 +300,7 @@ class Engine:
             if self.transfers.is_cuda:
                 self.transfers.h2d_stream.synchronize()  # host homes are about to be rewritten
             hyper = Hyper(step=self.step_count + 1, grad_scale=grad_scale, **hyper_base)
-            for unit in self.units:
-                self.optim.step(unit, self.params, hyper)
+            self.optim.step_units(self.units, self.params, hyper)
             for unit in self.units:
                 if unit.persistent:
                     self._release(unit)  # its device copy is stale now; gathered fresh next use

@@ -24,6 +24,7 @@ Note: gradients
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,11 @@ class OptimState:
         """(any inf/NaN, sum of squares) over all accumulated grads."""
         recs = [r for rs in self.records.values() for r in rs]
         return any(r.found_inf for r in recs), sum(r.sumsq for r in recs)
+
+    def step_units(self, units: list[Unit], params: ParamHome, hyper: Hyper) -> None:
+        """One optimizer step over every unit's state, writing new compute params home."""
+        for unit in units:
+            self.step(unit, params, hyper)
 
     def step(self, unit: Unit, params: ParamHome, hyper: Hyper) -> None:
         raise NotImplementedError
@@ -190,9 +196,10 @@ class HostOptimState(OptimState):
 
 
 class NvmeOptimState(OptimState):
-    def __init__(self, store, piece_numel: int) -> None:
+    def __init__(self, store, piece_numel: int, lookahead: int) -> None:
         from offload.store import Tier  # noqa: PLC0415
 
+        self.lookahead = lookahead  # pieces whose reads are issued ahead of the one updated
         self.store, self.piece_numel, self.tier, self._nvme = (
             store,
             piece_numel,
@@ -225,18 +232,27 @@ class NvmeOptimState(OptimState):
         recs = self.records[unit.index]
         for j, (lo, hi) in enumerate(self.pieces(unit)):
             key = self.key(unit, "grad", lo)
-            self.store.use(key, self.tier)
+            if not first:  # an overwrite reads nothing: keep it out of the prefetch trace
+                self.store.use(key, self.tier)
             buf = self.store.fetch(key, self.tier, read=not first).wait()
             inf, ss = accumulate_grad(buf, flat_grad[lo:hi], overwrite=first)
             recs[j] = GradRecord(inf, ss)
             self.store.release(key, self.tier, dirty=True)
 
-    def step(self, unit: Unit, params: ParamHome, hyper: Hyper) -> None:
-        for lo, hi in self.pieces(unit):
-            keys = [self.key(unit, k, lo) for k in (*KINDS, "grad")]
-            for k in keys:
-                self.store.use(k, self.tier)
-            futs = [self.store.fetch(k, self.tier) for k in keys]
+    def step_units(self, units: list[Unit], params: ParamHome, hyper: Hyper) -> None:
+        """Streams every piece through the pool: the reads of the next ``lookahead`` pieces are
+        in flight while piece ``j`` is updated and piece ``j - 1`` is written back (the store
+        writes released dirty shards asynchronously). The step's order is known exactly, so it
+        issues its own fetches instead of going through the store's trace prefetcher."""
+        work = [(u, lo, hi) for u in units for lo, hi in self.pieces(u)]
+        ahead: deque = deque()
+        for i in range(len(work)):
+            while len(ahead) <= self.lookahead and i + len(ahead) < len(work):
+                u, lo, _ = work[i + len(ahead)]
+                keys = [self.key(u, k, lo) for k in (*KINDS, "grad")]
+                ahead.append((keys, [self.store.fetch(k, self.tier) for k in keys]))
+            keys, futs = ahead.popleft()
+            unit, lo, hi = work[i]
             master, exp_avg, exp_avg_sq, grad = (f.wait() for f in futs)
             out = params.out_buffer(unit, lo, hi)
             adam_step(master, grad, exp_avg, exp_avg_sq, **hyper.kwargs(), out=out)

@@ -235,7 +235,9 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
             stores["offload_optimizer"] = _make_store(
                 cfg, "offload_optimizer", device, aio, cfg.offload_optimizer.pin_memory, resources
             )
-            optim = NvmeOptimState(stores["offload_optimizer"], piece)
+            # pieces read ahead in the step: 4 buffers per piece, 3 kept for write-backs
+            ahead = max(0, (cfg.offload_optimizer.buffer_count - NVME_OPT_BUFFERS - 3) // 4)
+            optim = NvmeOptimState(stores["offload_optimizer"], piece, lookahead=ahead)
         else:
             # grads may stay in p.grad when they already sit where the optimizer runs and the
             # params' home takes per-parameter writes (see offload.engine.optstate's Note)

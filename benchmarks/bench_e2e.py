@@ -1,0 +1,305 @@
+"""End-to-end: the demo GPT trained through offload.wrap against its ceilings and its peers, one run.
+
+    python benchmarks/bench_e2e.py [--size 50M] [--batch 4] [--seq 128] [--reps 5] [--path /work]
+
+Prints one table (and --json FILE writes it):
+
+- cpu tier: optimizer on the CPU, params on the compute device (device="cpu", fp32) against plain
+  PyTorch with torch.optim.AdamW(fused=True) on the same model and data. Bar: <= 1.0x.
+- nvme: params and optimizer state on NVMe with a host budget (all swap buffers) at most 1/4 of
+  the model's fp32 state. Step time against max(compute-only step, IO bytes / disk bandwidth
+  measured in this run, CPU Adam time), with the serial sum beside it. Bar: <= 1.25x of the max.
+  Peak RSS growth during those steps against the documented budget (buffers + 4 units + 32 MiB).
+- deepspeed: the same model, batch and placement under DeepSpeed ZeRO-3 with NVMe offload, run by
+  the peers' Python (../shared/anchors/setup-peers.sh) in a subprocess; "unavailable" without it.
+
+Variants inside this process are interleaved (A B C D, A B C D, ...) and reported as medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import offload  # noqa: E402
+from offload.config import parse_size  # noqa: E402
+from offload.demo.model import GPT, config_for_size, lm_loss  # noqa: E402
+from offload.io import AsyncIO, aligned_empty  # noqa: E402
+from offload.optim import adam_step  # noqa: E402
+
+PEERS_PY = Path(os.environ.get("PEERS_VENV", "/work/peers-venv")) / "bin" / "python"
+
+
+def train_step(model, opt, x) -> None:
+    loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def compute_step(model, x) -> None:
+    loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+class PeakRSS:
+    """Samples this process's RSS every 2 ms while active."""
+
+    def __init__(self) -> None:
+        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
+
+    def __enter__(self):
+        self.peak = self.proc.memory_info().rss
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def disk_bandwidth(path: Path, nbytes: int, cfg_aio: dict) -> tuple[float, float]:
+    """(read, write) bytes/s of sequential O_DIRECT IO through AsyncIO at the engine's settings."""
+    buf = aligned_empty(nbytes)
+    buf.fill_(7)
+    f = path / "bw.scratch"
+    with AsyncIO(**cfg_aio) as aio:
+        tw = timed(lambda: aio.write(buf, str(f)).wait())
+        tr = timed(lambda: aio.read(buf, str(f)).wait())
+    f.unlink()
+    return nbytes / tr, nbytes / tw
+
+
+def deepspeed_step(args, nvme_dir: Path) -> dict:
+    if not PEERS_PY.exists():
+        return {
+            "status": f"unavailable: {PEERS_PY} not found (run ../shared/anchors/setup-peers.sh)"
+        }
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(PEERS_PY.parents[1] / "torch_extensions"))
+    cmd = [
+        str(PEERS_PY),
+        str(ROOT / "benchmarks" / "_ds_zero3.py"),
+        "--size",
+        args.size,
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.reps),
+        "--nvme",
+        str(nvme_dir),
+    ]
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired:
+        return {"status": "unavailable: DeepSpeed run timed out"}
+    if out.returncode != 0:
+        return {
+            "status": "unavailable: DeepSpeed failed: " + out.stderr.strip().splitlines()[-1][:300]
+        }
+    return {"status": "ok", **json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="50M")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--path", default="/work", help="directory on the disk under test")
+    ap.add_argument("--buffer-size", default="8MiB")
+    ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    gcfg = config_for_size(args.size, seq_len=args.seq)
+    base = GPT(gcfg)
+    n = sum(p.numel() for p in base.parameters())
+    x = torch.randint(0, 256, (args.batch, args.seq + 1))
+    work = Path(tempfile.mkdtemp(prefix="bench_e2e-", dir=args.path))
+    (work / "p").mkdir()
+    (work / "o").mkdir()
+    buf = parse_size(args.buffer_size)
+    aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2}
+    nvme_cfg = {
+        "device": "cpu",
+        "dtype": "fp32",
+        "aio": aio,
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": str(work / "p"),
+            "buffer_count": 6,
+            "buffer_size": buf,
+            "persistence_threshold": 0,
+        },
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": str(work / "o"),
+            "buffer_count": 16,
+            "buffer_size": buf,
+        },
+        "prefetch": {"depth": 2},
+    }
+    host_budget = (6 + 16) * buf
+    fp32_state = 16 * n
+    machine = f"{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, torch {torch.__version__}"
+    print(f"# bench_e2e  {time.strftime('%Y-%m-%d %H:%M')}  {machine}")
+    print(
+        f"# model {n / 1e6:.1f}M params ({gcfg.n_layer} layers x d{gcfg.d_model}), batch {args.batch} x seq {args.seq}, fp32"
+    )
+    print(
+        f"# nvme: host budget {host_budget / 2**20:.0f} MiB = 1/{fp32_state / host_budget:.1f} of the fp32 state ({fp32_state / 2**20:.0f} MiB)"
+    )
+
+    plain = copy.deepcopy(base)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=True)
+    tier_model, tier_opt = offload.wrap(
+        copy.deepcopy(base),
+        {
+            "device": "cpu",
+            "dtype": "fp32",
+            "optimizer": {"lr": 1e-4},
+            "offload_param": {"device": "none"},
+            "offload_optimizer": {"device": "cpu"},
+        },
+    )
+    compute_model = copy.deepcopy(base)
+    rss0 = psutil.Process().memory_info().rss
+    nv_model, nv_opt = offload.wrap(copy.deepcopy(base), nvme_cfg)
+    for _ in range(2):  # warm-up (the first NVMe step also records the prefetch trace)
+        train_step(plain, plain_opt, x)
+        train_step(tier_model, tier_opt, x)
+        compute_step(compute_model, x)
+        train_step(nv_model, nv_opt, x)
+    t = {"plain": [], "tier": [], "compute": [], "nvme": []}
+    nv_opt.stats()  # reset the per-step byte deltas
+    io_bytes = {"nvme->host": 0, "host->nvme": 0}
+    with PeakRSS() as rss:
+        for _ in range(args.reps):
+            t["plain"].append(timed(lambda: train_step(plain, plain_opt, x)))
+            t["tier"].append(timed(lambda: train_step(tier_model, tier_opt, x)))
+            t["compute"].append(timed(lambda: compute_step(compute_model, x)))
+            t["nvme"].append(timed(lambda: train_step(nv_model, nv_opt, x)))
+            st = nv_opt.stats()
+            for k in io_bytes:
+                io_bytes[k] += st["bytes"].get(k, 0)
+    rd_bw, wr_bw = disk_bandwidth(work, 256 << 20, aio)
+    p, g, m, v = torch.zeros(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+    adam = statistics.median(
+        timed(
+            lambda: adam_step(
+                p, g, m, v, step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+            )
+        )
+        for _ in range(3)
+    )
+    med = {k: statistics.median(vs) for k, vs in t.items()}
+    rd, wr = io_bytes["nvme->host"] / args.reps, io_bytes["host->nvme"] / args.reps
+    io_time = rd / rd_bw + wr / wr_bw
+    ceiling = max(med["compute"], io_time, adam)
+    unit = max(u.layout.trainable for u in nv_model_engine(nv_model).units)
+    rss_budget = host_budget + 4 * 4 * unit + 32 * 2**20
+    rows = {
+        "cpu_tier": {
+            "torch_fused_s": med["plain"],
+            "offload_s": med["tier"],
+            "ratio": med["tier"] / med["plain"],
+            "bar": "<= 1.0",
+        },
+        "nvme": {
+            "step_s": med["nvme"],
+            "compute_only_s": med["compute"],
+            "io_s": io_time,
+            "read_MB": rd / 1e6,
+            "write_MB": wr / 1e6,
+            "disk_read_GBps": rd_bw / 1e9,
+            "disk_write_GBps": wr_bw / 1e9,
+            "cpu_adam_s": adam,
+            "max_s": ceiling,
+            "ratio_to_max": med["nvme"] / ceiling,
+            "serial_sum_s": med["compute"] + io_time + adam,
+            "bar": "<= 1.25",
+        },
+        "memory": {
+            "rss_growth_MiB": (rss.peak - rss0) / 2**20,
+            "budget_MiB": rss_budget / 2**20,
+            "fp32_state_MiB": fp32_state / 2**20,
+            "host_buffers_MiB": host_budget / 2**20,
+        },
+    }
+    tier_opt.close()
+    nv_opt.close()
+    ds = {"status": "skipped (--no-deepspeed)"} if args.no_deepspeed else deepspeed_step(args, work)
+    if ds.get("status") == "ok":
+        ds["offload_nvme_over_deepspeed"] = med["nvme"] / ds["median_step_s"]
+    rows["deepspeed_zero3_nvme"] = ds
+    shutil.rmtree(work, ignore_errors=True)
+
+    r = rows
+    print()
+    print("| what | offload | reference | ratio | bar |")
+    print("|---|---|---|---|---|")
+    print(
+        f"| cpu tier step (opt on CPU) | {r['cpu_tier']['offload_s']:.3f} s | torch AdamW(fused) {r['cpu_tier']['torch_fused_s']:.3f} s | {r['cpu_tier']['ratio']:.2f}x | <= 1.0x |"
+    )
+    nv = r["nvme"]
+    print(
+        f"| nvme step (params+opt on NVMe) | {nv['step_s']:.3f} s | max(compute {nv['compute_only_s']:.3f}, IO {nv['io_s']:.3f}, Adam {nv['cpu_adam_s']:.3f}) = {nv['max_s']:.3f} s; serial sum {nv['serial_sum_s']:.3f} s | {nv['ratio_to_max']:.2f}x | <= 1.25x |"
+    )
+    print(
+        f"| nvme IO per step | read {nv['read_MB']:.0f} MB, write {nv['write_MB']:.0f} MB | disk {nv['disk_read_GBps']:.2f} / {nv['disk_write_GBps']:.2f} GB/s (read/write, same run) | | |"
+    )
+    me = r["memory"]
+    print(
+        f"| peak RSS growth (nvme) | {me['rss_growth_MiB']:.0f} MiB | budget {me['budget_MiB']:.0f} MiB (buffers {me['host_buffers_MiB']:.0f}); fp32 state {me['fp32_state_MiB']:.0f} MiB | {me['rss_growth_MiB'] / me['budget_MiB']:.2f}x | <= 1.0x |"
+    )
+    if ds.get("status") == "ok":
+        print(
+            f"| DeepSpeed ZeRO-3 NVMe step | {nv['step_s']:.3f} s | {ds['median_step_s']:.3f} s | {ds['offload_nvme_over_deepspeed']:.2f}x | (lower is better) |"
+        )
+    else:
+        print(f"| DeepSpeed ZeRO-3 NVMe step | | {ds['status']} | | |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def nv_model_engine(model):
+    from offload.engine.wrap import engine_of  # noqa: PLC0415
+
+    return engine_of(model)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

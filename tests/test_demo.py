@@ -87,7 +87,8 @@ def test_demo_rejects_bad_size(tmp_path, capsys):
 def test_demo_tiny_end_to_end(tmp_path, capsys):
     nvme = tmp_path / "nvme"
     code = run_main(
-        "--size", "tiny", "--steps", "3", "--nvme-path", str(nvme), "--report", str(tmp_path / "rep"),
+        "--size", "tiny", "--steps", "3", "--nvme-path", str(nvme),
+        "--report", str(tmp_path / "rep"),
     )  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0

@@ -1,4 +1,4 @@
-"""offload estimate: the ZeRO paper's figure, parameter counts of published configs, bad inputs, CLI."""
+"""offload estimate: the ZeRO paper's figure, published parameter counts, bad inputs, the CLI."""
 
 from __future__ import annotations
 

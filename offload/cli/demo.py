@@ -1,8 +1,9 @@
 """``offload demo``: train a built-in byte-level GPT on local text with its state on NVMe.
 
 Defaults: a ~50M-parameter GPT (``--size``), params and optimizer state on NVMe under a
-temporary directory (``--nvme-path`` to choose the disk), host swap buffers of 2 pools x 4 x 20 MiB
-= 168 MB, under a quarter of the model's 0.8 GB of fp32 state (params, grads, Adam m and v). It shows a
+temporary directory (``--nvme-path`` to choose the disk), host swap buffers of 2 pools x 4 x
+20 MiB = 168 MB, under a quarter of the model's 0.8 GB of fp32 state (params, grads, Adam m and
+v). It shows a
 progress bar with loss, tokens/s, IO GB/s and the step-time split, prints a summary table, and
 writes ``metrics.jsonl`` and ``report.png`` to ``--report DIR``.
 

@@ -132,6 +132,118 @@ def build(args: argparse.Namespace) -> est.Estimate:
     )
 
 
+def fmt_bytes(n: int | None) -> str:
+    """Decimal GB with one or two decimals (the ZeRO paper's units)."""
+    if n is None:
+        return "-"
+    if n == 0:
+        return "0"
+    gb = n / est.GB
+    if gb >= 1000:
+        return f"{gb / 1000:.2f} TB"
+    if gb >= 10:
+        return f"{gb:.1f} GB"
+    if gb >= 1:
+        return f"{gb:.2f} GB"
+    if n >= 10**7:
+        return f"{n / 10**6:.0f} MB"
+    return f"{n / 10**6:.1f} MB"
+
+
+def format_estimate(result: est.Estimate) -> str:
+    """A human-readable table (GB = 1e9)."""
+    m = result.machine
+    prec = est.PRECISIONS[result.precision]
+    lines = [
+        f"model: {result.params / 1e9:.3f} B parameters ({result.params_source}); "
+        f"dtype {result.precision}: "
+        f"{prec.params} B params + {prec.grads} B grads + {prec.optimizer} B optimizer per "
+        f"parameter on the device (K = {prec.optimizer}); "
+        f"{est.OFFLOADED_OPTIMIZER_BYTES} B (fp32 master, m, v, grad) when offloaded",
+        f"machine: {m.ranks} rank{'s' if m.ranks > 1 else ''} ({m.gpus_per_node} per node x "
+        f"{m.nodes} node{'s' if m.nodes > 1 else ''}); "
+        f"device {fmt_bytes(m.gpu_mem) if m.gpu_mem else 'not given'}, "
+        f"host {fmt_bytes(m.host_mem) + '/node' if m.host_mem else 'not given'}, "
+        f"NVMe {fmt_bytes(m.nvme) + '/node' if m.nvme else 'not given'}",
+        f"working set: {result.live_units} live units of {result.unit_params / 1e6:.1f} M params "
+        f"({result.unit_source}); NVMe staging: 2 pools x {m.buffer_count} x "
+        f"{fmt_bytes(m.buffer_size)} pinned per rank",
+    ]
+    if result.activations is None:
+        lines.append("activations: not included (need --hf-config and --seq-len); they come on top")
+    else:
+        a = result.activations
+        used = "with" if result.activation_checkpointing else "without"
+        lines.append(
+            f"activations (approximate, seq {a.seq_len} x micro-batch {a.micro_batch}"
+            f"{', flash attention' if a.flash_attention else ''}): "
+            f"{fmt_bytes(a.without_checkpointing)} without checkpointing, "
+            f"{fmt_bytes(a.with_checkpointing)} with (incl. {fmt_bytes(a.logits)} logits); "
+            f"'total' uses {used}"
+        )
+    header = (
+        "stage",
+        "placement",
+        "dev states",
+        "dev working",
+        "dev total",
+        "host/node",
+        "NVMe/node",
+        "fits",
+    )
+    table = [header]
+    for r in result.rows:
+        why = []
+        if r.fits_device is False:
+            why.append("device")
+        if r.fits_host is False:
+            why.append("host")
+        if r.fits_nvme is False:
+            why.append("nvme")
+        unknown = [
+            n
+            for n, f, need in (
+                ("device", r.fits_device, True),
+                ("host", r.fits_host, r.host_per_rank > 0),
+                ("nvme", r.fits_nvme, r.nvme_per_rank > 0),
+            )
+            if f is None and need
+        ]
+        if why:
+            fit = "NO (" + ", ".join(why) + ")"
+        elif unknown:
+            fit = "yes?" + " (" + ", ".join(unknown) + " not given)"
+        else:
+            fit = "yes"
+        table.append(
+            (
+                str(r.stage),
+                est.PLACEMENT_TITLES[r.placement],
+                fmt_bytes(r.device_states),
+                fmt_bytes(r.device_working),
+                fmt_bytes(r.device_total),
+                fmt_bytes(r.host_per_node),
+                fmt_bytes(r.nvme_per_node),
+                fit,
+            )
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines.append("")
+    for i, row in enumerate(table):
+        cells = [
+            c.ljust(widths[j]) if j in (1, 7) else c.rjust(widths[j]) for j, c in enumerate(row)
+        ]
+        lines.append("  ".join(cells).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append(
+        "dev states: persistent model state per device (ZeRO paper figure); dev working: "
+        "gathered units + streaming grads; dev total adds activations when estimated."
+    )
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         result = build(args)
@@ -142,5 +254,5 @@ def run(args: argparse.Namespace) -> int:
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print(est.format_estimate(result))
+        print(format_estimate(result))
     return 0

@@ -7,8 +7,9 @@ Note: why the standard library
     directory of ``os.__file__``), walked in sorted order and concatenated, so the corpus is
     the same on every run of the same Python. Third-party packages (``site-packages``,
     ``dist-packages``), ``__pycache__`` and ``encodings`` (generated charmap tables whose
-    rows of hex codes make the loss jump whenever a batch lands in them) are skipped. The last ``val_fraction`` of the bytes
-    (whole files at the end of the walk, mostly) is the validation split.
+    rows of hex codes make the loss jump whenever a batch lands in them) are skipped. The last
+    ``val_fraction`` of the bytes (whole files at the end of the walk, mostly) is the
+    validation split.
 """
 
 from __future__ import annotations

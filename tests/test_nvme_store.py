@@ -227,3 +227,21 @@ def test_permission_denied_names_the_path(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     assert f"errno {errno.EACCES} file {d}" in out.stdout
+
+
+def test_failed_write_does_not_block_a_later_write_of_the_same_range(tmp_path):
+    """A write that fails leaves the range invalid, and the next successful write of that range
+    makes it readable again (the failed write's record must not count as a newer write)."""
+    with AsyncIO() as aio, NvmeStore(tmp_path, aio=aio) as store:
+        store.allocate("k", 8192)
+        data = torch.arange(2048, dtype=torch.float32)
+        faults.inject(5, count=1, op="write")  # EIO
+        try:
+            with pytest.raises(OSError):
+                store.write("k", data).wait()
+        finally:
+            faults.clear()
+        store.write("k", data).wait()
+        out = torch.empty_like(data)
+        store.read("k", out).wait()
+        assert torch.equal(out, data)

@@ -47,7 +47,17 @@ class IOHandle:
     that sees the request complete (they may raise, which then becomes the handle's error).
     """
 
-    __slots__ = ("_req", "_tensor", "_path", "_what", "_callbacks", "_error", "_finished", "_lock")
+    __slots__ = (
+        "_req",
+        "_tensor",
+        "_path",
+        "_what",
+        "_callbacks",
+        "_errbacks",
+        "_error",
+        "_finished",
+        "_lock",
+    )
 
     def __init__(self, req: Any, tensor: torch.Tensor | None, path: str, what: str) -> None:
         self._req = req
@@ -55,6 +65,7 @@ class IOHandle:
         self._path = path
         self._what = what
         self._callbacks: list[Callable[[], None]] = []
+        self._errbacks: list[Callable[[BaseException], None]] = []
         self._error: BaseException | None = None
         self._finished = False
         self._lock = threading.Lock()
@@ -68,14 +79,21 @@ class IOHandle:
         """Whether the request has completed (successfully or not); never blocks."""
         return self._finished or self._req is None or bool(self._req.done())
 
-    def add_done_callback(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` after a successful completion, inside the first ``wait()`` that sees it."""
+    def add_done_callback(
+        self, fn: Callable[[], None], on_error: Callable[[BaseException], None] | None = None
+    ) -> None:
+        """Run ``fn()`` after a successful completion, or ``on_error(exc)`` after a failed one,
+        inside the first ``wait()`` that sees it."""
         with self._lock:
             if not self._finished:
                 self._callbacks.append(fn)
+                if on_error is not None:
+                    self._errbacks.append(on_error)
                 return
         if self._error is None:
             fn()
+        elif on_error is not None:
+            on_error(self._error)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block (GIL released) until the request completes; raise its error.
@@ -109,7 +127,11 @@ class IOHandle:
                 except BaseException as exc:  # becomes this handle's error, raised on wait
                     self._error = exc
                     break
+        else:
+            for on_error in self._errbacks:
+                on_error(self._error)
         self._callbacks = []
+        self._errbacks = []
 
 
 class AsyncIO:

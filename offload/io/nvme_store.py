@@ -237,7 +237,13 @@ class NvmeStore:
                     shard.ranges.sort()
                 self._counters["bytes_written"] += n
 
-        handle.add_done_callback(completed)
+        def failed(exc: BaseException) -> None:
+            # the range stays invalid; a later write of it must not see this one as "newer"
+            with self._lock:
+                shard.pending = [p for p in shard.pending if p[0] is not handle]
+                shard.last_error = str(exc)
+
+        handle.add_done_callback(completed, on_error=failed)
         return handle
 
     def read(self, key: str, tensor: torch.Tensor, offset: int = 0) -> IOHandle:

@@ -511,16 +511,7 @@ class TieredStore(Reclaimer):
             self._host.give(shard.abort_pending())
             self._on_host.pop(shard.key, None)
             return
-        failed_write = shard.state is ShardState.WRITING_BACK
         shard.abort_pending()
-        if failed_write:
-            # Workaround (reported to the io owner): NvmeStore keeps a failed write's handle in
-            # its pending list, and a later successful write of the same range is then never
-            # marked valid. A read drains that list first (and fails at once: range invalid).
-            try:
-                self._nvme.read(shard.key, self._staging_bytes(4096)).wait()
-            except OSError:
-                pass
 
     def _start_disk_write(self, shard: Shard) -> None:
         try:

@@ -187,7 +187,6 @@ def main() -> int:
         compute_step(compute_model, x)
         train_step(nv_model, nv_opt, x)
     t = {"plain": [], "tier": [], "compute": [], "nvme": []}
-    nv_opt.stats()  # reset the per-step byte deltas
     io_bytes = {"nvme->host": 0, "host->nvme": 0}
     for _ in range(args.reps):
         t["plain"].append(timed(lambda: train_step(plain, plain_opt, x)))

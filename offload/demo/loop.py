@@ -152,8 +152,9 @@ def train(
                 device=device,
             )
             emit({"kind": "eval", "step": 0, "val_loss": val})
-            if callable(stats_fn):
-                stats_fn()  # per-step byte counters restart here: the eval is not step 1's IO
+            restart = getattr(optimizer, "restart_step_counters", None)
+            if callable(restart):
+                restart()  # the eval pass is not step 1's time or IO
         for step in range(steps):
             scale = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
             for group in optimizer.param_groups:

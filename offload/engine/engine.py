@@ -30,6 +30,7 @@ from offload.engine.layout import FlatLayout
 from offload.engine.optstate import Hyper, OptimState
 from offload.engine.params import ParamHome
 from offload.engine.phase import Phase, PhaseError, PhaseTracker
+from offload.engine.telemetry import Telemetry
 from offload.engine.transfer import Transfers
 from offload.engine.units import Unit
 
@@ -75,7 +76,7 @@ class Engine:
             else None
         )
         self.timers: dict[str, float] = defaultdict(float)  # seconds, current step
-        self.totals: dict[str, float] = defaultdict(float)
+        self.telemetry = Telemetry()  # replaced by wrap when telemetry.jsonl_path is set
         self._step_started = time.perf_counter()
         self._fwd_start: float | None = None
         self._bwd_start: float | None = None
@@ -318,18 +319,22 @@ class Engine:
         """An fp16 overflow: no update; gradients are discarded."""
         for store in self.stores.values():
             store.end_iteration()
-        self._end_step()
+        self._end_step(skipped=True)
 
-    def _end_step(self) -> None:
+    def _end_step(self, skipped: bool = False) -> None:
         now = time.perf_counter()
         self.timers["step_seconds"] = now - self._step_started
         self._step_started = now
         self.backwards_since_step = 0
         self.first_micro_step = True
-        self.last_timers = dict(self.timers)
-        for k, v in self.timers.items():
-            self.totals[k] += v
+        self.telemetry.end_step(self.timers, self.stores, self.step_count, skipped)
         self.timers.clear()
+
+    def restart_step_counters(self) -> None:
+        """Whatever ran since the last step (an evaluation, say) is not counted in the next one."""
+        self.timers.clear()
+        self._step_started = time.perf_counter()
+        self.telemetry.rebase(self.stores)
 
     def zero_grad(self) -> None:
         self.first_micro_step = True
@@ -380,13 +385,6 @@ class Engine:
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("offload: this model's engine was closed; wrap the model again")
-
-    def stats(self) -> dict:
-        out = {k: float(v) for k, v in getattr(self, "last_timers", {}).items()}
-        out["steps"] = self.step_count
-        out["stores"] = {name: store.stats() for name, store in self.stores.items()}
-        out["total"] = {k: float(v) for k, v in self.totals.items()}
-        return out
 
     def close(self, restore: bool = False) -> None:
         """Removes the hooks and frees pools and swap files. With ``restore`` every parameter

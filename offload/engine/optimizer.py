@@ -115,15 +115,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._clip_coef = None
 
     def stats(self) -> dict:
-        """Counters of the last step and totals: seconds per phase, bytes per tier pair, prefetch
-        hits, memory peaks (see ``offload.engine.telemetry``)."""
-        from offload.engine.telemetry import step_stats  # noqa: PLC0415
-
-        out = step_stats(self._engine)
+        """The last step's counters: seconds per phase, bytes per tier pair, prefetch hits and
+        misses, memory figures, and cumulative totals (see ``offload.engine.telemetry``)."""
+        out = self._engine.telemetry.stats()
         out["skipped_steps"] = self.skipped_steps
         if self.scaler is not None:
             out["loss_scale"] = self.scaler.scale
         return out
+
+    def restart_step_counters(self) -> None:
+        """Excludes what ran since the last step (e.g. an evaluation pass) from the next step's
+        counters in :meth:`stats`."""
+        self._engine.restart_step_counters()
 
     def close(self, restore: bool = False) -> None:
         """Removes the hooks, frees the buffers and the swap files. ``restore=True`` first puts

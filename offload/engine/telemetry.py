@@ -1,55 +1,107 @@
-"""Per-step telemetry of a wrapped model: one plain dict, built from counters that already exist
-(the engine's phase timers and the stores' per-tier byte counters); nothing is measured twice."""
+"""Per-step telemetry of a wrapped model: one plain dict per optimizer step, built from counters
+that already exist (the engine's phase timers and the stores' per-tier byte counters); nothing is
+measured twice. Optionally each step's dict is appended to a JSON-lines file
+(``telemetry.jsonl_path``).
+"""
 
 from __future__ import annotations
 
-import psutil
+import json
+import os
 
-from offload.engine.engine import Engine
+import psutil
 
 TIMERS = (
     "step_seconds",
     "forward_seconds",
     "backward_seconds",
-    "io_wait_seconds",
+    "io_wait_seconds",  # gathering params; inside forward_seconds and backward_seconds
+    "forward_io_wait_seconds",
+    "backward_io_wait_seconds",
     "optimizer_seconds",
 )
 
 
-def _bytes(store_stats: dict) -> dict[str, int]:
-    """Tier-pair byte counters of one store, as ``{"nvme->host": n, ...}``."""
-    out: dict[str, int] = {}
-    for pair, rec in store_stats.get("tiers", {}).items():
-        out[pair] = out.get(pair, 0) + int(rec.get("bytes", 0))
-    return out
-
-
-def step_stats(engine: Engine) -> dict:
-    last = getattr(engine, "last_timers", {})
-    out: dict = {k: float(last.get(k, 0.0)) for k in TIMERS}
-    totals_bytes: dict[str, int] = {}
-    hits = misses = 0
-    peak = 0
-    stores = {}
-    for name, store in engine.stores.items():
+def _store_totals(stores: dict) -> tuple[dict[str, int], int, int, int, dict]:
+    """(bytes per tier pair, prefetch hits, misses, peak host buffer bytes, raw stats) summed
+    over the stores, cumulative since wrap."""
+    moved: dict[str, int] = {}
+    hits = misses = peak = 0
+    raw = {}
+    for name, store in stores.items():
         st = store.stats()
-        stores[name] = st
-        for pair, n in _bytes(st).items():
-            totals_bytes[pair] = totals_bytes.get(pair, 0) + n
+        raw[name] = st
+        for pair, rec in st.get("tiers", {}).items():
+            moved[pair] = moved.get(pair, 0) + int(rec.get("bytes", 0))
         hits += int(st.get("prefetch_hits", 0))
         misses += int(st.get("prefetch_misses", 0))
         peak += int(st.get("peak_host_bytes", 0))
-    prev = getattr(engine, "_prev_bytes", {})
-    out["bytes"] = {k: v - prev.get(k, 0) for k, v in totals_bytes.items()}
-    engine._prev_bytes = totals_bytes
-    prev_hm = getattr(engine, "_prev_hits", (0, 0))
-    out["prefetch_hits"], out["prefetch_misses"] = hits - prev_hm[0], misses - prev_hm[1]
-    engine._prev_hits = (hits, misses)
-    out["host_peak_bytes"] = peak
-    out["rss_bytes"] = psutil.Process().memory_info().rss
-    out["steps"] = engine.step_count
-    out["total"] = {k: float(engine.totals.get(k, 0.0)) for k in TIMERS}
-    out["total"]["bytes"] = totals_bytes
-    out["total"]["prefetch_hits"], out["total"]["prefetch_misses"] = hits, misses
-    out["stores"] = stores
-    return out
+    return moved, hits, misses, peak, raw
+
+
+class Telemetry:
+    """Snapshots the counters at the end of every step; :meth:`stats` returns the last one."""
+
+    def __init__(self, jsonl_path: str | None = None) -> None:
+        self.jsonl_path = jsonl_path
+        self._prev = ({}, 0, 0)  # cumulative bytes, hits, misses at the previous step's end
+        self._last: dict = {}
+        self._totals: dict[str, float] = {k: 0.0 for k in TIMERS}
+
+    def end_step(self, timers: dict[str, float], stores: dict, steps: int, skipped: bool) -> None:
+        moved, hits, misses, peak, raw = _store_totals(stores)
+        prev_moved, prev_hits, prev_misses = self._prev
+        self._prev = (moved, hits, misses)
+        for k in TIMERS:
+            self._totals[k] += timers.get(k, 0.0)
+        rec: dict = {k: float(timers.get(k, 0.0)) for k in TIMERS}
+        rec["bytes"] = {k: v - prev_moved.get(k, 0) for k, v in moved.items()}
+        rec["prefetch_hits"] = hits - prev_hits
+        rec["prefetch_misses"] = misses - prev_misses
+        rec["host_peak_bytes"] = peak
+        rec["rss_bytes"] = psutil.Process().memory_info().rss
+        rec["steps"] = steps
+        rec["skipped"] = skipped
+        rec["total"] = {
+            **self._totals,
+            "bytes": moved,
+            "prefetch_hits": hits,
+            "prefetch_misses": misses,
+        }
+        if self.jsonl_path:
+            line = {k: v for k, v in rec.items() if k != "total"}
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        rec["stores"] = raw
+        self._last = rec
+
+    def rebase(self, stores: dict) -> None:
+        """The next step's byte and prefetch counts start from here."""
+        moved, hits, misses, _, _ = _store_totals(stores)
+        self._prev = (moved, hits, misses)
+
+    def stats(self) -> dict:
+        """The last step's record (all zeros before the first step)."""
+        if not self._last:
+            return {k: 0.0 for k in TIMERS} | {
+                "bytes": {},
+                "prefetch_hits": 0,
+                "prefetch_misses": 0,
+                "steps": 0,
+                "total": {},
+            }
+        return dict(self._last)
+
+
+def check_jsonl_path(path: str | None) -> None:
+    """Fails at wrap time (naming the key) when the telemetry file cannot be appended to."""
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        from offload.config import ConfigError  # noqa: PLC0415
+
+        raise ConfigError(
+            f"telemetry.jsonl_path={path!r}: directory '{parent}' does not exist or is not "
+            "writable; create it or point jsonl_path elsewhere"
+        )

@@ -26,6 +26,7 @@ from offload.engine.optimizer import OffloadOptimizer
 from offload.engine.optstate import HostOptimState, NvmeOptimState
 from offload.engine.params import DeviceParams, HostParams, NvmeParams, flatten_values
 from offload.engine.policy import select_units
+from offload.engine.telemetry import Telemetry, check_jsonl_path
 from offload.engine.transfer import Transfers
 from offload.engine.units import Unit
 
@@ -176,6 +177,7 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
     """
     cfg = load_config(config)
     _check_model(model)
+    check_jsonl_path(cfg.telemetry.jsonl_path)
     device = resolve_device(cfg.device)
     dtype = DTYPES[cfg.dtype]
     if cfg.offload_optimizer.threads:
@@ -275,6 +277,7 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
         pin=cfg.offload_optimizer.pin_memory and device.type == "cuda",
     )
     engine.orig_dtype = orig_dtype
+    engine.telemetry = Telemetry(cfg.telemetry.jsonl_path)
     engine.buffer_dtypes = buffer_dtypes
     engine.config = cfg
     engine.resources = resources

@@ -145,13 +145,12 @@ class Engine:
                 if not unit.persistent:
                     self._release(unit)
             self.phase.to(Phase.IDLE)
+        else:
+            self._hook_outputs(self.units[0], output)
         return output
 
     def _begin_micro_step(self) -> None:
         self._fwd_start = time.perf_counter()
-        for unit in self.units:
-            unit.grads_pending = len(unit.trainable_params)
-            unit.backward_done = False
         if self.backwards_since_step == 0:
             for store in self.stores.values():
                 store.begin_iteration()
@@ -166,35 +165,42 @@ class Engine:
         if self.phase.phase is Phase.BACKWARD:
             return output  # activation-checkpoint recomputation: keep gathered for its backward
         if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-            for t in tensors:
-                if t.requires_grad:
-                    t.register_hook(lambda g, u=unit: self._pre_backward(u))
+            self._hook_outputs(unit, output)
         if not unit.persistent:
             self._release(unit)
         return output
 
-    def _pre_backward(self, unit: Unit) -> None:
-        if self.phase.phase is Phase.FORWARD:
-            self.phase.to(Phase.BACKWARD)
-            if self._fwd_start is not None:
-                self.timers["forward_seconds"] += time.perf_counter() - self._fwd_start
-                self._fwd_start = None
-            self._bwd_start = time.perf_counter()
+    def _begin_backward(self) -> None:
+        """A backward starts (from a forward, or again over a retained graph): every unit's
+        grads are pending, the root is gathered, one end-of-backward callback is queued."""
+        if self._fwd_start is not None:
+            self.timers["forward_seconds"] += time.perf_counter() - self._fwd_start
+            self._fwd_start = None
+        self.phase.to(Phase.BACKWARD)
+        self._bwd_start = time.perf_counter()
+        for unit in self.units:
+            unit.grads_pending = len(unit.trainable_params)
+            unit.backward_done = False
+        self._gather(self.units[0])
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _hook_outputs(self, unit: Unit, output) -> None:
+        """The pre-backward gather: fires when backward reaches ``unit``'s outputs."""
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g, u=unit: self._pre_backward(u))
+
+    def _pre_backward(self, unit: Unit) -> None:
+        if self.phase.phase is not Phase.BACKWARD:
+            self._begin_backward()
         if not unit.backward_done:
             self._gather(unit)
 
     def _grad_ready(self, unit: Unit) -> None:
         if self.phase.phase is not Phase.BACKWARD:
-            # a backward that reached no unit output (e.g. a loss on root params only)
-            self.phase.to(Phase.BACKWARD)
-            self._bwd_start = time.perf_counter()
-            if not self._callback_queued:
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._begin_backward()  # a backward that reached no unit output first
         unit.grads_pending -= 1
         if unit.grads_pending == 0 and not unit.is_root:
             self._finish_unit_backward(unit)

@@ -4,6 +4,7 @@ Transitions are explicit and checked: a hook or a call that finds the engine in 
 not accept raises with what happened and what was expected, instead of silently corrupting state.
 
     IDLE --forward--> FORWARD --backward--> BACKWARD --end of backward--> IDLE
+    IDLE --backward again over a retained graph--> BACKWARD
     IDLE --step()--> STEP --done--> IDLE
     FORWARD --forward (eval / no_grad / a second forward)--> FORWARD
 """
@@ -26,7 +27,7 @@ class Phase(enum.Enum):
 
 # phase -> phases it may move to
 LEGAL_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
-    Phase.IDLE: frozenset({Phase.FORWARD, Phase.STEP, Phase.IDLE}),
+    Phase.IDLE: frozenset({Phase.FORWARD, Phase.BACKWARD, Phase.STEP, Phase.IDLE}),
     Phase.FORWARD: frozenset({Phase.FORWARD, Phase.BACKWARD, Phase.IDLE}),
     Phase.BACKWARD: frozenset({Phase.BACKWARD, Phase.IDLE}),
     Phase.STEP: frozenset({Phase.IDLE}),

@@ -265,7 +265,7 @@ class Engine:
             flat[prev_end:n].zero_()
         if self._dev_staging is not None:
             host = self._grad_staging[:n]
-            self.transfers.wait(self.transfers.to_host(host, flat))
+            self.transfers.to_host(host, flat).wait()
             return host
         return flat
 
@@ -306,8 +306,7 @@ class Engine:
         t0 = time.perf_counter()
         self.phase.to(Phase.STEP)
         try:
-            if self.transfers.is_cuda:
-                self.transfers.h2d_stream.synchronize()  # host homes are about to be rewritten
+            self.params.quiesce()  # host homes are about to be rewritten
             hyper = Hyper(step=self.step_count + 1, grad_scale=grad_scale, **hyper_base)
             self.optim.step_units(self.units, self.params, hyper)
             for unit in self.units:

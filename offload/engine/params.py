@@ -53,6 +53,7 @@ class ParamHome:
     """Interface of the parameter placement strategies."""
 
     releases = True  # whether gather/release move anything
+    _pending = None  # event of the last copy out of the host home (HostParams)
 
     def setup(self, unit: Unit) -> None:
         """Takes the unit's current parameter values as its home copy (wrap time)."""
@@ -85,6 +86,12 @@ class ParamHome:
         out = self.out_buffer(unit, lo, hi)
         out.copy_(values)
         self.commit(unit, lo, hi)
+
+    def quiesce(self) -> None:
+        """Waits until no copy out of the host home is in flight (before the step rewrites it)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
 
     def master_alias(self, unit: Unit) -> torch.Tensor | None:
         """A host fp32 tensor over ``[0, trainable)`` that may double as the fp32 master (so the
@@ -121,8 +128,8 @@ class DeviceParams(ParamHome):
 
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
         if self.device.type != "cpu":
-            self.transfers.to_device([(self.flat[unit.index][lo:hi], self._staging[: hi - lo])])
-            self.transfers.h2d_stream.synchronize()  # the staging buffer is reused next piece
+            pair = (self.flat[unit.index][lo:hi], self._staging[: hi - lo])
+            self.transfers.to_device([pair]).wait()  # the staging buffer is reused next piece
 
     def read(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         return self.flat[unit.index][lo:hi].to("cpu", copy=True)
@@ -157,7 +164,9 @@ class HostParams(ParamHome):
         for p in unit.params:
             alloc_storage(p)
         flat = self.flat[unit.index]
-        self.transfers.to_device(_copy_pairs(unit.layout, flat, 0, unit.layout.total))
+        self._pending = self.transfers.to_device(
+            _copy_pairs(unit.layout, flat, 0, unit.layout.total)
+        )
         unit.gathered = True
 
     def release(self, unit: Unit) -> None:
@@ -241,9 +250,8 @@ class NvmeParams(ParamHome):
                 inflight.append((a, b, self.store.fetch(self.key(unit, a), self.tier)))
             a, b, fut = inflight.popleft()
             buf = fut.wait()
-            self.transfers.to_device(_copy_pairs(unit.layout, buf, a, b))
-            if self.transfers.is_cuda:
-                self.transfers.h2d_stream.synchronize()  # the pool buffer goes back next line
+            # the pool buffer goes back to the store next line: wait for this copy's event
+            self.transfers.to_device(_copy_pairs(unit.layout, buf, a, b)).wait()
             self.store.release(self.key(unit, a), self.tier)
         unit.gathered = True
 

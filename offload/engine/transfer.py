@@ -1,65 +1,50 @@
-"""Host <-> device copies for the engine, behind one small interface.
+"""Host <-> device copies of parameter data and gradients, on the store's copy streams.
 
-Note: streams and ordering (CUDA)
-    One persistent stream per direction, created once. A host->device copy of parameter data
-    runs on the h2d stream from pinned memory; the compute stream then waits on the copy's event
-    (``wait_stream``-style, no host blocking) before the unit's forward uses it. A device->host
-    copy of gradients first makes the d2h stream wait on the compute stream (the grads must be
-    final), copies into pinned memory, and the host waits on that event only when it reads the
-    data. Nothing here calls a device-wide synchronize.
+Note: ordering (CUDA)
+    The copies run on the store's persistent copy streams (``offload.store.device.DeviceCopier``,
+    one per direction). A host->device copy into freshly (re)allocated parameter storage first
+    waits for a fence recorded on the compute stream (the allocation), then the compute stream
+    waits on the copy's event before the unit's forward uses it: stream-side dependencies only,
+    the host does not block. A pinned host source (a pool buffer, a staging buffer) may be
+    reused only after the returned event has completed: callers wait on that one event. A
+    device->host copy of gradients waits for a compute-stream fence (the grads are final), and
+    the host waits on its event only when it reads the data. Nothing here calls a device-wide
+    synchronize.
 
     On the CPU there is nothing to overlap: copies are plain ``copy_`` calls and events are
-    ``None``. The logic above and below this interface is identical on both.
+    already complete. The logic above and below this interface is identical on both.
 """
 
 from __future__ import annotations
 
 import torch
 
+from offload.store.device import COMPLETED, DeviceCopier, Event
+
 
 class Transfers:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
-        if self.is_cuda:
-            self.h2d_stream = torch.cuda.Stream(device=device)
-            self.d2h_stream = torch.cuda.Stream(device=device)
+        self.copier = DeviceCopier(device)
 
-    def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copies each host ``src`` into its device ``dst``; the compute stream is ordered after."""
+    def to_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Event:
+        """Copies each host ``src`` into its device ``dst``; the compute stream is ordered after
+        them. Returns the event of the last copy (the sources may be reused once it completed)."""
         if not pairs:
-            return
-        if not self.is_cuda:
-            for dst, src in pairs:
-                dst.copy_(src)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        self.h2d_stream.wait_stream(compute)  # dst storages were (re)allocated on compute
-        with torch.cuda.stream(self.h2d_stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-                dst.record_stream(compute)
-        compute.wait_stream(self.h2d_stream)
-
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> object | None:
-        """Copies device ``src`` into host ``dst``; returns an event to wait on before reading."""
-        if not self.is_cuda:
-            dst.copy_(src)
-            return None
-        compute = torch.cuda.current_stream(self.device)
-        self.d2h_stream.wait_stream(compute)
-        with torch.cuda.stream(self.d2h_stream):
-            dst.copy_(src, non_blocking=True)
-            src.record_stream(self.d2h_stream)
-            event = torch.cuda.Event()
-            event.record(self.d2h_stream)
+            return COMPLETED
+        fence = self.copier.fence()
+        event: Event = COMPLETED
+        for dst, src in pairs:
+            event = self.copier.to_device(dst, src, after=fence)
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).wait_event(event._event)
         return event
 
-    @staticmethod
-    def wait(event: object | None) -> None:
-        """Blocks the host until ``event`` (from :meth:`to_host`) has completed."""
-        if event is not None:
-            event.synchronize()
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
+        """Copies device ``src`` into host ``dst`` after the compute queued so far; returns the
+        event to wait on before reading ``dst``."""
+        return self.copier.to_host(dst, src, after=self.copier.fence())
 
     def host_empty(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         """A host tensor, page-locked when the device is CUDA and ``pin`` is set."""

@@ -15,7 +15,8 @@ Two tables, for 64M and 256M parameters at 1 and 2 threads:
 
 Method: every variant works on the same buffers (optimizer states are pre-populated with the
 shared ``exp_avg``/``exp_avg_sq``), variants are interleaved (A B C ... A B C ...), each round
-uses a fresh allocation, and the table reports medians over all timed steps of all rounds.
+uses a fresh allocation, each timed step starts after a 0.2 s idle gap (libgomp workers of the
+previous variant stop spinning), and the table reports medians over all timed steps of all rounds.
 Effective GB/s = 28 bytes x parameters / median time for every row (the bytes the step must
 move), so "% roof" compares each variant with the streaming kernel measured in the same run.
 
@@ -42,6 +43,10 @@ from offload.optim import adam_step
 BYTES_PER_PARAM = 28
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 SCALE = 1.0 / 1024  # loss-scale unscaling x clipping coefficient, applied to the gradient
+# libgomp (torch, DeepSpeed) keeps its workers spinning for up to ~tens of ms after a parallel
+# region; on 2 cores that steals a core from whichever variant runs next. A short idle gap
+# before every timed step gives each variant the same quiet start.
+SETTLE_S = 0.2
 
 
 def _deepspeed_adam() -> tuple[type | None, str]:
@@ -171,6 +176,7 @@ def measure(
                 for name, fn in variants.items():
                     if fn is None:
                         continue
+                    time.sleep(SETTLE_S)  # let the previous variant's OpenMP threads stop spinning
                     t0 = time.perf_counter()
                     fn()
                     table[name].append(time.perf_counter() - t0)
@@ -263,7 +269,10 @@ def main() -> None:
         f"machine: {_cpu_model()}, {os.cpu_count()} cores, SIMD {_native.simd_level()}; "
         f"torch {torch.__version__}; DeepSpeed {ds_ver}; {time.strftime('%Y-%m-%d %H:%M %Z')}"
     )
-    print(f"rounds={args.rounds} (fresh allocations) x reps={args.reps}, interleaved; medians\n")
+    print(
+        f"rounds={args.rounds} (fresh allocations) x reps={args.reps}, interleaved; medians; "
+        f"load average at start {os.getloadavg()[0]:.1f}\n"
+    )
     header = [
         "| params | threads | variant | median ms | Gparam/s | eff. GB/s (28 B/param) | % roof | time vs offload |",
         "|---|---|---|---|---|---|---|---|",
@@ -275,7 +284,7 @@ def main() -> None:
             plain, phase = measure(n, threads, args.rounds, args.reps, ds_cls, not args.no_foreach)
             print("\n".join(report(n, threads, plain, phase)), flush=True)
             notes += verdicts(n, threads, plain, phase)
-    print()
+    print(f"\nload average at end {os.getloadavg()[0]:.1f}")
     print("\n".join(notes))
 
 

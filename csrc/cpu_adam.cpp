@@ -10,6 +10,7 @@
 #include "cpu_adam.h"
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cmath>
@@ -111,6 +112,62 @@ void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp
   split(n, [&](size_t, size_t b, size_t e) { fn(a, b, e); });
 }
 
+// Several tensors with the same coefficients in one dispatch over the pool: the elements of all
+// tensors form one index space [0, total), cut into one contiguous chunk per thread, each chunk
+// walked tensor by tensor. One wake-up of the pool per call instead of one per tensor (a model's
+// many small tensors made the per-tensor calls cost a third of the step).
+void adam_step_multi(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
+                     const std::vector<uintptr_t>& exp_avgs,
+                     const std::vector<uintptr_t>& exp_avg_sqs, const std::vector<uintptr_t>& outs,
+                     const std::vector<size_t>& ns, const std::vector<int>& grad_dtypes,
+                     int out_dtype, float grad_scale, float decay, float l2, float w1, float beta2,
+                     float c2, float bc2_sqrt, float eps, float neg_step) {
+  const size_t k = params.size();
+  if (grads.size() != k || exp_avgs.size() != k || exp_avg_sqs.size() != k || ns.size() != k ||
+      grad_dtypes.size() != k || (out_dtype != ca::kNone && outs.size() != k))
+    throw std::invalid_argument("adam_step_multi: argument lists differ in length");
+  check_dtype("out", out_dtype, true);
+  std::vector<ca::AdamArgs> args(k);
+  std::vector<size_t> start(k + 1, 0);
+  for (size_t i = 0; i < k; ++i) {
+    check_dtype("grad", grad_dtypes[i], false);
+    check_ptr("param", params[i], ns[i]);
+    check_ptr("grad", grads[i], ns[i]);
+    check_ptr("exp_avg", exp_avgs[i], ns[i]);
+    check_ptr("exp_avg_sq", exp_avg_sqs[i], ns[i]);
+    ca::AdamArgs& a = args[i];
+    a.param = as_ptr<float>(params[i]);
+    a.grad = as_ptr<const void>(grads[i]);
+    a.exp_avg = as_ptr<float>(exp_avgs[i]);
+    a.exp_avg_sq = as_ptr<float>(exp_avg_sqs[i]);
+    if (out_dtype != ca::kNone) check_ptr("out", outs[i], ns[i]);
+    a.out = out_dtype == ca::kNone ? nullptr : as_ptr<void>(outs[i]);
+    a.grad_dtype = grad_dtypes[i];
+    a.out_dtype = out_dtype;
+    a.grad_scale = grad_scale;
+    a.decay = decay;
+    a.l2 = l2;
+    a.w1 = w1;
+    a.beta2 = beta2;
+    a.c2 = c2;
+    a.bc2_sqrt = bc2_sqrt;
+    a.eps = eps;
+    a.neg_step = neg_step;
+    start[i + 1] = start[i] + ns[i];
+  }
+  AdamFn fn = pick<AdamFn>(ca::scalar::adam_range, ca::avx2::adam_range, ca::avx512::adam_range);
+  py::gil_scoped_release release;
+  split(start[k], [&](size_t, size_t b, size_t e) {
+    // first tensor that ends after b
+    size_t i = static_cast<size_t>(std::upper_bound(start.begin(), start.end(), b) - start.begin()) - 1;
+    for (; i < k && start[i] < e; ++i) {
+      size_t lo = std::max(b, start[i]) - start[i];
+      size_t hi = std::min(e, start[i + 1]) - start[i];
+      if (lo < hi) fn(args[i], lo, hi);
+    }
+  });
+}
+
 py::tuple accumulate_grad(uintptr_t acc, uintptr_t grad, size_t n, int grad_dtype, float scale,
                           bool overwrite) {
   check_dtype("grad", grad_dtype, false);
@@ -167,6 +224,12 @@ void register_cpu_adam(py::module_& m) {
         "updated params to `out` (out_dtype -1 = none). Coefficients are precomputed by the "
         "caller (offload.optim): decay = 1 - lr*wd (AdamW), l2 = wd (Adam), w1 = 1 - beta1, "
         "c2 = 1 - beta2, bc2_sqrt = sqrt(1 - beta2^t), neg_step = -lr / (1 - beta1^t).");
+  m.def("adam_step_multi", &adam_step_multi, py::arg("params"), py::arg("grads"),
+        py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("outs"), py::arg("ns"),
+        py::arg("grad_dtypes"), py::arg("out_dtype"), py::arg("grad_scale"), py::arg("decay"),
+        py::arg("l2"), py::arg("w1"), py::arg("beta2"), py::arg("c2"), py::arg("bc2_sqrt"),
+        py::arg("eps"), py::arg("neg_step"),
+        "adam_step over several tensors with the same coefficients, one pool dispatch.");
   m.def("accumulate_grad", &accumulate_grad, py::arg("acc"), py::arg("grad"), py::arg("n"),
         py::arg("grad_dtype"), py::arg("scale"), py::arg("overwrite"),
         "acc = (overwrite ? 0 : acc) + grad * scale over n fp32 elements in one pass; returns "

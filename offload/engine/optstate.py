@@ -32,6 +32,7 @@ import torch
 from offload.engine.params import ParamHome
 from offload.engine.units import Unit
 from offload.optim import accumulate_grad, adam_step
+from offload.optim.kernels import AdamGroup
 
 
 @dataclass(slots=True)
@@ -120,6 +121,7 @@ class HostOptimState(OptimState):
         self.pin, self.keeps_grads, self.transfers = pin, keep_grads, transfers
         self.bufs: dict[int, dict[str, torch.Tensor]] = {}
         self.aliased: dict[int, bool] = {}  # master is the compute params' own fp32 buffer
+        self._groups: dict[int, tuple] = {}  # unit -> (AdamGroup, segments), keep_grads only
         self.records: dict[int, list[GradRecord]] = {}
 
     def setup(self, unit: Unit, params: ParamHome, master: torch.Tensor | None) -> None:
@@ -156,21 +158,19 @@ class HostOptimState(OptimState):
             return
         n = unit.layout.trainable
         aliased = self.aliased[unit.index]
-        if self.keeps_grads:
-            for seg in unit.layout.segments:
-                if not seg.trainable or seg.param.grad is None:
-                    continue
-                sl = slice(seg.offset, seg.end)
-                adam_step(
-                    bufs["master"][sl],
-                    seg.param.grad.view(-1),
-                    bufs["exp_avg"][sl],
-                    bufs["exp_avg_sq"][sl],
-                    **hyper.kwargs(),
-                    out=None if aliased else params.out_buffer(unit, seg.offset, seg.end),
+        if self.keeps_grads:  # per parameter, grads in place (see the module Note)
+            group, segs = self._group(unit, params, aliased)
+            grads = [s.param.grad for s in segs]
+            if any(g is None for g in grads):  # some parameter got no grad: skip it this step
+                live = [i for i, g in enumerate(grads) if g is not None]
+                sub = AdamGroup(
+                    *[[t[i] for i in live] if t is not None else None for t in group.tensors]
                 )
-                if not aliased:
-                    params.commit(unit, seg.offset, seg.end)
+                group, grads, segs = sub, [grads[i] for i in live], [segs[i] for i in live]
+            group.step([g.view(-1) for g in grads], **hyper.kwargs())
+            if not aliased:
+                for s in segs:
+                    params.commit(unit, s.offset, s.end)
             return
         if aliased:
             adam_step(
@@ -187,6 +187,23 @@ class HostOptimState(OptimState):
                 out=params.out_buffer(unit, lo, hi),
             )
             params.commit(unit, lo, hi)
+
+    def _group(self, unit: Unit, params: ParamHome, aliased: bool) -> tuple[AdamGroup, list]:
+        """The unit's trainable segments as one prepared AdamGroup (built on first use)."""
+        cached = self._groups.get(unit.index)
+        if cached is None:
+            bufs = self.bufs[unit.index]
+            segs = [s for s in unit.layout.segments if s.trainable]
+            sl = [slice(s.offset, s.end) for s in segs]
+            outs = None if aliased else [params.out_buffer(unit, s.offset, s.end) for s in segs]
+            group = AdamGroup(
+                [bufs["master"][x] for x in sl],
+                [bufs["exp_avg"][x] for x in sl],
+                [bufs["exp_avg_sq"][x] for x in sl],
+                outs,
+            )
+            cached = self._groups[unit.index] = (group, segs)
+        return cached
 
     def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
         return self.bufs[unit.index][kind][lo:hi].clone()

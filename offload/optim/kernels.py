@@ -187,6 +187,108 @@ def adam_step(
     )
 
 
+class AdamGroup:
+    """Several parameter tensors updated together with the same hyperparameters, their fp32
+    state prepared once (checked, pointers taken): :meth:`step` then checks only the gradients
+    and makes one native call that spreads all tensors over the thread pool. This is what the
+    engine uses when gradients stay in ``p.grad`` (one call per unit instead of one per tensor).
+
+    Args:
+        params, exp_avgs, exp_avg_sqs: contiguous fp32 CPU tensors, pairwise the same size; they
+            must stay alive (and not be resized) while the group is used.
+        outs: None, or tensors receiving the updated params (all of one dtype).
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        outs: list[torch.Tensor] | None = None,
+    ) -> None:
+        if not (len(params) == len(exp_avgs) == len(exp_avg_sqs)):
+            raise ValueError("AdamGroup: params, exp_avgs and exp_avg_sqs differ in length")
+        if outs is not None and len(outs) != len(params):
+            raise ValueError("AdamGroup: outs must match params in length")
+        for i, p in enumerate(params):
+            n = p.numel()
+            _check_tensor("param", p, None, (torch.float32,))
+            _check_tensor("exp_avg", exp_avgs[i], n, (torch.float32,))
+            _check_tensor("exp_avg_sq", exp_avg_sqs[i], n, (torch.float32,))
+            if outs is not None:
+                _check_tensor("out", outs[i], n, tuple(_GRAD_CODES))
+        if outs is not None and len({o.dtype for o in outs}) > 1:
+            raise ValueError("AdamGroup: outs must all have one dtype")
+        self.tensors = (params, exp_avgs, exp_avg_sqs, outs)
+        self.numels = [p.numel() for p in params]
+        self._ptrs = (
+            [p.data_ptr() for p in params],
+            [m.data_ptr() for m in exp_avgs],
+            [v.data_ptr() for v in exp_avg_sqs],
+            [o.data_ptr() for o in outs] if outs is not None else [],
+        )
+        self._out_code = _GRAD_CODES[outs[0].dtype] if outs else _NO_OUT
+
+    def step(
+        self,
+        grads: list[torch.Tensor],
+        *,
+        step: int | float,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+        grad_scale: float = 1.0,
+    ) -> None:
+        """One :func:`adam_step` of every tensor, ``grads[i]`` for ``params[i]``."""
+        if len(grads) != len(self.numels):
+            raise ValueError(f"AdamGroup.step: {len(grads)} grads for {len(self.numels)} params")
+        for g, n in zip(grads, self.numels):
+            if g.dtype not in _GRAD_CODES or g.numel() != n or not g.is_contiguous() or g.is_cuda:
+                _check_tensor("grad", g, n, tuple(_GRAD_CODES))
+        if bias_correction and not step >= 1:
+            raise ValueError(f"step must be >= 1 with bias_correction=True, got {step!r}")
+        c = _coefficients(
+            step=float(step),
+            lr=float(lr),
+            betas=betas,
+            eps=eps,
+            weight_decay=float(weight_decay),
+            adamw_mode=adamw_mode,
+            bias_correction=bias_correction,
+            grad_scale=grad_scale,
+        )
+        mod = _native.get()
+        if mod is None:
+            params, exp_avgs, exp_avg_sqs, outs = self.tensors
+            for i, g in enumerate(grads):
+                o = outs[i] if outs is not None else None
+                _adam_step_torch(params[i], g, exp_avgs[i], exp_avg_sqs[i], c, o)
+            return
+        pp, mp, vp, op = self._ptrs
+        mod.adam_step_multi(
+            pp,
+            [g.data_ptr() for g in grads],
+            mp,
+            vp,
+            op,
+            self.numels,
+            [_GRAD_CODES[g.dtype] for g in grads],
+            self._out_code,
+            c.grad_scale,
+            c.decay,
+            c.l2,
+            c.w1,
+            c.beta2,
+            c.c2,
+            c.bc2_sqrt,
+            c.eps,
+            c.neg_step,
+        )
+
+
 _FALLBACK_CHUNK = 1 << 22  # elements per torch pass: bounds the fallback's temporaries
 
 

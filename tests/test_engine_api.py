@@ -250,3 +250,21 @@ def test_persistent_units_match_plain_pytorch(tmp_path, param_dev):
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-7)
     opt.close()
+
+
+def test_background_step_error_reaches_the_caller(tmp_path):
+    """The NVMe update runs on a worker thread into the next forward; its IO errors surface in
+    the main thread (at the next forward, or anything that waits for it), not silently."""
+    from offload.io import faults
+
+    model, opt = offload.wrap(make_model(), placement_config("none", "nvme", tmp_path))
+    data = batches(2)
+    lm_loss(model, data[0]).backward()
+    faults.inject(5, count=1000, op="read")  # EIO on every read from now on
+    try:
+        opt.step()  # returns at once: the update is in the background
+        with pytest.raises(RuntimeError, match="background optimizer step failed"):
+            lm_loss(model, data[1]).backward()
+    finally:
+        faults.clear()
+    opt.close()

@@ -14,11 +14,25 @@ Note: the hooks (what FSDP2 does, in words)
     - one callback queued on the autograd engine at the first pre-backward hook finishes every
       unit that did not complete (unused params, frozen units, the root) and returns to IDLE.
     - during backward a forward hook means activation-checkpoint recomputation: gather, keep.
+
+Note: the background NVMe step
+    With the optimizer state on NVMe the step is disk-bound (read master, moments and grads,
+    write them and the new params back); run as a phase of its own it overlaps no compute. So
+    ``optimizer.step()`` fixes the update (hyperparameters, loss scale and clipping coefficient
+    are all known then) and hands it to one background thread, which updates the units in
+    forward order; the next forward waits, at each unit's pre-hook, only for that unit's update
+    (its new params are then still in the store's cache). The disk work of the step overlaps
+    the next forward. The math, and its order within a unit, are those of an immediate step.
+    Anything else that reads or writes state first waits for the whole update
+    (:meth:`Engine.flush_pending`): a backward, checkpoints, ``state_dict``, export, a new
+    ``step()``, ``close``. The store, the IO engine and the native pool are safe to call from
+    both threads; the worker touches no parameter storage.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import defaultdict
 
@@ -82,6 +96,9 @@ class Engine:
         self._bwd_start: float | None = None
         self.closed = False
         self.orig_dtype: dict[nn.Parameter, torch.dtype] = {}  # set by wrap
+        self._worker: threading.Thread | None = None  # the background step (see the Note)
+        self._unit_done: dict[int, threading.Event] = {}
+        self._worker_error: BaseException | None = None
         self.resources: list = []  # pools, NVMe stores, IO engine (set by wrap; closed last)
         self.buffer_dtypes: dict = {}  # (module, name) -> dtype before wrap (set by wrap)
 
@@ -130,6 +147,7 @@ class Engine:
         if self.phase.phase is Phase.IDLE:
             self._begin_micro_step()
         self.phase.to(Phase.FORWARD)
+        self._wait_unit(self.units[0])
         self._gather(self.units[0])
         return tree_map(self._cast_input, args), tree_map(self._cast_input, kwargs)
 
@@ -151,14 +169,16 @@ class Engine:
 
     def _begin_micro_step(self) -> None:
         self._fwd_start = time.perf_counter()
-        if self.backwards_since_step == 0:
-            for store in self.stores.values():
-                store.begin_iteration()
+        if self.backwards_since_step == 0:  # the optimizer store's trace starts at backward
+            for name, store in self.stores.items():
+                if name != "offload_optimizer":
+                    store.begin_iteration()
 
     def _pre_forward(self, unit: Unit) -> None:
         if self.phase.phase is Phase.IDLE:  # a unit called directly, outside the model
             self._begin_micro_step()
             self.phase.to(Phase.FORWARD)
+        self._wait_unit(unit)
         self._gather(unit)
 
     def _post_forward(self, unit: Unit, output):
@@ -176,6 +196,9 @@ class Engine:
         if self._fwd_start is not None:
             self.timers["forward_seconds"] += time.perf_counter() - self._fwd_start
             self._fwd_start = None
+        self.flush_pending()  # the grad sinks below write the shards the update reads
+        if self.backwards_since_step == 0 and "offload_optimizer" in self.stores:
+            self.stores["offload_optimizer"].begin_iteration()  # its user is idle now
         self.phase.to(Phase.BACKWARD)
         self._bwd_start = time.perf_counter()
         for unit in self.units:
@@ -282,11 +305,13 @@ class Engine:
         return self.optim.grad_stats()
 
     def check_idle(self, what: str) -> None:
+        """Raises unless between steps; then waits for a background update (state is read)."""
         self._check_open()
         if self.phase.phase is not Phase.IDLE:
             raise PhaseError(
                 f"offload: {what} called during {self.phase.phase.value}; call it between steps"
             )
+        self.flush_pending()
 
     def check_can_step(self) -> None:
         self._check_open()
@@ -307,11 +332,15 @@ class Engine:
         self.phase.to(Phase.STEP)
         try:
             self.params.quiesce()  # host homes are about to be rewritten
+            self.flush_pending()
             hyper = Hyper(step=self.step_count + 1, grad_scale=grad_scale, **hyper_base)
-            self.optim.step_units(self.units, self.params, hyper)
             for unit in self.units:
                 if unit.persistent:
                     self._release(unit)  # its device copy is stale now; gathered fresh next use
+            if self.optim.defers:
+                self._start_background_step(hyper)
+            else:
+                self.optim.step_units(self.units, self.params, hyper)
             for store in self.stores.values():
                 store.end_iteration()
         finally:
@@ -319,6 +348,50 @@ class Engine:
         self.step_count += 1
         self.timers["optimizer_seconds"] += time.perf_counter() - t0
         self._end_step()
+
+    def _start_background_step(self, hyper: Hyper) -> None:
+        """Runs the update on one worker thread, units in forward order (see the Note)."""
+        order = [u for u in self.units if self.optim.pieces(u)]
+        self._unit_done = {u.index: threading.Event() for u in order}
+        self._worker_error = None
+
+        def run() -> None:
+            try:
+                self.optim.step_units(
+                    order, self.params, hyper, on_unit_done=lambda u: self._unit_done[u.index].set()
+                )
+            except BaseException as exc:  # re-raised by the main thread when it waits
+                self._worker_error = exc
+            finally:
+                for event in self._unit_done.values():
+                    event.set()
+
+        self._worker = threading.Thread(target=run, name="offload-step", daemon=True)
+        self._worker.start()
+
+    def _wait_unit(self, unit: Unit) -> None:
+        """Blocks until ``unit``'s background update (if any) is complete."""
+        if self._worker is None:
+            return
+        event = self._unit_done.get(unit.index)
+        if event is not None and not event.is_set():
+            t0 = time.perf_counter()
+            event.wait()
+            self.timers["step_wait_seconds"] += time.perf_counter() - t0
+        if self._worker_error is not None:
+            self.flush_pending()
+
+    def flush_pending(self) -> None:
+        """Waits for the background update to finish; re-raises its error."""
+        if self._worker is None:
+            return
+        t0 = time.perf_counter()
+        self._worker.join()
+        self.timers["step_wait_seconds"] += time.perf_counter() - t0
+        self._worker = None
+        err, self._worker_error = self._worker_error, None
+        if err is not None:
+            raise RuntimeError(f"offload: the background optimizer step failed: {err}") from err
 
     def skip_step(self) -> None:
         """An fp16 overflow: no update; gradients are discarded."""
@@ -351,6 +424,7 @@ class Engine:
     def full_values(self, unit: Unit) -> dict[nn.Parameter, torch.Tensor]:
         """Current values of the unit's parameters as new host tensors: the fp32 master for
         trainable ones, the compute params for frozen ones."""
+        self.flush_pending()
         out: dict[nn.Parameter, torch.Tensor] = {}
         layout = unit.layout
         for seg in layout.segments:
@@ -411,12 +485,20 @@ class Engine:
         self.remove_hooks()
         if not restore:
             self._handles.append(self.model.register_forward_pre_hook(self._closed_hook))
-        self.params.close()
-        self.optim.close()
-        for store in self.stores.values():
-            store.close()
-        for res in reversed(self.resources):
-            res.close()
+        # Teardown goes on past errors: every pool, swap file and thread is released. IO errors
+        # (already raised to the caller when they happened) are logged; any other is raised.
+        first: BaseException | None = None
+        steps = [self.flush_pending, self.params.close, self.optim.close]
+        steps += [store.close for store in self.stores.values()]
+        steps += [res.close for res in reversed(self.resources)]
+        for close in steps:
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - logged, the rest still closes
+                logger.warning("offload: error while closing (%s); continuing teardown", exc)
+                first = first or exc
+        if first is not None and not isinstance(first, OSError | RuntimeError):
+            raise first
 
     @staticmethod
     def _closed_hook(module, args):

@@ -139,6 +139,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         fp32 ``master``), gathered from wherever it lives. This pulls the whole optimizer state
         into RAM; use ``offload.save_checkpoint`` for models whose state does not fit."""
         engine = self._engine
+        engine.check_idle("optimizer.state_dict()")
         index = {p: i for i, p in enumerate(self.param_groups[0]["params"])}
         state: dict[int, dict] = {}
         for unit in engine.units:
@@ -157,6 +158,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         engine = self._engine
+        engine.check_idle("optimizer.load_state_dict()")
         params = self.param_groups[0]["params"]
         state = state_dict["state"]
         if len(state_dict["param_groups"]) != 1 or len(

@@ -73,6 +73,7 @@ class OptimState:
     """Interface of the optimizer-state placement strategies."""
 
     keeps_grads = False  # grads stay in p.grad (see the module Note)
+    defers = False  # the step runs in the background into the next forward (engine Note)
 
     def setup(self, unit: Unit, params: ParamHome, master: torch.Tensor | None) -> None:
         """Creates the unit's state; ``master`` holds the fp32 initial values of ``[0, trainable)``."""
@@ -87,10 +88,15 @@ class OptimState:
         recs = [r for rs in self.records.values() for r in rs]
         return any(r.found_inf for r in recs), sum(r.sumsq for r in recs)
 
-    def step_units(self, units: list[Unit], params: ParamHome, hyper: Hyper) -> None:
-        """One optimizer step over every unit's state, writing new compute params home."""
+    def step_units(
+        self, units: list[Unit], params: ParamHome, hyper: Hyper, on_unit_done=None
+    ) -> None:
+        """One optimizer step over every unit's state, writing new compute params home;
+        ``on_unit_done(unit)`` is called as each unit's update is complete."""
         for unit in units:
             self.step(unit, params, hyper)
+            if on_unit_done is not None:
+                on_unit_done(unit)
 
     def step(self, unit: Unit, params: ParamHome, hyper: Hyper) -> None:
         raise NotImplementedError
@@ -213,6 +219,8 @@ class HostOptimState(OptimState):
 
 
 class NvmeOptimState(OptimState):
+    defers = True  # disk-bound: see offload.engine.engine, Note: the background NVMe step
+
     def __init__(self, store, piece_numel: int, lookahead: int) -> None:
         from offload.store import Tier  # noqa: PLC0415
 
@@ -256,7 +264,9 @@ class NvmeOptimState(OptimState):
             recs[j] = GradRecord(inf, ss)
             self.store.release(key, self.tier, dirty=True)
 
-    def step_units(self, units: list[Unit], params: ParamHome, hyper: Hyper) -> None:
+    def step_units(
+        self, units: list[Unit], params: ParamHome, hyper: Hyper, on_unit_done=None
+    ) -> None:
         """Streams every piece through the pool: the reads of the next ``lookahead`` pieces are
         in flight while piece ``j`` is updated and piece ``j - 1`` is written back (the store
         writes released dirty shards asynchronously). The step's order is known exactly, so it
@@ -277,6 +287,8 @@ class NvmeOptimState(OptimState):
             for k in keys[:3]:
                 self.store.release(k, self.tier, dirty=True)
             self.store.release(keys[3], self.tier)
+            if on_unit_done is not None and (i + 1 == len(work) or work[i + 1][0] is not unit):
+                on_unit_done(unit)
 
     def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
         out = torch.empty(hi - lo, dtype=torch.float32)

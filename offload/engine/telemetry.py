@@ -19,6 +19,7 @@ TIMERS = (
     "forward_io_wait_seconds",
     "backward_io_wait_seconds",
     "optimizer_seconds",
+    "step_wait_seconds",  # waiting for the background NVMe update (inside forward_seconds)
 )
 
 

@@ -356,6 +356,7 @@ class Engine:
         self._worker_error = None
 
         def run() -> None:
+            t0 = time.perf_counter()
             try:
                 self.optim.step_units(
                     order, self.params, hyper, on_unit_done=lambda u: self._unit_done[u.index].set()
@@ -363,6 +364,8 @@ class Engine:
             except BaseException as exc:  # re-raised by the main thread when it waits
                 self._worker_error = exc
             finally:
+                # counted in the step whose forward it overlaps (joined before that step ends)
+                self.timers["optimizer_seconds"] += time.perf_counter() - t0
                 for event in self._unit_done.values():
                     event.set()
 

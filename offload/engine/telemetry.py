@@ -18,7 +18,8 @@ TIMERS = (
     "io_wait_seconds",  # gathering params; inside forward_seconds and backward_seconds
     "forward_io_wait_seconds",
     "backward_io_wait_seconds",
-    "optimizer_seconds",
+    "optimizer_seconds",  # the update; with NVMe state it runs in the background, overlapping
+    # the forward of the step it is counted in
     "step_wait_seconds",  # waiting for the background NVMe update (inside forward_seconds)
 )
 

@@ -79,39 +79,6 @@ T* as_ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
-void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
-               size_t n, int grad_dtype, uintptr_t out, int out_dtype, float grad_scale,
-               float decay, float l2, float w1, float beta2, float c2, float bc2_sqrt, float eps,
-               float neg_step) {
-  check_dtype("grad", grad_dtype, false);
-  check_dtype("out", out_dtype, true);
-  check_ptr("param", param, n);
-  check_ptr("grad", grad, n);
-  check_ptr("exp_avg", exp_avg, n);
-  check_ptr("exp_avg_sq", exp_avg_sq, n);
-  if (out_dtype != ca::kNone) check_ptr("out", out, n);
-  ca::AdamArgs a;
-  a.param = as_ptr<float>(param);
-  a.grad = as_ptr<const void>(grad);
-  a.exp_avg = as_ptr<float>(exp_avg);
-  a.exp_avg_sq = as_ptr<float>(exp_avg_sq);
-  a.out = out_dtype == ca::kNone ? nullptr : as_ptr<void>(out);
-  a.grad_dtype = grad_dtype;
-  a.out_dtype = out_dtype;
-  a.grad_scale = grad_scale;
-  a.decay = decay;
-  a.l2 = l2;
-  a.w1 = w1;
-  a.beta2 = beta2;
-  a.c2 = c2;
-  a.bc2_sqrt = bc2_sqrt;
-  a.eps = eps;
-  a.neg_step = neg_step;
-  AdamFn fn = pick<AdamFn>(ca::scalar::adam_range, ca::avx2::adam_range, ca::avx512::adam_range);
-  py::gil_scoped_release release;
-  split(n, [&](size_t, size_t b, size_t e) { fn(a, b, e); });
-}
-
 // Several tensors with the same coefficients in one dispatch over the pool: the elements of all
 // tensors form one index space [0, total), cut into one contiguous chunk per thread, each chunk
 // walked tensor by tensor. One wake-up of the pool per call instead of one per tensor (a model's
@@ -166,6 +133,14 @@ void adam_step_multi(const std::vector<uintptr_t>& params, const std::vector<uin
       if (lo < hi) fn(args[i], lo, hi);
     }
   });
+}
+
+void adam_step(uintptr_t param, uintptr_t grad, uintptr_t exp_avg, uintptr_t exp_avg_sq,
+               size_t n, int grad_dtype, uintptr_t out, int out_dtype, float grad_scale,
+               float decay, float l2, float w1, float beta2, float c2, float bc2_sqrt, float eps,
+               float neg_step) {
+  adam_step_multi({param}, {grad}, {exp_avg}, {exp_avg_sq}, {out}, {n}, {grad_dtype}, out_dtype,
+                  grad_scale, decay, l2, w1, beta2, c2, bc2_sqrt, eps, neg_step);
 }
 
 py::tuple accumulate_grad(uintptr_t acc, uintptr_t grad, size_t n, int grad_dtype, float scale,

@@ -59,6 +59,42 @@ class _Coef:
     eps: float
     neg_step: float  # -lr / (1 - beta1**step)
 
+    def native_args(self) -> tuple[float, ...]:
+        """The trailing arguments of ``_C.adam_step`` / ``_C.adam_step_multi``, in order."""
+        return (
+            self.grad_scale,
+            self.decay,
+            self.l2,
+            self.w1,
+            self.beta2,
+            self.c2,
+            self.bc2_sqrt,
+            self.eps,
+            self.neg_step,
+        )
+
+
+def _checked_coefficients(
+    step, lr, betas, eps, weight_decay, adamw_mode, bias_correction, grad_scale
+) -> _Coef:
+    """Validates the per-call hyperparameters and turns them into the kernel's coefficients."""
+    if isinstance(step, torch.Tensor):
+        step = step.item()
+    if bias_correction and not step >= 1:
+        raise ValueError(f"step must be >= 1 with bias_correction=True, got {step!r}")
+    if len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    return _coefficients(
+        step=float(step),
+        lr=float(lr),
+        betas=betas,
+        eps=eps,
+        weight_decay=float(weight_decay),
+        adamw_mode=adamw_mode,
+        bias_correction=bias_correction,
+        grad_scale=grad_scale,
+    )
+
 
 def _coefficients(
     *,
@@ -146,21 +182,8 @@ def adam_step(
     _check_tensor("exp_avg_sq", exp_avg_sq, n, (torch.float32,))
     if out is not None:
         _check_tensor("out", out, n, tuple(_GRAD_CODES))
-    if isinstance(step, torch.Tensor):
-        step = step.item()
-    if bias_correction and not step >= 1:
-        raise ValueError(f"step must be >= 1 with bias_correction=True, got {step!r}")
-    if len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    coef = _coefficients(
-        step=float(step),
-        lr=float(lr),
-        betas=betas,
-        eps=eps,
-        weight_decay=float(weight_decay),
-        adamw_mode=adamw_mode,
-        bias_correction=bias_correction,
-        grad_scale=grad_scale,
+    coef = _checked_coefficients(
+        step, lr, betas, eps, weight_decay, adamw_mode, bias_correction, grad_scale
     )
     mod = _native.get()
     if mod is None:
@@ -175,15 +198,7 @@ def adam_step(
         _GRAD_CODES[grad.dtype],
         0 if out is None else out.data_ptr(),
         _NO_OUT if out is None else _GRAD_CODES[out.dtype],
-        coef.grad_scale,
-        coef.decay,
-        coef.l2,
-        coef.w1,
-        coef.beta2,
-        coef.c2,
-        coef.bc2_sqrt,
-        coef.eps,
-        coef.neg_step,
+        *coef.native_args(),
     )
 
 
@@ -248,17 +263,8 @@ class AdamGroup:
         for g, n in zip(grads, self.numels):
             if g.dtype not in _GRAD_CODES or g.numel() != n or not g.is_contiguous() or g.is_cuda:
                 _check_tensor("grad", g, n, tuple(_GRAD_CODES))
-        if bias_correction and not step >= 1:
-            raise ValueError(f"step must be >= 1 with bias_correction=True, got {step!r}")
-        c = _coefficients(
-            step=float(step),
-            lr=float(lr),
-            betas=betas,
-            eps=eps,
-            weight_decay=float(weight_decay),
-            adamw_mode=adamw_mode,
-            bias_correction=bias_correction,
-            grad_scale=grad_scale,
+        c = _checked_coefficients(
+            step, lr, betas, eps, weight_decay, adamw_mode, bias_correction, grad_scale
         )
         mod = _native.get()
         if mod is None:
@@ -277,15 +283,7 @@ class AdamGroup:
             self.numels,
             [_GRAD_CODES[g.dtype] for g in grads],
             self._out_code,
-            c.grad_scale,
-            c.decay,
-            c.l2,
-            c.w1,
-            c.beta2,
-            c.c2,
-            c.bc2_sqrt,
-            c.eps,
-            c.neg_step,
+            *c.native_args(),
         )
 
 

@@ -40,7 +40,6 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from offload.engine.layout import FlatLayout
 from offload.engine.optstate import Hyper, OptimState
 from offload.engine.params import ParamHome
 from offload.engine.phase import Phase, PhaseError, PhaseTracker
@@ -515,4 +514,4 @@ def _requires_grad(output) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0])
 
 
-__all__ = ["Engine", "DTYPES", "FlatLayout"]
+__all__ = ["DTYPES", "Engine"]

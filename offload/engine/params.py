@@ -52,7 +52,6 @@ def _copy_pairs(layout: FlatLayout, flat: torch.Tensor, lo: int, hi: int):
 class ParamHome:
     """Interface of the parameter placement strategies."""
 
-    releases = True  # whether gather/release move anything
     _pending = None  # event of the last copy out of the host home (HostParams)
 
     def setup(self, unit: Unit) -> None:
@@ -103,8 +102,6 @@ class ParamHome:
 
 
 class DeviceParams(ParamHome):
-    releases = False
-
     def __init__(self, device: torch.device, dtype: torch.dtype, transfers: Transfers) -> None:
         self.device, self.dtype, self.transfers = device, dtype, transfers
         self.flat: dict[int, torch.Tensor] = {}

@@ -1,0 +1,206 @@
+"""Parameter counts of decoder-only transformers from a Hugging Face ``config.json`` (torch-free).
+
+The layer layouts and the formula are in :class:`ModelShape`; ``offload estimate --hf-config``
+uses :func:`params_from_hf_config`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from offload.estimate.errors import EstimateError
+
+# Architecture families whose layout differs from the LLaMA default (see ModelShape.style).
+_GPT2_TYPES = {"gpt2", "gpt_bigcode"}
+_NEOX_TYPES = {"gpt_neox"}
+_QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The few numbers of a decoder-only transformer that its parameter count depends on.
+
+    ``style`` picks the layer layout:
+      - ``"llama"`` (default; LLaMA, Mistral, Qwen2, Mixtral, ...): q/k/v/o projections with
+        grouped-query k/v, gated MLP (gate, up, down: 3 h I), RMSNorm (h weights, 2 per layer
+        plus a final one), rotary positions (no weights), biases only where the config says
+        (``attention_bias``, ``mlp_bias``; Qwen2 has q/k/v biases).
+      - ``"gpt2"``: fused qkv and output projection with biases, MLP h -> I -> h with biases,
+        LayerNorm (weight + bias), learned position embeddings (``n_positions`` x h).
+      - ``"gpt_neox"``: like gpt2 but rotary positions (no position weights).
+    """
+
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    tied_embeddings: bool
+    style: str = "llama"
+    num_experts: int = 1  # MoE experts per layer (MLP repeated, plus an h x E router)
+    max_positions: int = 0  # learned position embeddings (gpt2 style only)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qkv_bias: bool = False
+
+
+def _get(cfg: Mapping[str, Any], names: tuple[str, ...], source: str) -> Any:
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    raise EstimateError(
+        f"{source}: missing key {names[0]!r}"
+        + (f" (or {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else "")
+        + "; a Hugging Face decoder config needs hidden_size, num_hidden_layers, vocab_size, "
+        "num_attention_heads (intermediate_size, num_key_value_heads optional)"
+    )
+
+
+def _positive_int(value: Any, key: str, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EstimateError(f"{source}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> ModelShape:
+    """Read a Hugging Face ``config.json`` (as a dict) into a :class:`ModelShape`.
+
+    Accepts the GPT-2 spellings (``n_embd``, ``n_layer``, ``n_head``, ``n_inner``) as aliases.
+    ``tie_word_embeddings`` defaults to True for gpt2 (as in Hugging Face) and False otherwise.
+    Raises :class:`EstimateError` naming the key when a required one is missing or invalid.
+    """
+    if not isinstance(cfg, Mapping):
+        raise EstimateError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+    model_type = str(cfg.get("model_type", "")).lower()
+    style = (
+        "gpt2"
+        if model_type in _GPT2_TYPES
+        else "gpt_neox"
+        if model_type in _NEOX_TYPES
+        else "llama"
+    )
+    h = _positive_int(
+        _get(cfg, ("hidden_size", "n_embd", "d_model"), source), "hidden_size", source
+    )
+    layers = _positive_int(
+        _get(cfg, ("num_hidden_layers", "n_layer", "num_layers"), source),
+        "num_hidden_layers",
+        source,
+    )
+    vocab = _positive_int(_get(cfg, ("vocab_size",), source), "vocab_size", source)
+    heads = _positive_int(
+        _get(cfg, ("num_attention_heads", "n_head"), source), "num_attention_heads", source
+    )
+    inter_raw = cfg.get("intermediate_size", cfg.get("n_inner", cfg.get("ffn_dim")))
+    inter = 4 * h if inter_raw is None else _positive_int(inter_raw, "intermediate_size", source)
+    kv_raw = cfg.get("num_key_value_heads")
+    if kv_raw is None:
+        kv_heads = 1 if cfg.get("multi_query") else heads
+    else:
+        kv_heads = _positive_int(kv_raw, "num_key_value_heads", source)
+    if heads % kv_heads:
+        raise EstimateError(
+            f"{source}: num_attention_heads ({heads}) must be a multiple of "
+            f"num_key_value_heads ({kv_heads})"
+        )
+    head_dim_raw = cfg.get("head_dim")
+    if head_dim_raw is None:
+        if h % heads:
+            raise EstimateError(
+                f"{source}: hidden_size ({h}) is not a multiple of num_attention_heads "
+                f"({heads}) and no head_dim is given"
+            )
+        head_dim = h // heads
+    else:
+        head_dim = _positive_int(head_dim_raw, "head_dim", source)
+    tied_raw = cfg.get("tie_word_embeddings")
+    tied = (style == "gpt2") if tied_raw is None else bool(tied_raw)
+    experts_raw = cfg.get("num_local_experts", cfg.get("num_experts"))
+    experts = 1 if experts_raw is None else _positive_int(experts_raw, "num_local_experts", source)
+    positions = 0
+    if style == "gpt2":
+        positions = _positive_int(
+            _get(cfg, ("n_positions", "max_position_embeddings"), source), "n_positions", source
+        )
+    return ModelShape(
+        hidden_size=h,
+        num_layers=layers,
+        vocab_size=vocab,
+        intermediate_size=inter,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        tied_embeddings=tied,
+        style=style,
+        num_experts=experts,
+        max_positions=positions,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qkv_bias=model_type in _QKV_BIAS_TYPES,
+    )
+
+
+def layer_params(shape: ModelShape) -> int:
+    """Parameters of one transformer block (see :class:`ModelShape` for the layouts)."""
+    h, inter = shape.hidden_size, shape.intermediate_size
+    q_out = shape.num_heads * shape.head_dim
+    kv_out = shape.num_kv_heads * shape.head_dim
+    if shape.style in ("gpt2", "gpt_neox"):
+        attn = h * (q_out + 2 * kv_out) + (q_out + 2 * kv_out) + q_out * h + h
+        mlp = 2 * h * inter + inter + h
+        norms = 2 * (2 * h)  # two LayerNorms, weight + bias
+        return attn + mlp + norms
+    attn = h * (q_out + 2 * kv_out) + q_out * h
+    if shape.attention_bias:
+        attn += q_out + 2 * kv_out + h
+    elif shape.qkv_bias:
+        attn += q_out + 2 * kv_out
+    mlp = 3 * h * inter + (2 * inter + h if shape.mlp_bias else 0)
+    if shape.num_experts > 1:
+        mlp = shape.num_experts * mlp + h * shape.num_experts  # experts + router
+    norms = 2 * h  # two RMSNorms, weight only
+    return attn + mlp + norms
+
+
+def embedding_params(shape: ModelShape) -> int:
+    """Token embeddings, the output head unless tied, learned positions, and the final norm."""
+    h = shape.hidden_size
+    emb = shape.vocab_size * h * (1 if shape.tied_embeddings else 2)
+    emb += shape.max_positions * h
+    emb += 2 * h if shape.style in ("gpt2", "gpt_neox") else h
+    return emb
+
+
+def count_params(shape: ModelShape) -> int:
+    """Total parameters: layers x block + embeddings/head + final norm."""
+    return shape.num_layers * layer_params(shape) + embedding_params(shape)
+
+
+def params_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> int:
+    """Parameter count of a LLaMA/GPT-style Hugging Face config (LLaMA-2-7B: 6,738,415,616)."""
+    return count_params(shape_from_hf_config(cfg, source=source))
+
+
+def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a ``config.json``; errors name the path and what is wrong with it."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise EstimateError(f"--hf-config: no such file: {os.fspath(path)!r}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EstimateError(f"--hf-config: cannot read {os.fspath(path)!r}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise EstimateError(
+            f"--hf-config: {os.fspath(path)!r} is not valid JSON ({exc}); "
+            "expected a Hugging Face config.json"
+        ) from None
+    if not isinstance(data, dict):
+        raise EstimateError(f"--hf-config: {os.fspath(path)!r} must hold a JSON object")
+    return data

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from offload.engine.optstate import Hyper, OptimState
+from offload.engine.optstate import GradParts, Hyper, OptimState
 from offload.engine.params import ParamHome
 from offload.engine.phase import Phase, PhaseError, PhaseTracker
 from offload.engine.telemetry import Telemetry
@@ -82,12 +82,10 @@ class Engine:
         self._callback_queued = False
         self._handles: list = []
         max_train = max((u.layout.trainable for u in units), default=0)
-        self._grad_staging = transfers.host_empty(max(max_train, 1), dtype, pin)
-        self._dev_staging = (
-            torch.empty(max(max_train, 1), dtype=dtype, device=device)
-            if transfers.is_cuda
-            else None
-        )
+        self._grad_staging = self._dev_staging = None  # CUDA only: see _grad_parts
+        if transfers.is_cuda:
+            self._grad_staging = transfers.host_empty(max(max_train, 1), dtype, pin)
+            self._dev_staging = torch.empty(max(max_train, 1), dtype=dtype, device=device)
         self.timers: dict[str, float] = defaultdict(float)  # seconds, current step
         self.telemetry = Telemetry()  # replaced by wrap when telemetry.jsonl_path is set
         self._step_started = time.perf_counter()
@@ -259,37 +257,39 @@ class Engine:
         """Streams the unit's gradients off the device and releases its params."""
         unit.backward_done = True
         if unit.layout.trainable and not self.optim.keeps_grads:
-            flat = self._flatten_grads(unit)
-            self.optim.sink_grads(unit, flat, first=self.first_micro_step)
+            self.optim.sink_grads(unit, self._grad_parts(unit), first=self.first_micro_step)
             for p in unit.trainable_params:
                 p.grad = None
         if not unit.persistent and not unit.is_root:
             self._release(unit)
 
-    def _flatten_grads(self, unit: Unit) -> torch.Tensor:
+    def _grad_parts(self, unit: Unit) -> GradParts:
+        """The unit's gradients on the host. On the CPU they are read in place; on CUDA they are
+        flattened into a device staging buffer and copied to the host in one transfer."""
         n = unit.layout.trainable
-        stage = self._dev_staging if self._dev_staging is not None else self._grad_staging
-        flat = stage[:n]
+        parts: list = []
         prev_end = 0
         for seg in unit.layout.segments:
             if not seg.trainable:
                 continue
             if seg.offset > prev_end:
-                flat[prev_end : seg.offset].zero_()
-            dst = flat[seg.offset : seg.end]
+                parts.append((prev_end, seg.offset, None))
             g = seg.param.grad
-            if g is None:
-                dst.zero_()
-            else:
-                dst.copy_(g.reshape(-1))
+            parts.append((seg.offset, seg.end, None if g is None else g.reshape(-1)))
             prev_end = seg.end
         if prev_end < n:
-            flat[prev_end:n].zero_()
-        if self._dev_staging is not None:
-            host = self._grad_staging[:n]
-            self.transfers.to_host(host, flat).wait()
-            return host
-        return flat
+            parts.append((prev_end, n, None))
+        if self._dev_staging is None:
+            return GradParts(parts)
+        flat = self._dev_staging[:n]
+        for a, b, g in parts:
+            if g is None:
+                flat[a:b].zero_()
+            else:
+                flat[a:b].copy_(g)
+        host = self._grad_staging[:n]
+        self.transfers.to_host(host, flat).wait()
+        return GradParts.of_flat(host)
 
     # ---------------------------------------------------------------- step
     def grad_norm_sq(self) -> tuple[bool, float]:

@@ -9,9 +9,11 @@
   never holds a model-sized fp32 buffer.
 
 Note: gradients
-    When a unit's backward completes its gradients are flattened into a compute-dtype staging
-    buffer (zero where a parameter got no grad) and accumulated into the fp32 grad shard with
-    the native one-pass kernel, which also reports inf/NaN and the sum of squares of the result.
+    When a unit's backward completes its gradients are accumulated into the fp32 grad shard
+    with the native one-pass kernel, which also reports inf/NaN and the sum of squares of the
+    result. On the CPU they are read straight from each ``p.grad`` (:class:`GradParts`, zero
+    where a parameter got no grad); on CUDA they are first flattened on the device into one
+    staging buffer and copied to the host in one transfer.
     The first micro-step after ``zero_grad`` overwrites instead of adding, so nothing is ever
     zeroed and, on NVMe, the first write needs no read. The latest sum of squares per unit (or
     piece) gives the global norm for clipping without another pass.
@@ -61,6 +63,43 @@ class Hyper:
         )
 
 
+class GradParts:
+    """A unit's gradient over ``[0, trainable)`` of its flat layout, as it arrives from backward:
+    ``(begin, end, tensor)`` parts in order, ``tensor`` None where there is no gradient (padding,
+    or a parameter that got none). Accumulating a range reads the parts in place: no flat copy."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[tuple[int, int, torch.Tensor | None]]) -> None:
+        self.parts = parts
+
+    @staticmethod
+    def of_flat(flat: torch.Tensor) -> GradParts:
+        return GradParts([(0, flat.numel(), flat)])
+
+    def accumulate(self, acc: torch.Tensor, lo: int, overwrite: bool) -> GradRecord:
+        """``acc`` holds elements ``[lo, lo + acc.numel())``: adds (or, with ``overwrite``,
+        writes) the gradient there; returns inf/NaN and the sum of squares of the new ``acc``."""
+        hi = lo + acc.numel()
+        rec = GradRecord()
+        for a, b, g in self.parts:
+            a2, b2 = max(a, lo), min(b, hi)
+            if a2 >= b2:
+                continue
+            dst = acc[a2 - lo : b2 - lo]
+            if g is not None:
+                inf, ss = accumulate_grad(dst, g[a2 - a : b2 - a], overwrite=overwrite)
+            elif overwrite:
+                dst.zero_()
+                inf, ss = False, 0.0
+            else:  # no gradient this micro-step: the accumulated values stay and still count
+                ss = float(dst.double().square().sum())
+                inf = not torch.isfinite(dst).all().item()
+            rec.found_inf |= inf
+            rec.sumsq += ss
+        return rec
+
+
 @dataclass(slots=True)
 class GradRecord:
     """Latest accumulation result of one unit or piece."""
@@ -79,8 +118,8 @@ class OptimState:
         """Creates the unit's state; ``master`` holds the fp32 initial values of ``[0, trainable)``."""
         raise NotImplementedError
 
-    def sink_grads(self, unit: Unit, flat_grad: torch.Tensor, first: bool) -> None:
-        """Accumulates a host compute-dtype flat grad over ``[0, trainable)`` into the fp32 grads."""
+    def sink_grads(self, unit: Unit, grad: GradParts, first: bool) -> None:
+        """Accumulates the unit's host gradient into its fp32 grads (overwrites when ``first``)."""
         raise NotImplementedError
 
     def grad_stats(self) -> tuple[bool, float]:
@@ -147,9 +186,8 @@ class HostOptimState(OptimState):
         self.records[unit.index] = [GradRecord()]
         self.aliased[unit.index] = alias is not None
 
-    def sink_grads(self, unit: Unit, flat_grad: torch.Tensor, first: bool) -> None:
-        inf, ss = accumulate_grad(self.bufs[unit.index]["grad"], flat_grad, overwrite=first)
-        self.records[unit.index][0] = GradRecord(inf, ss)
+    def sink_grads(self, unit: Unit, grad: GradParts, first: bool) -> None:
+        self.records[unit.index][0] = grad.accumulate(self.bufs[unit.index]["grad"], 0, first)
 
     def pieces(self, unit: Unit) -> list[tuple[int, int]]:
         n = unit.layout.trainable
@@ -253,15 +291,14 @@ class NvmeOptimState(OptimState):
     def pieces(self, unit: Unit) -> list[tuple[int, int]]:
         return self._pieces.get(unit.index, [])
 
-    def sink_grads(self, unit: Unit, flat_grad: torch.Tensor, first: bool) -> None:
+    def sink_grads(self, unit: Unit, grad: GradParts, first: bool) -> None:
         recs = self.records[unit.index]
         for j, (lo, hi) in enumerate(self.pieces(unit)):
             key = self.key(unit, "grad", lo)
             if not first:  # an overwrite reads nothing: keep it out of the prefetch trace
                 self.store.use(key, self.tier)
             buf = self.store.fetch(key, self.tier, read=not first).wait()
-            inf, ss = accumulate_grad(buf, flat_grad[lo:hi], overwrite=first)
-            recs[j] = GradRecord(inf, ss)
+            recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
             self.store.release(key, self.tier, dirty=True)
 
     def step_units(

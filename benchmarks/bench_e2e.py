@@ -225,6 +225,7 @@ def main() -> int:
     nv_opt.synchronize()
     t = {"plain": [], "tier": [], "compute": [], "nvme": [], "nvme_drained": []}
     bytes0 = store_bytes(nv_model)
+    bw = []  # (read, write) bytes/s, one measurement per rep: the disk varies as much as the rest
     for _ in range(args.reps):
         t["plain"].append(timed(lambda: train_step(plain, plain_opt, x)))
         t["tier"].append(timed(lambda: train_step(tier_model, tier_opt, x)))
@@ -232,8 +233,10 @@ def main() -> int:
         steady, drained = nvme_sample(nv_model, nv_opt, x)
         t["nvme"].append(steady)
         t["nvme_drained"].append(drained)
+        bw.append(disk_bandwidth(work, 256 << 20, aio))
     bytes1 = store_bytes(nv_model)
-    rd_bw, wr_bw = disk_bandwidth(work, 256 << 20, aio)
+    rd_bw = statistics.median(r for r, _ in bw)
+    wr_bw = statistics.median(w for _, w in bw)
     p, g, m, v = torch.zeros(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
     adam = statistics.median(
         timed(

@@ -201,10 +201,12 @@ def test_telemetry_jsonl_and_per_step_counters(tmp_path):
     opt.close()
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert [rec["steps"] for rec in lines] == [1, 2, 3]
-    # about the same bytes every step once the trace is recorded (an eviction may differ by a
-    # piece), and the totals add up
-    for k, v in lines[1]["bytes"].items():
-        assert abs(lines[2]["bytes"][k] - v) <= 0.1 * max(v, 1), (k, lines[1:])
+    # the same bytes written every step once the trace is recorded (each dirty copy is written
+    # once); reads depend on cache hits, which depend on how far the background update ran
+    # ahead of the forward (timing), so they only stay close; and the totals add up
+    assert lines[2]["bytes"]["host->nvme"] == lines[1]["bytes"]["host->nvme"], lines[1:]
+    reads = [rec["bytes"]["nvme->host"] for rec in lines[1:]]
+    assert abs(reads[1] - reads[0]) <= 0.25 * max(reads), lines[1:]
     total = {k: sum(rec["bytes"][k] for rec in lines) for k in lines[0]["bytes"]}
     assert total["nvme->host"] <= per_step[-1]["total"]["bytes"]["nvme->host"]
     assert all(rec["optimizer_seconds"] > 0 for rec in lines)

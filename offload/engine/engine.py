@@ -336,9 +336,7 @@ class Engine:
             for unit in self.units:
                 if unit.persistent:
                     self._release(unit)  # its device copy is stale now; gathered fresh next use
-            if self.optim.defers:
-                self._start_background_step(hyper)
-            else:
+            if not self.optim.defers:
                 self.optim.step_units(self.units, self.params, hyper)
             for store in self.stores.values():
                 store.end_iteration()
@@ -346,7 +344,11 @@ class Engine:
             self.phase.to(Phase.IDLE)
         self.step_count += 1
         self.timers["optimizer_seconds"] += time.perf_counter() - t0
+        # the step's record is closed before a background update starts, so what that update
+        # moves is counted in the next step's record whatever the threads' timing
         self._end_step()
+        if self.optim.defers:
+            self._start_background_step(hyper)
 
     def _start_background_step(self, hyper: Hyper) -> None:
         """Runs the update on one worker thread, units in forward order (see the Note)."""

@@ -158,7 +158,7 @@ def throughput(device: str, tmp: Path, size: str, steps: int, seconds: float) ->
         "median_step_s": round(steady, 3),
         "tokens_per_s": round(batch * gcfg.seq_len / steady, 1),
         "last_split": splits[-1],
-        "loss": float(loss),
+        "loss": float(loss.detach()),
     }
 
 

@@ -16,6 +16,7 @@ import copy
 
 import pytest
 import torch
+from kernel_paths import kernel_path, simd_level, simd_levels
 
 from offload import _native
 from offload.optim import CPUAdam, adam_step
@@ -24,33 +25,6 @@ ODD_SIZES = [1, 7, 1023, 4096]
 BIG = 2**20 + 3
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 RTOL, ATOL = 1e-6, 1e-7  # per element, per step: |ours - torch| <= ATOL + RTOL * |torch|
-
-
-@contextlib.contextmanager
-def _path(name: str):
-    """'native' (skipped without the extension) or 'fallback' (torch)."""
-    if name == "fallback":
-        with _native.force_fallback():
-            yield
-        return
-    if not _native.available():
-        pytest.skip(f"native extension unavailable: {_native.reason()}")
-    yield
-
-
-@contextlib.contextmanager
-def _simd(level: str):
-    mod = _native.get()
-    before = mod.simd_level()
-    mod.set_simd_level(level)
-    try:
-        yield
-    finally:
-        mod.set_simd_level(before)
-
-
-def _levels() -> list[str]:
-    return _native.get().supported_simd_levels() if _native.available() else []
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -78,7 +52,7 @@ def _run_parity(
     p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
     out = torch.empty(n, dtype=torch.bfloat16)
     scale = 1.0 / 64
-    with _path(path):
+    with kernel_path(path):
         for step in range(1, steps + 1):
             g = (torch.randn(n, generator=gen) * 64).to(grad_dtype)
             group = ref_opt.param_groups[0]
@@ -158,13 +132,13 @@ def test_simd_levels_and_fallback_agree_bit_for_bit(grad_dtype, out_dtype):
             if n == BIG and (ci > 0 or grad_dtype != torch.bfloat16):
                 continue  # one big case is enough for the threaded split and the tail
             seed = n + ci
-            with _simd("scalar"):
+            with simd_level("scalar"):
                 want = _step_all(
                     _random_step_inputs(n + offset, grad_dtype, seed), cfg, out_dtype, offset=offset
                 )
             results = {}
-            for level in _levels():
-                with _simd(level):
+            for level in simd_levels():
+                with simd_level(level):
                     results[level] = _step_all(
                         _random_step_inputs(n + offset, grad_dtype, seed),
                         cfg,
@@ -196,7 +170,7 @@ def test_adam_mode_and_small_beta1_match_torch(path, beta1):
         [ref], lr=1e-2, betas=(beta1, 0.99), weight_decay=0.05, foreach=False
     )
     p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
-    with _path(path):
+    with kernel_path(path):
         for step in range(1, 21):
             g = torch.randn(n, generator=gen)
             ref.grad = g.clone()
@@ -249,15 +223,15 @@ def test_copy_out_rounds_like_torch_on_special_values(path):
     ]
     bits = torch.cat([torch.tensor(special, dtype=torch.int64), bits])
     bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)
-    levels = _levels() if path == "native" else ["fallback"]
+    levels = simd_levels() if path == "native" else ["fallback"]
     for level in levels:
         for n in (1, 7, 1023, bits.numel()):
             p = bits[:n].clone().view(torch.float32)
             g = torch.zeros(n)
             m, v = torch.zeros(n), torch.zeros(n)
             outs = {dt: torch.empty(n, dtype=dt) for dt in (torch.bfloat16, torch.float16)}
-            ctx = contextlib.nullcontext() if level == "fallback" else _simd(level)
-            with _path(path), ctx:
+            ctx = contextlib.nullcontext() if level == "fallback" else simd_level(level)
+            with kernel_path(path), ctx:
                 for dt, out in outs.items():
                     # lr = 0, no decay: the update adds -0.0, so param keeps its value
                     adam_step(
@@ -314,7 +288,7 @@ def test_adam_step_rejects_bad_inputs(path):
     n = 9
     p, g, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(n)
     kw = dict(step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    with _path(path):
+    with kernel_path(path):
         with pytest.raises(ValueError, match=r"param has dtype torch.float64; allowed"):
             adam_step(p.double(), g, m, v, **kw)
         with pytest.raises(ValueError, match=r"grad has 8 elements; expected 9"):
@@ -366,7 +340,7 @@ def test_cpu_adam_param_groups_and_scheduler_match_torch(path, adamw):
     ref_opt = ref_cls(_groups(ref), lr=1e-3, weight_decay=0.01, foreach=False)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=5, gamma=0.5)
-    with _path(path):
+    with kernel_path(path):
         for chunk in range(4):
             _train(model, opt, sched, 5, seed=chunk)
             _train(ref, ref_opt, ref_sched, 5, seed=chunk)
@@ -380,7 +354,7 @@ def test_cpu_adam_state_dict_round_trip_into_fresh_optimizer(path, tmp_path):
     model = _model(1)
     opt = CPUAdam(_groups(model), lr=1e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    with _path(path):
+    with kernel_path(path):
         _train(model, opt, sched, 7, seed=1)
         torch.save(
             {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()},

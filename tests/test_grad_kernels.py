@@ -3,38 +3,15 @@ the on-the-fly bf16/fp16 -> fp32 conversion, and the 4-read/3-write streaming ke
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
+from kernel_paths import kernel_path, simd_level, simd_levels
 
 from offload import _native
 from offload.optim import accumulate_grad
 
 SIZES = [1, 7, 1023, 2**20 + 3]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@contextlib.contextmanager
-def _path(name: str):
-    if name == "fallback":
-        with _native.force_fallback():
-            yield
-        return
-    if not _native.available():
-        pytest.skip(f"native extension unavailable: {_native.reason()}")
-    yield
-
-
-@contextlib.contextmanager
-def _simd(level: str):
-    mod = _native.get()
-    before = mod.simd_level()
-    mod.set_simd_level(level)
-    try:
-        yield
-    finally:
-        mod.set_simd_level(before)
 
 
 def _torch_reference(acc: torch.Tensor, grad: torch.Tensor, scale: float, overwrite: bool):
@@ -56,7 +33,7 @@ def test_accumulate_matches_torch(n, grad_dtype, overwrite, path):
     grad = (torch.randn(n, generator=gen) * 3).to(grad_dtype)
     scale = 0.375 if n % 2 else 1.0 / 3
     want, want_sumsq = _torch_reference(acc, grad, scale, overwrite)
-    with _path(path):
+    with kernel_path(path):
         found, sumsq = accumulate_grad(acc, grad, scale=scale, overwrite=overwrite)
     assert found is False
     assert isinstance(sumsq, float)
@@ -68,7 +45,7 @@ def test_accumulate_matches_torch(n, grad_dtype, overwrite, path):
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 7, 1023, 70001])
 def test_accumulate_flags_inf_and_nan_anywhere(n, grad_dtype, path):
-    with _path(path):
+    with kernel_path(path):
         for bad in (float("inf"), float("-inf"), float("nan")):
             for pos in sorted({0, n // 2, n - 1}):  # first, middle, last (in the SIMD tail)
                 acc = torch.ones(n)
@@ -98,10 +75,10 @@ def test_every_16_bit_pattern_converts_exactly(grad_dtype):
     grad = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(grad_dtype)
     want = grad.float()
     nan = torch.isnan(want)
-    levels = (_native.get().supported_simd_levels() if _native.available() else []) + ["fallback"]
+    levels = simd_levels() + ["fallback"]
     for level in levels:
         acc = torch.full((grad.numel(),), 123.0)
-        ctx = _native.force_fallback() if level == "fallback" else _simd(level)
+        ctx = _native.force_fallback() if level == "fallback" else simd_level(level)
         with ctx:
             found, _ = accumulate_grad(acc, grad, overwrite=True)
         assert found is True  # the set contains inf and NaN
@@ -120,7 +97,7 @@ def test_simd_levels_agree_on_accumulate():
         results = {}
         for level in _native.get().supported_simd_levels():
             acc = acc0.clone()
-            with _simd(level):  # misaligned views: one element in
+            with simd_level(level):  # misaligned views: one element in
                 results[level] = (accumulate_grad(acc[1:], grad[1:], scale=0.7), acc)
         (flag0, sq0), acc_ref = results["scalar"]
         for level, ((flag, sq), acc) in results.items():
@@ -142,7 +119,7 @@ def test_accumulate_sum_of_squares_is_double_precision():
 @pytest.mark.parametrize("path", ["native", "fallback"])
 def test_accumulate_rejects_bad_inputs(path):
     acc = torch.zeros(5)
-    with _path(path):
+    with kernel_path(path):
         with pytest.raises(ValueError, match=r"acc has dtype torch.bfloat16"):
             accumulate_grad(acc.bfloat16(), torch.zeros(5))
         with pytest.raises(ValueError, match=r"grad has 4 elements; expected 5"):
@@ -160,7 +137,7 @@ def test_stream_kernel_reads_four_and_writes_three():
             gen = torch.Generator().manual_seed(n)
             a, b, c, d = (torch.randn(n, generator=gen) for _ in range(4))
             a0, b0, c0, d0 = a.clone(), b.clone(), c.clone(), d.clone()
-            with _simd(level):
+            with simd_level(level):
                 mod.stream_4r3w(a.data_ptr(), b.data_ptr(), c.data_ptr(), d.data_ptr(), n, 0.5)
             torch.testing.assert_close(a, a0 + b0 * 0.5)
             torch.testing.assert_close(c, c0 * 0.5 + b0)

@@ -351,3 +351,30 @@ def test_io_errors_surface_once_and_lose_nothing(tmp_path, backend):
         store.release("c", Tier.HOST)
         assert torch.equal(store.fetch("a", Tier.HOST).wait(), torch.full((1000,), 7.0))
         store.release("a", Tier.HOST)
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_write_refused_at_submission_keeps_the_copy_dirty(tmp_path, backend, error):
+    """The IO engine refusing a write inside the submit call (an error it raises itself, or
+    Ctrl-C arriving there) surfaces that error, not a bookkeeping one, and loses nothing: the
+    copy stays cached and dirty, and the next flush writes it."""
+    with make_store(tmp_path, buffers=2) as store:
+        store.register("a", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 2.0))
+        store.fetch("a", Tier.HOST).wait().fill_(5.0)
+        nvme = store._nvme
+        real_write = nvme.write
+
+        def refuse(*args, **kwargs):
+            raise error
+
+        nvme.write = refuse
+        try:
+            with pytest.raises(type(error)):
+                store.release("a", Tier.HOST, dirty=True)
+        finally:
+            nvme.write = real_write
+        assert store.state("a") is ShardState.HOST
+        store.flush()  # written now
+        out = torch.empty(1000)
+        store.read_into("a", out)
+        assert torch.equal(out, torch.full((1000,), 5.0))

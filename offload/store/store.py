@@ -514,10 +514,14 @@ class TieredStore(Reclaimer):
         shard.abort_pending()
 
     def _start_disk_write(self, shard: Shard) -> None:
+        """Submit a dirty host copy's write (the shard is HOST, or FLUSHING after its device
+        copy was flushed). Refused at submission (an error, or an interrupt arriving inside the
+        call), nothing was written: the copy stays dirty and cached, and the error goes up."""
         try:
             handle = self._nvme.write(shard.key, shard.host_io_view())
         except BaseException:
-            shard.abort_pending()  # refused at submission: still dirty, still cached
+            if shard.state is ShardState.FLUSHING:
+                shard.abort_pending()  # back to the device copy on top, dirty again
             raise
         transfer = Transfer(Tier.HOST, Tier.NVME, shard.io_nbytes, handle, keep=shard.host_buf)
         shard.write_back(transfer)

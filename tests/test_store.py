@@ -378,3 +378,30 @@ def test_write_refused_at_submission_keeps_the_copy_dirty(tmp_path, backend, err
         out = torch.empty(1000)
         store.read_into("a", out)
         assert torch.equal(out, torch.full((1000,), 5.0))
+
+
+def test_interrupt_while_finishing_a_transfer_leaves_the_store_closable(
+    tmp_path, backend, monkeypatch
+):
+    """Ctrl-C landing in the store's bookkeeping right after a transfer completed: a later flush
+    and close still work and nothing written is lost."""
+    from offload.store.shard import Shard
+
+    with make_store(tmp_path, buffers=2) as store:
+        store.register("a", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 2.0))
+        store.fetch("a", Tier.HOST).wait().fill_(5.0)
+        store.release("a", Tier.HOST, dirty=True)  # its write-back is in flight
+        real = Shard.finish_pending
+
+        def finish_then_interrupt(self):
+            real(self)
+            monkeypatch.setattr(Shard, "finish_pending", real)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(Shard, "finish_pending", finish_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            store.flush()
+        store.flush()
+        out = torch.empty(1000)
+        store.read_into("a", out)
+        assert torch.equal(out, torch.full((1000,), 5.0))

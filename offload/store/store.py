@@ -286,7 +286,10 @@ class TieredStore(Reclaimer):
         """
         with self._lock:
             self._drain()
-            for shard in [*self._on_host.values(), *self._on_device.values()]:
+            cached = [*self._on_host.values(), *self._on_device.values()]
+            for shard in cached:  # a transfer an interrupt left unrecorded (see _finish)
+                self._settle(shard)
+            for shard in cached:
                 if shard.dirty and not shard.pinned() and shard.pending is None:
                     self._write_back(shard)
             self._drain()
@@ -446,8 +449,11 @@ class TieredStore(Reclaimer):
             self._abort(shard)
             raise
         self._counters.waited(transfer.src, transfer.dst, waited)
-        shard.finish_pending()
+        # dropped from the in-flight set first: an interrupt between the two lines leaves a
+        # completed transfer on the shard, which the next _settle (or flush) finishes; the
+        # other order would leave an in-flight record with no transfer
         self._inflight.pop(shard.key, None)
+        shard.finish_pending()
         if shard.state is ShardState.FLUSHING:
             self._start_disk_write(shard)
 

@@ -122,7 +122,9 @@ def test_demo_config_file_overrides_defaults(tmp_path, capsys):
     assert "offload_param.device" in err and "floppy" in err
 
 
-def _interrupt_after_steps(args: list[str], report: Path, steps: int = 1) -> tuple[int, str]:
+def _interrupt_after_steps(
+    args: list[str], report: Path, steps: int = 1, extra_delay: float = 0.0
+) -> tuple[int, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "offload", "demo", "--no-progress", *args, "--report", str(report)],
         stdout=subprocess.PIPE,
@@ -139,6 +141,7 @@ def _interrupt_after_steps(args: list[str], report: Path, steps: int = 1) -> tup
                 break
             time.sleep(0.1)
         assert proc.poll() is None, "the demo ended before it could be interrupted"
+        time.sleep(extra_delay)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -171,3 +174,22 @@ def test_ctrl_c_removes_swap_files(tmp_path):
     assert "Traceback" not in output
     assert list(nvme.iterdir()) == []
     assert _records(tmp_path / "rep")[-1]["interrupted"] is True
+
+
+@needs_engine
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.05 * i + 0.013 * (i % 3) for i in range(16)])
+def test_ctrl_c_anywhere_in_a_step(tmp_path, delay):
+    """Ctrl-C lands at a different point of a step each time (in a hook, inside the store's
+    bookkeeping, during the background update): always exit 130, no traceback, no swap file
+    left. Two store bugs (an interrupt inside a write's submission, or between a transfer's
+    completion and its record) were found this way. `pytest -m slow tests/test_demo.py`."""
+    nvme = tmp_path / "nvme"
+    code, output = _interrupt_after_steps(
+        ["--size", "tiny", "--steps", "100000", "--eval-batches", "0", "--nvme-path", str(nvme)],
+        tmp_path / "rep",
+        extra_delay=delay,
+    )
+    assert code == 130, output[-3000:]
+    assert "Traceback" not in output
+    assert list(nvme.iterdir()) == []

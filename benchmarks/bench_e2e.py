@@ -79,14 +79,11 @@ def nvme_sample(model, opt, x) -> tuple[float, float]:
 
 def store_bytes(model) -> dict[str, int]:
     """Cumulative bytes per tier pair over the engine's stores (background IO included once it
-    has completed)."""
+    has completed): the counters telemetry reads."""
+    from offload.engine.telemetry import store_totals  # noqa: PLC0415
     from offload.engine.wrap import engine_of  # noqa: PLC0415
 
-    moved: dict[str, int] = {}
-    for store in engine_of(model).stores.values():
-        for pair, rec in store.stats().get("tiers", {}).items():
-            moved[pair] = moved.get(pair, 0) + int(rec.get("bytes", 0))
-    return moved
+    return store_totals(engine_of(model).stores)[0]
 
 
 def compute_step(model, x) -> None:

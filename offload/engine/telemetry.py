@@ -24,7 +24,7 @@ TIMERS = (
 )
 
 
-def _store_totals(stores: dict) -> tuple[dict[str, int], int, int, int, dict]:
+def store_totals(stores: dict) -> tuple[dict[str, int], int, int, int, dict]:
     """(bytes per tier pair, prefetch hits, misses, peak host buffer bytes, raw stats) summed
     over the stores, cumulative since wrap."""
     moved: dict[str, int] = {}
@@ -51,7 +51,7 @@ class Telemetry:
         self._totals: dict[str, float] = {k: 0.0 for k in TIMERS}
 
     def end_step(self, timers: dict[str, float], stores: dict, steps: int, skipped: bool) -> None:
-        moved, hits, misses, peak, raw = _store_totals(stores)
+        moved, hits, misses, peak, raw = store_totals(stores)
         prev_moved, prev_hits, prev_misses = self._prev
         self._prev = (moved, hits, misses)
         for k in TIMERS:
@@ -79,7 +79,7 @@ class Telemetry:
 
     def rebase(self, stores: dict) -> None:
         """The next step's byte and prefetch counts start from here."""
-        moved, hits, misses, _, _ = _store_totals(stores)
+        moved, hits, misses, _, _ = store_totals(stores)
         self._prev = (moved, hits, misses)
 
     def stats(self) -> dict:

@@ -96,6 +96,32 @@ def test_read_false_skips_the_disk_read_and_counts_as_dirty(tmp_path):
         assert torch.equal(out, torch.full((513,), 3.0))
 
 
+@pytest.mark.parametrize("tier", [Tier.HOST, Tier.DEVICE])
+def test_discard_drops_the_copy_without_writing_it(tmp_path, tier):
+    with make_store(tmp_path, buffers=2, device_budget=2 * KIB4) as store:
+        store.register("g", 700, torch.float32, Tier.NVME, init=torch.full((700,), 7.0))
+        before = store.stats()["tiers"]["host->nvme"]["bytes"]
+        held = store.fetch("g", tier, read=False).wait()
+        held.fill_(1.0)
+        again = store.fetch("g", tier).wait()  # a second holder (the step's, say)
+        assert torch.equal(again, torch.ones(700))
+        store.release("g", tier, discard=True)
+        assert store.state("g") is not ShardState.NVME  # still held once: nothing dropped yet
+        store.release("g", tier, discard=True)
+        assert store.state("g") is ShardState.NVME  # the buffer (and slab) went back
+        assert store.stats()["tiers"]["host->nvme"]["bytes"] == before  # nothing written
+        store.flush()
+        assert store.stats()["tiers"]["host->nvme"]["bytes"] == before
+        buf = store.fetch("g", tier, read=False).wait()  # written again, it is a value again
+        buf.fill_(2.0)
+        store.release("g", tier, dirty=True)
+        out = torch.empty(700)
+        store.read_into("g", out)
+        assert torch.equal(out, torch.full((700,), 2.0))
+        with pytest.raises(ValueError, match="both dirty and discard"):
+            store.release("g", tier, dirty=True, discard=True)
+
+
 def test_host_dirty_release_drops_a_stale_device_copy(tmp_path):
     with make_store(tmp_path, device_budget=2 * KIB4) as store:
         store.register("p", 100, torch.float32, Tier.NVME)
@@ -404,4 +430,55 @@ def test_interrupt_while_finishing_a_transfer_leaves_the_store_closable(
         store.flush()
         out = torch.empty(1000)
         store.read_into("a", out)
+        assert torch.equal(out, torch.full((1000,), 5.0))
+
+
+def test_a_blocked_wait_does_not_stop_another_thread(tmp_path):
+    """A thread waiting for a disk read does not hold the store: the other thread (the
+    background step, or the backward handing it gradients) fetches and releases meanwhile."""
+    import threading
+
+    gate = threading.Event()
+
+    class Gated:  # a read that completes only when the test opens the gate
+        def __init__(self, handle):
+            self.handle = handle
+
+        def done(self):
+            return gate.is_set() and self.handle.done()
+
+        def wait(self):
+            gate.wait()
+            return self.handle.wait()
+
+    with make_store(tmp_path, buffers=3) as store:
+        store.register("a", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 3.0))
+        store.register("b", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 4.0))
+        store.fetch("b", Tier.HOST).wait()
+        store.release("b", Tier.HOST)  # cached
+        real_read = store._nvme.read
+        store._nvme.read = lambda key, buf: Gated(real_read(key, buf))
+        got = {}
+        reader = threading.Thread(target=lambda: got.update(a=store.fetch("a", Tier.HOST).wait()))
+        reader.start()
+        try:
+            other_done = threading.Event()
+
+            def other():
+                buf = store.fetch("b", Tier.HOST).wait()
+                buf.add_(1.0)
+                store.release("b", Tier.HOST, dirty=True)
+                other_done.set()
+
+            threading.Thread(target=other, daemon=True).start()
+            assert other_done.wait(5.0), "the other thread was blocked by a wait on a disk read"
+            assert not gate.is_set() and "a" not in got
+        finally:
+            gate.set()
+            reader.join(10)
+        store._nvme.read = real_read
+        assert torch.equal(got["a"], torch.full((1000,), 3.0))
+        store.release("a", Tier.HOST)
+        out = torch.empty(1000)
+        store.read_into("b", out)
         assert torch.equal(out, torch.full((1000,), 5.0))

@@ -21,6 +21,7 @@ Note: prefetch never starves a demand fetch
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger("offload.store")
 
+_SLICE = 0.05  # seconds a blocked buffer wait sleeps before looking at the store again
+
 
 class Reclaimer:
     """The budget half of ``TieredStore`` (a mixin: it uses the store's fields below)."""
@@ -51,8 +54,12 @@ class Reclaimer:
     _on_host: dict[str, Shard]
     _on_device: dict[str, Shard]
 
+    _lock: Any  # the store's RLock, released while a blocking wait sleeps
+
     _finish: Callable[[Shard], None]
     """Wait for a shard's pending transfer and apply its transition (``TieredStore._finish``)."""
+    _block_on: Callable[[Any], None]
+    """Wait for a transfer with the lock released (``TieredStore._block_on``)."""
 
     def _give_slab(self, shard: Shard) -> None:
         self._slabs.give(shard.drop_device())
@@ -73,6 +80,7 @@ class Reclaimer:
         host = self._host
         assert host is not None
         tiers = (Tier.HOST, Tier.DEVICE)
+        deadline = None
         while True:
             buf = host.try_take()
             if buf is not None:
@@ -99,9 +107,19 @@ class Reclaimer:
             if self._wait_one(shard):
                 continue
             timeout = getattr(self._pool, "timeout", 60.0)
+            if deadline is None:
+                deadline = time.monotonic() + timeout
             try:
-                return host.take_blocking(timeout)
+                # in short slices with the lock released: another thread's release may free a
+                # buffer, or leave a copy that can be evicted, which only this loop sees
+                saved = self._lock._release_save()
+                try:
+                    return host.take_blocking(min(_SLICE, max(0.0, deadline - time.monotonic())))
+                finally:
+                    self._lock._acquire_restore(saved)
             except Exception as exc:
+                if time.monotonic() < deadline:
+                    continue
                 held = list(self._on_host)
                 if not held:
                     held = ["none of this store's; is the pool shared with another user?"]
@@ -169,5 +187,9 @@ class Reclaimer:
             return False
         oldest = min(waiting, key=lambda s: s.pending.issued)
         self._counters.budget_waits += 1
-        self._finish(oldest)
+        transfer = oldest.pending
+        if not transfer.done():
+            self._block_on(transfer)  # lock released meanwhile: look at the shard again
+        if oldest.pending is transfer:
+            self._finish(oldest)
         return True

@@ -18,8 +18,10 @@ Note: coherence
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -174,8 +176,15 @@ class TieredStore(Reclaimer):
             self._advance(shard, tier, read=read, blocking=False)
             return Fetch(self, shard, tier, read)
 
-    def release(self, key: str, tier: Tier, *, dirty: bool = False) -> None:
-        """The caller is done with its copy at ``tier``; ``dirty`` = it modified it."""
+    def release(self, key: str, tier: Tier, *, dirty: bool = False, discard: bool = False) -> None:
+        """The caller is done with its copy at ``tier``; ``dirty`` = it modified it.
+
+        ``discard``: its values are not needed any more (a gradient the step has consumed). Once
+        no fetch holds the shard its cached copies are dropped without being written home, and
+        its value is undefined until the next ``fetch(read=False)`` overwrites it.
+        """
+        if dirty and discard:
+            raise ValueError(f"{self.name}: release({key!r}) with both dirty and discard")
         with self._lock:
             tier = Tier(tier)
             shard = self._get(key, tier)
@@ -184,6 +193,18 @@ class TieredStore(Reclaimer):
                     f"{self.name}: release({key!r}, {tier.name}) without a matching fetch"
                 )
             shard.pins[tier] -= 1
+            if discard:
+                if tier is Tier.DEVICE and shard.slab is not None:
+                    shard.slab.fence = self._copier.fence()
+                if not shard.pinned():
+                    self._settle(shard)
+                    shard.dirty = False
+                    if shard.state is ShardState.DEVICE and shard.home is not Tier.DEVICE:
+                        self._give_slab(shard)
+                    if shard.state is ShardState.HOST and shard.home is Tier.NVME:
+                        self._give_buf(shard)
+                self._poll()
+                return
             if tier is Tier.DEVICE and shard.slab is not None:
                 shard.slab.fence = self._copier.fence()  # see device.py, Note: streams and events
             if dirty:
@@ -389,8 +410,11 @@ class TieredStore(Reclaimer):
         """
         while True:
             if shard.pending is not None:
-                if not blocking and not shard.pending.done():
-                    return False
+                if not shard.pending.done():
+                    if not blocking:
+                        return False
+                    self._block_on(shard.pending)
+                    continue  # another thread may have finished it meanwhile: look again
                 self._finish(shard)
                 continue
             state = shard.state
@@ -406,6 +430,9 @@ class TieredStore(Reclaimer):
                 buf = self._take_host(shard, blocking=blocking, prefetch=prefetch)
                 if buf is None:
                     return False
+                if shard.state is not ShardState.NVME or shard.pending is not None:
+                    host.give(buf)  # another thread loaded it while this one waited unlocked
+                    continue
                 transfer = None
                 if read:
                     try:
@@ -431,6 +458,21 @@ class TieredStore(Reclaimer):
             shard.load_device(slab, transfer)
             self._on_device[shard.key] = shard
             self._issued(shard, transfer)
+
+    def _block_on(self, transfer: Transfer) -> None:
+        """Waits for ``transfer`` with the store's lock released (every level of it), so another
+        thread using this store (the background step, the backward handing it gradients) is not
+        stopped for the duration of a disk transfer. Callers look at the shard again afterwards;
+        an error is left for ``_finish``, whose wait raises it."""
+        saved = self._lock._release_save()  # what threading.Condition.wait does with an RLock
+        try:
+            start = time.perf_counter()
+            with contextlib.suppress(Exception):
+                transfer.handle.wait()
+            waited = time.perf_counter() - start
+        finally:
+            self._lock._acquire_restore(saved)
+        self._counters.waited(transfer.src, transfer.dst, waited)
 
     def _issued(self, shard: Shard, transfer: Transfer | None) -> None:
         if transfer is not None:

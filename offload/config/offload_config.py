@@ -100,6 +100,16 @@ class OffloadConfig:
                     f"a mapping of {f.name} keys "
                     f"({', '.join(_field_names(cls))}) or {cls.__name__}",
                 )
+        if self.offload_optimizer.step_in_backward:
+            why = None
+            if self.gradient_clipping > 0:
+                why = f"gradient_clipping is {self.gradient_clipping} (clipping needs every grad)"
+            elif self.dtype == "fp16":
+                why = "dtype is 'fp16' (an overflow check needs every grad before any update)"
+            if why is not None:
+                raise ConfigError.bad(
+                    "offload_optimizer.step_in_backward", True, f"false when {why}"
+                )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> OffloadConfig:

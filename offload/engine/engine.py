@@ -27,6 +27,18 @@ Note: the background NVMe step
     (:meth:`Engine.flush_pending`): a backward, checkpoints, ``state_dict``, export, a new
     ``step()``, ``close``. The store, the IO engine and the native pool are safe to call from
     both threads; the worker touches no parameter storage.
+
+Note: the step in backward (``offload_optimizer.step_in_backward``)
+    The background step above still leaves the disk idle in the backward, and it writes every
+    gradient to disk and reads it back. With step_in_backward the worker starts with the
+    backward: each unit is handed to it as its gradients are final (the root and persistent
+    units at the end of backward, then everything not yet updated is reordered to forward
+    order), its grad pieces still in their buffers, and consumed there: the gradient bytes
+    never touch the disk. The hyperparameters are those in ``param_groups`` when the backward
+    starts (an LR scheduler stepped after ``optimizer.step()`` gives the same values), and
+    ``optimizer.step()`` only checks them and closes the step. So each backward must be
+    followed by ``step()`` (no gradient accumulation), and nothing may need every gradient
+    before the update: no clipping, no fp16 overflow check (refused by the config).
 """
 
 from __future__ import annotations
@@ -35,12 +47,13 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from offload.engine.optstate import GradParts, Hyper, OptimState
+from offload.engine.optstate import GradParts, Hyper, OptimState, UnitFeed
 from offload.engine.params import ParamHome
 from offload.engine.phase import Phase, PhaseError, PhaseTracker
 from offload.engine.telemetry import Telemetry
@@ -97,6 +110,11 @@ class Engine:
         self._unit_done: dict[int, threading.Event] = {}
         self._worker_error: BaseException | None = None
         self.resources: list = []  # pools, NVMe stores, IO engine (set by wrap; closed last)
+        # step_in_backward (see the Note): the optimizer's hyperparameters now, and the step fed
+        self.hyper_source: Callable[[], dict] | None = None  # set by OffloadOptimizer
+        self._feed: UnitFeed | None = None
+        self._fed: set[int] = set()
+        self._feed_hyper: dict | None = None
         self.buffer_dtypes: dict = {}  # (module, name) -> dtype before wrap (set by wrap)
 
     # ---------------------------------------------------------------- hooks
@@ -194,6 +212,8 @@ class Engine:
             self.timers["forward_seconds"] += time.perf_counter() - self._fwd_start
             self._fwd_start = None
         self.flush_pending()  # the grad sinks below write the shards the update reads
+        if self.optim.in_backward:
+            self._start_step_in_backward()
         if self.backwards_since_step == 0 and "offload_optimizer" in self.stores:
             self.stores["offload_optimizer"].begin_iteration()  # its user is idle now
         self.phase.to(Phase.BACKWARD)
@@ -230,8 +250,15 @@ class Engine:
             if not unit.backward_done:
                 self._finish_unit_backward(unit)
         for unit in self.units:
-            if not unit.persistent:
-                self._release(unit)
+            if not unit.persistent or self._feed is not None:
+                self._release(unit)  # a persistent root too when its update starts now
+        if self._feed is not None:
+            self.params.quiesce()  # host homes are about to be rewritten
+            for unit in self.units:
+                if unit.index not in self._fed and self.optim.pieces(unit):
+                    self._feed.put(unit)
+            self._feed.close(reorder=lambda u: u.index)  # the rest in the next forward's order
+            self._feed = None
         self._callback_queued = False
         self.backwards_since_step += 1
         self.first_micro_step = False
@@ -254,14 +281,25 @@ class Engine:
         self.params.release(unit)
 
     def _finish_unit_backward(self, unit: Unit) -> None:
-        """Streams the unit's gradients off the device and releases its params."""
+        """Streams the unit's gradients off the device and releases its params; with
+        step_in_backward, hands the unit to the step (see the Note)."""
         unit.backward_done = True
         if unit.layout.trainable and not self.optim.keeps_grads:
             self.optim.sink_grads(unit, self._grad_parts(unit), first=self.first_micro_step)
             for p in unit.trainable_params:
                 p.grad = None
-        if not unit.persistent and not unit.is_root:
+        if unit.is_root:
+            pass  # its grads are final only at the end of backward: see _end_backward
+        elif self._feed is not None:  # a persistent unit too: its copy is stale from now on
             self._release(unit)
+            if self.optim.pieces(unit):
+                self.params.quiesce()  # host homes are about to be rewritten
+                self._feed.put(unit)
+                self._fed.add(unit.index)
+        elif not unit.persistent:
+            self._release(unit)
+        if self._worker_error is not None:
+            self.flush_pending()
 
     def _grad_parts(self, unit: Unit) -> GradParts:
         """The unit's gradients on the host. On the CPU they are read in place; on CUDA they are
@@ -294,6 +332,12 @@ class Engine:
     # ---------------------------------------------------------------- step
     def grad_norm_sq(self) -> tuple[bool, float]:
         """(any inf/NaN, sum of squares) of the accumulated gradients (still loss-scaled)."""
+        if self.optim.in_backward:
+            raise PhaseError(
+                "offload: the gradient norm is not available with "
+                "offload_optimizer.step_in_backward: each unit's gradients are consumed by its "
+                "update as the backward produces them (set it false to clip gradients)"
+            )
         if self.optim.keeps_grads:
             grads = [p.grad for u in self.units for p in u.trainable_params if p.grad is not None]
             if not grads:
@@ -309,6 +353,12 @@ class Engine:
         if self.phase.phase is not Phase.IDLE:
             raise PhaseError(
                 f"offload: {what} called during {self.phase.phase.value}; call it between steps"
+            )
+        if self.optim.in_backward and self.backwards_since_step:
+            raise PhaseError(
+                f"offload: {what} called between loss.backward() and optimizer.step(); with "
+                "offload_optimizer.step_in_backward the update is already running, so call it "
+                "after optimizer.step()"
             )
         self.flush_pending()
 
@@ -327,6 +377,9 @@ class Engine:
 
     def step(self, hyper_base: dict, grad_scale: float) -> None:
         self.check_can_step()
+        if self.optim.in_backward:
+            self._close_step_in_backward(hyper_base, grad_scale)
+            return
         t0 = time.perf_counter()
         self.phase.to(Phase.STEP)
         try:
@@ -350,8 +403,46 @@ class Engine:
         if self.optim.defers:
             self._start_background_step(hyper)
 
-    def _start_background_step(self, hyper: Hyper) -> None:
-        """Runs the update on one worker thread, units in forward order (see the Note)."""
+    def _start_step_in_backward(self) -> None:
+        """A backward starts with step_in_backward: the worker starts, fed unit by unit."""
+        if self.backwards_since_step:
+            for unit in self.units:  # back to between steps: step() can still close the first
+                if not unit.persistent:
+                    self._release(unit)
+            self.phase.to(Phase.IDLE)
+            raise PhaseError(
+                "offload: a second backward before optimizer.step(); with "
+                "offload_optimizer.step_in_backward the first one already updated the weights, so "
+                "gradient accumulation is not possible (call step() after every backward, or set "
+                "it false)"
+            )
+        if self.hyper_source is None:
+            raise PhaseError("offload: step_in_backward needs the optimizer from offload.wrap")
+        self._feed_hyper = self.hyper_source()
+        hyper = Hyper(step=self.step_count + 1, grad_scale=1.0, **self._feed_hyper)
+        self._feed, self._fed = UnitFeed(), set()
+        self._start_background_step(hyper, self._feed)
+
+    def _close_step_in_backward(self, hyper_base: dict, grad_scale: float) -> None:
+        """``optimizer.step()`` with step_in_backward: the update is running already."""
+        used, self._feed_hyper = self._feed_hyper, None
+        for store in self.stores.values():
+            store.end_iteration()
+        self.step_count += 1
+        self._end_step()
+        changed = {k: (used[k], v) for k, v in hyper_base.items() if used and used[k] != v}
+        if changed or grad_scale != 1.0:
+            what = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            raise PhaseError(
+                "offload: with offload_optimizer.step_in_backward this step used the values "
+                "param_groups held when loss.backward() started, but they changed before "
+                f"optimizer.step() ({what or f'gradient scale {grad_scale!r}'}); change them "
+                "before the backward (an LR scheduler stepped after optimizer.step() does)"
+            )
+
+    def _start_background_step(self, hyper: Hyper, units=None) -> None:
+        """Runs the update on one worker thread, units in forward order or as ``units`` (a
+        :class:`UnitFeed`) hands them in (see the Notes)."""
         order = [u for u in self.units if self.optim.pieces(u)]
         self._unit_done = {u.index: threading.Event() for u in order}
         self._worker_error = None
@@ -360,7 +451,10 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 self.optim.step_units(
-                    order, self.params, hyper, on_unit_done=lambda u: self._unit_done[u.index].set()
+                    order if units is None else units,
+                    self.params,
+                    hyper,
+                    on_unit_done=lambda u: self._unit_done[u.index].set(),
                 )
             except BaseException as exc:  # re-raised by the main thread when it waits
                 self._worker_error = exc
@@ -374,8 +468,9 @@ class Engine:
         self._worker.start()
 
     def _wait_unit(self, unit: Unit) -> None:
-        """Blocks until ``unit``'s background update (if any) is complete."""
-        if self._worker is None:
+        """Blocks until ``unit``'s background update (if any) is complete. Not in a backward's
+        recomputation: a step in backward updates a unit only after its backward."""
+        if self._worker is None or self.phase.phase is Phase.BACKWARD:
             return
         event = self._unit_done.get(unit.index)
         if event is not None and not event.is_set():
@@ -386,7 +481,12 @@ class Engine:
             self.flush_pending()
 
     def flush_pending(self) -> None:
-        """Waits for the background update to finish; re-raises its error."""
+        """Waits for the background update to finish; re-raises its error. A step in backward
+        still being fed (a backward that failed or was interrupted) gets no more units: it ends
+        after those it has, so teardown never waits on a backward that will not come."""
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None
         if self._worker is None:
             return
         t0 = time.perf_counter()

@@ -50,6 +50,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.scaler = scaler
         self._clip_coef: float | None = None
         self.skipped_steps = 0
+        engine.hyper_source = self._hyper_base  # step_in_backward reads them at backward
 
     # ---------------------------------------------------------------- training
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -95,8 +96,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._clip_coef is None and self.gradient_clipping > 0:
             self.clip_grad_norm_(self.gradient_clipping)
         coef = 1.0 if self._clip_coef is None else self._clip_coef
+        engine.step(self._hyper_base(), grad_scale=inv_scale * coef)
+        if self.scaler is not None:
+            self.scaler.update(found_inf=False)
+        self._clip_coef = None
+        return loss
+
+    def _hyper_base(self) -> dict:
         group = self.param_groups[0]
-        hyper = dict(
+        return dict(
             lr=float(group["lr"]),
             betas=tuple(float(b) for b in group["betas"]),
             eps=float(group["eps"]),
@@ -104,11 +112,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             adamw_mode=bool(group["adamw_mode"]),
             bias_correction=bool(group["bias_correction"]),
         )
-        engine.step(hyper, grad_scale=inv_scale * coef)
-        if self.scaler is not None:
-            self.scaler.update(found_inf=False)
-        self._clip_coef = None
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._engine.zero_grad()

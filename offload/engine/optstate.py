@@ -26,7 +26,9 @@ Note: gradients
 
 from __future__ import annotations
 
+import threading
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -108,11 +110,51 @@ class GradRecord:
     sumsq: float = 0.0
 
 
+class UnitFeed:
+    """Units handed to a background step while it runs: the step with
+    ``offload_optimizer.step_in_backward`` gets each unit as its backward completes.
+    :meth:`poll` never blocks (None: nothing yet); :meth:`take` waits (None: the feed is closed
+    and empty). Iterating takes until the end."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: deque[Unit] = deque()
+        self._closed = False
+
+    def put(self, unit: Unit) -> None:
+        with self._cond:
+            self._items.append(unit)
+            self._cond.notify_all()
+
+    def close(self, reorder=None) -> None:
+        """No more units; ``reorder`` (a sort key) reorders those not taken yet."""
+        with self._cond:
+            if reorder is not None:
+                self._items = deque(sorted(self._items, key=reorder))
+            self._closed = True
+            self._cond.notify_all()
+
+    def poll(self) -> Unit | None:
+        with self._cond:
+            return self._items.popleft() if self._items else None
+
+    def take(self) -> Unit | None:
+        with self._cond:
+            while not self._items and not self._closed:
+                self._cond.wait()
+            return self._items.popleft() if self._items else None
+
+    def __iter__(self):
+        while (unit := self.take()) is not None:
+            yield unit
+
+
 class OptimState:
     """Interface of the optimizer-state placement strategies."""
 
     keeps_grads = False  # grads stay in p.grad (see the module Note)
     defers = False  # the step runs in the background into the next forward (engine Note)
+    in_backward = False  # each unit is updated as its backward completes (engine Note)
 
     def setup(self, unit: Unit, params: ParamHome, master: torch.Tensor | None) -> None:
         """Creates the unit's state; ``master`` holds the fp32 initial values of ``[0, trainable)``."""
@@ -128,10 +170,11 @@ class OptimState:
         return any(r.found_inf for r in recs), sum(r.sumsq for r in recs)
 
     def step_units(
-        self, units: list[Unit], params: ParamHome, hyper: Hyper, on_unit_done=None
+        self, units: Iterable[Unit], params: ParamHome, hyper: Hyper, on_unit_done=None
     ) -> None:
         """One optimizer step over every unit's state, writing new compute params home;
-        ``on_unit_done(unit)`` is called as each unit's update is complete."""
+        ``on_unit_done(unit)`` is called as each unit's update is complete. ``units`` may be a
+        :class:`UnitFeed` that is still being filled."""
         for unit in units:
             self.step(unit, params, hyper)
             if on_unit_done is not None:
@@ -159,6 +202,18 @@ class OptimState:
 
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class _Ready:
+    """A fetch that is already complete: a grad piece handed over in its buffer."""
+
+    __slots__ = ("buf", "held")
+
+    def __init__(self, buf: torch.Tensor, held: bool) -> None:
+        self.buf, self.held = buf, held
+
+    def wait(self) -> torch.Tensor:
+        return self.buf
 
 
 class HostOptimState(OptimState):
@@ -259,10 +314,18 @@ class HostOptimState(OptimState):
 class NvmeOptimState(OptimState):
     defers = True  # disk-bound: see offload.engine.engine, Note: the background NVMe step
 
-    def __init__(self, store, piece_numel: int, lookahead: int) -> None:
+    def __init__(
+        self, store, piece_numel: int, lookahead: int, *, in_backward: bool = False, hold: int = 0
+    ) -> None:
         from offload.store import Tier  # noqa: PLC0415
 
         self.lookahead = lookahead  # pieces whose reads are issued ahead of the one updated
+        # step_in_backward: grad pieces the backward hands to the step still in their buffers
+        # (at most `hold` at a time; see sink_grads)
+        self.in_backward, self.hold = in_backward, hold
+        self._handoff: dict[str, torch.Tensor] = {}
+        self._held = 0
+        self._held_cond = threading.Condition()
         self.store, self.piece_numel, self.tier, self._nvme = (
             store,
             piece_numel,
@@ -292,6 +355,9 @@ class NvmeOptimState(OptimState):
         return self._pieces.get(unit.index, [])
 
     def sink_grads(self, unit: Unit, grad: GradParts, first: bool) -> None:
+        if self.in_backward:
+            self._hand_off(unit, grad)
+            return
         recs = self.records[unit.index]
         for j, (lo, hi) in enumerate(self.pieces(unit)):
             key = self.key(unit, "grad", lo)
@@ -301,31 +367,99 @@ class NvmeOptimState(OptimState):
             recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
             self.store.release(key, self.tier, dirty=True)
 
+    def _hand_off(self, unit: Unit, grad: GradParts) -> None:
+        """step_in_backward: writes the unit's gradient into its grad pieces and leaves up to
+        ``hold`` of them in their buffers for the step (no disk write, no read back). The rest
+        are released dirty (written, and read back by the step). Waits while the step still
+        holds earlier pieces and this unit's would exceed ``hold``: the backward then runs at
+        the step's pace instead of taking every buffer."""
+        pieces = self.pieces(unit)
+        with self._held_cond:
+            while self._held and self._held + len(pieces) > self.hold:
+                self._held_cond.wait()
+        recs = self.records[unit.index]
+        for j, (lo, hi) in enumerate(pieces):
+            key = self.key(unit, "grad", lo)
+            buf = self.store.fetch(key, self.tier, read=False).wait()
+            recs[j] = grad.accumulate(buf[: hi - lo], lo, True)
+            with self._held_cond:
+                keep = self._held < self.hold
+                if keep:
+                    self._held += 1
+                    self._handoff[key] = buf
+            if not keep:
+                self.store.release(key, self.tier, dirty=True)
+
+    def _grad_future(self, key: str):
+        with self._held_cond:
+            buf = self._handoff.pop(key, None)
+        return self.store.fetch(key, self.tier) if buf is None else _Ready(buf, held=True)
+
+    def _drop_grad(self, key: str, fut) -> None:
+        if not self.in_backward:
+            self.store.release(key, self.tier)
+            return
+        self.store.release(key, self.tier, discard=True)  # consumed: never written
+        if getattr(fut, "held", False):
+            with self._held_cond:
+                self._held -= 1
+                self._held_cond.notify_all()
+
     def step_units(
-        self, units: list[Unit], params: ParamHome, hyper: Hyper, on_unit_done=None
+        self, units: Iterable[Unit], params: ParamHome, hyper: Hyper, on_unit_done=None
     ) -> None:
         """Streams every piece through the pool: the reads of the next ``lookahead`` pieces are
         in flight while piece ``j`` is updated and piece ``j - 1`` is written back (the store
         writes released dirty shards asynchronously). The step's order is known exactly, so it
-        issues its own fetches instead of going through the store's trace prefetcher."""
-        work = [(u, lo, hi) for u in units for lo, hi in self.pieces(u)]
-        ahead: deque = deque()
-        for i in range(len(work)):
-            while len(ahead) <= self.lookahead and i + len(ahead) < len(work):
-                u, lo, _ = work[i + len(ahead)]
-                keys = [self.key(u, k, lo) for k in (*KINDS, "grad")]
-                ahead.append((keys, [self.store.fetch(k, self.tier) for k in keys]))
-            keys, futs = ahead.popleft()
-            unit, lo, hi = work[i]
-            master, exp_avg, exp_avg_sq, grad = (f.wait() for f in futs)
-            out = params.out_buffer(unit, lo, hi)
-            adam_step(master, grad, exp_avg, exp_avg_sq, **hyper.kwargs(), out=out)
-            params.commit(unit, lo, hi)
-            for k in keys[:3]:
-                self.store.release(k, self.tier, dirty=True)
-            self.store.release(keys[3], self.tier)
-            if on_unit_done is not None and (i + 1 == len(work) or work[i + 1][0] is not unit):
-                on_unit_done(unit)
+        issues its own fetches instead of going through the store's trace prefetcher. From a
+        :class:`UnitFeed` it looks ahead only over units already handed in."""
+        feed = units if isinstance(units, UnitFeed) else None
+        source = None if feed is not None else iter(units)
+        queued: deque = deque()  # (unit, lo, hi, last piece of its unit), not fetched yet
+        ahead: deque = deque()  # the same with (keys, futures), fetches issued
+
+        def more(block: bool) -> bool:
+            if feed is None:
+                unit = next(source, None)
+            else:
+                unit = feed.take() if block else feed.poll()
+            if unit is None:
+                return False
+            pieces = self.pieces(unit)
+            queued.extend((unit, lo, hi, j + 1 == len(pieces)) for j, (lo, hi) in enumerate(pieces))
+            return True
+
+        try:
+            while True:
+                while len(ahead) <= self.lookahead:
+                    if not queued and not more(block=not ahead):
+                        break
+                    if queued:
+                        unit, lo, hi, last = queued.popleft()
+                        keys = [self.key(unit, k, lo) for k in (*KINDS, "grad")]
+                        futs = [self.store.fetch(k, self.tier) for k in keys[:3]]
+                        futs.append(self._grad_future(keys[3]))
+                        ahead.append((unit, lo, hi, last, keys, futs))
+                if not ahead:
+                    return
+                unit, lo, hi, last, keys, futs = ahead.popleft()
+                master, exp_avg, exp_avg_sq, grad = (f.wait() for f in futs)
+                out = params.out_buffer(unit, lo, hi)
+                adam_step(master, grad, exp_avg, exp_avg_sq, **hyper.kwargs(), out=out)
+                params.commit(unit, lo, hi)
+                for k in keys[:3]:
+                    self.store.release(k, self.tier, dirty=True)
+                self._drop_grad(keys[3], futs[3])
+                if on_unit_done is not None and last:
+                    on_unit_done(unit)
+        finally:
+            if self.in_backward:  # a failed step: the backward must not wait on it any more
+                with self._held_cond:
+                    left, self._handoff = list(self._handoff), {}
+                    self._held = 0
+                    self._held_cond.notify_all()
+                for key in left:
+                    self.store.release(key, self.tier, discard=True)
 
     def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
         out = torch.empty(hi - lo, dtype=torch.float32)

@@ -237,9 +237,19 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
             stores["offload_optimizer"] = _make_store(
                 cfg, "offload_optimizer", device, aio, cfg.offload_optimizer.pin_memory, resources
             )
-            # pieces read ahead in the step: 4 buffers per piece, 3 kept for write-backs
-            ahead = max(0, (cfg.offload_optimizer.buffer_count - NVME_OPT_BUFFERS - 3) // 4)
-            optim = NvmeOptimState(stores["offload_optimizer"], piece, lookahead=ahead)
+            count = cfg.offload_optimizer.buffer_count
+            if cfg.offload_optimizer.step_in_backward:
+                # 3 buffers per piece in the step (its grad comes in its own), 3 kept for
+                # write-backs, 1 for the backward's next grad piece; the rest may hold grads
+                ahead = 1 if count >= 3 * 2 + 3 + 1 + 2 else 0
+                hold = max(0, count - 3 * (ahead + 1) - 3 - 1)
+                optim = NvmeOptimState(
+                    stores["offload_optimizer"], piece, ahead, in_backward=True, hold=hold
+                )
+            else:
+                # pieces read ahead in the step: 4 buffers per piece, 3 kept for write-backs
+                ahead = max(0, (count - NVME_OPT_BUFFERS - 3) // 4)
+                optim = NvmeOptimState(stores["offload_optimizer"], piece, lookahead=ahead)
         else:
             # grads may stay in p.grad when they already sit where the optimizer runs and the
             # params' home takes per-parameter writes (see offload.engine.optstate's Note)

@@ -12,6 +12,9 @@ Prints one table (and --json FILE writes it):
   run, CPU Adam time), with the serial sum beside it. Bar: <= 1.25x of the max. The time with
   the last background update drained is shown beside it.
   Peak RSS growth during those steps against the documented budget (buffers + 4 units + 48 MiB).
+- nvme, step in backward: the same with ``offload_optimizer.step_in_backward`` (each unit updated
+  as its backward completes; gradients never go to disk), against its own ceiling (its own IO
+  bytes), interleaved with the default one; its peak RSS in a fresh process of its own.
 - deepspeed: the same model, batch and placement under DeepSpeed ZeRO-3 with NVMe offload, run by
   the peers' Python (../shared/anchors/setup-peers.sh) in a subprocess; "unavailable" without it.
 
@@ -174,6 +177,7 @@ def main() -> int:
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--step-in-backward", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_only:
         return memory_only(args)
@@ -184,11 +188,9 @@ def main() -> int:
     n = sum(p.numel() for p in base.parameters())
     x = torch.randint(0, 256, (args.batch, args.seq + 1))
     work = Path(tempfile.mkdtemp(prefix="bench_e2e-", dir=args.path))
-    (work / "p").mkdir()
-    (work / "o").mkdir()
     buf = parse_size(args.buffer_size)
     aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2}
-    nvme_cfg = nvme_config(work, buf, aio)
+    nvme_cfg = nvme_config(work / "default", buf, aio)
     host_budget = (6 + 16) * buf
     fp32_state = 16 * n
     machine = f"{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, torch {torch.__version__}"
@@ -214,14 +216,19 @@ def main() -> int:
     )
     compute_model = copy.deepcopy(base)
     nv_model, nv_opt = offload.wrap(copy.deepcopy(base), nvme_cfg)
+    sib_cfg = nvme_config(work / "sib", buf, aio, step_in_backward=True)
+    sib_model, sib_opt = offload.wrap(copy.deepcopy(base), sib_cfg)
     for _ in range(2):  # warm-up (the first NVMe step also records the prefetch trace)
         train_step(plain, plain_opt, x)
         train_step(tier_model, tier_opt, x)
         compute_step(compute_model, x)
         train_step(nv_model, nv_opt, x)
-    nv_opt.synchronize()
-    t = {"plain": [], "tier": [], "compute": [], "nvme": [], "nvme_drained": []}
+        nv_opt.synchronize()
+        train_step(sib_model, sib_opt, x)
+        sib_opt.synchronize()
+    t = {k: [] for k in ("plain", "tier", "compute", "nvme", "nvme_drained", "sib", "sib_drained")}
     bytes0 = store_bytes(nv_model)
+    sib_bytes0 = store_bytes(sib_model)
     bw = []  # (read, write) bytes/s, one measurement per rep: the disk varies as much as the rest
     for _ in range(args.reps):
         t["plain"].append(timed(lambda: train_step(plain, plain_opt, x)))
@@ -230,8 +237,12 @@ def main() -> int:
         steady, drained = nvme_sample(nv_model, nv_opt, x)
         t["nvme"].append(steady)
         t["nvme_drained"].append(drained)
+        steady, drained = nvme_sample(sib_model, sib_opt, x)
+        t["sib"].append(steady)
+        t["sib_drained"].append(drained)
         bw.append(disk_bandwidth(work, 256 << 20, aio))
     bytes1 = store_bytes(nv_model)
+    sib_bytes1 = store_bytes(sib_model)
     rd_bw = statistics.median(r for r, _ in bw)
     wr_bw = statistics.median(w for _, w in bw)
     p, g, m, v = torch.zeros(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
@@ -245,20 +256,14 @@ def main() -> int:
     )
     med = {k: statistics.median(vs) for k, vs in t.items()}
     iters = args.reps * (NVME_RUN + 1)  # every update completed (synchronize ends each sample)
-    rd, wr = ((bytes1.get(k, 0) - bytes0.get(k, 0)) / iters for k in ("nvme->host", "host->nvme"))
-    io_time = rd / rd_bw + wr / wr_bw
-    ceiling = max(med["compute"], io_time, adam)
-    mem = memory_subprocess(args)
-    rows = {
-        "cpu_tier": {
-            "torch_fused_s": med["plain"],
-            "offload_s": med["tier"],
-            "ratio": med["tier"] / med["plain"],
-            "bar": "<= 1.0",
-        },
-        "nvme": {
-            "step_s": med["nvme"],
-            "step_with_drain_s": med["nvme_drained"],
+
+    def nvme_row(key: str, b0: dict, b1: dict) -> dict:
+        rd, wr = ((b1.get(k, 0) - b0.get(k, 0)) / iters for k in ("nvme->host", "host->nvme"))
+        io_time = rd / rd_bw + wr / wr_bw
+        ceiling = max(med["compute"], io_time, adam)
+        return {
+            "step_s": med[key],
+            "step_with_drain_s": med[key + "_drained"],
             "compute_only_s": med["compute"],
             "io_s": io_time,
             "read_MB": rd / 1e6,
@@ -267,14 +272,28 @@ def main() -> int:
             "disk_write_GBps": wr_bw / 1e9,
             "cpu_adam_s": adam,
             "max_s": ceiling,
-            "ratio_to_max": med["nvme"] / ceiling,
+            "ratio_to_max": med[key] / ceiling,
             "serial_sum_s": med["compute"] + io_time + adam,
             "bar": "<= 1.25",
+        }
+
+    mem = memory_subprocess(args)
+    sib_mem = memory_subprocess(args, step_in_backward=True)
+    rows = {
+        "cpu_tier": {
+            "torch_fused_s": med["plain"],
+            "offload_s": med["tier"],
+            "ratio": med["tier"] / med["plain"],
+            "bar": "<= 1.0",
         },
+        "nvme": nvme_row("nvme", bytes0, bytes1),
+        "nvme_step_in_backward": nvme_row("sib", sib_bytes0, sib_bytes1),
         "memory": mem,  # a fresh process of its own (memory_only)
+        "memory_step_in_backward": sib_mem,
     }
     tier_opt.close()
     nv_opt.close()
+    sib_opt.close()
     ds = {"status": "skipped (--no-deepspeed)"} if args.no_deepspeed else deepspeed_step(args, work)
     if ds.get("status") == "ok":
         ds["offload_nvme_over_deepspeed"] = med["nvme"] / ds["median_step_s"]
@@ -288,20 +307,26 @@ def main() -> int:
     print(
         f"| cpu tier step (opt on CPU) | {r['cpu_tier']['offload_s']:.3f} s | torch AdamW(fused) {r['cpu_tier']['torch_fused_s']:.3f} s | {r['cpu_tier']['ratio']:.2f}x | <= 1.0x |"
     )
-    nv = r["nvme"]
+    for key, label in (("nvme", "nvme step"), ("nvme_step_in_backward", "nvme, step in backward")):
+        nv = r[key]
+        print(
+            f"| {label} (params+opt on NVMe) | {nv['step_s']:.3f} s | max(compute {nv['compute_only_s']:.3f}, IO {nv['io_s']:.3f}, Adam {nv['cpu_adam_s']:.3f}) = {nv['max_s']:.3f} s; serial sum {nv['serial_sum_s']:.3f} s | {nv['ratio_to_max']:.2f}x | <= 1.25x |"
+        )
+        print(
+            f"| {label} incl. the final drain | {nv['step_with_drain_s']:.3f} s | (waiting for the last background update, spread over {NVME_RUN} iterations) | {nv['step_with_drain_s'] / nv['max_s']:.2f}x | |"
+        )
+        print(
+            f"| {label}: IO per iteration | read {nv['read_MB']:.0f} MB, write {nv['write_MB']:.0f} MB | disk {nv['disk_read_GBps']:.2f} / {nv['disk_write_GBps']:.2f} GB/s (read/write, same run) | | |"
+        )
+    nv, sib = r["nvme"], r["nvme_step_in_backward"]
     print(
-        f"| nvme step (params+opt on NVMe) | {nv['step_s']:.3f} s | max(compute {nv['compute_only_s']:.3f}, IO {nv['io_s']:.3f}, Adam {nv['cpu_adam_s']:.3f}) = {nv['max_s']:.3f} s; serial sum {nv['serial_sum_s']:.3f} s | {nv['ratio_to_max']:.2f}x | <= 1.25x |"
+        f"| nvme, step in backward vs default | {sib['step_s']:.3f} s | {nv['step_s']:.3f} s | {sib['step_s'] / nv['step_s']:.2f}x | (lower is better) |"
     )
-    print(
-        f"| nvme step incl. the final drain | {nv['step_with_drain_s']:.3f} s | (waiting for the last background update, spread over {NVME_RUN} iterations) | {nv['step_with_drain_s'] / nv['max_s']:.2f}x | |"
-    )
-    print(
-        f"| nvme IO per step | read {nv['read_MB']:.0f} MB, write {nv['write_MB']:.0f} MB | disk {nv['disk_read_GBps']:.2f} / {nv['disk_write_GBps']:.2f} GB/s (read/write, same run) | | |"
-    )
-    me = r["memory"]
-    print(
-        f"| peak RSS growth (nvme) | {me['rss_growth_MiB']:.0f} MiB | budget {me['budget_MiB']:.0f} MiB (buffers {me['host_buffers_MiB']:.0f}); fp32 state {me['fp32_state_MiB']:.0f} MiB | {me['rss_growth_MiB'] / me['budget_MiB']:.2f}x | <= 1.0x |"
-    )
+    for key, label in (("memory", "nvme"), ("memory_step_in_backward", "nvme, step in backward")):
+        me = r[key]
+        print(
+            f"| peak RSS growth ({label}) | {me['rss_growth_MiB']:.0f} MiB | budget {me['budget_MiB']:.0f} MiB (buffers {me['host_buffers_MiB']:.0f}); fp32 state {me['fp32_state_MiB']:.0f} MiB | {me['rss_growth_MiB'] / me['budget_MiB']:.2f}x | <= 1.0x |"
+        )
     if ds.get("status") == "ok":
         print(
             f"| DeepSpeed ZeRO-3 NVMe step | {nv['step_s']:.3f} s | {ds['median_step_s']:.3f} s | {ds['offload_nvme_over_deepspeed']:.2f}x | (lower is better) |"
@@ -313,7 +338,9 @@ def main() -> int:
     return 0
 
 
-def nvme_config(work: Path, buf: int, aio: dict) -> dict:
+def nvme_config(work: Path, buf: int, aio: dict, step_in_backward: bool = False) -> dict:
+    (work / "p").mkdir(parents=True, exist_ok=True)
+    (work / "o").mkdir(parents=True, exist_ok=True)
     return {
         "device": "cpu",
         "dtype": "fp32",
@@ -330,6 +357,7 @@ def nvme_config(work: Path, buf: int, aio: dict) -> dict:
             "nvme_path": str(work / "o"),
             "buffer_count": 16,
             "buffer_size": buf,
+            "step_in_backward": step_in_backward,
         },
         "prefetch": {"depth": 2},
     }
@@ -348,14 +376,13 @@ def memory_only(args) -> int:
     torch.optim.SGD(warm.parameters(), lr=0.1).step()
     compute_step(GPT(config_for_size("tiny")), torch.randint(0, 256, (1, 9)))
     work = Path(tempfile.mkdtemp(prefix="bench_e2e-mem-", dir=args.path))
-    (work / "p").mkdir()
-    (work / "o").mkdir()
     buf = parse_size(args.buffer_size)
     rss0 = psutil.Process().memory_info().rss  # before the model exists
     model = GPT(gcfg)
     n = sum(p.numel() for p in model.parameters())
     aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2}
-    model, opt = offload.wrap(model, nvme_config(work, buf, aio))  # frees the model's storage
+    cfg = nvme_config(work, buf, aio, step_in_backward=args.step_in_backward)
+    model, opt = offload.wrap(model, cfg)  # frees the model's storage
     unit = max(u.layout.trainable for u in engine_of(model).units)
     after_wrap = psutil.Process().memory_info().rss
     with PeakRSS() as rss:
@@ -379,7 +406,7 @@ def memory_only(args) -> int:
     return 0
 
 
-def memory_subprocess(args) -> dict:
+def memory_subprocess(args, step_in_backward: bool = False) -> dict:
     cmd = [
         sys.executable,
         __file__,
@@ -396,6 +423,7 @@ def memory_subprocess(args) -> dict:
         args.path,
         "--buffer-size",
         args.buffer_size,
+        *(["--step-in-backward"] if step_in_backward else []),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:

@@ -4,7 +4,8 @@
 
 Part 1 runs the engine parity checks (the same model and loops as tests/test_wrap_parity.py) with
 the compute on ``--device``: fp32 against torch.optim.AdamW(foreach=False) and bf16 against the
-reference mixed-precision loop, for params on none/cpu/nvme x optimizer on cpu/nvme. Part 2 trains
+reference mixed-precision loop, for params on none/cpu/nvme x optimizer on cpu/nvme; then
+``offload_optimizer.step_in_backward`` against the default step (bitwise equal). Part 2 trains
 the demo GPT (~125M) in bf16 with params and optimizer on NVMe and prints tokens/s and the step
 split. Everything printed is also written as JSON to $OUT/gpu_smoke.json when $OUT is set. It also
 runs on the CPU (``--device cpu``) so the script itself is tested here.
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine_models import (  # noqa: E402
     batches,
+    lm_loss,
     make_model,
     placement_config,
     reference_fp32,
@@ -92,6 +94,41 @@ def parity(device: str, tmp: Path) -> list[dict]:
                 finally:
                     opt.close()
                 print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def step_in_backward_parity(device: str, tmp: Path) -> list[dict]:
+    """bf16, optimizer on NVMe: the step in backward must give exactly the default step's
+    losses and weights (the same math in the same order, gradients via the CUDA staging copy)."""
+    rows = []
+    data = [d.to(device) for d in batches(8)]
+    for p_dev in ("none", "cpu", "nvme"):
+        runs = []
+        try:
+            for sib in (False, True):
+                cfg = placement_config(p_dev, "nvme", tmp / f"sib{sib}-{p_dev}", dtype="bf16")
+                cfg["device"] = device
+                cfg["offload_optimizer"]["step_in_backward"] = sib
+                model, opt = offload.wrap(make_model(), cfg)
+                try:
+                    losses = []
+                    for x in data:
+                        loss = lm_loss(model, x)
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad()
+                        losses.append(float(loss.detach()))
+                    runs.append((losses, model.state_dict()))
+                finally:
+                    opt.close()
+            diff = _max_abs(runs[1][1], runs[0][1])
+            row = {"step_in_backward": True, "params": p_dev, "param_max_abs_diff": diff}
+            row["ok"] = runs[0][0] == runs[1][0] and diff == 0.0
+        except Exception as exc:  # report and go on
+            row = {"step_in_backward": True, "params": p_dev, "ok": False}
+            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -182,7 +219,7 @@ def main() -> int:
     if args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name(0)
     if not args.skip_parity:
-        out["parity"] = parity(args.device, tmp)
+        out["parity"] = parity(args.device, tmp) + step_in_backward_parity(args.device, tmp)
     out["throughput"] = throughput(args.device, tmp, args.size, args.steps, args.seconds)
     print(json.dumps(out["throughput"]))
     if os.environ.get("OUT"):

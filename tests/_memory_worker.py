@@ -56,6 +56,7 @@ def main() -> None:
             "nvme_path": str(workdir / "o"),
             "buffer_count": 8,
             "buffer_size": OPT_BUF,
+            "step_in_backward": sys.argv[3:] == ["step_in_backward"],
         },
         "wrap": {"module_classes": ["Block"]},
     }

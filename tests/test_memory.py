@@ -24,12 +24,12 @@ HERE = Path(__file__).parent
 FIXED_OVERHEAD = 48 * 2**20
 
 
-def _measure(tmp_path: Path, blocks: int) -> dict:
+def _measure(tmp_path: Path, blocks: int, *extra: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
-    work = tmp_path / f"b{blocks}"
+    work = tmp_path / f"b{blocks}{''.join(extra)}"
     work.mkdir()
     out = subprocess.run(
-        [sys.executable, str(HERE / "_memory_worker.py"), str(work), str(blocks)],
+        [sys.executable, str(HERE / "_memory_worker.py"), str(work), str(blocks), *extra],
         env=env,
         capture_output=True,
         text=True,
@@ -39,8 +39,9 @@ def _measure(tmp_path: Path, blocks: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_peak_rss_stays_within_buffers_units_and_overhead(tmp_path):
-    m = _measure(tmp_path, 8)
+@pytest.mark.parametrize("mode", [(), ("step_in_backward",)], ids=["default", "step_in_backward"])
+def test_peak_rss_stays_within_buffers_units_and_overhead(tmp_path, mode):
+    m = _measure(tmp_path, 8, *mode)
     assert m["fp32_state"] >= 4 * m["buffers"]  # the model's state is well beyond the buffers
     budget = m["buffers"] + 4 * 4 * m["unit_params"] + FIXED_OVERHEAD
     assert m["growth"] <= budget, m

@@ -13,6 +13,7 @@ from engine_models import batches, lm_loss, make_model, placement_config
 
 import offload
 from offload.config import ConfigError
+from offload.engine import pages
 from offload.engine.phase import PhaseError
 
 
@@ -25,9 +26,13 @@ def test_eval_no_grad_inference_and_released_storage(tmp_path):
             a = model(tokens)
             b = model(tokens)
         assert torch.equal(a, b)
-        # outside a forward, offloaded parameters hold no storage ...
+        # outside a forward, offloaded parameters hold no memory: on the CPU their pages were
+        # given back to the OS (they read as zeros; see offload.engine.pages) ...
         blk = model.blocks[1].fc1.weight
-        assert blk.untyped_storage().nbytes() == 0
+        if pages.supported(blk.device):
+            assert torch.count_nonzero(blk) == 0
+        else:
+            assert blk.untyped_storage().nbytes() == 0
         # ... yet state_dict returns real values
         sd = model.state_dict()
         assert sd["blocks.1.fc1.weight"].shape == blk.shape

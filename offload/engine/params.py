@@ -15,7 +15,8 @@ Note: gather and release keep the Parameter objects
     Releasing frees a parameter's storage in place (``untyped_storage().resize_(0)``); gathering
     resizes it back and copies into ``p.data``, which does not bump the autograd version counter,
     so tensors that autograd saved in forward stay valid for backward. Nobody outside sees a new
-    tensor.
+    tensor. With the compute on the CPU (Linux) the storages are instead views into one block
+    per unit whose pages are handed back to the OS on release (``offload.engine.pages``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections import deque
 
 import torch
 
+from offload.engine import pages
 from offload.engine.layout import FlatLayout
 from offload.engine.transfer import Transfers
 from offload.engine.units import Unit, alloc_storage, free_storage
@@ -98,7 +100,33 @@ class ParamHome:
         return None
 
     def close(self) -> None:
-        pass
+        if self._blocks is not None:
+            self._blocks.close()
+
+    # released storage, shared by HostParams and NvmeParams (see the module Note)
+    _blocks: pages.PageBlocks | None = None
+
+    def _detach(self, unit: Unit) -> None:
+        """Wrap time: the unit's parameters start released."""
+        if self._blocks is not None:
+            self._blocks.attach(unit)
+            self._blocks.drop(unit)
+            return
+        for seg in unit.layout.segments:
+            seg.param.data = torch.empty(seg.shape, dtype=self.dtype, device=self.device)
+            free_storage(seg.param)
+
+    def _make_room(self, unit: Unit) -> None:
+        if self._blocks is None:
+            for p in unit.params:
+                alloc_storage(p)
+
+    def _free(self, unit: Unit) -> None:
+        if self._blocks is not None:
+            self._blocks.drop(unit)
+        else:
+            for p in unit.params:
+                free_storage(p)
 
 
 class DeviceParams(ParamHome):
@@ -144,22 +172,20 @@ class HostParams(ParamHome):
     ) -> None:
         self.device, self.dtype, self.transfers, self.pin = device, dtype, transfers, pin
         self.flat: dict[int, torch.Tensor] = {}
+        self._blocks = pages.PageBlocks(dtype) if pages.supported(device) else None
 
     def setup(self, unit: Unit) -> None:
         layout = unit.layout
         flat = self.transfers.host_empty(layout.total, self.dtype, self.pin)
         flat.copy_(flatten_values(layout, 0, layout.total, self.dtype))
         self.flat[unit.index] = flat
-        for seg in layout.segments:
-            seg.param.data = torch.empty(seg.shape, dtype=self.dtype, device=self.device)
-            free_storage(seg.param)
+        self._detach(unit)
         unit.gathered = False
 
     def gather(self, unit: Unit) -> None:
         if unit.gathered:
             return
-        for p in unit.params:
-            alloc_storage(p)
+        self._make_room(unit)
         flat = self.flat[unit.index]
         self._pending = self.transfers.to_device(
             _copy_pairs(unit.layout, flat, 0, unit.layout.total)
@@ -169,8 +195,7 @@ class HostParams(ParamHome):
     def release(self, unit: Unit) -> None:
         if not unit.gathered:
             return
-        for p in unit.params:
-            free_storage(p)
+        self._free(unit)
         unit.gathered = False
 
     def out_buffer(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
@@ -205,6 +230,7 @@ class NvmeParams(ParamHome):
         self.window = max(1, window)  # pieces fetched ahead while gathering one unit
         self._tier_mod = Tier
         self.pieces: dict[int, list[tuple[int, int]]] = {}
+        self._blocks = pages.PageBlocks(dtype) if pages.supported(device) else None
 
     @staticmethod
     def key(unit: Unit, lo: int) -> str:
@@ -223,9 +249,7 @@ class NvmeParams(ParamHome):
             self.store.register(
                 self.key(unit, lo), hi - lo, self.dtype, self._tier_mod.NVME, init=init
             )
-        for seg in layout.segments:
-            seg.param.data = torch.empty(seg.shape, dtype=self.dtype, device=self.device)
-            free_storage(seg.param)
+        self._detach(unit)
         unit.gathered = False
 
     def pieces_in(self, unit: Unit, lo: int, hi: int) -> list[tuple[int, int]]:
@@ -234,8 +258,7 @@ class NvmeParams(ParamHome):
     def gather(self, unit: Unit) -> None:
         if unit.gathered:
             return
-        for p in unit.params:
-            alloc_storage(p)
+        self._make_room(unit)
         pieces = self.pieces[unit.index]
         for lo, _ in pieces:
             self.store.use(self.key(unit, lo), self.tier)
@@ -255,8 +278,7 @@ class NvmeParams(ParamHome):
     def release(self, unit: Unit) -> None:
         if not unit.gathered:
             return
-        for p in unit.params:
-            free_storage(p)
+        self._free(unit)
         unit.gathered = False
 
     def out_buffer(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:

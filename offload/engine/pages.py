@@ -1,0 +1,66 @@
+"""Parameter storage on the CPU whose pages go back to the OS when a unit is released.
+
+Note: why not free and reallocate
+    With the compute on the CPU, a gathered unit's parameters are host memory. Freeing them on
+    release and allocating them again on the next gather (``untyped_storage().resize_``, what
+    CUDA does with its caching allocator) hands glibc malloc a stream of multi-MiB blocks that
+    live and die interleaved with gradients and activations. glibc serves them from its heap
+    and keeps what is freed there; on the 50M demo GPT that held the peak RSS 30-80 MiB above
+    the documented budget, with 200+ MiB free inside the heap (benchmarks/README.md).
+
+    Instead each unit gets one anonymous ``mmap`` for its parameters, made at wrap time, and
+    the parameters become views into it for good (the storage never changes, so the tensors
+    autograd saved in forward stay valid). Releasing the unit is ``madvise(MADV_DONTNEED)``:
+    the kernel takes the pages back at once, and they read as zeros until the next gather
+    writes them again (one page fault per 4 KiB on that write, a few percent of an NVMe
+    iteration here). A released parameter touched by mistake reads zeros instead of faulting.
+    Virtual address space is the whole model's parameters; resident memory is what is gathered.
+
+    Linux only (the ``madvise`` semantics above); elsewhere the storages are freed and
+    reallocated as before.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import torch
+
+from offload.engine.units import Unit
+
+PAGE = mmap.PAGESIZE
+
+
+def supported(device: torch.device) -> bool:
+    """Whether units on ``device`` can use page-released blocks (CPU compute, Linux)."""
+    return (
+        device.type == "cpu" and sys.platform.startswith("linux") and hasattr(mmap.mmap, "madvise")
+    )
+
+
+class PageBlocks:
+    """One anonymous mapping per unit holding its parameters (see the module Note)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._maps: dict[int, mmap.mmap] = {}
+
+    def attach(self, unit: Unit) -> None:
+        """Points every parameter of ``unit`` at its view of a new block (values undefined:
+        the unit starts released)."""
+        layout = unit.layout
+        nbytes = max(PAGE, -(-layout.total * self.dtype.itemsize // PAGE) * PAGE)
+        block = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        flat = torch.frombuffer(block, dtype=torch.uint8).view(self.dtype)
+        for seg in layout.segments:
+            seg.param.data = flat[seg.offset : seg.end].view(seg.shape)
+        self._maps[unit.index] = block
+
+    def drop(self, unit: Unit) -> None:
+        """Gives the unit's pages back to the OS; its parameters read as zeros until written."""
+        self._maps[unit.index].madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        """Forgets the blocks; each mapping goes away with the last tensor viewing it."""
+        self._maps.clear()

@@ -1,6 +1,7 @@
 """Where an NVMe iteration's time and disk work go, phase by phase (a diagnostic, not a bar).
 
     python benchmarks/nvme_phases.py [--size 50M] [--iters 8] [--path /work] [--device vda]
+                                     [--step-in-backward]
 
 Trains the demo GPT with params and optimizer state on NVMe, with bench_e2e's configuration, and
 prints for each steady-state iteration: the wall time of forward, backward and ``step()``; how
@@ -8,7 +9,8 @@ long the disk had IO in flight during forward and backward (``io_ticks`` of
 ``/proc/diskstats``, so other processes' IO on that disk counts too); and the bytes the disk
 read and wrote in each phase. The background update of the previous step runs inside the
 forward, so a disk busy for most of the forward and idle for most of the backward is the
-signature of an update that cannot start before ``step()``.
+signature of an update that cannot start before ``step()``. With ``--step-in-backward``
+(``offload_optimizer.step_in_backward``) the update runs inside the backward instead.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def main() -> int:
     ap.add_argument("--path", default="/work", help="directory on the disk under test")
     ap.add_argument("--device", default=None, help="block device name (default: the --path disk)")
     ap.add_argument("--buffer-size", default="8MiB")
+    ap.add_argument("--step-in-backward", action="store_true")
     args = ap.parse_args()
     device = args.device or default_device(args.path)
     disk(device)  # fails early, naming the device, when it is not there
@@ -66,10 +69,11 @@ def main() -> int:
     model = bench_e2e.GPT(bench_e2e.config_for_size(args.size, seq_len=args.seq))
     x = torch.randint(0, 256, (args.batch, args.seq + 1))
     work = Path(tempfile.mkdtemp(prefix="nvme_phases-", dir=args.path))
-    (work / "p").mkdir()
-    (work / "o").mkdir()
     aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2}
-    model, opt = offload.wrap(model, bench_e2e.nvme_config(work, parse_size(args.buffer_size), aio))
+    cfg = bench_e2e.nvme_config(
+        work, parse_size(args.buffer_size), aio, step_in_backward=args.step_in_backward
+    )
+    model, opt = offload.wrap(model, cfg)
     rows = []
     try:
         for it in range(args.iters + 2):
@@ -102,7 +106,8 @@ def main() -> int:
         "forward_s backward_s step_s | disk_busy_fwd_s disk_busy_bwd_s | "
         "fwd_read_MB fwd_write_MB | bwd_read_MB bwd_write_MB"
     )
-    print(f"# nvme_phases  {time.strftime('%Y-%m-%d %H:%M')}  device {device}")
+    mode = "step in backward" if args.step_in_backward else "default step"
+    print(f"# nvme_phases  {time.strftime('%Y-%m-%d %H:%M')}  device {device}  {mode}")
     print(head)
     for r in rows:
         print(" ".join(f"{v:8.3f}" for v in r))

@@ -4,8 +4,8 @@ model's fp32 state (master, exp_avg, exp_avg_sq, grads = 16 bytes per parameter)
 
 The documented budget (README, "Memory"):
     buffers (offload_param + offload_optimizer buffer_count x buffer_size)
-    + 4 x the largest unit in fp32 (its gathered params, its grads, the grad staging buffer,
-      and the next unit's params while prefetched)
+    + 4 x the largest unit in fp32 (the root and the unit being run, its grads, the next unit
+      gathered; on CUDA the grad staging buffer)
     + 48 MiB fixed overhead (interpreter objects, hooks, shard records, IO threads' malloc
       arenas and allocator slack; 25-45 MiB measured on this machine)
 """

@@ -207,10 +207,10 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 class _Ready:
     """A fetch that is already complete: a grad piece handed over in its buffer."""
 
-    __slots__ = ("buf", "held")
+    __slots__ = ("buf",)
 
-    def __init__(self, buf: torch.Tensor, held: bool) -> None:
-        self.buf, self.held = buf, held
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
 
     def wait(self) -> torch.Tensor:
         return self.buf
@@ -393,14 +393,14 @@ class NvmeOptimState(OptimState):
     def _grad_future(self, key: str):
         with self._held_cond:
             buf = self._handoff.pop(key, None)
-        return self.store.fetch(key, self.tier) if buf is None else _Ready(buf, held=True)
+        return self.store.fetch(key, self.tier) if buf is None else _Ready(buf)
 
     def _drop_grad(self, key: str, fut) -> None:
         if not self.in_backward:
             self.store.release(key, self.tier)
             return
         self.store.release(key, self.tier, discard=True)  # consumed: never written
-        if getattr(fut, "held", False):
+        if isinstance(fut, _Ready):  # one of the `hold` buffers the backward filled
             with self._held_cond:
                 self._held -= 1
                 self._held_cond.notify_all()

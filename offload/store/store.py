@@ -193,20 +193,13 @@ class TieredStore(Reclaimer):
                     f"{self.name}: release({key!r}, {tier.name}) without a matching fetch"
                 )
             shard.pins[tier] -= 1
-            if discard:
-                if tier is Tier.DEVICE and shard.slab is not None:
-                    shard.slab.fence = self._copier.fence()
-                if not shard.pinned():
-                    self._settle(shard)
-                    shard.dirty = False
-                    if shard.state is ShardState.DEVICE and shard.home is not Tier.DEVICE:
-                        self._give_slab(shard)
-                    if shard.state is ShardState.HOST and shard.home is Tier.NVME:
-                        self._give_buf(shard)
-                self._poll()
-                return
             if tier is Tier.DEVICE and shard.slab is not None:
                 shard.slab.fence = self._copier.fence()  # see device.py, Note: streams and events
+            if discard:
+                if not shard.pinned():
+                    self._drop_copies(shard)
+                self._poll()
+                return
             if dirty:
                 shard.dirty = True
                 if tier is Tier.HOST:
@@ -225,6 +218,15 @@ class TieredStore(Reclaimer):
                 if shard.state is ShardState.DEVICE and not shard.dirty:
                     self._give_slab(shard)  # no cap: nothing cached on device
             self._poll()
+
+    def _drop_copies(self, shard: Shard) -> None:
+        """A released shard whose value is not needed: its cached copies go, nothing is written."""
+        self._settle(shard)
+        shard.dirty = False
+        if shard.state is ShardState.DEVICE and shard.home is not Tier.DEVICE:
+            self._give_slab(shard)
+        if shard.state is ShardState.HOST and shard.home is Tier.NVME:
+            self._give_buf(shard)
 
     # -- trace ------------------------------------------------------------------------------------
     def use(self, key: str, tier: Tier) -> None:

@@ -44,7 +44,6 @@ Note: the step in backward (``offload_optimizer.step_in_backward``)
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -53,6 +52,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from offload.engine.background import BackgroundStep
 from offload.engine.optstate import GradParts, Hyper, OptimState, UnitFeed
 from offload.engine.params import ParamHome
 from offload.engine.phase import Phase, PhaseError, PhaseTracker
@@ -106,13 +106,11 @@ class Engine:
         self._bwd_start: float | None = None
         self.closed = False
         self.orig_dtype: dict[nn.Parameter, torch.dtype] = {}  # set by wrap
-        self._worker: threading.Thread | None = None  # the background step (see the Note)
-        self._unit_done: dict[int, threading.Event] = {}
-        self._worker_error: BaseException | None = None
+        self.background = BackgroundStep(self.timers)  # the update's thread (see the Notes)
         self.resources: list = []  # pools, NVMe stores, IO engine (set by wrap; closed last)
-        # step_in_backward (see the Note): the optimizer's hyperparameters now, and the step fed
+        # step_in_backward (see the Note): the optimizer's hyperparameters now, the units
+        # handed in and the hyperparameters the running step uses
         self.hyper_source: Callable[[], dict] | None = None  # set by OffloadOptimizer
-        self._feed: UnitFeed | None = None
         self._fed: set[int] = set()
         self._feed_hyper: dict | None = None
         self.buffer_dtypes: dict = {}  # (module, name) -> dtype before wrap (set by wrap)
@@ -246,19 +244,20 @@ class Engine:
             self._finish_unit_backward(unit)
 
     def _end_backward(self) -> None:
+        feed = self.background.feed
         for unit in reversed(self.units):
             if not unit.backward_done:
                 self._finish_unit_backward(unit)
         for unit in self.units:
-            if not unit.persistent or self._feed is not None:
+            if not unit.persistent or feed is not None:
                 self._release(unit)  # a persistent root too when its update starts now
-        if self._feed is not None:
+        if feed is not None:
             self.params.quiesce()  # host homes are about to be rewritten
             for unit in self.units:
                 if unit.index not in self._fed and self.optim.pieces(unit):
-                    self._feed.put(unit)
-            self._feed.close(reorder=lambda u: u.index)  # the rest in the next forward's order
-            self._feed = None
+                    feed.put(unit)
+            feed.close(reorder=lambda u: u.index)  # the rest in the next forward's order
+            self.background.feed = None
         self._callback_queued = False
         self.backwards_since_step += 1
         self.first_micro_step = False
@@ -290,15 +289,15 @@ class Engine:
                 p.grad = None
         if unit.is_root:
             pass  # its grads are final only at the end of backward: see _end_backward
-        elif self._feed is not None:  # a persistent unit too: its copy is stale from now on
+        elif self.background.feed is not None:  # persistent too: its copy is stale from now on
             self._release(unit)
             if self.optim.pieces(unit):
                 self.params.quiesce()  # host homes are about to be rewritten
-                self._feed.put(unit)
+                self.background.feed.put(unit)
                 self._fed.add(unit.index)
         elif not unit.persistent:
             self._release(unit)
-        if self._worker_error is not None:
+        if self.background.failed:
             self.flush_pending()
 
     def _grad_parts(self, unit: Unit) -> GradParts:
@@ -400,8 +399,8 @@ class Engine:
         # the step's record is closed before a background update starts, so what that update
         # moves is counted in the next step's record whatever the threads' timing
         self._end_step()
-        if self.optim.defers:
-            self._start_background_step(hyper)
+        if self.optim.defers:  # units in forward order (see the Note)
+            self.background.start(self.optim, self.params, self.units, hyper)
 
     def _start_step_in_backward(self) -> None:
         """A backward starts with step_in_backward: the worker starts, fed unit by unit."""
@@ -420,8 +419,8 @@ class Engine:
             raise PhaseError("offload: step_in_backward needs the optimizer from offload.wrap")
         self._feed_hyper = self.hyper_source()
         hyper = Hyper(step=self.step_count + 1, grad_scale=1.0, **self._feed_hyper)
-        self._feed, self._fed = UnitFeed(), set()
-        self._start_background_step(hyper, self._feed)
+        self._fed = set()
+        self.background.start(self.optim, self.params, self.units, hyper, UnitFeed())
 
     def _close_step_in_backward(self, hyper_base: dict, grad_scale: float) -> None:
         """``optimizer.step()`` with step_in_backward: the update is running already."""
@@ -440,62 +439,15 @@ class Engine:
                 "before the backward (an LR scheduler stepped after optimizer.step() does)"
             )
 
-    def _start_background_step(self, hyper: Hyper, units=None) -> None:
-        """Runs the update on one worker thread, units in forward order or as ``units`` (a
-        :class:`UnitFeed`) hands them in (see the Notes)."""
-        order = [u for u in self.units if self.optim.pieces(u)]
-        self._unit_done = {u.index: threading.Event() for u in order}
-        self._worker_error = None
-
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                self.optim.step_units(
-                    order if units is None else units,
-                    self.params,
-                    hyper,
-                    on_unit_done=lambda u: self._unit_done[u.index].set(),
-                )
-            except BaseException as exc:  # re-raised by the main thread when it waits
-                self._worker_error = exc
-            finally:
-                # counted in the step whose forward it overlaps (joined before that step ends)
-                self.timers["optimizer_seconds"] += time.perf_counter() - t0
-                for event in self._unit_done.values():
-                    event.set()
-
-        self._worker = threading.Thread(target=run, name="offload-step", daemon=True)
-        self._worker.start()
-
     def _wait_unit(self, unit: Unit) -> None:
         """Blocks until ``unit``'s background update (if any) is complete. Not in a backward's
         recomputation: a step in backward updates a unit only after its backward."""
-        if self._worker is None or self.phase.phase is Phase.BACKWARD:
-            return
-        event = self._unit_done.get(unit.index)
-        if event is not None and not event.is_set():
-            t0 = time.perf_counter()
-            event.wait()
-            self.timers["step_wait_seconds"] += time.perf_counter() - t0
-        if self._worker_error is not None:
-            self.flush_pending()
+        if self.phase.phase is not Phase.BACKWARD:
+            self.background.wait_unit(unit)
 
     def flush_pending(self) -> None:
-        """Waits for the background update to finish; re-raises its error. A step in backward
-        still being fed (a backward that failed or was interrupted) gets no more units: it ends
-        after those it has, so teardown never waits on a backward that will not come."""
-        if self._feed is not None:
-            self._feed.close()
-            self._feed = None
-        if self._worker is None:
-            return
-        t0 = time.perf_counter()
-        self._worker.join()
-        self.timers["step_wait_seconds"] += time.perf_counter() - t0
-        self._worker = None
-        err, self._worker_error = self._worker_error, None
-        if err is not None:
-            raise RuntimeError(f"offload: the background optimizer step failed: {err}") from err
+        """Waits for the background update to finish; re-raises its error."""
+        self.background.join()
 
     def skip_step(self) -> None:
         """An fp16 overflow: no update; gradients are discarded."""

@@ -8,7 +8,8 @@ Note: budgets and eviction
     release, and when nothing else is evictable the store waits for the oldest unpinned transfer
     in flight (a write-back, or a prefetch nobody has claimed yet) and tries again. Only when
     every buffer belongs to a fetched, unreleased shard does it block on the pool for the pool's
-    timeout and then raise an error that names the budget.
+    timeout and then raise an error that names the budget. Every such wait releases the store's
+    lock while it sleeps, so another thread using the store (the background step) goes on.
 
 Note: prefetch never starves a demand fetch
     Prefetches never block and never wait. They take a free buffer, or evict a copy whose next
@@ -20,6 +21,7 @@ Note: prefetch never starves a demand fetch
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -58,8 +60,6 @@ class Reclaimer:
 
     _finish: Callable[[Shard], None]
     """Wait for a shard's pending transfer and apply its transition (``TieredStore._finish``)."""
-    _block_on: Callable[[Any], None]
-    """Wait for a transfer with the lock released (``TieredStore._block_on``)."""
 
     def _give_slab(self, shard: Shard) -> None:
         self._slabs.give(shard.drop_device())
@@ -68,6 +68,21 @@ class Reclaimer:
     def _give_buf(self, shard: Shard) -> None:
         self._host.give(shard.drop_host())
         self._on_host.pop(shard.key, None)
+
+    def _block_on(self, transfer: Any) -> None:
+        """Waits for ``transfer`` with the store's lock released (every level of it), so another
+        thread using this store (the background step, the backward handing it gradients) is not
+        stopped for the duration of a disk transfer. Callers look at the shard again afterwards;
+        an error is left for ``_finish``, whose wait raises it."""
+        saved = self._lock._release_save()  # what threading.Condition.wait does with an RLock
+        try:
+            start = time.perf_counter()
+            with contextlib.suppress(Exception):
+                transfer.handle.wait()
+            waited = time.perf_counter() - start
+        finally:
+            self._lock._acquire_restore(saved)
+        self._counters.waited(transfer.src, transfer.dst, waited)
 
     # -- budgets -----------------------------------------------------------------------------------------
     def _distance(self, key: str, tiers: tuple[Tier, ...]) -> float | None:

@@ -18,10 +18,8 @@ Note: coherence
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -460,21 +458,6 @@ class TieredStore(Reclaimer):
             shard.load_device(slab, transfer)
             self._on_device[shard.key] = shard
             self._issued(shard, transfer)
-
-    def _block_on(self, transfer: Transfer) -> None:
-        """Waits for ``transfer`` with the store's lock released (every level of it), so another
-        thread using this store (the background step, the backward handing it gradients) is not
-        stopped for the duration of a disk transfer. Callers look at the shard again afterwards;
-        an error is left for ``_finish``, whose wait raises it."""
-        saved = self._lock._release_save()  # what threading.Condition.wait does with an RLock
-        try:
-            start = time.perf_counter()
-            with contextlib.suppress(Exception):
-                transfer.handle.wait()
-            waited = time.perf_counter() - start
-        finally:
-            self._lock._acquire_restore(saved)
-        self._counters.waited(transfer.src, transfer.dst, waited)
 
     def _issued(self, shard: Shard, transfer: Transfer | None) -> None:
         if transfer is not None:

@@ -31,10 +31,11 @@ Note: the background NVMe step
 Note: the step in backward (``offload_optimizer.step_in_backward``)
     The background step above still leaves the disk idle in the backward, and it writes every
     gradient to disk and reads it back. With step_in_backward the worker starts with the
-    backward: each unit is handed to it as its gradients are final (the root and persistent
-    units at the end of backward, then everything not yet updated is reordered to forward
-    order), its grad pieces still in their buffers, and consumed there: the gradient bytes
-    never touch the disk. The hyperparameters are those in ``param_groups`` when the backward
+    backward: each unit is handed to it as its gradients are final (persistent ones released
+    then, the root at the end of backward, when everything not yet updated is reordered to
+    forward order), its grad pieces still in their buffers, and consumed there: the gradient
+    bytes never touch the disk. A backward that raises leaves the units already handed in
+    updated (teardown is fine; going on training after catching it is not). The hyperparameters are those in ``param_groups`` when the backward
     starts (an LR scheduler stepped after ``optimizer.step()`` gives the same values), and
     ``optimizer.step()`` only checks them and closes the step. So each backward must be
     followed by ``step()`` (no gradient accumulation), and nothing may need every gradient

@@ -239,10 +239,12 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
             )
             count = cfg.offload_optimizer.buffer_count
             if cfg.offload_optimizer.step_in_backward:
-                # 3 buffers per piece in the step (its grad comes in its own), 3 kept for
-                # write-backs, 1 for the backward's next grad piece; the rest may hold grads
-                ahead = 1 if count >= 3 * 2 + 3 + 1 + 2 else 0
-                hold = max(0, count - 3 * (ahead + 1) - 3 - 1)
+                # 3 buffers kept for write-backs and 1 for the backward's next grad piece; the
+                # step takes 3 per piece in flight (its grad comes in its own buffer); what is
+                # left holds grads. One piece is read ahead if that still leaves 2 to hold.
+                spare = count - 3 - 1
+                ahead = 1 if spare - 3 * 2 >= 2 else 0
+                hold = max(0, spare - 3 * (ahead + 1))
                 optim = NvmeOptimState(
                     stores["offload_optimizer"], piece, ahead, in_backward=True, hold=hold
                 )

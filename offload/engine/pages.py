@@ -39,6 +39,11 @@ def supported(device: torch.device) -> bool:
     )
 
 
+def blocks_for(device: torch.device, dtype: torch.dtype) -> PageBlocks | None:
+    """Page-released blocks for parameters on ``device``, or None where they do not apply."""
+    return PageBlocks(dtype) if supported(device) else None
+
+
 class PageBlocks:
     """One anonymous mapping per unit holding its parameters (see the module Note)."""
 

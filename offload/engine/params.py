@@ -172,7 +172,7 @@ class HostParams(ParamHome):
     ) -> None:
         self.device, self.dtype, self.transfers, self.pin = device, dtype, transfers, pin
         self.flat: dict[int, torch.Tensor] = {}
-        self._blocks = pages.PageBlocks(dtype) if pages.supported(device) else None
+        self._blocks = pages.blocks_for(device, dtype)
 
     def setup(self, unit: Unit) -> None:
         layout = unit.layout
@@ -230,7 +230,7 @@ class NvmeParams(ParamHome):
         self.window = max(1, window)  # pieces fetched ahead while gathering one unit
         self._tier_mod = Tier
         self.pieces: dict[int, list[tuple[int, int]]] = {}
-        self._blocks = pages.PageBlocks(dtype) if pages.supported(device) else None
+        self._blocks = pages.blocks_for(device, dtype)
 
     @staticmethod
     def key(unit: Unit, lo: int) -> str:

@@ -60,6 +60,8 @@ class Reclaimer:
 
     _finish: Callable[[Shard], None]
     """Wait for a shard's pending transfer and apply its transition (``TieredStore._finish``)."""
+    _settle: Callable[[Shard], None]
+    """Finish every transfer the shard has pending (``TieredStore._settle``)."""
 
     def _give_slab(self, shard: Shard) -> None:
         self._slabs.give(shard.drop_device())
@@ -68,6 +70,15 @@ class Reclaimer:
     def _give_buf(self, shard: Shard) -> None:
         self._host.give(shard.drop_host())
         self._on_host.pop(shard.key, None)
+
+    def _drop_copies(self, shard: Shard) -> None:
+        """A released shard whose value is not needed: its cached copies go, nothing is written."""
+        self._settle(shard)
+        shard.dirty = False
+        if shard.state is ShardState.DEVICE and shard.home is not Tier.DEVICE:
+            self._give_slab(shard)
+        if shard.state is ShardState.HOST and shard.home is Tier.NVME:
+            self._give_buf(shard)
 
     def _block_on(self, transfer: Any) -> None:
         """Waits for ``transfer`` with the store's lock released (every level of it), so another

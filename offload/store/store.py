@@ -217,15 +217,6 @@ class TieredStore(Reclaimer):
                     self._give_slab(shard)  # no cap: nothing cached on device
             self._poll()
 
-    def _drop_copies(self, shard: Shard) -> None:
-        """A released shard whose value is not needed: its cached copies go, nothing is written."""
-        self._settle(shard)
-        shard.dirty = False
-        if shard.state is ShardState.DEVICE and shard.home is not Tier.DEVICE:
-            self._give_slab(shard)
-        if shard.state is ShardState.HOST and shard.home is Tier.NVME:
-            self._give_buf(shard)
-
     # -- trace ------------------------------------------------------------------------------------
     def use(self, key: str, tier: Tier) -> None:
         """Record an access in the trace; while replaying, fetch the next accesses ahead."""

@@ -83,10 +83,10 @@ def nvme_sample(model, opt, x) -> tuple[float, float]:
 def store_bytes(model) -> dict[str, int]:
     """Cumulative bytes per tier pair over the engine's stores (background IO included once it
     has completed): the counters telemetry reads."""
-    from offload.engine.telemetry import store_totals  # noqa: PLC0415
-    from offload.engine.wrap import engine_of  # noqa: PLC0415
+    from offload.api.wrap import engine_of  # noqa: PLC0415
+    from offload.runtime.telemetry import store_totals  # noqa: PLC0415
 
-    return store_totals(engine_of(model).stores)[0]
+    return store_totals(engine_of(model).counted())[0]
 
 
 def compute_step(model, x) -> None:
@@ -369,7 +369,7 @@ def nvme_config(work: Path, buf: int, aio: dict, step_in_backward: bool = False)
 
 def memory_only(args) -> int:
     """Fresh process: RSS before the model exists, then the peak while training on NVMe."""
-    from offload.engine.wrap import engine_of  # noqa: PLC0415
+    from offload.api.wrap import engine_of  # noqa: PLC0415
 
     torch.manual_seed(0)
     gcfg = config_for_size(args.size, seq_len=args.seq)

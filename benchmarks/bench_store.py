@@ -89,7 +89,6 @@ class Bench:
         # The shards, written once through a store that only registers them.
         self.stores = {
             depth: TieredStore(
-                device="cpu",
                 pool=self.pools[depth],
                 nvme=self.nvme,
                 prefetch_depth=depth,

@@ -7,7 +7,7 @@ step. The public face is small::
     model, optimizer = offload.wrap(model, config)
 
 Everything else lives in subpackages (``offload.optim``, ``offload.io``, ``offload.store``,
-``offload.engine``) whose ``__init__`` re-exports only what users need.
+``offload.api``, ...) whose ``__init__`` re-exports only what users need.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it (imported on first use, so `import offload` is cheap)
 _EXPORTS = {
-    "wrap": "offload.engine",
-    "save_checkpoint": "offload.engine",
-    "load_checkpoint": "offload.engine",
-    "export": "offload.engine",
+    "wrap": "offload.api",
+    "save_checkpoint": "offload.api",
+    "load_checkpoint": "offload.api",
+    "export": "offload.api",
     "OffloadConfig": "offload.config",
     "load_config": "offload.config",
     "ConfigError": "offload.config",
@@ -42,8 +42,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from offload.api import export, load_checkpoint, save_checkpoint, wrap
     from offload.config import ConfigError, OffloadConfig, load_config
-    from offload.engine import export, load_checkpoint, save_checkpoint, wrap
     from offload.optim import CPUAdam
 
 

@@ -63,6 +63,35 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
+STACK_VOCAB, STACK_DIM = 64, 48
+
+
+class StackBlock(nn.Module):
+    def __init__(self, dim: int = STACK_DIM) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, 3 * dim)
+        self.fc2 = nn.Linear(3 * dim, dim)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class StackLM(nn.Module):
+    """A plain stack: each unit runs once in the forward and once in the backward (what
+    ``offload.plan.traffic`` assumes), one frozen parameter."""
+
+    def __init__(self, n: int = 4, frozen: bool = True, block=StackBlock) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(STACK_VOCAB, STACK_DIM)
+        self.blocks = nn.Sequential(*(block() for _ in range(n)))
+        self.head = nn.Linear(STACK_DIM, STACK_VOCAB)
+        if frozen:
+            self.blocks[1].fc1.bias.requires_grad_(False)
+
+    def forward(self, tokens):
+        return self.head(self.blocks(self.embed(tokens)))
+
+
 def make_model(seed: int = 0, **kw) -> TinyLM:
     torch.manual_seed(seed)
     return TinyLM(**kw)

@@ -15,7 +15,7 @@ from engine_models import batches, lm_loss, make_model, placement_config, train_
 from safetensors.torch import load_file
 
 import offload
-from offload.engine import checkpoint as ckpt_mod
+from offload.api import checkpoint as ckpt_mod
 
 HERE = Path(__file__).parent
 

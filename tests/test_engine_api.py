@@ -13,8 +13,8 @@ from engine_models import batches, lm_loss, make_model, placement_config
 
 import offload
 from offload.config import ConfigError
-from offload.engine import pages
-from offload.engine.phase import PhaseError
+from offload.device import pages
+from offload.runtime.phase import PhaseError
 
 
 def test_eval_no_grad_inference_and_released_storage(tmp_path):
@@ -27,7 +27,7 @@ def test_eval_no_grad_inference_and_released_storage(tmp_path):
             b = model(tokens)
         assert torch.equal(a, b)
         # outside a forward, offloaded parameters hold no memory: on the CPU their pages were
-        # given back to the OS (they read as zeros; see offload.engine.pages) ...
+        # given back to the OS (they read as zeros; see offload.device.pages) ...
         blk = model.blocks[1].fc1.weight
         if pages.supported(blk.device):
             assert torch.count_nonzero(blk) == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.engine.optstate import GradParts
+from offload.homes.grads import GradParts
 from offload.optim import accumulate_grad
 
 

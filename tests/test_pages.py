@@ -1,4 +1,4 @@
-"""Page-released parameter blocks (offload.engine.pages): released memory really leaves the
+"""Page-released parameter blocks (offload.device.pages): released memory really leaves the
 process, the parameters keep their storage (autograd's saved tensors stay valid), and a
 released parameter reads zeros instead of faulting."""
 
@@ -9,9 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from offload.engine import pages
-from offload.engine.layout import FlatLayout
-from offload.engine.units import Unit
+from offload.device import pages
+from offload.plan import FlatLayout, Unit
 
 pytestmark = pytest.mark.skipif(
     not pages.supported(torch.device("cpu")), reason="page release needs Linux madvise"

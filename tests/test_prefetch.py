@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+from offload.io import AsyncIO, BufferPool, NvmeStore
 from offload.store import Tier, TieredStore
 from offload.store.prefetch import TracePrefetcher
 
@@ -104,31 +105,41 @@ def _run_iterations(store: TieredStore, order: list[tuple[str, Tier]], iteration
     return per_iteration
 
 
+def _nvme_store(tmp_path, buffers, depth, numel=1023, dtype=torch.float32):
+    aio = AsyncIO(block_size=1 << 16, queue_depth=4, thread_count=2)
+    pool = BufferPool(buffers, ((numel * dtype.itemsize + 4095) // 4096) * 4096, timeout=1.0)
+    nvme = NvmeStore(tmp_path, aio=aio)
+    store = TieredStore(pool=pool, nvme=nvme, prefetch_depth=depth)
+    return store, (nvme, pool, aio)
+
+
+def _close(store, parts):
+    store.close()
+    for part in parts:
+        part.close()
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3])
-def test_steady_state_hit_rate_is_100_percent_host_home(depth):
-    """Host-homed shards cached on the device through a budget of depth + 1 slabs."""
-    numel = 1023
-    slab = ((numel * 4 + 4095) // 4096) * 4096
-    store = TieredStore(
-        device="cpu", pool=None, nvme=None, device_budget=(depth + 1) * slab, prefetch_depth=depth
-    )
-    order = [(f"u{i}", Tier.DEVICE) for i in range(7)]
+def test_steady_state_hit_rate_is_100_percent(tmp_path, depth):
+    """NVMe-homed shards cached in host memory through a budget of depth + 1 buffers."""
+    store, parts = _nvme_store(tmp_path, depth + 1, depth)
+    order = [(f"u{i}", Tier.HOST) for i in range(7)]
     for key, _ in order:
-        store.register(key, numel, torch.float32, Tier.HOST)
+        store.register(key, 1023, torch.float32, Tier.NVME)
     result = _run_iterations(store, order, iterations=4)
     assert result[0] == (0, 0)  # recording: nothing counted
     for hits, misses in result[1:]:
         assert (hits, misses) == (len(order), 0)
-    assert store.stats()["peak_device_bytes"] <= (depth + 1) * slab
-    store.close()
+    assert store.stats()["peak_host_buffers"] <= depth + 1
+    _close(store, parts)
 
 
-def test_order_change_is_counted_and_replay_recovers():
-    store = TieredStore(device="cpu", pool=None, nvme=None, device_budget=0, prefetch_depth=2)
+def test_order_change_is_counted_and_replay_recovers(tmp_path):
+    store, parts = _nvme_store(tmp_path, 3, 2, numel=7, dtype=torch.float16)
     keys = [f"k{i}" for i in range(5)]
     for key in keys:
-        store.register(key, 7, torch.float16, Tier.HOST)
-    order = [(k, Tier.DEVICE) for k in keys]
+        store.register(key, 7, torch.float16, Tier.NVME)
+    order = [(k, Tier.HOST) for k in keys]
     _run_iterations(store, order, iterations=2)
     changed = list(reversed(order))
     _run_iterations(store, changed, iterations=1)
@@ -136,23 +147,21 @@ def test_order_change_is_counted_and_replay_recovers():
     result = _run_iterations(store, changed, iterations=2)
     assert result[-1] == (len(order), 0)
     assert store.stats()["rerecords"] == 1
-    store.close()
+    _close(store, parts)
 
 
-def test_prefetch_never_displaces_a_copy_needed_sooner():
-    """Device budget of 2 slabs, depth 3, trace a b c d: the window does not fit, so the
+def test_prefetch_never_displaces_a_copy_needed_sooner(tmp_path):
+    """Host budget of 2 buffers, depth 3, trace a b c d: the window does not fit, so the
     prefetcher must keep a and b (needed first) instead of trading them for c and d."""
-    store = TieredStore(
-        device="cpu", pool=None, nvme=None, device_budget=2 * 4096, prefetch_depth=3
-    )
-    order = [(k, Tier.DEVICE) for k in "abcd"]
+    store, parts = _nvme_store(tmp_path, 2, 3, numel=1024)
+    order = [(k, Tier.HOST) for k in "abcd"]
     for key, _ in order:
-        store.register(key, 1024, torch.float32, Tier.HOST)
+        store.register(key, 1024, torch.float32, Tier.NVME)
     _run_iterations(store, order, iterations=1)  # record; head prefetch brings a and b
     store.flush()
-    assert [store.state(k).name for k in "abcd"] == ["DEVICE", "DEVICE", "HOST", "HOST"]
+    assert [store.state(k).name for k in "abcd"] == ["HOST", "HOST", "NVME", "NVME"]
     store.begin_iteration()
-    store.use("a", Tier.DEVICE)  # window b, c, d: nothing may evict a or b
-    assert store.state("a").name == "DEVICE" and store.state("b").name == "DEVICE"
+    store.use("a", Tier.HOST)  # window b, c, d: nothing may evict a or b
+    assert store.state("a").name == "HOST" and store.state("b").name == "HOST"
     assert store.stats()["prefetches_deferred"] >= 1
-    store.close()
+    _close(store, parts)

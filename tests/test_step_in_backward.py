@@ -14,9 +14,9 @@ import torch
 from engine_models import batches, lm_loss, make_model, placement_config
 
 import offload
+from offload.api.wrap import engine_of
 from offload.config import ConfigError
-from offload.engine.phase import PhaseError
-from offload.engine.wrap import engine_of
+from offload.runtime.phase import PhaseError
 
 STEPS = 8
 

@@ -1,4 +1,4 @@
-"""TieredStore on the CPU: round trips, write-back, budgets, eviction order, errors, counters."""
+"""TieredStore: round trips, write-back, the host budget, eviction order, errors, counters."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def make_store(tmp_path, *, buffers=3, buffer_size=1 << 16, timeout=0.3, **kw):
     pool = BufferPool(buffers, buffer_size, timeout=timeout)
     nvme = NvmeStore(tmp_path, aio=aio, checksum=True)
     kw.setdefault("name", "offload_param")
-    store = TieredStore(device="cpu", pool=pool, nvme=nvme, **kw)
+    store = TieredStore(pool=pool, nvme=nvme, **kw)
     try:
         yield store
     finally:
@@ -50,23 +50,22 @@ def make_store(tmp_path, *, buffers=3, buffer_size=1 << 16, timeout=0.3, **kw):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nvme_round_trip_odd_sizes(tmp_path, backend, numel, dtype):
     size = ((numel * dtype.itemsize + KIB4 - 1) // KIB4) * KIB4
-    with make_store(tmp_path, buffers=2, buffer_size=size, device_budget=size) as store:
+    with make_store(tmp_path, buffers=2, buffer_size=size) as store:
         init = torch.randn(numel).to(dtype)
         store.register("a", numel, dtype, Tier.NVME, init=init)
         store.register("z", numel, dtype, Tier.NVME)  # zeros
-        for tier in (Tier.HOST, Tier.DEVICE):
-            got = store.fetch("a", tier).wait()
-            assert got.dtype == dtype and got.numel() == numel
-            assert torch.equal(got, init)
-            store.release("a", tier)
-        zeros = store.fetch("z", Tier.DEVICE).wait()
+        got = store.fetch("a", Tier.HOST).wait()
+        assert got.dtype == dtype and got.numel() == numel
+        assert torch.equal(got, init)
+        store.release("a", Tier.HOST)
+        zeros = store.fetch("z", Tier.HOST).wait()
         assert torch.count_nonzero(zeros) == 0
-        store.release("z", Tier.DEVICE)
+        store.release("z", Tier.HOST)
 
 
-@pytest.mark.parametrize("tier", [Tier.HOST, Tier.DEVICE])
-def test_dirty_release_is_written_back_and_survives_eviction(tmp_path, backend, tier):
-    with make_store(tmp_path, buffers=1, device_budget=KIB4) as store:
+def test_dirty_release_is_written_back_and_survives_eviction(tmp_path, backend):
+    tier = Tier.HOST
+    with make_store(tmp_path, buffers=1) as store:
         for key in ("a", "b"):
             store.register(key, 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 1.0))
         store.fetch("a", tier).wait().add_(41.0)
@@ -96,9 +95,9 @@ def test_read_false_skips_the_disk_read_and_counts_as_dirty(tmp_path):
         assert torch.equal(out, torch.full((513,), 3.0))
 
 
-@pytest.mark.parametrize("tier", [Tier.HOST, Tier.DEVICE])
-def test_discard_drops_the_copy_without_writing_it(tmp_path, tier):
-    with make_store(tmp_path, buffers=2, device_budget=2 * KIB4) as store:
+def test_discard_drops_the_copy_without_writing_it(tmp_path):
+    tier = Tier.HOST
+    with make_store(tmp_path, buffers=2) as store:
         store.register("g", 700, torch.float32, Tier.NVME, init=torch.full((700,), 7.0))
         before = store.stats()["tiers"]["host->nvme"]["bytes"]
         held = store.fetch("g", tier, read=False).wait()
@@ -108,7 +107,7 @@ def test_discard_drops_the_copy_without_writing_it(tmp_path, tier):
         store.release("g", tier, discard=True)
         assert store.state("g") is not ShardState.NVME  # still held once: nothing dropped yet
         store.release("g", tier, discard=True)
-        assert store.state("g") is ShardState.NVME  # the buffer (and slab) went back
+        assert store.state("g") is ShardState.NVME  # the buffer went back
         assert store.stats()["tiers"]["host->nvme"]["bytes"] == before  # nothing written
         store.flush()
         assert store.stats()["tiers"]["host->nvme"]["bytes"] == before
@@ -122,38 +121,21 @@ def test_discard_drops_the_copy_without_writing_it(tmp_path, tier):
             store.release("g", tier, dirty=True, discard=True)
 
 
-def test_host_dirty_release_drops_a_stale_device_copy(tmp_path):
-    with make_store(tmp_path, device_budget=2 * KIB4) as store:
-        store.register("p", 100, torch.float32, Tier.NVME)
-        store.fetch("p", Tier.DEVICE).wait()
-        store.release("p", Tier.DEVICE)
-        assert store.state("p") is ShardState.DEVICE  # cached on the device
-        store.fetch("p", Tier.HOST).wait().fill_(5.0)
-        store.release("p", Tier.HOST, dirty=True)
-        assert torch.equal(store.fetch("p", Tier.DEVICE).wait(), torch.full((100,), 5.0))
-        store.release("p", Tier.DEVICE)
-
-
-@pytest.mark.parametrize("home", [Tier.HOST, Tier.DEVICE])
-def test_host_and_device_homes(home):
-    store = TieredStore(device="cpu", pool=None, nvme=None, device_budget=0)
+def test_host_home():
+    store = TieredStore(pool=None, nvme=None)
     init = torch.arange(7, dtype=torch.float16)
-    store.register("h", 7, torch.float16, home, init=init)
-    got = store.fetch("h", Tier.DEVICE).wait()
+    store.register("h", 7, torch.float16, Tier.HOST, init=init)
+    got = store.fetch("h", Tier.HOST).wait()
     assert torch.equal(got, init)
     got.mul_(2)
-    store.release("h", Tier.DEVICE, dirty=True)
+    store.release("h", Tier.HOST, dirty=True)
     out = torch.empty(7, dtype=torch.float16)
     store.read_into("h", out)
     assert torch.equal(out, init * 2)
     store.write_from("h", torch.zeros(7))
     store.read_into("h", out)
     assert torch.count_nonzero(out) == 0
-    if home is Tier.DEVICE:
-        with pytest.raises(ValueError, match="its home is DEVICE"):
-            store.fetch("h", Tier.HOST)
-    stats = store.stats()
-    assert stats["device_in_use_bytes"] == 0  # no cap: nothing stays cached on the device
+    assert store.stats()["tiers"]["host->nvme"]["bytes"] == 0  # the host copy is the home
     store.close()
 
 
@@ -180,17 +162,13 @@ def test_shard_larger_than_a_buffer_is_rejected_naming_the_key(tmp_path):
             store.register("big", 4096, torch.float32, Tier.NVME)
         msg = str(info.value)
         assert "offload_optimizer.buffer_size=8192" in msg and "16384" in msg and "'big'" in msg
-        with pytest.raises(ValueError, match="device_budget"):
-            TieredStore(device="cpu", pool=None, nvme=None, device_budget=4096).register(
-                "d", 2000, torch.float32, Tier.HOST
-            )
         with pytest.raises(ValueError, match="already registered"):
             store.register("x", 1, torch.float32, Tier.NVME)
             store.register("x", 1, torch.float32, Tier.NVME)
 
 
 def test_nvme_home_needs_pool_and_nvme():
-    store = TieredStore(device="cpu", pool=None, nvme=None)
+    store = TieredStore(pool=None, nvme=None)
     with pytest.raises(ValueError, match="without a pool"):
         store.register("a", 1, torch.float32, Tier.NVME)
 
@@ -210,19 +188,8 @@ def test_host_budget_exhaustion_raises_a_clear_error(tmp_path):
         store.release("c", Tier.HOST)
 
 
-def test_device_budget_exhaustion_raises_a_clear_error():
-    store = TieredStore(
-        device="cpu", pool=None, nvme=None, device_budget=KIB4, name="offload_param"
-    )
-    store.register("a", 10, torch.float32, Tier.HOST)
-    store.register("b", 10, torch.float32, Tier.HOST)
-    store.fetch("a", Tier.DEVICE).wait()
-    with pytest.raises(RuntimeError, match="device budget exhausted.*device_budget=4096"):
-        store.fetch("b", Tier.DEVICE).wait()
-
-
 def test_release_without_fetch_and_unknown_key():
-    store = TieredStore(device="cpu", pool=None, nvme=None)
+    store = TieredStore(pool=None, nvme=None)
     store.register("a", 3, torch.float32, Tier.HOST)
     with pytest.raises(RuntimeError, match="without a matching fetch"):
         store.release("a", Tier.HOST)
@@ -242,10 +209,10 @@ def test_transition_table_and_checked_methods():
                     check_transition("k", old, new)
     shard = Shard(key="k", numel=4, dtype=torch.float32, home=Tier.NVME, io_nbytes=KIB4)
     assert shard.state is ShardState.NVME
-    with pytest.raises(RuntimeError, match="drop_device needs state DEVICE, but it is NVME"):
-        shard.drop_device()
-    with pytest.raises(RuntimeError, match="load_device needs state HOST"):
-        shard.load_device(None, None)
+    with pytest.raises(RuntimeError, match="drop_host needs state HOST, but it is NVME"):
+        shard.drop_host()
+    with pytest.raises(RuntimeError, match="write_back needs state HOST"):
+        shard.write_back(None)
     with pytest.raises(RuntimeError, match="nothing in flight"):
         shard.finish_pending()
 
@@ -279,63 +246,36 @@ def test_eviction_follows_the_recorded_trace(tmp_path):
 
 
 def test_counters_add_up(tmp_path):
-    with make_store(tmp_path, buffers=2, device_budget=KIB4) as store:
+    import time
+
+    class Slow:  # a read whose completion the host has to wait for
+        def __init__(self, handle):
+            self.handle, self.at = handle, time.perf_counter() + 0.05
+
+        def done(self):
+            return time.perf_counter() >= self.at and self.handle.done()
+
+        def wait(self):
+            time.sleep(max(0.0, self.at - time.perf_counter()))
+            return self.handle.wait()
+
+    with make_store(tmp_path, buffers=2) as store:
         store.register("a", 1024, torch.float32, Tier.NVME)  # exactly 4096 bytes
         start = store.stats()
         assert start["tiers"]["host->nvme"] == {"bytes": KIB4, "transfers": 1, "wait_seconds": 0.0}
-        store.fetch("a", Tier.DEVICE).wait()
-        store.release("a", Tier.DEVICE, dirty=True)
+        real_read = store._nvme.read
+        store._nvme.read = lambda key, buf: Slow(real_read(key, buf))
+        store.fetch("a", Tier.HOST).wait()
+        store._nvme.read = real_read
+        store.release("a", Tier.HOST, dirty=True)
         store.flush()
         s = store.stats()
         assert (
             s["tiers"]["nvme->host"]["bytes"] == KIB4 and s["tiers"]["nvme->host"]["transfers"] == 1
         )
-        assert (
-            s["tiers"]["host->device"]["bytes"] == KIB4
-            and s["tiers"]["device->host"]["bytes"] == KIB4
-        )
         assert s["tiers"]["host->nvme"]["transfers"] == 2
-        assert s["peak_host_buffers"] == 1 and s["peak_device_bytes"] == KIB4
-        assert all(s["tiers"][p]["wait_seconds"] >= 0 for p in ("nvme->host", "host->nvme"))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_round_trip_without_device_synchronize(tmp_path, monkeypatch):
-    """Streams + events on a real GPU: data intact, and no device-wide synchronize anywhere."""
-
-    def forbidden(*_a, **_k):
-        raise AssertionError("torch.cuda.synchronize() called in the store")
-
-    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
-    aio = AsyncIO()
-    pool = BufferPool(2, 1 << 16, timeout=1.0)
-    nvme = NvmeStore(tmp_path, aio=aio)
-    store = TieredStore(
-        device="cuda", pool=pool, nvme=nvme, device_budget=2 << 16, prefetch_depth=1
-    )
-    ref = {}
-    for i in range(4):
-        ref[f"s{i}"] = torch.randn(4099)
-        store.register(f"s{i}", 4099, torch.float32, Tier.NVME, init=ref[f"s{i}"])
-    for _ in range(3):
-        store.begin_iteration()
-        for key in ref:
-            store.use(key, Tier.DEVICE)
-            got = store.fetch(key, Tier.DEVICE).wait()
-            assert got.is_cuda and torch.equal(got.cpu(), ref[key])
-            got.mul_(2)
-            ref[key] *= 2
-            store.release(key, Tier.DEVICE, dirty=True)
-        store.end_iteration()
-    store.flush()
-    for key, value in ref.items():
-        out = torch.empty(4099)
-        store.read_into(key, out)
-        assert torch.equal(out, value)
-    store.close()
-    nvme.close()
-    pool.close()
-    aio.close()
+        assert s["peak_host_buffers"] == 1
+        assert s["tiers"]["nvme->host"]["wait_seconds"] >= 0.04  # the wait on the slow read
 
 
 def test_io_errors_surface_once_and_lose_nothing(tmp_path, backend):

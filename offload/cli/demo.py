@@ -46,7 +46,7 @@ DEFAULT_LR = 1e-3
 BUFFER_COUNT = 4  # per pool (params, optimizer)
 BUFFER_SIZE = 20 * 2**20  # bytes per buffer (a 50M block's fp32 params, 19.7 MB, fit one)
 ENGINE_MISSING = (
-    "offload demo: the training engine is not built yet (offload.engine.wrap is missing in "
+    "offload demo: the training engine is not built yet (offload.api.wrap is missing in "
     "this version); run `offload demo --baseline` to train the same model with plain PyTorch"
 )
 _DEEPSPEED_KEYS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu")
@@ -54,15 +54,15 @@ _DEEPSPEED_KEYS = ("zero_optimization", "train_batch_size", "train_micro_batch_s
 
 def engine_status() -> tuple[bool, str]:
     """(whether ``offload.wrap`` can be used, why not)."""
-    spec = importlib.util.find_spec("offload.engine")
+    spec = importlib.util.find_spec("offload.api")
     if spec is None or spec.origin is None:  # no package, or a bare directory (namespace)
-        return False, "offload.engine is not a package yet"
+        return False, "offload.api is not a package yet"
     try:
-        mod = importlib.import_module("offload.engine")
+        mod = importlib.import_module("offload.api")
     except Exception as exc:  # noqa: BLE001 - report any import failure as the reason
-        return False, f"offload.engine failed to import: {type(exc).__name__}: {exc}"
+        return False, f"offload.api failed to import: {type(exc).__name__}: {exc}"
     if not callable(getattr(mod, "wrap", None)):
-        return False, "offload.engine has no wrap()"
+        return False, "offload.api has no wrap()"
     return True, ""
 
 
@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             # offload.wrap is this function; importing it from its home also works when an
             # editable install exposes `offload` as a namespace package (no top-level __init__).
-            from offload.engine import wrap  # noqa: PLC0415
+            from offload.api import wrap  # noqa: PLC0415
 
             try:
                 cfg = build_config(args, tmpdir, device)

@@ -6,10 +6,10 @@ Torch's CPU allocator only guarantees 64-byte alignment, so :func:`aligned_empty
 ``nbytes + 4095`` bytes and returns a view that starts at the next 4096 boundary. The view keeps
 the whole allocation alive (it shares its storage), so nothing needs to be freed by hand.
 
-Note: pinning. When CUDA is available the allocation is made through torch's pinned host
-allocator (``pin_memory=True``, i.e. ``cudaHostAlloc``), which is page-locked and still sliced
-to a 4096 boundary the same way. That is the only CUDA-specific line of this package and lives
-in :func:`_allocate`; it cannot run on the CPU-only machines the tests run on.
+Note: pinning. With ``pin=True`` the allocation is made through torch's pinned host allocator
+(``pin_memory=True``, i.e. ``cudaHostAlloc``), which is page-locked and still sliced to a 4096
+boundary the same way. Whether to pin is not decided here: the caller passes what the device's
+pinning policy says (``offload.device.HostMemory``); without a GPU, asking for it is an error.
 """
 
 from __future__ import annotations
@@ -24,13 +24,6 @@ def round_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
-def _cuda_available() -> bool:
-    try:
-        return bool(torch.cuda.is_available())
-    except Exception:  # a broken CUDA install must not break host-memory allocation
-        return False
-
-
 def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
     """A flat uint8 tensor of ``nbytes`` bytes, page-locked for CUDA when ``pin``."""
     if pin:
@@ -40,14 +33,14 @@ def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
 
 
 def aligned_empty(
-    nbytes: int, *, dtype: torch.dtype = torch.uint8, pin: bool | None = None
+    nbytes: int, *, dtype: torch.dtype = torch.uint8, pin: bool = False
 ) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor of ``nbytes`` bytes whose data starts on a 4096 boundary.
 
     Args:
         nbytes: size in bytes; a multiple of ``dtype``'s element size.
         dtype: element type of the returned tensor (``nbytes // itemsize`` elements).
-        pin: page-lock it for CUDA; ``None`` pins exactly when CUDA is available.
+        pin: page-lock it (for CUDA copies; see the Note).
     """
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise ValueError(f"aligned_empty: nbytes must be an int >= 0, got {nbytes!r}")
@@ -57,8 +50,6 @@ def aligned_empty(
             f"aligned_empty: nbytes={nbytes} is not a multiple of the {dtype} element size "
             f"({itemsize} bytes)"
         )
-    if pin is None:
-        pin = _cuda_available()
     raw = _allocate(nbytes + ALIGN - 1, bool(pin))
     skip = (-raw.data_ptr()) % ALIGN
     out = raw[skip : skip + nbytes]

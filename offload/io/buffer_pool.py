@@ -28,12 +28,12 @@ class BufferPool:
     Args:
         buffer_count: number of buffers (count, >= 1).
         buffer_size: bytes per buffer (>= 1); each slot is padded to a multiple of 4096.
-        pin: page-lock for CUDA; ``None`` pins when CUDA is available.
+        pin: page-lock the buffers (what the device's pinning policy says).
         timeout: default seconds ``acquire`` waits for a free buffer before raising.
     """
 
     def __init__(
-        self, buffer_count: int, buffer_size: int, *, pin: bool | None = None, timeout: float = 60.0
+        self, buffer_count: int, buffer_size: int, *, pin: bool = False, timeout: float = 60.0
     ) -> None:
         _check(buffer_count, buffer_size)
         if timeout is None or timeout < 0:

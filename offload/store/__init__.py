@@ -1,5 +1,9 @@
-"""The tiered store: shards across device, host and NVMe with hard budgets, async moves and a
-trace-driven prefetch queue. Knows shards, not modules (the engine maps units to shards).
+"""The tiered store: shards in host memory and on NVMe under a hard host budget, asynchronous
+moves and a trace-driven prefetch queue. Knows shards, not modules (the homes map units to
+shards).
+
+Owns: every shard's home bytes (NVMe extents, host tensors), the host pool's buffers while a
+shard's copy is cached in one, and the counters of every byte moved between host and NVMe.
 """
 
 from offload.store.fetch import Fetch

@@ -2,26 +2,34 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from offload.store.shard import Shard
 from offload.store.state import Tier
 
-if TYPE_CHECKING:  # pragma: no cover
-    from offload.store.store import TieredStore
+
+class Driver(Protocol):
+    """The store's side of a fetch (``TieredStore``)."""
+
+    def drive(self, shard: Shard, read: bool, blocking: bool) -> bool:
+        """Takes every step toward a usable host copy; True once there."""
+
+    def view(self, shard: Shard) -> torch.Tensor:
+        """The shard's host copy, once usable (raises after the fetch was released)."""
 
 
 class Fetch:
     """A future for one ``fetch``: ``wait()`` is the only way to reach the data."""
 
-    __slots__ = ("_store", "_shard", "tier", "_read")
+    __slots__ = ("_driver", "_shard", "_read")
 
-    def __init__(self, store: TieredStore, shard: Shard, tier: Tier, read: bool) -> None:
-        self._store = store
+    tier = Tier.HOST
+
+    def __init__(self, driver: Driver, shard: Shard, read: bool) -> None:
+        self._driver = driver
         self._shard = shard
-        self.tier = tier
         self._read = read
 
     @property
@@ -29,12 +37,13 @@ class Fetch:
         return self._shard.key
 
     def wait(self) -> torch.Tensor:
-        """Block until resident at ``tier``; returns exactly ``numel`` elements of ``dtype``."""
-        return self._store._wait(self._shard, self.tier, self._read)
+        """Block until resident in host memory; returns exactly ``numel`` elements of ``dtype``."""
+        self._driver.drive(self._shard, self._read, blocking=True)
+        return self._driver.view(self._shard)
 
     def done(self) -> bool:
         """Whether ``wait()`` would return without blocking on a transfer."""
-        return self._store._try(self._shard, self.tier, self._read)
+        return self._driver.drive(self._shard, self._read, blocking=False)
 
     def __repr__(self) -> str:
-        return f"Fetch({self.key!r}, {self.tier.name}, state={self._shard.state.name})"
+        return f"Fetch({self.key!r}, state={self._shard.state.name})"

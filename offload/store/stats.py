@@ -8,12 +8,7 @@ from __future__ import annotations
 
 from offload.store.state import Tier
 
-PAIRS: tuple[tuple[Tier, Tier], ...] = (
-    (Tier.NVME, Tier.HOST),
-    (Tier.HOST, Tier.NVME),
-    (Tier.HOST, Tier.DEVICE),
-    (Tier.DEVICE, Tier.HOST),
-)
+PAIRS: tuple[tuple[Tier, Tier], ...] = ((Tier.NVME, Tier.HOST), (Tier.HOST, Tier.NVME))
 
 
 def pair_name(src: Tier, dst: Tier) -> str:
@@ -38,9 +33,12 @@ class StoreCounters:
         """Prefetches that found no buffer they were allowed to take (retried later; count)."""
         self.rerecords = 0
         """Times the recorded trace was replaced (count)."""
-        self.evictions = {"host": 0, "device": 0}
+        self.evictions = {"host": 0}
         self.budget_waits = 0
         """Times a demand fetch waited for a transfer in flight to free a buffer (count)."""
+        self.fetched_bytes = 0
+        """IO bytes of the fetches that needed an NVMe-homed shard's data: read from disk, read
+        ahead, or found in host memory (``offload.plan.traffic`` predicts this)."""
 
     def moved(self, src: Tier, dst: Tier, nbytes: int) -> None:
         entry = self._pairs[pair_name(src, dst)]
@@ -65,9 +63,9 @@ class StoreCounters:
     def evicted(self, tier: Tier) -> None:
         self.evictions[tier.name.lower()] += 1
 
-    def as_dict(self, *, host: dict, device: dict) -> dict:
+    def as_dict(self, *, host: dict) -> dict:
         """Snapshot: ``tiers`` (per pair: bytes, transfers, wait_seconds), prefetch counts,
-        evictions, and the ``host_*`` / ``device_*`` budget figures passed in (flat keys)."""
+        evictions, and the ``host_*`` budget figures passed in (flat keys)."""
         uses = self.prefetch_hits + self.prefetch_misses
         return {
             "tiers": {name: dict(entry) for name, entry in self._pairs.items()},
@@ -79,6 +77,6 @@ class StoreCounters:
             "rerecords": self.rerecords,
             "evictions": dict(self.evictions),
             "budget_waits": self.budget_waits,
+            "fetched_bytes": self.fetched_bytes,
             **host,
-            **device,
         }

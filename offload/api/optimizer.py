@@ -1,8 +1,9 @@
 """The optimizer users get from ``offload.wrap``: a real ``torch.optim.Optimizer``.
 
 ``param_groups`` holds one group with the user's parameters and hyperparameters (so LR
-schedulers work); ``step()`` runs the engine's pipelined per-unit CPU Adam over the flat
-buffers wherever they live. fp16 training needs loss scaling::
+schedulers work); the runtime reads that same group when a step starts. ``step()`` runs the
+runtime's per-unit CPU Adam over the flat buffers wherever they live. fp16 training needs loss
+scaling::
 
     optimizer.scale_loss(loss).backward()   # dynamic scaling; an overflow skips the step
 """
@@ -13,44 +14,39 @@ import math
 
 import torch
 
-from offload.engine.engine import Engine
-from offload.engine.loss_scale import DynamicLossScaler
-from offload.engine.optstate import KINDS
+from offload.api.loss_scale import DynamicLossScaler
+from offload.homes.optim import KINDS
+from offload.runtime import Runtime
+from offload.runtime.values import ParamTensors
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
-        engine: Engine,
+        runtime: Runtime,
+        group: dict,
         *,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        adamw_mode: bool,
         gradient_clipping: float,
         scaler: DynamicLossScaler | None,
     ) -> None:
-        params = [p for u in engine.units for p in u.trainable_params]
-        if not params:
-            raise ValueError(
-                "offload.wrap: the model has no trainable parameters (all requires_grad=False)"
-            )
-        defaults = dict(
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            adamw_mode=adamw_mode,
-            bias_correction=True,
-        )
-        super().__init__(params, defaults)
-        self._engine = engine
+        super().__init__([group], {})  # the group the runtime reads (see wrap)
+        self._engine = runtime
         self.gradient_clipping = gradient_clipping
         self.scaler = scaler
         self._clip_coef: float | None = None
         self.skipped_steps = 0
-        engine.hyper_source = self._hyper_base  # step_in_backward reads them at backward
+
+    @staticmethod
+    def hyper_of(group: dict) -> dict:
+        """A param group's hyperparameters as the update takes them."""
+        return dict(
+            lr=float(group["lr"]),
+            betas=tuple(float(b) for b in group["betas"]),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            adamw_mode=bool(group["adamw_mode"]),
+            bias_correction=bool(group["bias_correction"]),
+        )
 
     # ---------------------------------------------------------------- training
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -96,22 +92,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self._clip_coef is None and self.gradient_clipping > 0:
             self.clip_grad_norm_(self.gradient_clipping)
         coef = 1.0 if self._clip_coef is None else self._clip_coef
-        engine.step(self._hyper_base(), grad_scale=inv_scale * coef)
+        try:
+            engine.step(grad_scale=inv_scale * coef)
+        finally:
+            self._clip_coef = None
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
-        self._clip_coef = None
         return loss
-
-    def _hyper_base(self) -> dict:
-        group = self.param_groups[0]
-        return dict(
-            lr=float(group["lr"]),
-            betas=tuple(float(b) for b in group["betas"]),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            adamw_mode=bool(group["adamw_mode"]),
-            bias_correction=bool(group["bias_correction"]),
-        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._engine.zero_grad()
@@ -119,7 +106,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def stats(self) -> dict:
         """The last step's counters: seconds per phase, bytes per tier pair, prefetch hits and
-        misses, memory figures, and cumulative totals (see ``offload.engine.telemetry``)."""
+        misses, memory figures, and cumulative totals (see ``offload.runtime.telemetry``)."""
         out = self._engine.telemetry.stats()
         out["skipped_steps"] = self.skipped_steps
         if self.scaler is not None:
@@ -152,7 +139,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         index = {p: i for i, p in enumerate(self.param_groups[0]["params"])}
         state: dict[int, dict] = {}
         for unit in engine.units:
-            per_kind = _read_unit_kinds(engine, unit)
+            per_kind = {k: engine.values.read(unit, k) for k in KINDS}
             for seg in unit.layout.segments:
                 if seg.trainable:
                     entry = {k: per_kind[k][seg.param].view(seg.shape) for k in KINDS}
@@ -184,9 +171,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if entry is None:
                 raise ValueError(f"load_state_dict: no saved state for parameter index {i}")
             by_param[p] = entry
-        for unit in engine.units:
-            for kind in KINDS:
-                _write_unit_kind(engine, unit, kind, {p: s[kind] for p, s in by_param.items()})
+        source = ParamTensors(
+            {k: {p: s[k] for p, s in by_param.items()} for k in KINDS}, "load_state_dict"
+        )
+        for run in engine.runs:
+            engine.values.load(run.unit, source)
+            run.release()  # a gathered copy would be stale
         saved_group = state_dict["param_groups"][0]
         for k, v in saved_group.items():
             if k != "params":
@@ -196,42 +186,3 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         if self.scaler is not None and "loss_scaler" in extra:
             self.scaler.load_state_dict(extra["loss_scaler"])
-
-
-def _read_unit_kinds(engine: Engine, unit) -> dict[str, dict]:
-    out: dict[str, dict] = {k: {} for k in KINDS}
-    for seg in unit.layout.segments:
-        if seg.trainable:
-            for k in KINDS:
-                out[k][seg.param] = torch.empty(seg.numel, dtype=torch.float32)
-    for lo, hi in engine.optim.pieces(unit):
-        for k in KINDS:
-            vals = engine.optim.read(unit, k, lo, hi)
-            for seg, a, b in unit.layout.overlaps(lo, hi, trainable_only=True):
-                out[k][seg.param][a:b].copy_(vals[seg.offset + a - lo : seg.offset + b - lo])
-    return out
-
-
-def _write_unit_kind(engine: Engine, unit, kind: str, values: dict) -> None:
-    """Writes per-parameter values of ``kind`` into the unit's flat state (and, for the master,
-    the compute params derived from it)."""
-    for lo, hi in engine.optim.pieces(unit):
-        piece = torch.zeros(hi - lo, dtype=torch.float32)
-        for seg, a, b in unit.layout.overlaps(lo, hi, trainable_only=True):
-            if seg.param not in values:
-                raise ValueError(f"load_state_dict: no saved state for parameter '{seg.name}'")
-            src = values[seg.param].reshape(-1).to(torch.float32)
-            if src.numel() != seg.numel:
-                raise ValueError(
-                    f"load_state_dict: '{kind}' of parameter '{seg.name}' has {src.numel()} "
-                    f"elements; the model's has {seg.numel}"
-                )
-            piece[seg.offset + a - lo : seg.offset + b - lo].copy_(src[a:b])
-        engine.optim.write(unit, kind, lo, hi, piece)
-        if kind == "master":
-            for plo, phi in engine.compute_pieces(unit, lo, hi):
-                vals = piece[plo - lo : phi - lo].to(engine.dtype)
-                if not engine.optim.master_is_compute(unit):
-                    engine.params.write(unit, plo, phi, vals)
-    if kind == "master":
-        engine.params.release(unit)  # a gathered copy would be stale

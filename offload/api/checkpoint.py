@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from offload.engine.optstate import KINDS
-from offload.engine.units import Unit
+from offload.homes.optim import KINDS
+from offload.plan import Unit
+from offload.runtime.values import FROZEN, ValueSource
 
 FORMAT = "offload-checkpoint"
 VERSION = 1
@@ -101,7 +102,7 @@ def _unit_meta(unit: Unit) -> dict:
 
 
 def _engine(model: nn.Module):
-    from offload.engine.wrap import engine_of  # noqa: PLC0415
+    from offload.api.wrap import engine_of  # noqa: PLC0415
 
     return engine_of(model)
 
@@ -130,31 +131,15 @@ def save_checkpoint(
     tmp = root / f".{name}.tmp"
     tmp.mkdir()
     try:
+        values = engine.values
         for unit in engine.units:
             entries = []
             n, total = unit.layout.trainable, unit.layout.total
-            for kind in KINDS if n else ():
-                entries.append(
-                    (
-                        kind,
-                        torch.float32,
-                        [n],
-                        lambda u=unit, k=kind: (
-                            engine.optim.read(u, k, lo, hi) for lo, hi in engine.optim.pieces(u)
-                        ),
-                    )
-                )
+            for kind, dtype, numel in ((k, torch.float32, n) for k in KINDS) if n else ():
+                entries.append((kind, dtype, [numel], _pieces_of(values, unit, kind)))
             if total > n:
                 entries.append(
-                    (
-                        "frozen",
-                        engine.dtype,
-                        [total - n],
-                        lambda u=unit, a=n, b=total: (
-                            engine.params.read(u, lo, hi)
-                            for lo, hi in engine.compute_pieces(u, a, b)
-                        ),
-                    )
+                    (FROZEN, engine.dtype, [total - n], _pieces_of(values, unit, FROZEN))
                 )
             _write_safetensors(tmp / f"unit_{unit.index:05d}.safetensors", entries)
         group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
@@ -191,6 +176,22 @@ def save_checkpoint(
     for p in old[: max(0, len(old) - (keep_last - 1))]:
         shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+def _pieces_of(values, unit: Unit, kind: str) -> Callable[[], Iterable[torch.Tensor]]:
+    """The flat tensor ``kind`` of ``unit``, produced piece by piece from its owner."""
+    return lambda: (values.flat(unit, kind, lo, hi) for lo, hi in values.pieces(unit, kind))
+
+
+class _UnitFile(ValueSource):
+    """One unit's checkpoint file as a source of values (flat slices, read per piece)."""
+
+    def __init__(self, f, unit: Unit) -> None:
+        self.f, self.base = f, {FROZEN: unit.layout.trainable}
+
+    def piece(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor | None:
+        base = self.base.get(kind, 0)
+        return self.f.get_slice(kind)[lo - base : hi - base]
 
 
 def _resolve(directory: Path) -> Path:
@@ -232,24 +233,11 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -
                 f"load_checkpoint: unit '{unit.label}' differs from the checkpoint's "
                 f"'{saved['name'] or '<root>'}' (parameters, shapes or order)"
             )
-    for unit in engine.units:
-        n, total = unit.layout.trainable, unit.layout.total
+    for run in engine.runs:
+        unit = run.unit
         with safe_open(str(ckpt / f"unit_{unit.index:05d}.safetensors"), framework="pt") as f:
-            for kind in KINDS if n else ():
-                sl = f.get_slice(kind)
-                for lo, hi in engine.optim.pieces(unit):
-                    piece = sl[lo:hi]
-                    engine.optim.write(unit, kind, lo, hi, piece)
-                    if kind == "master" and not engine.optim.master_is_compute(unit):
-                        for plo, phi in engine.compute_pieces(unit, lo, hi):
-                            engine.params.write(
-                                unit, plo, phi, piece[plo - lo : phi - lo].to(engine.dtype)
-                            )
-            if total > n:
-                sl = f.get_slice("frozen")
-                for lo, hi in engine.compute_pieces(unit, n, total):
-                    engine.params.write(unit, lo, hi, sl[lo - n : hi - n])
-        engine.params.release(unit)
+            engine.values.load(unit, _UnitFile(f, unit))
+        run.release()  # a gathered copy would be stale
     engine.step_count = int(meta["step_count"])
     optimizer.skipped_steps = int(meta["skipped_steps"])
     if optimizer.scaler is not None and meta.get("loss_scaler"):

@@ -1,6 +1,6 @@
 """Per-step telemetry of a wrapped model: one plain dict per optimizer step, built from counters
-that already exist (the engine's phase timers and the stores' per-tier byte counters); nothing is
-measured twice. Optionally each step's dict is appended to a JSON-lines file
+that already exist (the runtime's phase timers, the stores' per-tier byte counters and the
+host <-> device transfers' counters); nothing is measured twice. Optionally each step's dict is appended to a JSON-lines file
 (``telemetry.jsonl_path``).
 """
 
@@ -24,15 +24,16 @@ TIMERS = (
 )
 
 
-def store_totals(stores: dict) -> tuple[dict[str, int], int, int, int, dict]:
+def store_totals(counted) -> tuple[dict[str, int], int, int, int, dict]:
     """(bytes per tier pair, prefetch hits, misses, peak host buffer bytes, raw stats) summed
-    over the stores, cumulative since wrap."""
+    over everything that counts moved bytes (the stores and the host <-> device transfers:
+    ``Runtime.counted()``), cumulative since wrap."""
     moved: dict[str, int] = {}
     hits = misses = peak = 0
     raw = {}
-    for name, store in stores.items():
-        st = store.stats()
-        raw[name] = st
+    for obj in counted:
+        st = obj.stats()
+        raw[getattr(obj, "name", "transfers")] = st
         for pair, rec in st.get("tiers", {}).items():
             moved[pair] = moved.get(pair, 0) + int(rec.get("bytes", 0))
         hits += int(st.get("prefetch_hits", 0))
@@ -50,8 +51,8 @@ class Telemetry:
         self._last: dict = {}
         self._totals: dict[str, float] = {k: 0.0 for k in TIMERS}
 
-    def end_step(self, timers: dict[str, float], stores: dict, steps: int, skipped: bool) -> None:
-        moved, hits, misses, peak, raw = store_totals(stores)
+    def end_step(self, timers: dict[str, float], counted, steps: int, skipped: bool) -> None:
+        moved, hits, misses, peak, raw = store_totals(counted)
         prev_moved, prev_hits, prev_misses = self._prev
         self._prev = (moved, hits, misses)
         for k in TIMERS:
@@ -77,9 +78,9 @@ class Telemetry:
         rec["stores"] = raw
         self._last = rec
 
-    def rebase(self, stores: dict) -> None:
+    def rebase(self, counted) -> None:
         """The next step's byte and prefetch counts start from here."""
-        moved, hits, misses, _, _ = store_totals(stores)
+        moved, hits, misses, _, _ = store_totals(counted)
         self._prev = (moved, hits, misses)
 
     def stats(self) -> dict:

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from offload.engine.units import Unit
+from offload.plan import Unit
 
 PAGE = mmap.PAGESIZE
 
@@ -37,11 +37,6 @@ def supported(device: torch.device) -> bool:
     return (
         device.type == "cpu" and sys.platform.startswith("linux") and hasattr(mmap.mmap, "madvise")
     )
-
-
-def blocks_for(device: torch.device, dtype: torch.dtype) -> PageBlocks | None:
-    """Page-released blocks for parameters on ``device``, or None where they do not apply."""
-    return PageBlocks(dtype) if supported(device) else None
 
 
 class PageBlocks:
@@ -61,6 +56,9 @@ class PageBlocks:
         for seg in layout.segments:
             seg.param.data = flat[seg.offset : seg.end].view(seg.shape)
         self._maps[unit.index] = block
+
+    def make_room(self, unit: Unit) -> None:
+        """Nothing to do: released pages come back as the gather writes them."""
 
     def drop(self, unit: Unit) -> None:
         """Gives the unit's pages back to the OS; its parameters read as zeros until written."""

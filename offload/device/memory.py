@@ -1,0 +1,189 @@
+"""Memory on and around the compute device, chosen once per device: the pinning policy, the
+storage of gathered parameters, how gradients leave the device, and how the optimizer writes
+parameters that live on the device. Everything CUDA-specific above the copier is here.
+
+Note: one policy object per concern
+    Each concern has a CPU and a CUDA implementation behind the same methods, picked by
+    :func:`for_device`; the homes and the runtime call the methods and never ask which device
+    they run on.
+
+    - :class:`HostMemory`: host tensors and pools, page-locked exactly when the device is CUDA
+      and the config section asks for it (``pin_memory``). The one place pinning is decided.
+    - unit storage (``storage_for``): on the CPU (Linux) a unit's parameters are views into one
+      page-released block (``pages.py``); elsewhere each parameter's storage is freed on release
+      and reallocated on gather (what FSDP does with the caching allocator).
+    - :class:`GradStaging`: on the CPU the accumulation reads each ``p.grad`` in place; on CUDA
+      the unit's gradients are flattened on the device into one staging buffer and copied to a
+      pinned host buffer in one transfer.
+    - :class:`DeviceWriter`: where the optimizer writes new values of device-resident params.
+      On the CPU that is the device buffer itself; on CUDA a pinned staging slot copied up
+      after the write (two slots, so the host waits only for the copy before the previous one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offload.device import pages
+from offload.device.copier import COMPLETED, Event, Transfers
+from offload.plan import Unit
+
+
+class HostMemory:
+    """Host allocations for one compute device (the pinning policy)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.is_cuda = device.type == "cuda"
+
+    def pins(self, wanted: bool) -> bool:
+        """Whether host memory asked to be pinned (``pin_memory``) is page-locked here."""
+        return wanted and self.is_cuda
+
+    def empty(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype)
+        return t.pin_memory() if self.pins(pin) else t
+
+
+# ---------------------------------------------------------------------------- parameter storage
+class ResizedStorage:
+    """Each parameter's own storage, freed on release and reallocated on gather."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+
+    def attach(self, unit: Unit) -> None:
+        """Gives every parameter a storage of its own on the device (values undefined)."""
+        for seg in unit.layout.segments:
+            seg.param.data = torch.empty(seg.shape, dtype=self.dtype, device=self.device)
+
+    def make_room(self, unit: Unit) -> None:
+        for p in unit.params:
+            st = p.untyped_storage()
+            need = p.numel() * p.element_size()
+            if st.nbytes() != need:
+                st.resize_(need)
+
+    def drop(self, unit: Unit) -> None:
+        for p in unit.params:
+            st = p.untyped_storage()
+            if st.nbytes() != 0:
+                st.resize_(0)
+
+    def close(self) -> None:
+        pass
+
+
+def storage_for(device: torch.device, dtype: torch.dtype):
+    """How gathered parameters of ``dtype`` are stored on ``device`` (see the Note)."""
+    if pages.supported(device):
+        return pages.PageBlocks(dtype)
+    return ResizedStorage(device, dtype)
+
+
+# ---------------------------------------------------------------------------- gradients
+Parts = list[tuple[int, int, torch.Tensor | None]]
+
+
+def grad_parts(unit: Unit) -> Parts:
+    """The unit's gradients over ``[0, trainable)`` as ``(begin, end, tensor)`` parts in flat
+    order (``tensor`` None for padding and for a parameter that got no gradient)."""
+    parts: Parts = []
+    prev = 0
+    for seg in unit.layout.segments:
+        if not seg.trainable:
+            continue
+        if seg.offset > prev:
+            parts.append((prev, seg.offset, None))
+        g = seg.param.grad
+        parts.append((seg.offset, seg.end, None if g is None else g.reshape(-1)))
+        prev = seg.end
+    if prev < unit.layout.trainable:
+        parts.append((prev, unit.layout.trainable, None))
+    return parts
+
+
+class GradStaging:
+    """CPU: gradients are read where autograd left them (counted as they cross)."""
+
+    def __init__(self, transfers: Transfers, memory: HostMemory, dtype, largest: int) -> None:
+        self.transfers = transfers
+
+    def host_parts(self, unit: Unit) -> Parts:
+        parts = grad_parts(unit)
+        nbytes = sum(g.numel() * g.element_size() for _, _, g in parts if g is not None)
+        self.transfers.count("device->host", nbytes)
+        return parts
+
+
+class CudaGradStaging(GradStaging):
+    """CUDA: flattened on the device, then one copy into a pinned host buffer."""
+
+    def __init__(self, transfers: Transfers, memory: HostMemory, dtype, largest: int) -> None:
+        super().__init__(transfers, memory, dtype, largest)
+        n = max(largest, 1)
+        self._device = torch.empty(n, dtype=dtype, device=transfers.device)
+        self._host = memory.empty(n, dtype, pin=True)
+
+    def host_parts(self, unit: Unit) -> Parts:
+        n = unit.layout.trainable
+        flat = self._device[:n]
+        for a, b, g in grad_parts(unit):
+            if g is None:
+                flat[a:b].zero_()
+            else:
+                flat[a:b].copy_(g)
+        host = self._host[:n]
+        self.transfers.wait(self.transfers.to_host(host, flat), "device->host")
+        return [(0, n, host)]
+
+
+# ---------------------------------------------------------------------------- device params
+class DeviceWriter:
+    """CPU: the optimizer writes new values straight into the device buffer."""
+
+    def __init__(self, transfers: Transfers, memory: HostMemory, dtype) -> None:
+        self.transfers = transfers
+
+    def out(self, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        return flat[lo:hi]
+
+    def commit(self, flat: torch.Tensor, lo: int, hi: int) -> None:
+        self.transfers.count("host->device", (hi - lo) * flat.element_size())
+
+    def quiesce(self) -> None:
+        pass
+
+
+class CudaDeviceWriter(DeviceWriter):
+    """CUDA: two pinned staging slots; a slot is reused once its copy up has completed."""
+
+    def __init__(self, transfers: Transfers, memory: HostMemory, dtype) -> None:
+        super().__init__(transfers, memory, dtype)
+        self.memory, self.dtype = memory, dtype
+        self._slots: list[torch.Tensor | None] = [None, None]
+        self._events: list[Event] = [COMPLETED, COMPLETED]
+        self._next = 0
+
+    def out(self, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        i = self._next
+        self.transfers.wait(self._events[i], "host->device")  # its previous copy read it
+        slot = self._slots[i]
+        if slot is None or slot.numel() < hi - lo:
+            slot = self._slots[i] = self.memory.empty(hi - lo, self.dtype, pin=True)
+        return slot[: hi - lo]
+
+    def commit(self, flat: torch.Tensor, lo: int, hi: int) -> None:
+        i = self._next
+        self._events[i] = self.transfers.to_device([(flat[lo:hi], self._slots[i][: hi - lo])])
+        self._next = 1 - i
+
+    def quiesce(self) -> None:
+        for event in self._events:
+            self.transfers.wait(event, "host->device")
+
+
+def for_device(device: torch.device):
+    """``(HostMemory, GradStaging class, DeviceWriter class)`` of ``device``."""
+    if device.type == "cuda":
+        return HostMemory(device), CudaGradStaging, CudaDeviceWriter
+    return HostMemory(device), GradStaging, DeviceWriter

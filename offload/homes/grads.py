@@ -1,0 +1,316 @@
+"""The owners of the fp32 gradients (``offload.plan.ownership``, ``GradOwner``).
+
+Each owner takes a unit's gradients when its backward ends (``absorb``), reports their global
+inf/NaN flag and sum of squares for clipping and fp16 overflow (``stats``), and feeds them to
+the update (``update`` for the host state; ``fetch`` / ``drop`` for the NVMe step's pipeline).
+
+Note: accumulation
+    A unit's device gradients are accumulated into the fp32 owner with the native one-pass
+    kernel, which also reports inf/NaN and the sum of squares of the result. The first
+    micro-step after ``zero_grad`` overwrites instead of adding, so nothing is ever zeroed and,
+    on NVMe, the first write needs no read. The latest sum of squares per unit (or piece)
+    gives the global norm for clipping without another pass.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from offload.optim import accumulate_grad, adam_step
+from offload.optim.kernels import AdamGroup
+from offload.plan import Plan, Unit
+
+PartsSource = Callable[[], list]
+"""Yields a unit's gradients on the host as ``(begin, end, tensor | None)`` parts."""
+
+
+@dataclass(slots=True)
+class Hyper:
+    """The hyperparameters of one step."""
+
+    step: int
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    adamw_mode: bool
+    bias_correction: bool
+    grad_scale: float
+
+    def kwargs(self) -> dict:
+        return dict(
+            step=self.step,
+            lr=self.lr,
+            betas=self.betas,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            adamw_mode=self.adamw_mode,
+            bias_correction=self.bias_correction,
+            grad_scale=self.grad_scale,
+        )
+
+
+@dataclass(slots=True)
+class GradRecord:
+    """Latest accumulation result of one unit or piece."""
+
+    found_inf: bool = False
+    sumsq: float = 0.0
+
+
+class GradParts:
+    """A unit's gradient over ``[0, trainable)`` of its flat layout, as it arrives from backward:
+    ``(begin, end, tensor)`` parts in order, ``tensor`` None where there is no gradient (padding,
+    or a parameter that got none). Accumulating a range reads the parts in place: no flat copy."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[tuple[int, int, torch.Tensor | None]]) -> None:
+        self.parts = parts
+
+    @staticmethod
+    def of_flat(flat: torch.Tensor) -> GradParts:
+        return GradParts([(0, flat.numel(), flat)])
+
+    def accumulate(self, acc: torch.Tensor, lo: int, overwrite: bool) -> GradRecord:
+        """``acc`` holds elements ``[lo, lo + acc.numel())``: adds (or, with ``overwrite``,
+        writes) the gradient there; returns inf/NaN and the sum of squares of the new ``acc``."""
+        hi = lo + acc.numel()
+        rec = GradRecord()
+        for a, b, g in self.parts:
+            a2, b2 = max(a, lo), min(b, hi)
+            if a2 >= b2:
+                continue
+            dst = acc[a2 - lo : b2 - lo]
+            if g is not None:
+                inf, ss = accumulate_grad(dst, g[a2 - a : b2 - a], overwrite=overwrite)
+            elif overwrite:
+                dst.zero_()
+                inf, ss = False, 0.0
+            else:  # no gradient this micro-step: the accumulated values stay and still count
+                ss = float(dst.double().square().sum())
+                inf = not torch.isfinite(dst).all().item()
+            rec.found_inf |= inf
+            rec.sumsq += ss
+        return rec
+
+
+def _drop_device_grads(unit: Unit) -> None:
+    for p in unit.trainable_params:
+        p.grad = None
+
+
+class GradHome:
+    """Interface of the gradient owners."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.records: dict[int, list[GradRecord]] = {}
+
+    def create(self, unit: Unit) -> None:
+        """Makes room for the unit's gradients (wrap time)."""
+
+    def absorb(self, unit: Unit, parts: PartsSource, first: bool) -> None:
+        """The unit's backward ended: take its gradients (overwrite when ``first``)."""
+        raise NotImplementedError
+
+    def stats(self) -> tuple[bool, float]:
+        """(any inf/NaN, sum of squares) over all accumulated gradients (still loss-scaled)."""
+        recs = [r for rs in self.records.values() for r in rs]
+        return any(r.found_inf for r in recs), sum(r.sumsq for r in recs)
+
+    def close(self) -> None:
+        pass
+
+
+class AutogradGrads(GradHome):
+    """Gradients stay in ``p.grad``: autograd accumulates them and the update reads them in
+    place (only where they already sit where the optimizer runs; see the ownership Note)."""
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(plan)
+        self._groups: dict[tuple[int, int], tuple[AdamGroup, list]] = {}
+
+    def absorb(self, unit: Unit, parts: PartsSource, first: bool) -> None:
+        pass  # autograd has put them where they stay
+
+    def stats(self) -> tuple[bool, float]:
+        grads = [p.grad for u in self.plan.units for p in u.trainable_params if p.grad is not None]
+        if not grads:
+            return False, 0.0
+        ss = float(sum(float(n.double() ** 2) for n in torch._foreach_norm(grads, 2.0)))
+        return not torch.isfinite(torch.tensor(ss)).item(), ss
+
+    def update(self, unit, lo, hi, master, exp_avg, exp_avg_sq, out, hyper: Hyper) -> None:
+        """Adam over the parameters inside ``[lo, hi)`` whose ``p.grad`` is set, in one native
+        call (the group of slices is prepared once per piece and reused; the state buffers stay
+        put for the whole run). A parameter that got no gradient is not updated this step."""
+        group, segs = self._group(unit, lo, hi, master, exp_avg, exp_avg_sq, out)
+        grads = [s.param.grad for s in segs]
+        if any(g is None for g in grads):
+            live = [i for i, g in enumerate(grads) if g is not None]
+            group = AdamGroup(*[None if t is None else [t[i] for i in live] for t in group.tensors])
+            grads = [grads[i] for i in live]
+        group.step([g.view(-1) for g in grads], **hyper.kwargs())
+
+    def _group(self, unit, lo, hi, master, exp_avg, exp_avg_sq, out) -> tuple[AdamGroup, list]:
+        cached = self._groups.get((unit.index, lo))
+        if cached is None:
+            segs = [s for s, _, _ in unit.layout.overlaps(lo, hi, trainable_only=True)]
+            sl = [slice(s.offset - lo, s.end - lo) for s in segs]
+            outs = None if out is None else [out[x] for x in sl]
+            group = AdamGroup(
+                [master[x] for x in sl], [exp_avg[x] for x in sl], [exp_avg_sq[x] for x in sl], outs
+            )
+            cached = self._groups[(unit.index, lo)] = (group, segs)
+        return cached
+
+
+class HostGrads(GradHome):
+    """One flat fp32 host buffer per unit over its trainable share."""
+
+    def __init__(self, plan: Plan, memory, pin: bool) -> None:
+        super().__init__(plan)
+        self.memory, self.pin = memory, pin
+        self.bufs: dict[int, torch.Tensor] = {}
+
+    def create(self, unit: Unit) -> None:
+        lo, hi = unit.layout.local_trainable
+        if hi > lo:
+            self.bufs[unit.index] = self.memory.empty(hi - lo, torch.float32, self.pin)
+            self.records[unit.index] = [GradRecord()]
+
+    def absorb(self, unit: Unit, parts: PartsSource, first: bool) -> None:
+        buf = self.bufs.get(unit.index)
+        if buf is None:
+            return
+        lo = unit.layout.local_trainable[0]
+        self.records[unit.index][0] = GradParts(parts()).accumulate(buf, lo, first)
+        _drop_device_grads(unit)
+
+    def update(self, unit, lo, hi, master, exp_avg, exp_avg_sq, out, hyper: Hyper) -> None:
+        base = unit.layout.local_trainable[0]
+        grad = self.bufs[unit.index][lo - base : hi - base]
+        adam_step(master, grad, exp_avg, exp_avg_sq, **hyper.kwargs(), out=out)
+
+
+class _Ready:
+    """A fetch that is already complete: a grad piece handed over in its buffer."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+
+    def wait(self) -> torch.Tensor:
+        return self.buf
+
+
+class NvmeGrads(GradHome):
+    """fp32 shards ``grad.u<unit>.<lo>`` in the optimizer store, one per piece."""
+
+    def __init__(self, plan: Plan, store) -> None:
+        from offload.store import Tier  # noqa: PLC0415
+
+        super().__init__(plan)
+        self.store, self.tier, self._nvme = store, Tier.HOST, Tier.NVME
+
+    @staticmethod
+    def key(unit: Unit, lo: int) -> str:
+        return f"grad.u{unit.index}.{lo}"
+
+    def create(self, unit: Unit) -> None:
+        pieces = self.plan.trainable_pieces(unit)
+        self.records[unit.index] = [GradRecord() for _ in pieces]
+        for lo, hi in pieces:
+            self.store.register(self.key(unit, lo), hi - lo, torch.float32, self._nvme)
+
+    def absorb(self, unit: Unit, parts: PartsSource, first: bool) -> None:
+        pieces = self.plan.trainable_pieces(unit)
+        if not pieces:
+            return
+        grad = GradParts(parts())
+        recs = self.records[unit.index]
+        for j, (lo, hi) in enumerate(pieces):
+            key = self.key(unit, lo)
+            if not first:  # an overwrite reads nothing: keep it out of the prefetch trace
+                self.store.use(key, self.tier)
+            buf = self.store.fetch(key, self.tier, read=not first).wait()
+            recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
+            self.store.release(key, self.tier, dirty=True)
+        _drop_device_grads(unit)
+
+    def fetch(self, unit: Unit, lo: int):
+        """A future of the piece's accumulated gradient, for the update."""
+        return self.store.fetch(self.key(unit, lo), self.tier)
+
+    def drop(self, unit: Unit, lo: int, future) -> None:
+        """The update consumed the piece."""
+        self.store.release(self.key(unit, lo), self.tier)
+
+    def abandon(self) -> None:
+        """The update stopped early (an error): nothing is held for it."""
+
+
+class HeldNvmeGrads(NvmeGrads):
+    """The step in backward's gradients: each unit's are written into its grad pieces once
+    (no accumulation: one backward per step) and up to ``hold`` pieces stay in their buffers
+    for the update, which consumes them without a disk write or read back; the rest are
+    released dirty (written, and read back by the update). The backward waits while the update
+    still holds earlier pieces and this unit's would exceed ``hold``: it then runs at the
+    update's pace instead of taking every buffer."""
+
+    def __init__(self, plan: Plan, store, hold: int) -> None:
+        super().__init__(plan, store)
+        self.hold = hold
+        self._handed: dict[str, torch.Tensor] = {}
+        self._held = 0
+        self._cond = threading.Condition()
+
+    def absorb(self, unit: Unit, parts: PartsSource, first: bool) -> None:
+        pieces = self.plan.trainable_pieces(unit)
+        if not pieces:
+            return
+        grad = GradParts(parts())
+        with self._cond:
+            while self._held and self._held + len(pieces) > self.hold:
+                self._cond.wait()
+        recs = self.records[unit.index]
+        for j, (lo, hi) in enumerate(pieces):
+            key = self.key(unit, lo)
+            buf = self.store.fetch(key, self.tier, read=False).wait()
+            recs[j] = grad.accumulate(buf[: hi - lo], lo, True)
+            with self._cond:
+                keep = self._held < self.hold
+                if keep:
+                    self._held += 1
+                    self._handed[key] = buf
+            if not keep:
+                self.store.release(key, self.tier, dirty=True)
+        _drop_device_grads(unit)
+
+    def fetch(self, unit: Unit, lo: int):
+        key = self.key(unit, lo)
+        with self._cond:
+            buf = self._handed.pop(key, None)
+        return self.store.fetch(key, self.tier) if buf is None else _Ready(buf)
+
+    def drop(self, unit: Unit, lo: int, future) -> None:
+        self.store.release(self.key(unit, lo), self.tier, discard=True)  # consumed: not written
+        if isinstance(future, _Ready):  # one of the `hold` buffers the backward filled
+            with self._cond:
+                self._held -= 1
+                self._cond.notify_all()
+
+    def abandon(self) -> None:
+        """A failed update: the backward must not wait on it any more."""
+        with self._cond:
+            left, self._handed = list(self._handed), {}
+            self._held = 0
+            self._cond.notify_all()
+        for key in left:
+            self.store.release(key, self.tier, discard=True)

@@ -1,0 +1,250 @@
+"""Where the fp32 master weights and Adam moments live (``offload_optimizer.device``), and the
+per-unit update over them. Both homes cover this rank's share of each unit's trainable prefix,
+in the plan's pieces.
+
+- :class:`HostOptim` (``"cpu"``): flat fp32 host tensors per unit; the master is owned by a
+  :class:`ParamsMaster` (the param home's own fp32 buffer) or a :class:`HostMaster` (a buffer
+  of its own, the compute params derived from it). The update is one native CPU Adam call per
+  piece (the kernel's thread pool splits it).
+- :class:`NvmeOptim` (``"nvme"``): one NVMe shard per (unit, piece, kind) for master, exp_avg and
+  exp_avg_sq, streamed through the ``offload_optimizer`` buffer pool; host RAM never holds a
+  model-sized fp32 buffer.
+
+Which owns the master and which owns the gradients is the plan's decision
+(``offload.plan.ownership``); the update reads gradients from their owner.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import torch
+
+from offload.homes.grads import GradHome, Hyper
+from offload.homes.params import ParamHome
+from offload.optim import adam_step
+from offload.plan import Plan, Unit
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+MOMENTS = KINDS[1:]
+
+
+class Units:
+    """The units an update goes over, in order: a known list here; the step in backward's feed
+    (``offload.runtime.schedule.UnitFeed``) has the same methods and is filled as it runs.
+    :meth:`poll` never blocks (None: nothing yet); :meth:`take` waits (None: no more)."""
+
+    def __init__(self, units: Iterable[Unit]) -> None:
+        self._it = iter(units)
+
+    def take(self) -> Unit | None:
+        return next(self._it, None)
+
+    poll = take
+
+    def __iter__(self):
+        while (unit := self.take()) is not None:
+            yield unit
+
+
+MasterValues = Callable[[int, int], torch.Tensor]
+"""``(lo, hi) -> fp32 values`` of a unit's trainable elements ``[lo, hi)``."""
+
+
+class OptimHome:
+    """Interface of the optimizer-state homes."""
+
+    def __init__(self, plan: Plan, params: ParamHome, grads: GradHome) -> None:
+        self.plan, self.params, self.grads = plan, params, grads
+
+    def pieces(self, unit: Unit) -> list[tuple[int, int]]:
+        """The ranges :meth:`read` and :meth:`load` accept: the plan's trainable pieces."""
+        return self.plan.trainable_pieces(unit)
+
+    def create(self, unit: Unit, master: MasterValues) -> None:
+        """Creates the unit's state: the master from ``master``, zero moments (wrap time; after
+        the param home's ``create``)."""
+        raise NotImplementedError
+
+    def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
+        """A new host fp32 tensor with ``kind`` (one of ``KINDS``) over a piece."""
+        raise NotImplementedError
+
+    def load(self, unit: Unit, kind: str, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Overwrites ``kind`` over a piece; loading the master also writes the compute params
+        derived from it, through whichever owns them."""
+        raise NotImplementedError
+
+    def step_units(self, units: Units, hyper: Hyper, on_unit_done=None) -> None:
+        """One update of every unit's state, writing new compute params home;
+        ``on_unit_done(unit)`` is called as each unit's update is complete. ``units`` may be a
+        feed that is still being filled (``offload.runtime.schedule``)."""
+        for unit in units:
+            self.step(unit, hyper)
+            if on_unit_done is not None:
+                on_unit_done(unit)
+
+    def step(self, unit: Unit, hyper: Hyper) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------- host
+class ParamsMaster:
+    """The param home's fp32 host buffer is the master: the update writes it in place."""
+
+    def __init__(self, params: ParamHome) -> None:
+        self.params = params
+
+    def create(self, unit: Unit, values: MasterValues) -> torch.Tensor:
+        return self.params.master_view(unit)  # already filled by the param home
+
+    def load(self, unit: Unit, buf: torch.Tensor, lo: int, hi: int, values: torch.Tensor) -> None:
+        self.params.load_shard(unit, lo, hi, values)
+
+    def out(self, unit: Unit, lo: int, hi: int) -> torch.Tensor | None:
+        return None
+
+    def commit(self, unit: Unit, lo: int, hi: int) -> None:
+        pass
+
+
+class HostMaster(ParamsMaster):
+    """A flat fp32 host buffer of its own; the update writes the compute params out of it."""
+
+    def create(self, unit: Unit, values: MasterValues) -> torch.Tensor:
+        lo, hi = unit.layout.local_trainable
+        buf = torch.empty(hi - lo, dtype=torch.float32)
+        for a, b in self.params.plan.trainable_pieces(unit):
+            buf[a - lo : b - lo].copy_(values(a, b))
+        return buf
+
+    def load(self, unit: Unit, buf: torch.Tensor, lo: int, hi: int, values: torch.Tensor) -> None:
+        base = unit.layout.local_trainable[0]
+        buf[lo - base : hi - base].copy_(values)
+        self.params.load_shard(unit, lo, hi, values.to(self.params.dtype))
+
+    def out(self, unit: Unit, lo: int, hi: int) -> torch.Tensor | None:
+        return self.params.out_buffer(unit, lo, hi)
+
+    def commit(self, unit: Unit, lo: int, hi: int) -> None:
+        self.params.commit(unit, lo, hi)
+
+
+class HostOptim(OptimHome):
+    def __init__(self, plan: Plan, params: ParamHome, grads: GradHome, master) -> None:
+        super().__init__(plan, params, grads)
+        self.master = master
+        self.bufs: dict[int, dict[str, torch.Tensor]] = {}
+
+    def create(self, unit: Unit, master: MasterValues) -> None:
+        lo, hi = unit.layout.local_trainable
+        if hi == lo:
+            return
+        self.bufs[unit.index] = {
+            "master": self.master.create(unit, master),
+            "exp_avg": torch.zeros(hi - lo, dtype=torch.float32),
+            "exp_avg_sq": torch.zeros(hi - lo, dtype=torch.float32),
+        }
+
+    def _view(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
+        base = unit.layout.local_trainable[0]
+        return self.bufs[unit.index][kind][lo - base : hi - base]
+
+    def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
+        return self._view(unit, kind, lo, hi).clone()
+
+    def load(self, unit: Unit, kind: str, lo: int, hi: int, values: torch.Tensor) -> None:
+        if kind == "master":
+            self.master.load(unit, self.bufs[unit.index]["master"], lo, hi, values)
+        else:
+            self._view(unit, kind, lo, hi).copy_(values)
+
+    def step(self, unit: Unit, hyper: Hyper) -> None:
+        for lo, hi in self.pieces(unit):
+            master, exp_avg, exp_avg_sq = (self._view(unit, k, lo, hi) for k in KINDS)
+            out = self.master.out(unit, lo, hi)
+            self.grads.update(unit, lo, hi, master, exp_avg, exp_avg_sq, out, hyper)
+            self.master.commit(unit, lo, hi)
+
+
+# ---------------------------------------------------------------------------- nvme
+class NvmeOptim(OptimHome):
+    """Master and moments as fp32 shards ``<kind>.u<unit>.<lo>`` in the optimizer store."""
+
+    def __init__(self, plan: Plan, params: ParamHome, grads: GradHome, store) -> None:
+        from offload.store import Tier  # noqa: PLC0415
+
+        super().__init__(plan, params, grads)
+        self.store, self.tier, self._nvme = store, Tier.HOST, Tier.NVME
+        self.lookahead = plan.placement.step_lookahead
+
+    @staticmethod
+    def key(unit: Unit, kind: str, lo: int) -> str:
+        return f"{kind}.u{unit.index}.{lo}"
+
+    def create(self, unit: Unit, master: MasterValues) -> None:
+        for lo, hi in self.pieces(unit):
+            init = master(lo, hi)
+            self.store.register(
+                self.key(unit, "master", lo), hi - lo, torch.float32, self._nvme, init=init
+            )
+            for kind in MOMENTS:
+                self.store.register(self.key(unit, kind, lo), hi - lo, torch.float32, self._nvme)
+
+    def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        self.store.read_into(self.key(unit, kind, lo), out)
+        return out
+
+    def load(self, unit: Unit, kind: str, lo: int, hi: int, values: torch.Tensor) -> None:
+        values = values.to(torch.float32).contiguous()
+        self.store.write_from(self.key(unit, kind, lo), values)
+        if kind == "master":
+            self.params.load_shard(unit, lo, hi, values.to(self.params.dtype))
+
+    def step_units(self, units: Units, hyper: Hyper, on_unit_done=None) -> None:
+        """Streams every piece through the pool: the reads of the next ``lookahead`` pieces are
+        in flight while piece ``j`` is updated and piece ``j - 1`` is written back (the store
+        writes released dirty shards asynchronously). The update's order is known exactly, so it
+        issues its own fetches instead of going through the store's trace prefetcher. ``units``
+        may be a feed still being filled: it looks ahead only over units already handed in
+        (``poll`` never blocks; ``take`` waits for the next unit or the feed's end)."""
+        queued: deque = deque()  # (unit, lo, hi, last piece of its unit), not fetched yet
+        ahead: deque = deque()  # the same with the futures of its fetches
+
+        def more(block: bool) -> bool:
+            unit = units.take() if block else units.poll()
+            if unit is None:
+                return False
+            pieces = self.pieces(unit)
+            queued.extend((unit, lo, hi, j + 1 == len(pieces)) for j, (lo, hi) in enumerate(pieces))
+            return True
+
+        try:
+            while True:
+                while len(ahead) <= self.lookahead:
+                    if not queued and not more(block=not ahead):
+                        break
+                    if queued:
+                        unit, lo, hi, last = queued.popleft()
+                        futs = [self.store.fetch(self.key(unit, k, lo), self.tier) for k in KINDS]
+                        futs.append(self.grads.fetch(unit, lo))
+                        ahead.append((unit, lo, hi, last, futs))
+                if not ahead:
+                    return
+                unit, lo, hi, last, futs = ahead.popleft()
+                master, exp_avg, exp_avg_sq, grad = (f.wait() for f in futs)
+                out = self.params.out_buffer(unit, lo, hi)
+                adam_step(master, grad, exp_avg, exp_avg_sq, **hyper.kwargs(), out=out)
+                self.params.commit(unit, lo, hi)
+                for k in KINDS:
+                    self.store.release(self.key(unit, k, lo), self.tier, dirty=True)
+                self.grads.drop(unit, lo, futs[3])
+                if on_unit_done is not None and last:
+                    on_unit_done(unit)
+        finally:
+            self.grads.abandon()

@@ -1,0 +1,64 @@
+"""Who owns each byte of training state: decided once per wrap, written down here.
+
+Note: one owner per byte
+    For every kind of state exactly one object owns the bytes; every other part asks it.
+
+    compute-dtype parameters
+        The param home (``offload.homes.params``): a flat device buffer the parameters view
+        (``offload_param.device: none``), a flat host buffer (``cpu``), or NVMe shards streamed
+        through the ``offload_param`` buffers (``nvme``). A gathered parameter's storage is a
+        working copy the home fills (unshard) and drops (reshard); it owns nothing.
+
+    fp32 master (:class:`MasterOwner`)
+        ``PARAMS``: the param home's own buffer, when it is fp32 host memory (compute dtype fp32
+        and the params on the CPU device or in host memory) and the optimizer state is on the
+        CPU. The update writes the parameters' home in place; there is no second copy.
+        ``HOST``: a flat fp32 host buffer of the optimizer state; the update writes the new
+        compute values into the param home (``out=``), derived, never read back.
+        ``NVME``: fp32 shards in the ``offload_optimizer`` store, the same derivation.
+        Loading a master value (wrap, checkpoint, ``load_state_dict``) goes through the owner,
+        which derives the compute copy itself; nothing else writes both.
+
+    fp32 gradients (:class:`GradOwner`)
+        ``AUTOGRAD``: gradients stay in ``p.grad`` where autograd accumulates them and the update
+        reads them in place. Only when they already sit where the optimizer runs: CPU device,
+        fp32 compute, optimizer state on the CPU, params not on NVMe.
+        ``HOST``: one flat fp32 host buffer per unit; each unit's device gradients are
+        accumulated into it when its backward ends (the first micro-step overwrites), and
+        ``p.grad`` is dropped.
+        ``NVME``: fp32 shards in the ``offload_optimizer`` store, accumulated piece by piece.
+        With the step in backward, a piece the update is about to consume is handed to it still
+        in its swap buffer; the store owns that buffer throughout, the hand-over only says who
+        releases it (and that it is released without being written).
+        On CUDA the device gradients pass through a staging buffer on their way (the device's
+        ``GradStaging``); it owns nothing across units.
+
+    Adam moments: always the optimizer state's home (host buffers or NVMe shards), next to the
+    master they update.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class MasterOwner(enum.Enum):
+    """Where a unit's fp32 master weights live."""
+
+    PARAMS = "params"
+    """The param home's fp32 host buffer is the master (no second copy)."""
+    HOST = "host"
+    """The optimizer state's own fp32 host buffer; compute params derived from it."""
+    NVME = "nvme"
+    """fp32 NVMe shards of the optimizer store; compute params derived from it."""
+
+
+class GradOwner(enum.Enum):
+    """Where a unit's fp32 gradients are accumulated between backward and the update."""
+
+    AUTOGRAD = "autograd"
+    """``p.grad``, accumulated by autograd and read in place by the update."""
+    HOST = "host"
+    """A flat fp32 host buffer per unit."""
+    NVME = "nvme"
+    """fp32 NVMe shards in the optimizer store (handed over in their buffers in backward)."""

@@ -1,0 +1,189 @@
+"""Placement: where every kind of state lives and how big the moves are, chosen once at wrap.
+
+Everything here is decided from the config, the compute device and dtype, before any state
+exists, and is read-only afterwards: which param home, optimizer-state home and step schedule
+the runtime gets (as names the builder maps to objects), who owns the master and the gradient
+bytes (``ownership.py``), the piece size, and the buffer arithmetic of the NVMe step. Every
+problem found here is a ``ConfigError`` naming the key, the value and what to change.
+
+Note: the NVMe step's buffers
+    The default step streams each piece's master, exp_avg, exp_avg_sq and grad through the
+    ``offload_optimizer`` pool: 4 buffers per piece in flight, and 3 more kept for write-backs
+    still draining; what is left reads pieces ahead (``step_lookahead``). With the step in
+    backward, 3 buffers are kept for write-backs and 1 for the backward's next grad piece; the
+    step takes 3 per piece in flight (its grad comes in its own buffer); what is left holds
+    grads handed over by the backward (``grad_hold``), and one piece is read ahead when that
+    still leaves 2 to hold.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from offload.config import ConfigError, OffloadConfig
+from offload.plan.layout import PAGE_ELEMS
+from offload.plan.ownership import GradOwner, MasterOwner
+
+NVME_OPT_BUFFERS = 4  # master, exp_avg, exp_avg_sq and grad of one piece in flight
+UNLIMITED = 1 << 62  # piece size when no swap buffer bounds it
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Schedule(enum.Enum):
+    """When the optimizer update runs (``offload.runtime.schedule``)."""
+
+    IMMEDIATE = "immediate"
+    """Inside ``optimizer.step()``: the optimizer state is in host memory, the step is short."""
+    BACKGROUND = "background"
+    """From ``optimizer.step()`` on a worker thread into the next forward (NVMe state)."""
+    IN_BACKWARD = "in_backward"
+    """Each unit as its backward completes (``offload_optimizer.step_in_backward``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    device: torch.device
+    """The compute device."""
+    dtype: torch.dtype
+    """The compute dtype of parameters, activations and device gradients."""
+    param_home: str
+    """``offload_param.device``: "none" (device), "cpu" (host) or "nvme"."""
+    optim_home: str
+    """``offload_optimizer.device``: "cpu" or "nvme"."""
+    schedule: Schedule
+    master: MasterOwner
+    grads: GradOwner
+    piece_numel: int
+    """Elements per piece: what one swap buffer holds (``UNLIMITED`` without NVMe)."""
+    param_window: int
+    """NVMe param pieces a gather keeps in flight (count)."""
+    step_lookahead: int
+    """NVMe step: pieces whose reads are issued ahead of the one updated (count)."""
+    grad_hold: int
+    """Step in backward: grad pieces the update may hold in their swap buffers (count)."""
+    stores: dict[str, int]
+    """Config section of each store to build -> its trace prefetch depth (shards ahead)."""
+    buffer_sizes: dict[str, int]
+    """Config section -> bytes per swap buffer."""
+    pin: dict[str, bool]
+    """Config section -> whether its host memory should be page-locked (CUDA applies it)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"device={name!r}: CUDA is not available on this machine; use 'cpu' or 'auto'"
+        )
+    return dev
+
+
+def piece_numel(cfg: OffloadConfig, dtype: torch.dtype) -> int:
+    """Elements per piece: what one swap buffer holds (fp32 for optimizer state, the compute
+    dtype for params), rounded down to the padding granule."""
+    limits = []
+    if cfg.offload_optimizer.device == "nvme":
+        limits.append(("offload_optimizer.buffer_size", cfg.offload_optimizer.buffer_size, 4))
+    if cfg.offload_param.device == "nvme":
+        limits.append(("offload_param.buffer_size", cfg.offload_param.buffer_size, dtype.itemsize))
+    piece = UNLIMITED
+    for key, size, itemsize in limits:
+        n = size // itemsize // PAGE_ELEMS * PAGE_ELEMS
+        if n == 0:
+            raise ConfigError(
+                f"{key}={size}: a swap buffer must hold at least one piece of {PAGE_ELEMS} "
+                f"elements ({PAGE_ELEMS * itemsize} bytes); raise it (e.g. to 64MiB)"
+            )
+        piece = min(piece, n)
+    return piece
+
+
+def nvme_step_buffers(count: int, in_backward: bool) -> tuple[int, int]:
+    """(pieces read ahead, grad pieces held) for an ``offload_optimizer`` pool of ``count``
+    buffers (see the module Note)."""
+    if count < NVME_OPT_BUFFERS:
+        raise ConfigError(
+            f"offload_optimizer.buffer_count={count}: the NVMe optimizer step needs at least "
+            f"{NVME_OPT_BUFFERS} buffers in flight (master, exp_avg, exp_avg_sq and grad of one "
+            "piece); use 8 or more so the next piece can be prefetched"
+        )
+    if not in_backward:
+        return max(0, (count - NVME_OPT_BUFFERS - 3) // 4), 0
+    spare = count - 3 - 1
+    ahead = 1 if spare - 3 * 2 >= 2 else 0
+    return ahead, max(0, spare - 3 * (ahead + 1))
+
+
+def _owners(
+    cfg: OffloadConfig, device: torch.device, dtype: torch.dtype, keep_grads: bool | None
+) -> tuple[MasterOwner, GradOwner]:
+    """The byte owners of ``ownership.py``'s Note."""
+    if cfg.offload_optimizer.device == "nvme":
+        return MasterOwner.NVME, GradOwner.NVME
+    host_params = cfg.offload_param.device == "cpu" or (
+        cfg.offload_param.device == "none" and device.type == "cpu"
+    )
+    master = MasterOwner.PARAMS if host_params and dtype == torch.float32 else MasterOwner.HOST
+    in_place = device.type == "cpu" and master is MasterOwner.PARAMS
+    keep = in_place if keep_grads is None else keep_grads
+    return master, GradOwner.AUTOGRAD if keep else GradOwner.HOST
+
+
+def make_placement(
+    cfg: OffloadConfig, device: torch.device, *, keep_grads: bool | None = None
+) -> Placement:
+    """Every placement decision for ``cfg`` on ``device``. ``keep_grads`` overrides whether
+    gradients stay in ``p.grad`` (tests run the flat-gradient path on the CPU with False)."""
+    dtype = DTYPES[cfg.dtype]
+    opt = cfg.offload_optimizer
+    master, grads = _owners(cfg, device, dtype, keep_grads)
+    lookahead = hold = 0
+    schedule = Schedule.IMMEDIATE
+    if opt.device == "nvme":
+        schedule = Schedule.IN_BACKWARD if opt.step_in_backward else Schedule.BACKGROUND
+        lookahead, hold = nvme_step_buffers(opt.buffer_count, opt.step_in_backward)
+    stores = {}
+    if cfg.offload_param.device == "nvme":
+        stores["offload_param"] = cfg.prefetch.depth
+    if opt.device == "nvme":  # prefetch.depth counts pieces; an optimizer piece is 4 shards
+        stores["offload_optimizer"] = cfg.prefetch.depth * NVME_OPT_BUFFERS
+    return Placement(
+        device=device,
+        dtype=dtype,
+        param_home=cfg.offload_param.device,
+        optim_home=opt.device,
+        schedule=schedule,
+        master=master,
+        grads=grads,
+        piece_numel=piece_numel(cfg, dtype),
+        param_window=max(1, cfg.offload_param.buffer_count - 1),
+        step_lookahead=lookahead,
+        grad_hold=hold,
+        stores=stores,
+        buffer_sizes={
+            "offload_param": cfg.offload_param.buffer_size,
+            "offload_optimizer": opt.buffer_size,
+        },
+        pin={
+            "offload_param": cfg.offload_param.pin_memory,
+            "offload_optimizer": opt.pin_memory,
+        },
+    )
+
+
+def check_host_buffers(section: str, count: int, size: int, available: int) -> None:
+    """Refuses a pool of ``count x size`` bytes that would not fit in ``available`` bytes of
+    RAM (90%), naming the keys to lower."""
+    need = count * size
+    if need > available * 0.9:
+        raise ConfigError(
+            f"{section}.buffer_count x {section}.buffer_size = {count} x {size} = {need} bytes "
+            f"of host buffers, but only {available} bytes of RAM are available; lower "
+            f"{section}.buffer_count or {section}.buffer_size"
+        )

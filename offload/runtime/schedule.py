@@ -1,0 +1,298 @@
+"""When the optimizer update runs: one schedule object per wrapped model, chosen by the plan.
+
+- :class:`Immediate`: inside ``optimizer.step()`` (optimizer state in host memory).
+- :class:`Background`: ``optimizer.step()`` hands the update to a worker thread that runs into
+  the next forward (optimizer state on NVMe; Note: the background step).
+- :class:`InBackward`: each unit is updated as its backward completes
+  (``offload_optimizer.step_in_backward``; Note: the step in backward).
+
+The runtime calls the same methods at the same points whatever the schedule; what happens there
+is the schedule's.
+
+Note: the background step
+    With the optimizer state on NVMe the update is disk-bound (read master, moments and grads,
+    write them and the new params back); run as a phase of its own it overlaps no compute. So
+    ``optimizer.step()`` fixes the update (hyperparameters, loss scale and clipping coefficient
+    are all known then) and hands it to one worker thread, which updates the units in forward
+    order; the next forward waits, at each unit's pre-hook, only for that unit's update (its new
+    params are then still in the store's cache). The disk work of the update overlaps the next
+    forward. The math, and its order within a unit, are those of an immediate step. Anything
+    else that reads or writes state first waits for the whole update (``flush``): a backward,
+    checkpoints, ``state_dict``, export, a new ``step()``, ``close``. The store, the IO engine
+    and the native pool are safe to call from both threads; the worker touches no parameter
+    storage.
+
+Note: the step in backward
+    The background step still leaves the disk idle in the backward, and it writes every
+    gradient to disk and reads it back. With the step in backward the worker starts with the
+    backward: each unit is handed to it as its gradients are final (persistent ones released
+    then, the root at the end of backward, when everything not yet updated is reordered to
+    forward order), its grad pieces still in their buffers (``HeldNvmeGrads``), and consumed
+    there: the gradient bytes never touch the disk. A backward that raises leaves the units
+    already handed in updated (teardown is fine; going on training after catching it is not).
+    The hyperparameters are those in ``param_groups`` when the backward starts (an LR scheduler
+    stepped after ``optimizer.step()`` gives the same values), and ``optimizer.step()`` only
+    checks them and closes the step. So each backward must be followed by ``step()`` (no
+    gradient accumulation), and nothing may need every gradient before the update: no clipping,
+    no fp16 overflow check (refused by the config).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from offload.homes.grads import Hyper
+from offload.homes.optim import OptimHome, Units
+from offload.homes.params import ParamHome
+from offload.plan import Unit
+from offload.runtime.phase import PhaseError
+
+
+class UnitFeed(Units):
+    """Units handed to an update while it runs (the step in backward gets each unit as its
+    backward completes). :meth:`poll` never blocks (None: nothing yet); :meth:`take` waits
+    (None: the feed is closed and empty)."""
+
+    def __init__(self, units: list[Unit]) -> None:
+        self._cond = threading.Condition()
+        self._items: deque[Unit] = deque()
+        self._expected = {u.index for u in units}  # not given yet
+        self._closed = False
+
+    def put(self, unit: Unit) -> None:
+        """Hands ``unit`` in (once; a unit the update does not go over is ignored)."""
+        with self._cond:
+            if unit.index in self._expected:
+                self._expected.discard(unit.index)
+                self._items.append(unit)
+                self._cond.notify_all()
+
+    def close(self, rest: list[Unit] = (), reorder=None) -> None:
+        """No more units after ``rest`` (those of them not given yet); ``reorder`` (a sort key)
+        reorders the units not taken yet."""
+        with self._cond:
+            self._items.extend(u for u in rest if u.index in self._expected)
+            self._expected.clear()
+            if reorder is not None:
+                self._items = deque(sorted(self._items, key=reorder))
+            self._closed = True
+            self._cond.notify_all()
+
+    def poll(self) -> Unit | None:
+        with self._cond:
+            return self._items.popleft() if self._items else None
+
+    def take(self) -> Unit | None:
+        with self._cond:
+            while not self._items and not self._closed:
+                self._cond.wait()
+            return self._items.popleft() if self._items else None
+
+
+class _Worker:
+    """One update in flight on a thread: per-unit completion events and the error to re-raise.
+    ``timers`` is the runtime's per-step seconds."""
+
+    def __init__(self, optim: OptimHome, timers: dict[str, float]) -> None:
+        self.optim, self.timers = optim, timers
+        self._thread: threading.Thread | None = None
+        self._unit_done: dict[int, threading.Event] = {}
+        self._error: BaseException | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def start(self, units: list[Unit], source: Units, hyper: Hyper) -> None:
+        """Updates ``units`` in the order ``source`` gives them."""
+        self._unit_done = {u.index: threading.Event() for u in units}
+        self._error = None
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                with torch.profiler.record_function("offload::update"):
+                    self.optim.step_units(
+                        source, hyper, on_unit_done=lambda u: self._unit_done[u.index].set()
+                    )
+            except BaseException as exc:  # re-raised by the main thread when it waits
+                self._error = exc
+            finally:
+                # counted in the step whose forward it overlaps (joined before that step ends)
+                self.timers["optimizer_seconds"] += time.perf_counter() - t0
+                for event in self._unit_done.values():
+                    event.set()
+
+        self._thread = threading.Thread(target=run, name="offload-step", daemon=True)
+        self._thread.start()
+
+    def wait_unit(self, unit: Unit) -> None:
+        """Blocks until ``unit``'s update (if any) is complete; re-raises a failure."""
+        event = self._unit_done.get(unit.index)
+        if event is not None and not event.is_set():
+            t0 = time.perf_counter()
+            with torch.profiler.record_function("offload::wait_update"):
+                event.wait()
+            self.timers["step_wait_seconds"] += time.perf_counter() - t0
+        if self._error is not None:
+            self.join()
+
+    def join(self) -> None:
+        """Waits for the update to finish; re-raises its error."""
+        if self._thread is None:
+            return
+        t0 = time.perf_counter()
+        self._thread.join()
+        self.timers["step_wait_seconds"] += time.perf_counter() - t0
+        self._thread = None
+        self._unit_done = {}
+        err, self._error = self._error, None
+        if err is not None:
+            raise RuntimeError(f"offload: the background optimizer step failed: {err}") from err
+
+
+class StepSchedule:
+    """Interface of the schedules; the defaults are those of a step after backward."""
+
+    def __init__(
+        self, optim: OptimHome, params: ParamHome, stepped: list[Unit], timers: dict[str, float]
+    ) -> None:
+        self.optim, self.params, self.stepped = optim, params, stepped
+        self.timers = timers
+
+    def backward_begins(self, hyper: Callable[[], Hyper], pending_backwards: int) -> None:
+        """A backward starts (``hyper`` gives this step's hyperparameters as they are now)."""
+        self.flush()  # the gradients about to be accumulated are what an update reads
+
+    def unit_backward_done(self, run) -> None:
+        """A unit's gradients were taken by their owner."""
+        run.residency.after_backward(run)
+
+    def backward_ends(self, runs: list) -> None:
+        for run in runs:
+            run.residency.end_of_pass(run)
+
+    def step(self, hyper: Hyper) -> None:
+        """``optimizer.step()``, before the step's telemetry record closes."""
+        self.params.quiesce()  # host homes are about to be rewritten
+        self.flush()
+
+    def launch(self, hyper: Hyper) -> None:
+        """``optimizer.step()``, after the step's record closed (what runs from here on is
+        counted in the next step's record, whatever the threads' timing)."""
+
+    def wait_unit(self, unit: Unit) -> None:
+        """Blocks until ``unit``'s pending update (if any) is complete (before a forward)."""
+
+    def flush(self) -> None:
+        """Waits until no update is running; re-raises its error."""
+
+    def check_access(self, what: str, pending_backwards: int) -> None:
+        """Raises if state may not be read or written now."""
+
+    def check_grad_norm(self) -> None:
+        """Raises if the gradients cannot be inspected as a whole."""
+
+
+class Immediate(StepSchedule):
+    def step(self, hyper: Hyper) -> None:
+        super().step(hyper)
+        with torch.profiler.record_function("offload::update"):
+            self.optim.step_units(Units(self.stepped), hyper)
+
+
+class Background(StepSchedule):
+    def __init__(self, optim, params, stepped, timers) -> None:
+        super().__init__(optim, params, stepped, timers)
+        self.worker = _Worker(optim, timers)
+
+    def launch(self, hyper: Hyper) -> None:
+        self.worker.start(self.stepped, Units(self.stepped), hyper)
+
+    def wait_unit(self, unit: Unit) -> None:
+        self.worker.wait_unit(unit)
+
+    def flush(self) -> None:
+        self.worker.join()
+
+
+class InBackward(Background):
+    def __init__(self, optim, params, stepped, timers) -> None:
+        super().__init__(optim, params, stepped, timers)
+        self.feed: UnitFeed | None = None  # being filled, until the backward ends
+        self._used: Hyper | None = None
+
+    def backward_begins(self, hyper: Callable[[], Hyper], pending_backwards: int) -> None:
+        self.flush()
+        if pending_backwards:
+            raise PhaseError(
+                "offload: a second backward before optimizer.step(); with "
+                "offload_optimizer.step_in_backward the first one already updated the weights, so "
+                "gradient accumulation is not possible (call step() after every backward, or set "
+                "it false)"
+            )
+        self._used = hyper()
+        self.feed = UnitFeed(self.stepped)
+        self.worker.start(self.stepped, self.feed, self._used)
+
+    def unit_backward_done(self, run) -> None:
+        run.release()  # persistent too: its copy is stale from now on
+        self._give(run.unit)
+
+    def backward_ends(self, runs: list) -> None:
+        for run in runs:
+            run.release()  # a persistent root too: its update starts now
+        self.params.quiesce()
+        self.feed.close(rest=self.stepped, reorder=lambda u: u.index)  # forward order
+        self.feed = None
+
+    def _give(self, unit: Unit) -> None:
+        if self.worker.failed:
+            self.flush()
+        self.params.quiesce()  # host homes are about to be rewritten
+        self.feed.put(unit)
+
+    def step(self, hyper: Hyper) -> None:
+        pass  # the update is running since the backward started
+
+    def launch(self, hyper: Hyper) -> None:
+        """Closes the step: its values must be those the update used."""
+        used, self._used = self._used, None
+        base = hyper.kwargs()
+        ran = used.kwargs() if used is not None else base
+        changed = {k: (ran[k], v) for k, v in base.items() if k != "step" and ran[k] != v}
+        if changed:
+            grad_scale = changed.pop("grad_scale", None)
+            what = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            raise PhaseError(
+                "offload: with offload_optimizer.step_in_backward this step used the values "
+                "param_groups held when loss.backward() started, but they changed before "
+                f"optimizer.step() ({what or f'gradient scale {grad_scale[1]!r}'}); change them "
+                "before the backward (an LR scheduler stepped after optimizer.step() does)"
+            )
+
+    def flush(self) -> None:
+        if self.feed is not None:  # a backward that failed or was interrupted: no more units
+            self.feed.close()
+            self.feed = None
+        self.worker.join()
+
+    def check_access(self, what: str, pending_backwards: int) -> None:
+        if pending_backwards:
+            raise PhaseError(
+                f"offload: {what} called between loss.backward() and optimizer.step(); with "
+                "offload_optimizer.step_in_backward the update is already running, so call it "
+                "after optimizer.step()"
+            )
+
+    def check_grad_norm(self) -> None:
+        raise PhaseError(
+            "offload: the gradient norm is not available with "
+            "offload_optimizer.step_in_backward: each unit's gradients are consumed by its "
+            "update as the backward produces them (set it false to clip gradients)"
+        )

@@ -1,0 +1,396 @@
+"""The runtime of one wrapped model: its hooks, the phase they move through, and the step.
+
+It holds the per-unit records, the param home, the gradient path, the step schedule and the
+counters; ``offload.wrap`` builds it from the plan, the optimizer and checkpoints drive it. It
+never asks which placement or mode it runs: those are the objects it was given.
+
+Note: the hooks (what FSDP2 does, in words)
+    - root forward pre-hook: captures the user's stream, casts floating inputs to the compute
+      dtype and gathers the root unit (parameters outside every unit, and tied ones); the root
+      stays gathered until the end of backward.
+    - unit forward pre-hook: waits for the unit's pending update, gathers the unit (its pieces
+      were prefetched while the previous unit ran); unit forward post-hook: the unit's residency
+      decides whether it is released, and a hook goes on each output tensor that requires grad;
+      that hook fires when backward reaches the unit and gathers it again (the pre-backward
+      gather).
+    - a post-accumulate-grad hook on every trainable parameter counts down the unit's pending
+      grads; at zero the unit's gradients go to their owner and the schedule and residency say
+      what happens to the unit.
+    - one callback queued on the autograd engine at the first pre-backward hook finishes every
+      unit that did not complete (unused params, frozen units, the root) and returns to IDLE.
+    - during backward a forward hook means activation-checkpoint recomputation: gather, keep.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from offload.device import Transfers
+from offload.homes.grads import Hyper
+from offload.homes.optim import OptimHome
+from offload.homes.params import ParamHome
+from offload.plan import Plan
+from offload.runtime.grads import Grads
+from offload.runtime.phase import Phase, PhaseError, PhaseTracker
+from offload.runtime.schedule import StepSchedule
+from offload.runtime.telemetry import Telemetry
+from offload.runtime.units import UnitRun
+from offload.runtime.values import Values
+
+logger = logging.getLogger("offload.runtime")
+
+
+class Runtime:
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        *,
+        params: ParamHome,
+        optim: OptimHome,
+        grads: Grads,
+        schedule: StepSchedule,
+        transfers: Transfers,
+        stores: dict,
+        trace_starts: dict[str, list],
+        hyper: Callable[[], dict],
+        timers: dict[str, float],
+        telemetry: Telemetry,
+        resources: list,
+        buffer_dtypes: dict,
+    ) -> None:
+        self.model, self.plan = model, plan
+        self.units = plan.units  # units[0] is the root
+        self.device, self.dtype = plan.placement.device, plan.placement.dtype
+        self.params, self.optim, self.grads, self.schedule = params, optim, grads, schedule
+        self.transfers = transfers
+        self.stores = stores  # config section -> TieredStore
+        # phase name -> stores whose access trace starts there (the param store's with the
+        # first forward of a step, the optimizer store's with its first backward)
+        self._trace_starts = trace_starts
+        self.values = Values(plan, params, optim)
+        self.timers = timers  # seconds of the current step (the schedule's worker adds too)
+        self.runs = [UnitRun(u, params, timers) for u in self.units]
+        self._hyper = hyper  # the optimizer's param group values now
+        self.telemetry = telemetry
+        self.resources = resources  # IO engine, NVMe stores, pools, tiered stores (closed last)
+        self.buffer_dtypes = buffer_dtypes  # (module, name) -> dtype before wrap
+        self.orig_dtype = {s.param: s.dtype for u in self.units for s in u.layout.segments}
+        self.phase = PhaseTracker()
+        self.step_count = 0  # optimizer steps taken (not counting skipped ones)
+        self.backwards_since_step = 0
+        self._callback_queued = False
+        self._handles: list = []
+        self._step_started = time.perf_counter()
+        self._fwd_start: float | None = None
+        self._bwd_start: float | None = None
+        self.closed = False
+
+    # ---------------------------------------------------------------- hooks
+    def install_hooks(self) -> None:
+        h = self.model.register_forward_pre_hook(
+            self._root_pre_forward, with_kwargs=True, prepend=True
+        )
+        self._handles.append(h)
+        self._handles.append(self.model.register_forward_hook(self._root_post_forward))
+        for run in self.runs[1:]:
+            module = run.unit.module
+            self._handles.append(
+                module.register_forward_pre_hook(lambda m, a, r=run: self._pre_forward(r))
+            )
+            self._handles.append(
+                module.register_forward_hook(lambda m, a, o, r=run: self._post_forward(r, o))
+            )
+        for run in self.runs:
+            for p in run.unit.trainable_params:
+                self._handles.append(
+                    p.register_post_accumulate_grad_hook(lambda p, r=run: self._grad_ready(r))
+                )
+        self._handles.append(self.model._register_state_dict_hook(self._state_dict_hook))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _cast_input(self, x):
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point() and x.dtype != self.dtype:
+                x = x.to(self.dtype)
+            if x.device != self.device:
+                x = x.to(self.device)
+        return x
+
+    def _root_pre_forward(self, module, args, kwargs):
+        self._check_open()
+        if self.phase.phase is Phase.BACKWARD:
+            return None  # recomputation of the whole model (unusual) keeps everything gathered
+        if self.phase.phase is Phase.IDLE:
+            self._begin_micro_step()
+        self.phase.to(Phase.FORWARD)
+        self._use(self.runs[0])
+        return tree_map(self._cast_input, args), tree_map(self._cast_input, kwargs)
+
+    def _root_post_forward(self, module, args, output):
+        if self.phase.phase is not Phase.FORWARD:
+            return output
+        self._stop_timer("_fwd_start", "forward_seconds")
+        if not (torch.is_grad_enabled() and _requires_grad(output)):
+            # inference: nothing will come back through backward
+            for run in self.runs:
+                run.residency.end_of_pass(run)
+            self.phase.to(Phase.IDLE)
+        else:
+            self._hook_outputs(self.runs[0], output)
+        return output
+
+    def _begin_micro_step(self) -> None:
+        self._fwd_start = time.perf_counter()
+        self.transfers.capture_stream()
+        if self.backwards_since_step == 0:
+            for store in self._trace_starts.get("forward", ()):
+                store.begin_iteration()
+
+    def _pre_forward(self, run: UnitRun) -> None:
+        if self.phase.phase is Phase.IDLE:  # a unit called directly, outside the model
+            self._begin_micro_step()
+            self.phase.to(Phase.FORWARD)
+        self._use(run)
+
+    def _use(self, run: UnitRun) -> None:
+        """Gathers a unit for its forward (or its recomputation inside a backward)."""
+        if self.phase.phase is not Phase.BACKWARD:  # an update starts only after the backward
+            self.schedule.wait_unit(run.unit)
+        run.gather(self.phase.phase.value)
+
+    def _post_forward(self, run: UnitRun, output):
+        if self.phase.phase is Phase.BACKWARD:
+            return output  # activation-checkpoint recomputation: keep gathered for its backward
+        if torch.is_grad_enabled():
+            self._hook_outputs(run, output)
+        run.residency.after_forward(run)
+        return output
+
+    def _begin_backward(self) -> None:
+        """A backward starts (from a forward, or again over a retained graph): every unit's
+        grads are pending, the root is gathered, one end-of-backward callback is queued."""
+        self._stop_timer("_fwd_start", "forward_seconds")
+        self.transfers.capture_stream()
+        try:
+            self.schedule.backward_begins(self._step_hyper, self.backwards_since_step)
+        except PhaseError:
+            for run in self.runs:  # back to between steps: step() can still close the first
+                run.residency.end_of_pass(run)
+            self.phase.to(Phase.IDLE)
+            raise
+        if self.backwards_since_step == 0:
+            for store in self._trace_starts.get("backward", ()):
+                store.begin_iteration()
+        self.phase.to(Phase.BACKWARD)
+        self._bwd_start = time.perf_counter()
+        for run in self.runs:
+            run.begin_backward()
+        self.runs[0].gather(Phase.BACKWARD.value)
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _hook_outputs(self, run: UnitRun, output) -> None:
+        """The pre-backward gather: fires when backward reaches ``run``'s outputs."""
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g, r=run: self._pre_backward(r))
+
+    def _pre_backward(self, run: UnitRun) -> None:
+        if self.phase.phase is not Phase.BACKWARD:
+            self._begin_backward()
+        if not run.backward_done:
+            run.gather(Phase.BACKWARD.value)
+
+    def _grad_ready(self, run: UnitRun) -> None:
+        if self.phase.phase is not Phase.BACKWARD:
+            self._begin_backward()  # a backward that reached no unit output first
+        if run.grad_ready():
+            run.residency.countdown_done(self, run)
+
+    def finish_unit_backward(self, run: UnitRun) -> None:
+        """The unit's gradients are final: their owner takes them, then the residency and the
+        schedule say what happens to the unit."""
+        run.backward_done = True
+        self.grads.unit_done(run.unit)
+        run.residency.backward_done(run, self.schedule)
+
+    def _end_backward(self) -> None:
+        for run in reversed(self.runs):
+            if not run.backward_done:
+                self.finish_unit_backward(run)
+        self.schedule.backward_ends(self.runs)
+        self._callback_queued = False
+        self.backwards_since_step += 1
+        self.grads.backward_done()
+        self._stop_timer("_bwd_start", "backward_seconds")
+        self.phase.to(Phase.IDLE)
+
+    def _stop_timer(self, attr: str, timer: str) -> None:
+        start = getattr(self, attr)
+        if start is not None:
+            self.timers[timer] += time.perf_counter() - start
+            setattr(self, attr, None)
+
+    # ---------------------------------------------------------------- step
+    def grad_norm_sq(self) -> tuple[bool, float]:
+        """(any inf/NaN, sum of squares) of the accumulated gradients (still loss-scaled)."""
+        self.schedule.check_grad_norm()
+        return self.grads.stats()
+
+    def check_idle(self, what: str) -> None:
+        """Raises unless between steps; then waits for a running update (state is read)."""
+        self._check_open()
+        if self.phase.phase is not Phase.IDLE:
+            raise PhaseError(
+                f"offload: {what} called during {self.phase.phase.value}; call it between steps"
+            )
+        self.schedule.check_access(what, self.backwards_since_step)
+        self.flush_pending()
+
+    def check_can_step(self) -> None:
+        self._check_open()
+        if self.phase.phase is not Phase.IDLE:
+            raise PhaseError(
+                f"offload: optimizer.step() called during {self.phase.phase.value}; "
+                "call it after loss.backward() has returned"
+            )
+        if self.backwards_since_step == 0:
+            raise PhaseError(
+                "offload: optimizer.step() called with no backward since the last step; "
+                "call loss.backward() first (gradients would be missing or stale)"
+            )
+
+    def _step_hyper(self, grad_scale: float = 1.0) -> Hyper:
+        return Hyper(step=self.step_count + 1, grad_scale=grad_scale, **self._hyper())
+
+    def step(self, grad_scale: float) -> None:
+        self.check_can_step()
+        hyper = self._step_hyper(grad_scale)
+        t0 = time.perf_counter()
+        self.phase.to(Phase.STEP)
+        try:
+            with torch.profiler.record_function("offload::step"):
+                for run in self.runs:
+                    run.residency.at_step(run)  # a kept copy is stale after the update
+                self.schedule.step(hyper)
+                for store in self.stores.values():
+                    store.end_iteration()
+        finally:
+            self.phase.to(Phase.IDLE)
+        self.step_count += 1
+        self.timers["optimizer_seconds"] += time.perf_counter() - t0
+        self._end_step()
+        self.schedule.launch(hyper)
+
+    def flush_pending(self) -> None:
+        """Waits for a running update to finish; re-raises its error."""
+        self.schedule.flush()
+
+    def skip_step(self) -> None:
+        """An fp16 overflow: no update; gradients are discarded."""
+        for store in self.stores.values():
+            store.end_iteration()
+        self._end_step(skipped=True)
+
+    def _end_step(self, skipped: bool = False) -> None:
+        now = time.perf_counter()
+        self.timers["step_seconds"] = now - self._step_started
+        self._step_started = now
+        self.backwards_since_step = 0
+        self.grads.first_micro_step = True
+        self.telemetry.end_step(self.timers, self.counted(), self.step_count, skipped)
+        self.timers.clear()
+
+    def counted(self) -> list:
+        """Everything that counts moved bytes: the stores and the host <-> device transfers."""
+        return [*self.stores.values(), self.transfers]
+
+    def restart_step_counters(self) -> None:
+        """Whatever ran since the last step (an evaluation, say) is not counted in the next one."""
+        self.timers.clear()
+        self._step_started = time.perf_counter()
+        self.telemetry.rebase(self.counted())
+
+    def zero_grad(self) -> None:
+        self.grads.zero()
+
+    # ---------------------------------------------------------------- values
+    def full_values(self, unit) -> dict[nn.Parameter, torch.Tensor]:
+        """Current values of the unit's parameters as new host tensors: the fp32 master for
+        trainable ones, the compute params for frozen ones."""
+        self.flush_pending()
+        return self.values.full(unit)
+
+    def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
+        if prefix:  # only the root's own call sees the whole dict
+            return state_dict
+        names = dict(self.model.named_parameters(remove_duplicate=False))
+        values: dict[nn.Parameter, torch.Tensor] = {}
+        for unit in self.units:
+            values.update(self.full_values(unit))
+        for name, p in names.items():
+            if name in state_dict and p in values:
+                state_dict[name] = values[p].to(self.orig_dtype.get(p, values[p].dtype))
+        return state_dict
+
+    # ---------------------------------------------------------------- lifecycle
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("offload: this model's engine was closed; wrap the model again")
+
+    def close(self, restore: bool = False) -> None:
+        """Removes the hooks and frees pools and swap files. With ``restore`` every parameter
+        first gets its current value back (original dtype, on the device), so the model goes
+        on as a plain PyTorch model; without, using the model afterwards is an error."""
+        if self.closed:
+            return
+        if restore:
+            self.check_idle("close(restore=True)")
+            for run in self.runs:
+                values = self.full_values(run.unit)
+                run.release()
+                for p, v in values.items():
+                    p.data = v.to(self.device, self.orig_dtype.get(p, v.dtype))
+            for (m, name), dt in self.buffer_dtypes.items():
+                if m._buffers.get(name) is not None:
+                    m._buffers[name] = m._buffers[name].to(dt)
+        self.closed = True
+        self.remove_hooks()
+        if not restore:
+            self._handles.append(self.model.register_forward_pre_hook(self._closed_hook))
+        # Teardown goes on past errors: every pool, swap file and thread is released. IO errors
+        # (already raised to the caller when they happened) are logged; any other is raised.
+        first: BaseException | None = None
+        steps = [self.flush_pending, self.params.close, self.optim.close, self.grads.owner.close]
+        steps += [res.close for res in reversed(self.resources)]  # stores before their pools
+        for close in steps:
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - logged, the rest still closes
+                logger.warning("offload: error while closing (%s); continuing teardown", exc)
+                first = first or exc
+        if first is not None and not isinstance(first, OSError | RuntimeError):
+            raise first
+
+    @staticmethod
+    def _closed_hook(module, args):
+        raise RuntimeError(
+            "offload: this model's engine was closed (optimizer.close()); its parameters were "
+            "released. Wrap it again, or close with optimizer.close(restore=True) to keep using it"
+        )
+
+
+def _requires_grad(output) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0])

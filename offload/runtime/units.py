@@ -1,0 +1,116 @@
+"""The runtime's record of each unit: gather, release and the backward countdown, and how long
+the unit stays gathered (its residency, chosen once from the plan).
+
+Every gather and release is a profiler range (``offload::gather``, ``offload::release``) and a
+``logger.debug`` line with the same name, so a trace reads like the state machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from offload.homes.params import ParamHome
+from offload.plan import Residency, Unit
+
+logger = logging.getLogger("offload.runtime")
+
+
+class UnitRun:
+    """One unit during training: its home does the moves, this counts and decides when."""
+
+    __slots__ = ("unit", "home", "residency", "timers", "grads_pending", "backward_done")
+
+    def __init__(self, unit: Unit, home: ParamHome, timers: dict[str, float]) -> None:
+        self.unit, self.home, self.timers = unit, home, timers
+        self.residency = RESIDENCY[unit.residency]
+        self.grads_pending = 0  # trainable params whose grad is not final yet in this backward
+        self.backward_done = False  # grads of this backward are off the device
+
+    def gather(self, phase: str) -> None:
+        """Makes the unit's parameters usable (idempotent); the wait counts as IO in ``phase``."""
+        if self.home.gathered(self.unit):
+            return
+        t0 = time.perf_counter()
+        with torch.profiler.record_function("offload::gather"):
+            self.home.unshard(self.unit)
+        waited = time.perf_counter() - t0
+        self.timers["io_wait_seconds"] += waited  # part of the phase it happens in
+        self.timers[f"{phase}_io_wait_seconds"] += waited
+        logger.debug("offload::gather %s (%s, %.1f ms)", self.unit.label, phase, waited * 1e3)
+
+    def release(self) -> None:
+        if self.home.gathered(self.unit):
+            with torch.profiler.record_function("offload::release"):
+                self.home.reshard(self.unit)
+            logger.debug("offload::release %s", self.unit.label)
+
+    def begin_backward(self) -> None:
+        self.grads_pending = len(self.unit.trainable_params)
+        self.backward_done = False
+
+    def grad_ready(self) -> bool:
+        """One of the unit's gradients is final; True when that was the last one."""
+        self.grads_pending -= 1
+        return self.grads_pending == 0
+
+
+class Transient:
+    """Released after each forward and after its backward."""
+
+    def after_forward(self, run: UnitRun) -> None:
+        run.release()
+
+    def countdown_done(self, runtime, run: UnitRun) -> None:
+        runtime.finish_unit_backward(run)
+
+    def backward_done(self, run: UnitRun, schedule) -> None:
+        schedule.unit_backward_done(run)
+
+    def after_backward(self, run: UnitRun) -> None:
+        run.release()
+
+    def end_of_pass(self, run: UnitRun) -> None:
+        run.release()
+
+    def at_step(self, run: UnitRun) -> None:
+        pass
+
+
+class Persistent(Transient):
+    """Kept gathered from first use until the step (its copy is stale after the update)."""
+
+    def after_forward(self, run: UnitRun) -> None:
+        pass
+
+    def after_backward(self, run: UnitRun) -> None:
+        pass
+
+    def end_of_pass(self, run: UnitRun) -> None:
+        pass
+
+    def at_step(self, run: UnitRun) -> None:
+        run.release()
+
+
+class Root(Transient):
+    """Gathered from the start of a forward to the end of its backward; its gradients are final
+    only then (its parameters, tied ones included, are used all along)."""
+
+    def after_forward(self, run: UnitRun) -> None:
+        pass
+
+    def countdown_done(self, runtime, run: UnitRun) -> None:
+        pass  # finished with the end of the backward
+
+    def backward_done(self, run: UnitRun, schedule) -> None:
+        pass  # released with every other unit at the end of the backward
+
+
+RESIDENCY = {
+    Residency.TRANSIENT: Transient(),
+    Residency.PERSISTENT: Persistent(),
+    Residency.ROOT: Root(),
+}

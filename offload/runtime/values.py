@@ -1,0 +1,140 @@
+"""Values in and out of the homes: the one scatter/gather between a unit's flat pieces and its
+parameters (``FlatLayout.pairs``), fed by value sources.
+
+A :class:`ValueSource` gives the flat values of one piece of one kind of state; sources are
+the live parameters (at wrap), per-parameter tensors (``optimizer.load_state_dict``) and
+checkpoint files (``offload.api.checkpoint``); safetensors files of a model are the next.
+:meth:`Values.load` writes a source into the homes piece by piece, the master through its owner
+(which derives the compute params), so nothing is ever held whole. :meth:`Values.read` scatters
+the homes' pieces into one tensor per parameter.
+
+Kinds: ``master``, ``exp_avg``, ``exp_avg_sq`` (fp32, over the trainable prefix) and
+``frozen`` (compute dtype, over the frozen suffix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from offload.homes.optim import KINDS, OptimHome
+from offload.homes.params import ParamHome
+from offload.plan import FlatLayout, Plan, Segment, Unit
+
+FROZEN = "frozen"
+
+
+def gather_piece(
+    layout: FlatLayout,
+    lo: int,
+    hi: int,
+    dtype: torch.dtype,
+    view_of: Callable[[Segment], torch.Tensor | None],
+) -> torch.Tensor:
+    """A new flat tensor of elements ``[lo, hi)`` from per-parameter flat views (zero where no
+    parameter is, or ``view_of`` gives None)."""
+    out = torch.zeros(hi - lo, dtype=dtype)
+    for param_side, flat_side in layout.pairs(lo, hi, out, view_of):
+        flat_side.copy_(param_side)
+    return out
+
+
+class ValueSource:
+    """Flat values of one piece; None: the source has none of that kind (it stays as it is,
+    zero in a new state)."""
+
+    def piece(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor | None:
+        raise NotImplementedError
+
+
+class LiveParams(ValueSource):
+    """The parameters' current values (what a model holds when it is wrapped)."""
+
+    def __init__(self, compute_dtype: torch.dtype) -> None:
+        self.dtype = compute_dtype
+
+    def piece(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor | None:
+        if kind in KINDS[1:]:
+            return None
+        dtype = torch.float32 if kind == "master" else self.dtype
+        return self.values(unit, lo, hi, dtype)
+
+    @staticmethod
+    def values(unit: Unit, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the unit's flat buffer from its parameters, in ``dtype``."""
+        return gather_piece(unit.layout, lo, hi, dtype, lambda s: s.param.detach().reshape(-1))
+
+
+class ParamTensors(ValueSource):
+    """Per-parameter tensors by kind (``{kind: {param: tensor}}``), checked against the layout."""
+
+    def __init__(self, values: dict[str, dict[nn.Parameter, torch.Tensor]], what: str) -> None:
+        self.values, self.what = values, what
+
+    def piece(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor | None:
+        by_param = self.values.get(kind)
+        if by_param is None:
+            return None
+
+        def view(seg: Segment) -> torch.Tensor:
+            if seg.param not in by_param:
+                raise ValueError(f"{self.what}: no saved state for parameter '{seg.name}'")
+            src = by_param[seg.param].reshape(-1)
+            if src.numel() != seg.numel:
+                raise ValueError(
+                    f"{self.what}: '{kind}' of parameter '{seg.name}' has {src.numel()} "
+                    f"elements; the model's has {seg.numel}"
+                )
+            return src
+
+        return gather_piece(unit.layout, lo, hi, torch.float32, view)
+
+
+class Values:
+    """Reads and loads one wrapped model's state (its plan and homes)."""
+
+    def __init__(self, plan: Plan, params: ParamHome, optim: OptimHome) -> None:
+        self.plan, self.params, self.optim = plan, params, optim
+
+    def pieces(self, unit: Unit, kind: str) -> list[tuple[int, int]]:
+        return self.plan.frozen_pieces(unit) if kind == FROZEN else self.plan.trainable_pieces(unit)
+
+    def flat(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
+        """A new host tensor with ``kind`` over a piece, from its owner."""
+        if kind == FROZEN:
+            return self.params.read(unit, lo, hi)
+        return self.optim.read(unit, kind, lo, hi)
+
+    def read(self, unit: Unit, kind: str) -> dict[nn.Parameter, torch.Tensor]:
+        """``kind`` of every parameter it covers, as new 1-D host tensors."""
+        segs = [s for s in unit.layout.segments if s.trainable != (kind == FROZEN)]
+        dtype = self.params.dtype if kind == FROZEN else torch.float32
+        out = {s.param: torch.empty(s.numel, dtype=dtype) for s in segs}
+        for lo, hi in self.pieces(unit, kind):
+            flat = self.flat(unit, kind, lo, hi)
+            for param_side, flat_side in unit.layout.pairs(
+                lo, hi, flat, lambda s: out.get(s.param)
+            ):
+                param_side.copy_(flat_side)
+        return out
+
+    def full(self, unit: Unit) -> dict[nn.Parameter, torch.Tensor]:
+        """Current values of the unit's parameters, shaped: the fp32 master of trainable ones,
+        the compute values of frozen ones."""
+        values = self.read(unit, "master") | self.read(unit, FROZEN)
+        return {p: t.view(p.shape) for p, t in values.items()}
+
+    def load(self, unit: Unit, source: ValueSource) -> None:
+        """Writes every kind ``source`` has into the unit's homes, piece by piece (a gathered
+        copy of the unit is stale afterwards: the caller releases it)."""
+        for kind in (*KINDS, FROZEN):
+            for lo, hi in self.pieces(unit, kind):
+                values = source.piece(unit, kind, lo, hi)
+                if values is None:
+                    continue
+                if kind == FROZEN:
+                    self.params.load_shard(unit, lo, hi, values.to(self.params.dtype))
+                else:
+                    self.optim.load(unit, kind, lo, hi, values)

@@ -2,11 +2,12 @@
 or DeepSpeed's, ``load_config`` returns a valid config or raises ``ConfigError``; nothing else
 escapes, and nothing takes long.
 
-The generators know the schema (offload's sections and fields, DeepSpeed's mapped keys), so most
-examples get past "unknown key" into the value checks, where the bugs are; random keys and
-random values of every JSON/YAML type (huge integers, NaN, infinities, nested lists and dicts,
-size strings, "auto") fill the rest. The default suite runs a few hundred examples per test in a
-few seconds; ``-m slow`` runs many more.
+The generators know the schema (offload's sections and fields, DeepSpeed's mapped keys) and
+valid values for each key, so a drawn config is mostly valid and its few random values (of every JSON/YAML type: huge
+integers, NaN, infinities, nested lists and dicts, size strings, "auto", odd keys) reach the
+check they are meant for. The default suite runs 200 configs (each as a dict, a JSON file and a
+YAML file), 200 raw texts and 150 generator probes, about 10 s on the shared 2-core machine;
+``-m slow`` runs 5,000 of each.
 """
 
 from __future__ import annotations
@@ -26,34 +27,108 @@ from offload.config import ConfigError, OffloadConfig, load_config
 from offload.config.deepspeed import _MAP, _SAME_BEHAVIOUR, DEEPSPEED_MARKERS
 from offload.config.sections import SECTIONS
 
-FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LONG = settings(max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # --- what the generators know ------------------------------------------------------------
 
-Tree = dict[str, Any]  # key -> subtree (a dict) or None (a leaf)
+Tree = dict[str, Any]  # key -> subtree (a dict) or, at a leaf, a list of valid values
+
+# Valid values besides the defaults, so a drawn config is mostly valid and its one or two random
+# values reach the check they are meant for (a random value in the first field checked would
+# hide every field after it).
+OFFLOAD_GOOD: dict[str, list[Any]] = {
+    "device": ["cpu", "CUDA:1"],
+    "dtype": ["fp32", "fp16", "bfloat16"],
+    "optimizer.type": ["adam", "AdamW"],
+    "optimizer.lr": [3e-4, 1],
+    "optimizer.betas": [[0.8, 0.95], (0, 0.5)],
+    "offload_optimizer.device": ["nvme"],
+    "offload_optimizer.nvme_path": ["/nvme/opt"],
+    "offload_optimizer.buffer_size": ["16MB", 1e8, "1e8", "AUTO", 4096, 1000],
+    "offload_optimizer.step_in_backward": [True],
+    "offload_param.device": ["cpu", "nvme"],
+    "offload_param.nvme_path": ["/nvme/params"],
+    "offload_param.buffer_size": ["16MB", 1e8, "auto", "128M", 1],
+    "aio.block_size": ["1e6", "64KiB", 4097],
+    "gradient_clipping": [1.0, 0],
+    "loss_scale.initial": [1024, 1.0],
+    "loss_scale.min_scale": [2.0],
+    "wrap.module_classes": [["Block", "pkg.Layer"]],
+    "telemetry.jsonl_path": ["/tmp/t.jsonl"],
+}
+DEEPSPEED_GOOD: dict[str, list[Any]] = {
+    "zero_optimization.stage": [0, 3],
+    "zero_optimization.stage3_param_persistence_threshold": [1e5, 0, "auto"],
+    "zero_optimization.offload_param.device": ["cpu", "nvme", "none"],
+    "zero_optimization.offload_param.nvme_path": ["/nvme"],
+    "zero_optimization.offload_param.pin_memory": [True, False],
+    "zero_optimization.offload_param.buffer_count": [5],
+    "zero_optimization.offload_param.buffer_size": [1e8, "auto", 1000],
+    "zero_optimization.offload_optimizer.device": ["cpu", "nvme", "none"],
+    "zero_optimization.offload_optimizer.nvme_path": ["/nvme"],
+    "zero_optimization.offload_optimizer.pin_memory": [True],
+    "zero_optimization.offload_optimizer.buffer_count": [4, 8],
+    "zero_optimization.offload_optimizer.ratio": [1, 0.5],
+    "optimizer.type": ["Adam", "AdamW"],
+    "optimizer.params.lr": [1e-4, "auto"],
+    "optimizer.params.betas": [[0.9, 0.999]],
+    "optimizer.params.eps": [1e-8],
+    "optimizer.params.weight_decay": [0.0, 0.1],
+    "optimizer.params.bias_correction": [True],
+    "optimizer.params.adam_w_mode": [True, False],
+    "optimizer.params.amsgrad": [False, True],
+    "bf16.enabled": [True, False, "auto"],
+    "bfloat16.enabled": [True],
+    "fp16.enabled": [True, False],
+    "fp16.loss_scale": [0, 128],
+    "fp16.initial_scale_power": [16],
+    "fp16.loss_scale_window": [1000],
+    "fp16.min_loss_scale": [1],
+    "fp16.hysteresis": [2, 1],
+    "gradient_clipping": [1.0, "auto"],
+    "aio.block_size": [1048576, 1e6],
+    "aio.queue_depth": [8],
+    "aio.thread_count": [1],
+    "aio.intra_op_parallelism": [2],
+    "aio.single_submit": [False, True],
+    "aio.overlap_events": [True],
+    "aio.use_gds": [False],
+}
+FALLBACK_GOOD = [1, 8, True, "auto"]  # DeepSpeed keys offload only lists in its warning
 
 
 def _offload_tree() -> Tree:
-    tree: Tree = {s.KEY: {f.name: None for f in dataclasses.fields(s)} for s in SECTIONS}
-    for f in dataclasses.fields(OffloadConfig):
-        tree.setdefault(f.name, None)
+    default = OffloadConfig().to_dict()
+    tree: Tree = {}
+    for name, value in default.items():
+        if isinstance(value, dict):
+            tree[name] = {k: [v, *OFFLOAD_GOOD.get(f"{name}.{k}", [])] for k, v in value.items()}
+        else:
+            tree[name] = [value, *OFFLOAD_GOOD.get(name, [])]
+    assert set(tree) == {f.name for f in dataclasses.fields(OffloadConfig)}
     return tree
 
 
 def _deepspeed_tree() -> Tree:
-    def convert(table: dict[str, Any]) -> Tree:
-        return {k: convert(v) if isinstance(v, dict) else None for k, v in table.items()}
+    def convert(prefix: str, table: dict[str, Any]) -> Tree:
+        return {
+            k: convert(f"{prefix}{k}.", v)
+            if isinstance(v, dict)
+            else DEEPSPEED_GOOD.get(f"{prefix}{k}", FALLBACK_GOOD)
+            for k, v in table.items()
+        }
 
-    tree = convert(_MAP)
-    for dotted in _SAME_BEHAVIOUR:
+    tree = convert("", _MAP)
+    for dotted in [*_SAME_BEHAVIOUR, *DEEPSPEED_MARKERS]:
         node = tree
         *heads, leaf = dotted.split(".")
         for head in heads:
-            node = node.setdefault(head, {}) or {}
-        node.setdefault(leaf, None)
-    for marker in DEEPSPEED_MARKERS:
-        tree.setdefault(marker, None)
+            node = node.setdefault(head, {})
+            if not isinstance(node, dict):
+                break
+        else:
+            node.setdefault(leaf, DEEPSPEED_GOOD.get(dotted, FALLBACK_GOOD))
     return tree
 
 
@@ -69,14 +144,20 @@ WORDS = [
     "\u0663",
 ]  # fmt: skip
 
+# Hypothesis draws the first entries of a sampled_from more often: the nastiest come first.
+EXTREMES = [
+    10**400, math.nan, -(10**400), math.inf, -math.inf, 2**64, -1, 0, 1e300, 5e-324, -0.0,
+    4095, 4096, 4097, 2**30 + 1, 2**40, 2**40 + 1, 2**62, 1e8, 1.5, 0.999, 1.0, 1,
+]  # fmt: skip
+
 scalars = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(),
-    st.integers(-(2**70), 2**70),
-    st.sampled_from([0, 1, 4095, 4096, 4097, 2**40, 2**40 + 1, 2**62, 10**400, -(10**400)]),
     st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([1e8, 1.5, -0.0, 1e300, 5e-324]),
+    st.sampled_from(EXTREMES),
+    st.sampled_from(EXTREMES),
+    st.sampled_from(WORDS),
     st.sampled_from(WORDS),
     st.text(max_size=12),
 )
@@ -94,29 +175,70 @@ def _values(leaves: st.SearchStrategy) -> st.SearchStrategy:
 
 
 values = _values(scalars)
+# edge values and words more often than anything else, a wrong scalar more often than a wrong shape
+mutations = st.one_of(st.sampled_from(EXTREMES), st.sampled_from(WORDS), scalars, values)
 odd_keys = st.one_of(st.text(max_size=12), st.integers(-5, 5), st.none(), st.booleans())
 
 
 @st.composite
-def schema_dict(draw: st.DrawFn, tree: Tree, *, odd: bool = True) -> dict[Any, Any]:
-    """A dict over ``tree``'s keys (a random subset), nested where the tree nests, with random
-    values at the leaves, now and then a value of the wrong shape or an unknown key."""
-    keys = draw(st.lists(st.sampled_from(sorted(tree)), max_size=len(tree), unique=True))
-    out: dict[Any, Any] = {}
-    for key in keys:
-        sub = tree[key]
-        if isinstance(sub, dict) and draw(st.integers(0, 9)) > 0:
-            out[key] = draw(schema_dict(sub, odd=odd))
-        else:
-            out[key] = draw(values)
-    if odd and draw(st.integers(0, 9)) == 0:
-        out[draw(odd_keys)] = draw(values)
+def valid_dict(draw: st.DrawFn, tree: Tree) -> dict[str, Any]:
+    """A dict over about half of ``tree``'s keys, nested where the tree nests, each leaf one of
+    its valid values."""
+    out: dict[str, Any] = {}
+    for key, sub in tree.items():
+        if draw(st.booleans()):
+            out[key] = (
+                draw(valid_dict(sub)) if isinstance(sub, dict) else draw(st.sampled_from(sub))
+            )
     return out
+
+
+def _paths(data: dict[Any, Any], prefix: tuple = ()) -> list[tuple]:
+    out = []
+    for key, value in data.items():
+        out.append((*prefix, key))
+        if isinstance(value, dict):
+            out += _paths(value, (*prefix, key))
+    return out
+
+
+@st.composite
+def schema_dict(draw: st.DrawFn, tree: Tree) -> dict[Any, Any]:
+    """A mostly valid dict over ``tree`` (see :func:`valid_dict`) with 0-3 of its entries (a
+    leaf or a whole section) replaced by a random value, or all of them; and now and then an
+    unknown key somewhere."""
+    data = draw(valid_dict(tree))
+    paths = _paths(data)
+    count = draw(st.sampled_from([0, 1, 1, 1, 2, 3, len(paths)]))
+    for _ in range(count if paths else 0):
+        path = draw(st.sampled_from(paths))
+        node = data
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node[path[-1]] = draw(mutations)
+    if draw(st.integers(0, 9)) == 0:
+        dicts = [data, *(v for p in paths if isinstance(v := _at(data, p), dict))]
+        draw(st.sampled_from(dicts))[draw(odd_keys)] = draw(values)
+    return data
+
+
+def _at(data: dict[Any, Any], path: tuple) -> Any:
+    for key in path:
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
 
 
 offload_dicts = schema_dict(OFFLOAD_TREE)
 deepspeed_dicts = schema_dict(DEEPSPEED_TREE)
-any_dicts = st.one_of(offload_dicts, deepspeed_dicts, st.dictionaries(odd_keys, values, max_size=5))
+# offload's and DeepSpeed's schema twice as often as a dict of anything
+any_dicts = st.one_of(
+    offload_dicts,
+    deepspeed_dicts,
+    offload_dicts,
+    deepspeed_dicts,
+    st.dictionaries(odd_keys, values, max_size=5),
+)
 deepspeed_flag = st.sampled_from([None, True, False])
 
 
@@ -183,24 +305,14 @@ def _same_outcome(a: OffloadConfig | ConfigError, b: OffloadConfig | ConfigError
 
 
 @FAST
-@given(data=offload_dicts)
-def test_fuzz_offload_dicts(data):
-    check_dict(data, None)
-
-
-@FAST
-@given(data=deepspeed_dicts, flag=deepspeed_flag)
-def test_fuzz_deepspeed_dicts(data, flag):
-    check_dict(data, flag)
-
-
-@FAST
 @given(data=any_dicts, flag=deepspeed_flag)
-def test_fuzz_files(tmp_path_factory, data, flag):
+def test_fuzz_configs(tmp_path_factory, data, flag):
+    """Each drawn config three ways: the dict itself, a JSON file and a YAML file."""
+    check_dict(data, flag)
     check_files(tmp_path_factory.mktemp("f"), data, flag)
 
 
-@FAST
+@settings(FAST, max_examples=200)
 @given(text=st.text(max_size=200) | st.sampled_from(["{", "[" * 50, "a: [", "- x"]))
 def test_fuzz_raw_text(tmp_path_factory, text):
     tmp = tmp_path_factory.mktemp("t")
@@ -217,9 +329,9 @@ LAUGHS = (
 
 # Files the generators are unlikely to write but users (or attackers) can.
 NASTY_FILES = [
-    ("deep.json", "[" * 100_000 + "]" * 100_000),
-    ("deep.yaml", "[" * 100_000 + "]" * 100_000),
-    ("deep_dict.json", '{"a":' * 50_000 + "1" + "}" * 50_000),
+    ("deep.json", "[" * 20_000 + "]" * 20_000),  # far beyond the interpreter's stack
+    ("deep.yaml", "[" * 2_000 + "]" * 2_000),
+    ("deep_dict.json", '{"a":' * 20_000 + "1" + "}" * 20_000),
     ("bigint.json", '{"aio": {"queue_depth": 1' + "0" * 5000 + "}}"),
     ("bigint.yaml", "aio: {queue_depth: 1" + "0" * 5000 + "}\n"),
     ("bigfloat.yaml", "optimizer: {lr: 1e999}\n"),
@@ -272,10 +384,10 @@ def test_directory_as_config_file(tmp_path):
 
 def test_the_generators_reach_valid_configs_and_every_section():
     """The fuzzers are worth something only if they get past the first check: count how often a
-    drawn config is valid, and which sections errors come from."""
+    drawn config is valid, and which keys the errors come from (deterministic examples)."""
     valid, keys = 0, set()
 
-    @settings(max_examples=300, deadline=None, database=None)
+    @settings(max_examples=150, deadline=None, database=None, derandomize=True)
     @given(data=offload_dicts)
     def probe(data):
         nonlocal valid
@@ -283,11 +395,13 @@ def test_the_generators_reach_valid_configs_and_every_section():
         if isinstance(out, OffloadConfig):
             valid += 1
         elif out.key:
-            keys.add(out.key.split(".")[0])
+            keys.add(out.key)
 
     probe()
-    assert valid >= 10, valid
-    assert {s.KEY for s in SECTIONS} - {"telemetry"} <= keys | {"telemetry"}, keys
+    assert valid >= 30, valid  # a third or so
+    sections = {s.KEY for s in SECTIONS}
+    assert sections <= {k.split(".")[0] for k in keys}, keys
+    assert len({k for k in keys if k.split(".")[0] in sections}) >= 15, keys
 
 
 def test_huge_and_non_finite_numbers_name_their_key():
@@ -313,12 +427,13 @@ def test_huge_and_non_finite_numbers_name_their_key():
 @pytest.mark.slow
 @LONG
 @given(data=any_dicts, flag=deepspeed_flag)
-def test_fuzz_dicts_long(data, flag):
+def test_fuzz_configs_long(tmp_path_factory, data, flag):
     check_dict(data, flag)
+    check_files(tmp_path_factory.mktemp("f"), data, flag)
 
 
 @pytest.mark.slow
 @LONG
-@given(data=any_dicts, flag=deepspeed_flag)
-def test_fuzz_files_long(tmp_path_factory, data, flag):
-    check_files(tmp_path_factory.mktemp("f"), data, flag)
+@given(text=st.text(max_size=2000))
+def test_fuzz_raw_text_long(tmp_path_factory, text):
+    test_fuzz_raw_text.hypothesis.inner_test(tmp_path_factory, text)

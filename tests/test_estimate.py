@@ -400,3 +400,13 @@ def test_cli_one_gpu_prints_six_rows_and_wraps_pools():
     assert "offload_param 5 x 268 MB + offload_optimizer 8 x 268 MB = 3.49 GB" in res.stdout
     json_rows = json.loads(run_cli("--params", "7B", "--gpus", "1", "--json").stdout)["rows"]
     assert len(json_rows) == 16  # the JSON keeps one row per stage for scripts
+
+
+def test_host_memory_budget_is_the_readme_sum():
+    # README "Memory: what host RAM holds": buffers + 4 x the largest unit in fp32 + 48 MiB
+    b = est.host_memory_budget(168 * 2**20, 4_923_520)
+    assert (b.buffers, b.units, b.fixed) == (168 * 2**20, 4 * 4 * 4_923_520, 48 * 2**20)
+    assert b.total == b.buffers + b.units + b.fixed
+    for bad in (-1, 1.5, True):
+        with pytest.raises(est.EstimateError, match="largest_unit_params"):
+            est.host_memory_budget(0, bad)

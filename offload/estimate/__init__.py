@@ -34,6 +34,14 @@ Note: staging pools
     (``offload.config.resolve_auto_buffer_size``). ``Machine.buffer_count`` /
     ``Machine.buffer_size``, when given, replace them for both pools.
 
+Note: the documented host budget
+    README "Memory: what host RAM holds": with params and optimizer state on NVMe, training grows
+    the process's resident memory (over the process before the model existed) by at most the
+    pool buffers + ``HOST_UNITS`` (4) x the largest unit in fp32 (the root and the unit being
+    run, its grads, the next unit gathered) + ``HOST_FIXED_BYTES`` (48 MiB: interpreter objects,
+    hooks, per-shard records, IO threads' arenas, allocator slack); activations come on top.
+    :func:`host_memory_budget` is that sum, part by part (``offload demo`` draws it).
+
 Note: the working set
     Units (one transformer block by default) are gathered on the device while they compute:
     ``live_units`` (the running one and the prefetched one) x unit params x P bytes whenever the
@@ -97,6 +105,34 @@ PLACEMENT_TITLES: dict[str, str] = {
 
 # Bytes per parameter on the host or NVMe for an offloaded optimizer: fp32 master, m, v, grad.
 OFFLOADED_OPTIMIZER_BYTES = 16
+# The documented host budget (see the module Note): fp32 copies of the largest unit, fixed bytes.
+HOST_UNITS = 4
+HOST_FIXED_BYTES = 48 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class HostBudget:
+    """The documented bound on host memory growth with state on NVMe, part by part (bytes)."""
+
+    buffers: int  # the pools: buffer_count x buffer_size, both sections
+    units: int  # HOST_UNITS x the largest unit in fp32
+    fixed: int  # HOST_FIXED_BYTES
+
+    @property
+    def total(self) -> int:
+        return self.buffers + self.units + self.fixed
+
+
+def host_memory_budget(buffer_bytes: int, largest_unit_params: int) -> HostBudget:
+    """README "Memory: what host RAM holds" for pools of ``buffer_bytes`` and a largest unit of
+    ``largest_unit_params`` parameters (see the module Note)."""
+    for key, value in (
+        ("buffer_bytes", buffer_bytes),
+        ("largest_unit_params", largest_unit_params),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise EstimateError(f"{key}: must be an integer >= 0, got {value!r}")
+    return HostBudget(buffer_bytes, HOST_UNITS * 4 * largest_unit_params, HOST_FIXED_BYTES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -536,6 +536,16 @@ def test_rounding_is_logged_with_key_value_and_result(caplog):
     assert "rounded up to 16003072" in text and "4096" in text
     caplog.clear()
     with caplog.at_level("INFO", logger="offload.config"):
+        load_config({"offload_optimizer": {"buffer_size": 1000}})
+    assert (
+        caplog.records[-1]
+        .getMessage()
+        .startswith(
+            "offload_optimizer.buffer_size: 1000, rounded up to 4096 (4 KiB), a multiple of 4096"
+        )
+    )
+    caplog.clear()
+    with caplog.at_level("INFO", logger="offload.config"):
         load_config({"offload_param": {"buffer_size": "16MiB"}})  # nothing to round
     assert not [r for r in caplog.records if "rounded" in r.getMessage()]
 

@@ -134,9 +134,10 @@ def as_size(
         why = f"{nbytes} bytes" + (f" rounds up to {rounded}" if rounded != nbytes else "")
         raise ConfigError.bad(key, value, f"{rule}; {why}, above the maximum")
     if rounded != nbytes:
+        written = repr(value) + ("" if type(value) is int else f" is {nbytes} bytes")
         logger.info(
-            "%s: %r is %d bytes, rounded up to %d (%s), a multiple of %d (the O_DIRECT alignment)",
-            key, value, nbytes, rounded, format_size(rounded), align,
+            "%s: %s, rounded up to %d (%s), a multiple of %d (the O_DIRECT alignment)",
+            key, written, rounded, format_size(rounded), align,
         )  # fmt: skip
     return rounded
 

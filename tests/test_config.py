@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import offload
 from offload.config import (
     AioConfig,
+    AutoSize,
     ConfigError,
     LossScaleConfig,
     OffloadConfig,
@@ -27,8 +28,10 @@ from offload.config import (
     WrapConfig,
     load_config,
     parse_size,
+    resolve_auto_buffer_size,
 )
 from offload.config._reference import field_docs, reference_markdown
+from offload.config.sections import DEFAULT_BUFFER_SIZE
 
 SECTION_CLASSES = [
     OptimizerConfig,
@@ -214,6 +217,8 @@ def test_public_face():
         "load_config",
         "ConfigError",
         "parse_size",
+        "AutoSize",
+        "resolve_auto_buffer_size",
         *(cls.__name__ for cls in SECTION_CLASSES),
     }
 
@@ -242,6 +247,15 @@ def test_public_face():
         (" 7 B ", 7),
         (1e8, 100_000_000),
         (2.0**20 + 3, 2**20 + 3),
+        ("1e8", 100_000_000),
+        ("1E8", 100_000_000),
+        ("1e+8", 100_000_000),
+        ("1.5e3", 1500),
+        ("2.5e3MB", 2_500_000_000),
+        ("16MB", 16_000_000),
+        ("16MiB", 16 * 2**20),
+        (100_000_000, 100_000_000),
+        ("15e-1KB", 1500),
     ],
 )
 def test_parse_size_units(text, expected):
@@ -294,7 +308,12 @@ def test_choice_typos_get_a_suggestion():
         "-4k",
         "4 kbit",
         "4kk",
-        "1e6",
+        "1e-3",
+        "1e999999999",
+        "1e31",
+        "9" * 70,
+        "\u0663",  # an Arabic-Indic digit: \\d without re.ASCII would take it
+        "4\u212a",  # the Kelvin sign lower-cases to 'k'
         "",
         "GiB",
         True,
@@ -338,16 +357,25 @@ BAD = [
     ({"offload_optimizer": {"buffer_count": 0}}, "offload_optimizer.buffer_count", 0),
     ({"offload_optimizer": {"buffer_count": "4"}}, "offload_optimizer.buffer_count", "4"),
     ({"offload_optimizer": {"buffer_count": 2.5}}, "offload_optimizer.buffer_count", 2.5),
-    ({"offload_optimizer": {"buffer_size": "12KB"}}, "offload_optimizer.buffer_size", "12KB"),
     ({"offload_optimizer": {"buffer_size": "lots"}}, "offload_optimizer.buffer_size", "lots"),
     ({"offload_optimizer": {"buffer_size": 0}}, "offload_optimizer.buffer_size", 0),
+    ({"offload_optimizer": {"buffer_size": "0MB"}}, "offload_optimizer.buffer_size", "0MB"),
     ({"offload_optimizer": {"buffer_size": "2TiB"}}, "offload_optimizer.buffer_size", "2TiB"),
+    ({"offload_optimizer": {"buffer_size": math.nan}}, "offload_optimizer.buffer_size", math.nan),
+    ({"offload_optimizer": {"buffer_size": math.inf}}, "offload_optimizer.buffer_size", math.inf),
+    ({"offload_optimizer": {"buffer_size": True}}, "offload_optimizer.buffer_size", True),
+    ({"offload_optimizer": {"buffer_size": "-16MB"}}, "offload_optimizer.buffer_size", "-16MB"),
+    ({"offload_optimizer": {"buffer_size": 1.5}}, "offload_optimizer.buffer_size", 1.5),
+    ({"offload_optimizer": {"buffer_size": None}}, "offload_optimizer.buffer_size", None),
+    ({"offload_optimizer": {"buffer_size": "autoo"}}, "offload_optimizer.buffer_size", "autoo"),
     ({"offload_optimizer": {"threads": -1}}, "offload_optimizer.threads", -1),
     ({"offload_param": {"device": "disk"}}, "offload_param.device", "disk"),
     ({"offload_param": {"device": "nvme", "nvme_path": ""}}, "offload_param.nvme_path", ""),
     ({"offload_param": {"buffer_size": -4096}}, "offload_param.buffer_size", -4096),
     ({"offload_param": {"persistence_threshold": 1.5}}, "offload_param.persistence_threshold", 1.5),
-    ({"aio": {"block_size": 1000}}, "aio.block_size", 1000),
+    ({"aio": {"block_size": 0}}, "aio.block_size", 0),
+    ({"aio": {"block_size": "auto"}}, "aio.block_size", "auto"),
+    ({"aio": {"block_size": 2**30 + 1}}, "aio.block_size", 2**30 + 1),
     ({"aio": {"queue_depth": 0}}, "aio.queue_depth", 0),
     ({"aio": {"thread_count": True}}, "aio.thread_count", True),
     ({"aio": {"direct_io": "on"}}, "aio.direct_io", "on"),
@@ -457,3 +485,177 @@ def test_readme_reference_is_generated_from_the_code():
     for cls in SECTION_CLASSES:
         for f in dataclasses.fields(cls):
             assert f"`{cls.KEY}.{f.name}`" in body
+
+
+# --- any byte size, rounded up to the IO alignment where the key needs it ------------------
+
+SWAP_KEYS = ["offload_param.buffer_size", "offload_optimizer.buffer_size", "aio.block_size"]
+
+
+def _with(dotted: str, value) -> dict:
+    section, name = dotted.split(".")
+    return {section: {name: value}}
+
+
+def _get(cfg: OffloadConfig, dotted: str):
+    section, name = dotted.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+@pytest.mark.parametrize("key", SWAP_KEYS)
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("16MB", 16_003_072),  # 16,000,000 is not a multiple of 4096: 3907 x 4096 is next
+        ("256MB", 256_000_000),  # happens to be one already (62,500 x 4096)
+        ("16MiB", 16 * 2**20),
+        (1e8, 100_003_840),
+        ("1e8", 100_003_840),
+        (100_000_000, 100_003_840),
+        (1000, 4096),
+        (1, 4096),
+        (4096, 4096),
+        (4097, 8192),
+        ("1GB", 1_000_001_536),
+    ],
+)
+def test_sizes_are_rounded_up_to_4096(key, value, expected):
+    cfg = load_config(_with(key, value))
+    got = _get(cfg, key)
+    assert got == expected and type(got) is int and got % 4096 == 0
+    assert 0 <= got - parse_size(value) < 4096  # up, never down, by less than one page
+    assert load_config(cfg.to_dict()) == cfg  # the rounded value is stable
+
+
+def test_rounding_is_logged_with_key_value_and_result(caplog):
+    with caplog.at_level("INFO", logger="offload.config"):
+        load_config({"offload_param": {"buffer_size": "16MB"}})
+    (record,) = [r for r in caplog.records if "rounded" in r.getMessage()]
+    text = record.getMessage()
+    assert text.startswith("offload_param.buffer_size: '16MB' is 16000000 bytes")
+    assert "rounded up to 16003072" in text and "4096" in text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="offload.config"):
+        load_config({"offload_optimizer": {"buffer_size": 1000}})
+    assert (
+        caplog.records[-1]
+        .getMessage()
+        .startswith(
+            "offload_optimizer.buffer_size: 1000, rounded up to 4096 (4 KiB), a multiple of 4096"
+        )
+    )
+    caplog.clear()
+    with caplog.at_level("INFO", logger="offload.config"):
+        load_config({"offload_param": {"buffer_size": "16MiB"}})  # nothing to round
+    assert not [r for r in caplog.records if "rounded" in r.getMessage()]
+
+
+def test_size_errors_say_what_is_allowed_once_and_clearly():
+    """The old message for a too-small size said both '>= 0' and '>= 4096' and never mentioned
+    the multiple-of-4096 rule; now every size error states the range and the rounding once."""
+    for bad in (0, -1, "0MB", math.nan, "garbage"):
+        with pytest.raises(ConfigError) as err:
+            load_config({"offload_optimizer": {"buffer_size": bad}})
+        msg = str(err.value)
+        assert msg.startswith(f"offload_optimizer.buffer_size: got {bad!r}; allowed: ")
+        assert ">= 0" not in msg and ">= 4096" not in msg
+        assert "> 0" in msg and "rounded up to a multiple of 4096" in msg and "'auto'" in msg
+    with pytest.raises(ConfigError) as err:
+        load_config({"aio": {"block_size": 2**30 + 1}})
+    assert str(err.value).endswith(
+        f"{2**30 + 1} bytes rounds up to {2**30 + 4096}, above the maximum"
+    )
+    assert load_config({"aio": {"block_size": 2**30 - 1}}).aio.block_size == 2**30
+
+
+# --- "auto" swap buffer sizes ------------------------------------------------------------
+
+POOLS = ["offload_param", "offload_optimizer"]
+
+
+@pytest.mark.parametrize("section", POOLS)
+def test_buffer_size_defaults_to_auto_capped_at_the_old_default(section):
+    sec = getattr(OffloadConfig(), section)
+    assert sec.buffer_size_is_auto and isinstance(sec.buffer_size, AutoSize)
+    # code that reads the field as a number (wrap, today) gets the cap: the former default
+    assert int(sec.buffer_size) == DEFAULT_BUFFER_SIZE == 256 * 2**20
+    assert sec.buffer_size // 4 == DEFAULT_BUFFER_SIZE // 4 and sec.buffer_size % 4096 == 0
+    for spelled in ("auto", "AUTO", " Auto "):
+        assert getattr(
+            load_config({section: {"buffer_size": spelled}}), section
+        ).buffer_size_is_auto
+    explicit = load_config({section: {"buffer_size": "256MiB"}})
+    assert not getattr(explicit, section).buffer_size_is_auto
+    assert explicit != OffloadConfig()  # "auto" and an explicit 256 MiB are different requests
+
+
+def test_auto_survives_every_copy(tmp_path: Path):
+    cfg = load_config({"offload_param": {"device": "cpu"}})
+    assert cfg.to_dict()["offload_param"]["buffer_size"] == "auto"
+    assert load_config(cfg) == cfg and load_config(cfg).offload_param.buffer_size_is_auto
+    assert dataclasses.replace(cfg.offload_param, device="none").buffer_size_is_auto
+    assert OffloadConfig(offload_param=cfg.offload_param).offload_param.buffer_size_is_auto
+    (tmp_path / "c.json").write_text(json.dumps(cfg.to_dict()))
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    assert load_config(tmp_path / "c.json") == cfg == load_config(tmp_path / "c.yaml")
+    assert repr(cfg.offload_param.buffer_size) == f"AutoSize({DEFAULT_BUFFER_SIZE})"
+
+
+@pytest.mark.parametrize(
+    "largest, expected",
+    [
+        (0, 2**20),  # never below one IO block (aio.block_size, 1 MiB)
+        (1, 2**20),
+        (2**20, 2**20),
+        (2**20 + 1, 2**20 + 4096),  # rounded up to 4096
+        (10_000_000, 10_002_432),
+        (DEFAULT_BUFFER_SIZE, DEFAULT_BUFFER_SIZE),
+        (DEFAULT_BUFFER_SIZE + 1, DEFAULT_BUFFER_SIZE),  # never above the old default
+        (10**12, DEFAULT_BUFFER_SIZE),
+    ],
+)
+@pytest.mark.parametrize("section", POOLS)
+def test_resolve_auto_buffer_size(section, largest, expected):
+    assert resolve_auto_buffer_size(section, OffloadConfig(), largest) == expected
+
+
+def test_resolve_auto_follows_the_io_block_and_leaves_explicit_sizes_alone():
+    small_blocks = load_config({"aio": {"block_size": "64KiB"}})
+    assert resolve_auto_buffer_size("offload_param", small_blocks, 1000) == 64 * 1024
+    assert resolve_auto_buffer_size("offload_param", small_blocks, 100_000) == 102_400
+    explicit = load_config({"offload_optimizer": {"buffer_size": "16MB"}})
+    for largest in (0, 10**3, 10**12):  # an explicit size is what wrap allocates, as is
+        got = resolve_auto_buffer_size("offload_optimizer", explicit, largest)
+        assert got == 16_003_072 and type(got) is int
+    assert resolve_auto_buffer_size("offload_param", explicit, 10**3) == 2**20  # still auto
+
+
+@given(
+    largest=st.integers(0, 2**34),
+    block=st.sampled_from(["4KiB", "64KiB", "1MiB", "8MiB", "512MiB"]),
+    section=st.sampled_from(POOLS),
+)
+def test_resolve_auto_bounds(largest, block, section):
+    cfg = load_config({"aio": {"block_size": block}})
+    got = resolve_auto_buffer_size(section, cfg, largest)
+    assert got % 4096 == 0 and got <= DEFAULT_BUFFER_SIZE
+    assert got >= min(DEFAULT_BUFFER_SIZE, cfg.aio.block_size)
+    if largest <= DEFAULT_BUFFER_SIZE:
+        assert got >= largest  # the largest unit fits one buffer: one piece per unit
+    assert got <= resolve_auto_buffer_size(section, cfg, largest + 4096)  # monotone
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (("offload_params", 1), "section must be one of"),
+        (("aio", 1), "section must be one of"),
+        (("offload_param", -1), ">= 0"),
+        (("offload_param", True), "must be an int"),
+        (("offload_param", 1.5), "must be an int"),
+    ],
+)
+def test_resolve_auto_refuses_programming_errors(args, match):
+    section, largest = args
+    with pytest.raises(ValueError, match=match):
+        resolve_auto_buffer_size(section, OffloadConfig(), largest)

@@ -101,6 +101,7 @@ def test_zero_infinity_config_maps_and_warns_once(caplog, tmp_path: Path):
     assert p.persistence_threshold == 100_000
     assert (o.device, o.nvme_path, o.pin_memory, o.buffer_count) == ("nvme", "/local_nvme", True, 4)
     assert o.buffer_size == OffloadConfig().offload_optimizer.buffer_size  # offload's default
+    assert o.buffer_size_is_auto and not p.buffer_size_is_auto
     assert (cfg.aio.block_size, cfg.aio.queue_depth, cfg.aio.thread_count) == (2**20, 16, 2)
     assert cfg.aio.direct_io is True
     warnings = _warnings(caplog)
@@ -212,6 +213,24 @@ def test_hf_trainer_auto_values_take_offload_defaults(caplog):
         assert key in infos[0]
 
 
+def test_hf_trainer_auto_buffer_size_is_offloads_auto():
+    ds = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "buffer_size": "auto"},
+        },
+        "train_batch_size": 8,
+    }
+    assert load_config(ds).offload_param.buffer_size_is_auto
+
+
+def test_deepspeed_byte_sizes_round_up_and_name_the_deepspeed_key():
+    cfg = load_config({"zero_optimization": {"stage": 3}, "aio": {"block_size": 1e6}})
+    assert cfg.aio.block_size == 1_003_520  # 1e6 bytes, rounded up to 245 x 4096
+    with pytest.raises(ConfigError, match=r"^aio\.block_size: got 'lots'; allowed: a byte"):
+        load_config({"zero_optimization": {"stage": 3}, "aio": {"block_size": "lots"}})
+
+
 @pytest.mark.parametrize("w_mode, expected", [(None, "adamw"), (True, "adamw"), (False, "adam")])
 def test_deepspeed_adam_is_adamw_unless_adam_w_mode_is_false(w_mode, expected):
     params = {"lr": 1e-3} if w_mode is None else {"lr": 1e-3, "adam_w_mode": w_mode}
@@ -258,7 +277,8 @@ def test_optimizer_device_none_maps_to_cpu_with_a_warning(caplog):
             "zero_optimization.offload_optimizer.buffer_count",
             -1,
         ),
-        ({"zero_optimization": {"stage": 3}, "aio": {"block_size": 1000}}, "aio.block_size", 1000),
+        ({"zero_optimization": {"stage": 3}, "aio": {"block_size": 0}}, "aio.block_size", 0),
+        ({"fp16": {"enabled": True, "loss_scale": float("nan")}}, "fp16.loss_scale", float("nan")),
         ({"gradient_clipping": -1, "train_batch_size": 8}, "gradient_clipping", -1),
     ],
 )

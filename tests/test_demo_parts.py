@@ -15,7 +15,16 @@ from offload.demo import loop as demo_train
 from offload.demo import model as demo_model
 from offload.demo import report as demo_report
 from offload.demo.data import ByteCorpus, batches, get_batch, load_corpus, stdlib_source_files
-from offload.demo.model import GPT, Block, config_for_size, lm_loss, param_count
+from offload.demo.model import (
+    GPT,
+    Block,
+    block_params,
+    config_for_size,
+    largest_unit_params,
+    lm_loss,
+    param_count,
+)
+from offload.estimate import host_memory_budget
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -191,7 +200,10 @@ def test_metrics_jsonl_round_trip(tmp_path):
 def test_png_report(tmp_path):
     pytest.importorskip("matplotlib")
     out = demo_report.plot_report(
-        _fake_records(), tmp_path / "report.png", host_budget_bytes=256 * 10**6
+        _fake_records(),
+        tmp_path / "report.png",
+        host_budget=host_memory_budget(256 * 10**6, 10**6),
+        rss_before_bytes=300 * 10**6,
     )
     blob = out.read_bytes()
     assert blob[:8] == PNG_MAGIC
@@ -306,3 +318,127 @@ def test_model_module_note_formula_matches_blocks():
     for d in (64, 640):
         block = Block(demo_model.GPTConfig(d_model=d, n_layer=1, n_head=d // 64))
         assert sum(p.numel() for p in block.parameters()) == 12 * d * d + 13 * d
+
+
+# --- the picture adds up ------------------------------------------------------------------
+
+
+def _background_step(i: int = 1) -> dict:
+    """A step as the engine reports it with the optimizer state on NVMe: the CPU step (0.3 s)
+    mostly ran beside the next forward; the loop waited 0.05 s for it in optimizer.step()."""
+    return {
+        "kind": "step", "step": i, "wall_seconds": 0.66, "forward_seconds": 0.2,
+        "backward_seconds": 0.4, "optimizer_seconds": 0.3, "step_wall": 0.05,
+        "io_wait_seconds": 0.02, "elapsed_seconds": float(i), "rss_bytes": 400 * 10**6,
+    }  # fmt: skip
+
+
+def test_time_split_adds_up_to_the_wall_time():
+    split = demo_report.time_split(_background_step())
+    assert split["forward"] + split["backward"] + split["step_waited"] + split["other"] == (
+        pytest.approx(0.66)
+    )
+    assert split["step_waited"] == 0.05 and split["step_overlapped"] == pytest.approx(0.25)
+    # a synchronous step: everything was waited for, nothing hidden
+    sync = demo_report.time_split(_background_step() | {"optimizer_seconds": 0.04})
+    assert sync["step_overlapped"] == 0 and sync["step_waited"] == 0.05
+    # older records without step_wall: the wall time left after forward and backward
+    old = demo_report.time_split({k: v for k, v in _background_step().items() if k != "step_wall"})
+    assert old["step_waited"] == pytest.approx(0.06) and old["step_overlapped"] == pytest.approx(
+        0.24
+    )
+
+
+def test_time_caption_says_why_the_bars_pass_the_wall_line():
+    hidden = demo_report.time_caption([demo_report.time_split(_background_step())])
+    flat = " ".join(hidden.split())
+    assert "add up to the wall time" in flat and "83 % of the CPU step" in flat
+    assert "background" in flat and "next forward" in flat
+    assert all(len(line) <= 88 for line in hidden.splitlines())
+    sync = demo_report.time_caption([demo_report.time_split(_background_step() | {"step_wall": 1})])
+    assert "background" not in sync
+
+
+def _axes():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    return plt, fig, ax
+
+
+def test_time_panel_stacks_to_the_wall_and_hatches_the_rest():
+    plt, fig, ax = _axes()
+    steps = [_background_step(i) for i in (1, 2)]
+    demo_report._plot_time(ax, steps, [1, 2])
+    bars = {c.get_label(): c.patches for c in ax.containers}
+    solid = ["forward", "backward", "CPU step: waited for"]
+    for i in range(2):
+        top = bars[solid[-1]][i].get_y() + bars[solid[-1]][i].get_height()
+        assert sum(bars[k][i].get_height() for k in solid) == pytest.approx(top)
+        assert top == pytest.approx(0.65)  # 0.66 wall - 0.01 of the loop's own overhead
+        hatched = bars["CPU step: in the background"][i]
+        assert hatched.get_y() == pytest.approx(top) and hatched.get_height() == pytest.approx(0.25)
+        assert hatched.get_hatch()
+    assert "background" in ax.get_xlabel()
+    plt.close(fig)
+
+
+def test_memory_panel_draws_the_documented_budget_from_the_baseline():
+    plt, fig, ax = _axes()
+    budget = host_memory_budget(168 * 10**6, 4_923_520)  # the 50M demo: pools, one block
+    demo_report._plot_memory(ax, [_background_step()], budget, 330 * 10**6)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    level = next(v for k, v in lines.items() if k.startswith("documented budget")).get_ydata()[0]
+    assert level == pytest.approx((330 * 10**6 + budget.total) / 1e6)
+    assert budget.total == 168 * 10**6 + 16 * 4_923_520 + 48 * 2**20
+    label = next(k for k in lines if k.startswith("documented budget"))
+    assert "buffers 168" in label and "4 x largest unit in fp32 79" in label and "fixed 50" in label
+    assert lines["RSS before the model (330 MB)"].get_ydata()[0] == pytest.approx(330)
+    # no line for the buffers alone: against them a run within its budget reads as an overrun
+    assert not [k for k in lines if k.startswith("host buffer")]
+    plt.close(fig)
+
+
+def test_summary_names_the_background_step():
+    s = demo_report.summarize([_background_step(1), _background_step(2)])
+    assert s["step_background_median"] == pytest.approx(0.25)
+    assert "0.250 s of the CPU step in the background" in demo_report.format_summary(s)
+
+
+# --- what the demo's budget is made of ----------------------------------------------------
+
+
+@pytest.mark.parametrize("size", ["tiny", "1M", "5M"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_largest_unit_params_matches_the_model(size, tied):
+    cfg = config_for_size(size, tie_embeddings=tied)
+    model = GPT(cfg)
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+    per_block = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    assert largest_unit_params(cfg) == max([root, *per_block])
+    assert per_block[0] == block_params(cfg.d_model)
+
+
+def test_host_buffer_bytes_counts_nvme_pools_as_wrap_sizes_them():
+    from offload.cli.demo import host_buffer_bytes
+    from offload.config import load_config
+
+    both = {"device": "nvme", "nvme_path": "/x", "buffer_count": 4, "buffer_size": 20 * 2**20}
+    cfg = load_config({"offload_param": both, "offload_optimizer": both, "dtype": "fp32"})
+    assert host_buffer_bytes(cfg, 10**6) == 2 * 4 * 20 * 2**20
+    cpu_opt = load_config({"offload_param": both, "offload_optimizer": {"device": "cpu"}})
+    assert host_buffer_bytes(cpu_opt, 10**6) == 4 * 20 * 2**20  # the cpu section has no pool
+    auto = {"device": "nvme", "nvme_path": "/x", "buffer_count": 4}
+    cfg = load_config({"offload_param": auto, "offload_optimizer": auto, "dtype": "bf16"})
+    unit = 5 * 10**6  # 10 MB in bf16, 20 MB in fp32, each rounded up to 4096
+    assert host_buffer_bytes(cfg, unit) == 4 * 10_002_432 + 4 * 20_000_768
+
+
+def test_rss_before_model_is_this_process():
+    from offload.cli.demo import rss_before_model
+
+    assert 10**7 < rss_before_model() < 10**11

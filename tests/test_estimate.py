@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -97,9 +98,10 @@ def test_estimate_rows_carry_the_paper_figure_and_offload_shrinks_the_device():
         assert opt.host_per_rank == -(-16 * psi // part)
         assert opt.host_per_node == 8 * opt.host_per_rank
         assert both.host_per_rank == opt.host_per_rank + -(-2 * psi // (n if stage == 3 else 1))
-        # NVMe: the state moves to disk, the host keeps only 2 pools of pinned buffers
+        # NVMe: the state moves to disk, the host keeps only wrap's two pinned pools: a unit of
+        # 7.5e9 / 32 params is far above 256 MiB, so "auto" is the cap: 5 + 8 buffers of 256 MiB
         assert nvme.nvme_per_rank == both.host_per_rank
-        assert nvme.host_per_rank == 2 * 4 * 64 * 10**6
+        assert nvme.host_per_rank == (5 + 8) * 256 * 2**20
         assert 0 < opt.device_working <= nvme.device_working
 
 
@@ -287,3 +289,124 @@ def test_cli_rejects_non_json_config(tmp_path):
     path.write_text("hidden_size: 4096\n")
     res = run_cli("--hf-config", str(path))
     assert res.returncode == 2 and "not valid JSON" in res.stderr
+
+
+# --- NVMe staging pools: wrap's defaults, not the estimator's own ------------------------
+
+MiB = 2**20
+
+
+def _round4k(n: int) -> int:
+    return -(-n // 4096) * 4096
+
+
+@pytest.mark.parametrize(
+    "unit_params, dtype, param_size, opt_size",
+    [
+        (10**5, "bf16", MiB, MiB),  # below one IO block (1 MiB): one block each
+        (10**7, "bf16", _round4k(2 * 10**7), _round4k(4 * 10**7)),  # the unit, rounded up
+        (10**7, "fp32", _round4k(4 * 10**7), _round4k(4 * 10**7)),
+        (10**9, "bf16", 256 * MiB, 256 * MiB),  # capped at the former fixed default
+    ],
+)
+def test_staging_pools_are_wraps_auto_pools(unit_params, dtype, param_size, opt_size):
+    pools = {p.section: p for p in est.staging_pools(est.Machine(), unit_params, dtype)}
+    assert (pools["offload_param"].count, pools["offload_param"].size) == (5, param_size)
+    assert (pools["offload_optimizer"].count, pools["offload_optimizer"].size) == (8, opt_size)
+    assert all(p.auto for p in pools.values())
+    e = est.estimate(10 * unit_params, est.Machine(), precision=dtype, unit_params=unit_params)
+    nvme = next(r for r in e.rows if r.placement == "nvme")
+    assert nvme.host_per_rank == 5 * param_size + 8 * opt_size
+    assert e.to_dict()["staging"][0] == {
+        "section": "offload_param", "count": 5, "size": param_size, "auto": True,
+    }  # fmt: skip
+
+
+def test_staging_pools_follow_the_config_defaults(monkeypatch):
+    """The estimator reads wrap's defaults from the config: change them there and it follows."""
+    from offload.config import sections
+
+    monkeypatch.setattr(sections, "DEFAULT_BUFFER_SIZE", 64 * MiB)
+    pools = est.staging_pools(est.Machine(), 10**9)
+    assert [p.size for p in pools] == [64 * MiB, 64 * MiB]
+
+
+def test_staging_pool_overrides_apply_to_both_pools():
+    m = est.Machine(buffer_count=4, buffer_size=64 * 10**6)
+    pools = est.staging_pools(m, 10**5)
+    assert [(p.count, p.size, p.auto) for p in pools] == [(4, 64 * 10**6, False)] * 2
+    odd = est.staging_pools(est.Machine(buffer_size=16 * 10**6), 10**5)
+    assert [p.size for p in odd] == [16_003_072] * 2  # rounded up to 4096 as wrap would
+    with pytest.raises(est.EstimateError, match="--buffer-size"):
+        est.staging_pools(est.Machine(buffer_size=2 * 2**40), 10**5)
+
+
+# --- identical rows are shown once --------------------------------------------------------
+
+
+def test_one_gpu_collapses_identical_stages():
+    e = est.estimate(7_000_000_000, est.Machine(gpu_mem=24 * est.GB))
+    collapsed = est.collapse_rows(e.rows)
+    labels = [(stages, r.placement) for stages, r in collapsed]
+    assert labels == [
+        ("0-2", "none"),
+        ("0-2", "cpu_optimizer"),
+        ("0-3", "cpu_optimizer_params"),
+        ("0-3", "nvme"),
+        ("3", "none"),  # stage 3 gathers params even without offload: a different working set
+        ("3", "cpu_optimizer"),
+    ]
+    # every row is still there, merged only with rows whose every figure is equal
+    assert sorted(r.stage for r in e.rows) == sorted(
+        int(s) for stages, _ in collapsed for s in _expand(stages)
+    )
+    for stages, row in collapsed:
+        for s in _expand(stages):
+            twin = next(r for r in e.rows if r.stage == int(s) and r.placement == row.placement)
+            assert dataclasses.replace(twin, stage=row.stage) == row
+
+
+def _expand(label: str) -> list[str]:
+    if "-" in label:
+        lo, hi = label.split("-")
+        return [str(s) for s in range(int(lo), int(hi) + 1)]
+    return label.split(",")
+
+
+def test_many_ranks_keep_the_paper_rows_apart():
+    e = est.estimate(7_500_000_000, est.Machine(gpus_per_node=8, nodes=8))
+    collapsed = est.collapse_rows(e.rows)
+    # no offload: four different ZeRO figures, four rows
+    assert [s for s, r in collapsed if r.placement == "none"] == ["0", "1", "2", "3"]
+    # offloaded: stage 2 partitions the grads, which already live on the host at stage 1
+    assert [s for s, r in collapsed if r.placement == "cpu_optimizer"] == ["0", "1-2", "3"]
+    assert len(collapsed) == 13
+
+
+def test_stage_labels():
+    assert est._stage_label([0, 1, 2]) == "0-2"
+    assert est._stage_label([3]) == "3"
+    assert est._stage_label([0, 3]) == "0,3"
+
+
+def test_cli_one_gpu_prints_six_rows_and_wraps_pools():
+    res = run_cli("--params", "7B", "--gpus", "1")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("-----")) + 1
+    body = lines[start : lines.index("", start)]
+    assert len(body) == 6, body
+    assert body[0].split()[0] == "0-2" and "share a row" in res.stdout
+    assert "offload_param 5 x 268 MB + offload_optimizer 8 x 268 MB = 3.49 GB" in res.stdout
+    json_rows = json.loads(run_cli("--params", "7B", "--gpus", "1", "--json").stdout)["rows"]
+    assert len(json_rows) == 16  # the JSON keeps one row per stage for scripts
+
+
+def test_host_memory_budget_is_the_readme_sum():
+    # README "Memory: what host RAM holds": buffers + 4 x the largest unit in fp32 + 48 MiB
+    b = est.host_memory_budget(168 * 2**20, 4_923_520)
+    assert (b.buffers, b.units, b.fixed) == (168 * 2**20, 4 * 4 * 4_923_520, 48 * 2**20)
+    assert b.total == b.buffers + b.units + b.fixed
+    for bad in (-1, 1.5, True):
+        with pytest.raises(est.EstimateError, match="largest_unit_params"):
+            est.host_memory_budget(0, bad)

@@ -2,8 +2,10 @@
 
 The plain output is YAML that ``offload.load_config`` reads back to an equal config (byte sizes
 carry a comment in binary units), so it also converts a DeepSpeed config to offload's format.
-``--json`` prints the same as JSON. A bad config, or a missing or unparseable file, prints the
-one-line error on stderr and exits 1.
+Sizes are shown as stored: rounded up to 4096 where the key needs it (the rounding is also logged
+on stderr), ``"auto"`` buffer sizes as ``"auto"`` with the most they can become. ``--json``
+prints the same as JSON. A bad config, or a missing or unparseable file, prints the one-line error
+on stderr and exits 1.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from offload.config import ConfigError, load_config
 from offload.config.deepspeed import is_deepspeed_config
 from offload.config.loader import read_config_file
+from offload.config.sections import DEFAULT_BUFFER_SIZE
 from offload.config.sizes import format_size
 
 
@@ -76,9 +79,21 @@ def to_yaml(plain: dict[str, Any]) -> str:
             for k, v in value.items():
                 emit(indent + "  ", k, v)
             return
-        note = f"  # {format_size(value)}" if key.endswith("_size") and value >= 1024 else ""
-        lines.append(f"{indent}{key}: {json.dumps(value)}{note}")
+        lines.append(f"{indent}{key}: {json.dumps(value)}{_size_note(key, value)}")
 
     for key, value in plain.items():
         emit("", key, value)
     return "\n".join(lines) + "\n"
+
+
+def _size_note(key: str, value: Any) -> str:
+    """The comment after a byte size: its binary-unit form, or what "auto" can become."""
+    if not key.endswith("_size"):
+        return ""
+    if value == "auto":
+        return (
+            f"  # the largest unit's size, at most {format_size(DEFAULT_BUFFER_SIZE)}, set at wrap"
+        )
+    if isinstance(value, int) and value >= 1024:
+        return f"  # {format_size(value)}"
+    return ""

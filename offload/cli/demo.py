@@ -24,6 +24,7 @@ Note: clean stop
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -34,7 +35,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from offload.config import OffloadConfig
 
 # Steps of the default run (50M model): 5.4 s of process CPU time per step (both cores), so about
 # 2 minutes on 2 idle cores; measured on the shared 2-core dev machine under load 4-9: 4.6 min wall,
@@ -175,23 +179,38 @@ def _resolve_device(name: str | None) -> str:
     return name
 
 
-def _host_budget(cfg: dict[str, Any]) -> int:
-    """Bytes of host swap buffers for the sections that live on NVMe (normalized config)."""
+_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def host_buffer_bytes(cfg: OffloadConfig, largest_unit_params: int) -> int:
+    """Bytes of the host swap pools of the sections that live on NVMe, "auto" sizes resolved
+    for the model's largest unit as wrap resolves them (fp32 for the optimizer pool, the compute
+    dtype for the param pool)."""
+    from offload.config import resolve_auto_buffer_size  # noqa: PLC0415
+
+    itemsize = {"offload_optimizer": 4, "offload_param": _ITEMSIZE[cfg.dtype]}
     total = 0
-    for section in ("offload_optimizer", "offload_param"):
-        sec = cfg.get(section) or {}
-        if isinstance(sec, dict) and sec.get("device") == "nvme":
-            total += int(sec.get("buffer_count", 0) or 0) * int(sec.get("buffer_size", 0) or 0)
+    for section, size in itemsize.items():
+        sec = getattr(cfg, section)
+        if sec.device == "nvme":
+            nbytes = resolve_auto_buffer_size(section, cfg, largest_unit_params * size)
+            total += sec.buffer_count * nbytes
     return total
 
 
-def _normalized(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The config as the engine will read it (DeepSpeed keys mapped, sizes parsed)."""
-    try:
-        from offload.config import load_config  # noqa: PLC0415
-    except ImportError:
-        return cfg
-    return load_config(cfg).to_dict()
+def rss_before_model() -> int:
+    """RSS of this process before the model exists, after paying once what any training loop
+    pays (the autograd engine, the first ``torch.optim.Optimizer``, which imports
+    ``torch._dynamo``): the baseline the documented host budget is counted from, measured the
+    way ``tests/test_memory.py`` measures it."""
+    import torch  # noqa: PLC0415
+
+    from offload.demo.loop import current_rss  # noqa: PLC0415
+
+    warm = torch.nn.Linear(4, 1)
+    warm(torch.zeros(2, 4)).sum().backward()
+    torch.optim.SGD(warm.parameters(), lr=0.1).step()
+    return current_rss()
 
 
 def _close(optimizer: Any, model: Any) -> None:
@@ -217,7 +236,14 @@ def run(args: argparse.Namespace) -> int:
     from offload.demo import report as rep  # noqa: PLC0415
     from offload.demo.data import ByteCorpus  # noqa: PLC0415
     from offload.demo.loop import train  # noqa: PLC0415
-    from offload.demo.model import GPT, config_for_size, describe, param_count  # noqa: PLC0415
+    from offload.demo.model import (  # noqa: PLC0415
+        GPT,
+        config_for_size,
+        describe,
+        largest_unit_params,
+        param_count,
+    )
+    from offload.estimate import host_memory_budget  # noqa: PLC0415
 
     try:
         gcfg = config_for_size(args.size, seq_len=args.seq_len, tie_embeddings=args.tie_embeddings)
@@ -230,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
     t_load = time.perf_counter()
     corpus = ByteCorpus.from_stdlib()
     load_s = time.perf_counter() - t_load
+    rss_before = rss_before_model()
     model = GPT(gcfg)
 
     if args.nvme_path:
@@ -247,39 +274,52 @@ def run(args: argparse.Namespace) -> int:
                 model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01
             )
             cfg: dict[str, Any] = {"baseline": "torch.optim.AdamW, all state in memory"}
-            norm = {"dtype": "fp32"}
-            budget = 0
+            dtype_name = "fp32"
+            budget = None
             header.append(("state", "plain PyTorch AdamW, everything in memory (baseline)"))
         else:
             # offload.wrap is this function; importing it from its home also works when an
             # editable install exposes `offload` as a namespace package (no top-level __init__).
             from offload.api import wrap  # noqa: PLC0415
+            from offload.config import load_config  # noqa: PLC0415
 
             try:
                 cfg = build_config(args, tmpdir, device)
-                norm = _normalized(cfg)
+                norm = load_config(cfg)  # as the engine reads it (DeepSpeed mapped, sizes parsed)
                 model, optimizer = wrap(model, cfg)
             except (ValueError, OSError) as exc:  # ConfigError is a ValueError
                 print(f"offload demo: error: {exc}", file=sys.stderr)
                 return 2
-            budget = _host_budget(norm)
+            dtype_name = norm.dtype
+            unit = largest_unit_params(gcfg)
+            buffers = host_buffer_bytes(norm, unit)
+            budget = host_memory_budget(buffers, unit) if buffers else None
             fp32_state = 16 * n_params
             where = ", ".join(
-                f"{label} on {(norm.get(name) or {}).get('device', '?')}"
+                f"{label} on {getattr(norm, name).device}"
                 for name, label in (("offload_param", "params"), ("offload_optimizer", "optimizer"))
             )
             header.append(
                 (
                     "state",
                     f"{where}; fp32 state (params, grads, m, v) {rep.fmt_size(fp32_state)} vs "
-                    f"host buffers {rep.fmt_size(budget)}"
-                    + (f" ({fp32_state / budget:.1f}x)" if 0 < budget <= fp32_state else ""),
+                    f"host buffers {rep.fmt_size(buffers)}"
+                    + (f" ({fp32_state / buffers:.1f}x)" if 0 < buffers <= fp32_state else ""),
                 )
             )
+            if budget is not None:
+                header.append(
+                    (
+                        "host budget",
+                        f"{rep.fmt_size(budget.total)} of RSS growth (README 'Memory'): buffers "
+                        f"{rep.fmt_size(budget.buffers)} + 4 x largest unit in fp32 "
+                        f"{rep.fmt_size(budget.units)} + fixed {rep.fmt_size(budget.fixed)}",
+                    )
+                )
         header.append(
             ("data", f"{len(corpus.train) / 1e6:.1f} MB of stdlib source ({load_s:.1f} s)")
         )
-        header.append(("device", f"{device}, dtype {norm.get('dtype', 'fp32')}"))
+        header.append(("device", f"{device}, dtype {dtype_name}"))
         if report_dir is not None:
             writer = rep.MetricsWriter(report_dir / "metrics.jsonl")
             writer.write(
@@ -290,7 +330,9 @@ def run(args: argparse.Namespace) -> int:
                               "n_layer": gcfg.n_layer, "n_head": gcfg.n_head,
                               "seq_len": gcfg.seq_len, "tie_embeddings": gcfg.tie_embeddings},
                     "config": cfg,
-                    "host_budget_bytes": budget,
+                    "host_budget_bytes": budget.total if budget else 0,
+                    "host_budget": dataclasses.asdict(budget) if budget else None,
+                    "rss_before_model_bytes": rss_before,
                     "steps": args.steps,
                     "batch_size": args.batch_size,
                     "baseline": bool(args.baseline),
@@ -347,7 +389,8 @@ def run(args: argparse.Namespace) -> int:
                 result.records,
                 report_dir / "report.png",
                 title=f"offload demo: {describe(gcfg)}",
-                host_budget_bytes=budget or None,
+                host_budget=budget,
+                rss_before_bytes=rss_before,
             )
             header.append(("plot", str(png)))
         except ImportError:

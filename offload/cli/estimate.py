@@ -17,6 +17,12 @@ import json
 import sys
 
 from offload import estimate as est
+from offload.config.sections import (
+    DEFAULT_BUFFER_SIZE,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+)
+from offload.config.sizes import format_size
 
 
 def _count(text: str) -> int:
@@ -65,10 +71,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="compute dtype (bf16: 2+2+12 bytes per parameter; fp32: 4+4+8)",
     )
     parser.add_argument(
-        "--buffer-count", type=_positive_int, default=4, help="pinned buffers per NVMe pool (4)"
+        "--buffer-count",
+        type=_positive_int,
+        help="pinned buffers per NVMe staging pool (wrap's defaults: "
+        f"{OffloadParamConfig().buffer_count} params, "
+        f"{OffloadOptimizerConfig().buffer_count} optimizer)",
     )
     parser.add_argument(
-        "--buffer-size", type=_size, default=est.parse_bytes("64MB"), help="bytes each (64MB)"
+        "--buffer-size",
+        type=_size,
+        help="bytes per staging buffer (wrap's default 'auto': the largest unit, at most "
+        f"{format_size(DEFAULT_BUFFER_SIZE)})",
     )
     parser.add_argument(
         "--unit-params", type=_count, help="params of the largest unit gathered at once"
@@ -166,8 +179,8 @@ def format_estimate(result: est.Estimate) -> str:
         f"host {fmt_bytes(m.host_mem) + '/node' if m.host_mem else 'not given'}, "
         f"NVMe {fmt_bytes(m.nvme) + '/node' if m.nvme else 'not given'}",
         f"working set: {result.live_units} live units of {result.unit_params / 1e6:.1f} M params "
-        f"({result.unit_source}); NVMe staging: 2 pools x {m.buffer_count} x "
-        f"{fmt_bytes(m.buffer_size)} pinned per rank",
+        f"({result.unit_source})",
+        _staging_line(result.staging),
     ]
     if result.activations is None:
         lines.append("activations: not included (need --hf-config and --seq-len); they come on top")
@@ -192,7 +205,7 @@ def format_estimate(result: est.Estimate) -> str:
         "fits",
     )
     table = [header]
-    for r in result.rows:
+    for stages, r in est.collapse_rows(result.rows):
         why = []
         if r.fits_device is False:
             why.append("device")
@@ -217,7 +230,7 @@ def format_estimate(result: est.Estimate) -> str:
             fit = "yes"
         table.append(
             (
-                str(r.stage),
+                stages,
                 est.PLACEMENT_TITLES[r.placement],
                 fmt_bytes(r.device_states),
                 fmt_bytes(r.device_working),
@@ -241,7 +254,26 @@ def format_estimate(result: est.Estimate) -> str:
         "dev states: persistent model state per device (ZeRO paper figure); dev working: "
         "gathered units + streaming grads; dev total adds activations when estimated."
     )
+    if len(table) - 1 < len(result.rows):
+        lines.append(
+            "stages with identical figures share a row (with one rank ZeRO partitions nothing)."
+        )
     return "\n".join(lines)
+
+
+def _staging_line(pools: list[est.Pool]) -> str:
+    """The NVMe placement's host buffers, pool by pool, as wrap sizes them."""
+    parts = [f"{p.section} {p.count} x {fmt_bytes(p.size)}" for p in pools]
+    total = fmt_bytes(sum(p.nbytes for p in pools))
+    auto = [p.section for p in pools if p.auto]
+    cap = f"{fmt_bytes(DEFAULT_BUFFER_SIZE)} ({format_size(DEFAULT_BUFFER_SIZE)})"
+    why = (
+        f"; 'auto' size = the largest unit (params in the compute dtype, optimizer in fp32), "
+        f"at most {cap}"
+        if auto
+        else ""
+    )
+    return f"NVMe staging per rank (wrap's pools): {' + '.join(parts)} = {total}{why}"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
 """Typed, validated configuration for offload: dict / JSON / YAML / DeepSpeed -> OffloadConfig."""
 
+from offload.config.auto_size import resolve_auto_buffer_size
 from offload.config.errors import ConfigError
 from offload.config.loader import load_config
 from offload.config.offload_config import OffloadConfig
@@ -13,10 +14,11 @@ from offload.config.sections import (
     TelemetryConfig,
     WrapConfig,
 )
-from offload.config.sizes import parse_size
+from offload.config.sizes import AutoSize, parse_size
 
 __all__ = [
     "AioConfig",
+    "AutoSize",
     "ConfigError",
     "LossScaleConfig",
     "OffloadConfig",
@@ -28,4 +30,5 @@ __all__ = [
     "WrapConfig",
     "load_config",
     "parse_size",
+    "resolve_auto_buffer_size",
 ]

@@ -13,6 +13,7 @@ Note: what counts as which type
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 import re
@@ -20,7 +21,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from offload.config.errors import ConfigError
-from offload.config.sizes import SIZE_HELP, parse_size
+from offload.config.sizes import AutoSize, format_size, is_auto, parse_bytes, round_up
+
+logger = logging.getLogger("offload.config")
 
 _INT_MAX = 2**62
 
@@ -72,7 +75,10 @@ def as_float(
     allowed = " ".join(x for x in ("a finite number", rng, f"({what})" if what else "") if x)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError.bad(key, value, allowed)
-    out = float(value)
+    try:
+        out = float(value)
+    except OverflowError:  # an int beyond the float range
+        raise ConfigError.bad(key, value, allowed) from None
     if not math.isfinite(out):
         raise ConfigError.bad(key, value, allowed)
     if lo is not None and (out <= lo if lo_open else out < lo):
@@ -97,26 +103,58 @@ def as_choice(key: str, value: Any, choices: Mapping[str, Iterable[str]]) -> str
     raise ConfigError.bad(key, value, f"one of {names}{hint}")
 
 
+def _size_rule(lo: int, hi: int | None, align: int, what: str) -> str:
+    """What a size key allows, in words (one clause per rule)."""
+    bounds = ["> 0" if lo == 1 else f">= {lo}"] if lo else []
+    if hi is not None:
+        bounds.append(f"<= {hi} ({format_size(hi)})")
+    text = "a byte count" + (" " + " and ".join(bounds) if bounds else "")
+    if align > 1:
+        text += f", rounded up to a multiple of {align} bytes (the O_DIRECT alignment)"
+    text += (
+        "; an integer, 1e8, or a string such as '16MB' (10**6), '16MiB' (2**20) or '4k' (binary)"
+    )
+    return text + (f"; {what}" if what else "")
+
+
 def as_size(
-    key: str, value: Any, *, lo: int = 0, hi: int | None = None, multiple: int = 1, what: str = ""
+    key: str, value: Any, *, lo: int = 0, hi: int | None = None, align: int = 1, what: str = ""
 ) -> int:
-    """Bytes (see ``sizes.py``), at least ``lo``, at most ``hi``, a multiple of ``multiple``."""
-    nbytes = parse_size(value, key=key)
-    extra = f" ({what})" if what else ""
-    if nbytes < lo or (hi is not None and nbytes > hi):
-        bound = f">= {lo}" + (f" and <= {hi}" if hi is not None else "")
-        raise ConfigError.bad(key, value, f"{SIZE_HELP}; {bound} bytes{extra}")
-    if nbytes % multiple:
-        down = nbytes - nbytes % multiple
-        up = down + multiple
-        near = f"{down} or {up}" if down else f"{up}"
-        raise ConfigError.bad(
-            key,
-            value,
-            f"a multiple of {multiple} bytes (the O_DIRECT alignment){extra}; "
-            f"nearest: {near}, or use binary units such as MiB/GiB",
-        )
-    return nbytes
+    """Bytes (see ``sizes.py``), at least ``lo``, rounded up to a multiple of ``align``, and then
+    at most ``hi``. A rounding is logged (INFO, ``offload.config``) and the value stored is the
+    rounded one, so ``offload config`` shows it."""
+    nbytes, problem = parse_bytes(value)
+    rule = _size_rule(lo, hi, align, what)
+    if nbytes is None:
+        raise ConfigError.bad(key, value, rule + (f"; {problem}" if problem else ""))
+    rounded = round_up(nbytes, align)
+    if nbytes < lo:
+        raise ConfigError.bad(key, value, rule)
+    if hi is not None and rounded > hi:
+        why = f"{nbytes} bytes" + (f" rounds up to {rounded}" if rounded != nbytes else "")
+        raise ConfigError.bad(key, value, f"{rule}; {why}, above the maximum")
+    if rounded != nbytes:
+        written = repr(value) + ("" if type(value) is int else f" is {nbytes} bytes")
+        logger.info(
+            "%s: %s, rounded up to %d (%s), a multiple of %d (the O_DIRECT alignment)",
+            key, written, rounded, format_size(rounded), align,
+        )  # fmt: skip
+    return rounded
+
+
+def as_buffer_size(key: str, value: Any, *, cap: int, lo: int, hi: int, align: int) -> int:
+    """A swap buffer size: ``"auto"`` (an :class:`AutoSize` of at most ``cap`` bytes, sized to
+    the model at wrap) or a byte size as :func:`as_size` takes it."""
+    if is_auto(value):
+        return AutoSize(cap)
+    return as_size(
+        key,
+        value,
+        lo=lo,
+        hi=hi,
+        align=align,
+        what=f"or 'auto' (the default: the largest unit's size, at most {format_size(cap)})",
+    )
 
 
 def as_opt_path(key: str, value: Any) -> str | None:

@@ -16,9 +16,10 @@ import json
 import textwrap
 from typing import Any
 
+from offload.config.errors import ConfigError
 from offload.config.offload_config import DTYPES, OffloadConfig
 from offload.config.sections import SECTIONS
-from offload.config.sizes import format_size
+from offload.config.sizes import AutoSize, format_size
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -39,11 +40,13 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def _type_text(name: str, annotation: str) -> str:
     if name.endswith("_size"):
-        return "size (bytes)"
+        return 'size (bytes) or "auto"' if "str" in annotation else "size (bytes)"
     return annotation.replace("|", "or")
 
 
 def _default_text(name: str, value: Any) -> str:
+    if isinstance(value, AutoSize):
+        return f'`"auto"` (at most {format_size(value).replace(" ", "")})'
     if name.endswith("_size"):
         return f"`{format_size(value).replace(' ', '')}` ({value})"
     if isinstance(value, tuple):
@@ -93,13 +96,27 @@ _UNITS = """\
 Byte sizes (`*_size` keys) are an integer number of bytes or a string `<number><unit>`
 (case-insensitive, spaces allowed): no unit or `B` = bytes; `KB MB GB TB` = 10^3, 10^6, 10^9,
 10^12; `KiB MiB GiB TiB` = 2^10, 2^20, 2^30, 2^40; bare `K M G T` are binary as in `dd` and
-`fio` (`"4k"` = 4096). A fraction is allowed when the result is whole bytes (`"1.5GiB"`).
-`buffer_size` and `aio.block_size` must be multiples of 4096 (the O_DIRECT alignment): binary
-units always are, decimal ones may not be (`"1GB"` is refused; the error names the nearest
-valid sizes). Integers may be written as integral floats (`1e5` in JSON); booleans must be
-`true`/`false`, never strings like `"yes"`; a string where a number is needed is an error
-(offload's YAML reader takes `1e-4` as a float, unlike plain YAML 1.1).
+`fio` (`"4k"` = 4096). A fraction or an exponent is allowed when the result is whole bytes
+(`"1.5GiB"`, `"1e8"`, `1e8`). `buffer_size` and `aio.block_size` are rounded UP to a multiple
+of 4096 bytes (the O_DIRECT alignment; `"16MB"` becomes 16003072, logged at INFO, and
+`offload config` prints the rounded value); zero, negative, NaN, infinite and non-numeric sizes
+are errors. `offload_param.buffer_size` and `offload_optimizer.buffer_size` default to `"auto"`:
+the model's largest unit (in the compute dtype for params, in fp32 for the optimizer state),
+rounded up to 4096 and at least one `aio.block_size`, but at most 256 MiB; it is decided by
+`offload.wrap`, which sees the model (`offload.config.resolve_auto_buffer_size`). Integers may be
+written as integral floats (`1e5` in JSON); booleans must be `true`/`false`, never strings like
+`"yes"`; a string where a number is needed is an error (offload's YAML reader takes `1e-4` as a
+float, unlike plain YAML 1.1).
 """
+
+
+def _example_error(config: dict[str, Any]) -> str:
+    """The message ``load_config(config)`` raises (so the README shows the real text)."""
+    try:
+        OffloadConfig.from_dict(config)
+    except ConfigError as exc:
+        return str(exc)
+    raise AssertionError(f"{config} is valid")  # pragma: no cover
 
 
 def reference_markdown() -> str:
@@ -114,9 +131,7 @@ def reference_markdown() -> str:
         "naming the dotted key, the value and what is allowed, e.g.",
         "",
         "```",
-        "offload_optimizer.buffer_size: got '1GB'; allowed: a multiple of 4096 bytes (the "
-        "O_DIRECT alignment); nearest: 999997440 or 1000001536, or use binary units such as "
-        "MiB/GiB",
+        _example_error({"offload_optimizer": {"buffer_size": "-1GB"}}),
         "offload_optimzer: unknown key; did you mean 'offload_optimizer'? allowed: device, ...",
         "```",
         "",

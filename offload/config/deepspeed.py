@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from offload.config._checks import as_bool, as_int
-from offload.config.errors import ConfigError
+from offload.config._checks import as_bool, as_float, as_int
+from offload.config.errors import ConfigError, _show, dotted_key
 from offload.config.offload_config import OffloadConfig
 
 logger = logging.getLogger("offload.config")
@@ -225,7 +225,7 @@ class _Mapper:
                 prefix.rstrip(".") or "<config>", data, "a mapping (DeepSpeed section)"
             )
         for key, value in data.items():
-            ds_key = f"{prefix}{key}"
+            ds_key = dotted_key(prefix, key)
             rule = table.get(key)
             if _is_auto(value):
                 self.auto.append(ds_key)
@@ -239,7 +239,7 @@ class _Mapper:
             elif ds_key in _SAME_BEHAVIOUR:
                 expected = _SAME_BEHAVIOUR[ds_key]
                 if expected is not None and value != expected:
-                    self.unsupported.append(f"{ds_key}={value!r} (offload: {expected!r})")
+                    self.unsupported.append(f"{ds_key}={_show(value)} (offload: {expected!r})")
                 else:
                     self.raw[ds_key] = value
             else:
@@ -310,9 +310,10 @@ class _Mapper:
 
     def _finish_loss_scale(self) -> None:
         static = self.raw.get("fp16.loss_scale", 0)
-        static_f = _number("fp16.loss_scale", static, "0 (dynamic) or a static scale > 0")
-        if static_f < 0:
-            raise ConfigError.bad("fp16.loss_scale", static, "0 (dynamic) or a static scale > 0")
+        # finite: NaN would pass every < / > test below and mean "dynamic" by accident
+        static_f = as_float(
+            "fp16.loss_scale", static, lo=0.0, what="0 = dynamic, else a static scale"
+        )
         if static_f > 0:
             self.put("loss_scale.initial", "fp16.loss_scale", static_f)
             self.put("loss_scale.growth_factor", "fp16.loss_scale", 1.0)
@@ -336,12 +337,6 @@ class _Mapper:
         elements = as_int(key, self.raw[key], lo=1, what="elements of the compute dtype")
         nbytes = elements * _ITEMSIZE[dtype]
         self.put("offload_param.buffer_size", key, -(-nbytes // _ALIGN) * _ALIGN)
-
-
-def _number(key: str, value: Any, allowed: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError.bad(key, value, allowed)
-    return float(value)
 
 
 def _keep(mapper: _Mapper, ds_key: str, value: Any) -> None:

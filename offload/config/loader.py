@@ -5,6 +5,14 @@ Note: YAML floats and duplicate keys
     loader adds the YAML 1.2 float pattern, so ``1e-4`` is the float users expect, and every
     other string stays a string (and a string where a number is needed is an error). Both the
     JSON and the YAML reader refuse a key given twice in one mapping instead of keeping the last.
+
+Note: every file problem is a ConfigError
+    Besides syntax errors, the parsers raise ``RecursionError`` (``[[[[...`` nested deeper than
+    the interpreter's stack), ``ValueError`` (an integer with more than 4300 digits, an
+    impossible YAML date such as ``2001-02-30``, a NUL in the path) and, for a YAML mapping key
+    that is a list or a mapping, an unhashable-key error. All of them become one-line
+    ``ConfigError`` lines naming the file, so ``load_config`` lets nothing else escape
+    (``tests/test_config_fuzz.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from typing import Any
 import yaml
 
 from offload.config.deepspeed import from_deepspeed, is_deepspeed_config
-from offload.config.errors import ConfigError
+from offload.config.errors import ConfigError, _show
 from offload.config.offload_config import OffloadConfig
 
 ConfigSource = Mapping[str, Any] | str | os.PathLike | OffloadConfig | None
@@ -83,8 +91,9 @@ def read_config_file(path: str | os.PathLike) -> Any:
             text = f.read()
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read config file ({exc})") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # ValueError: a NUL in the path
+        shown = path if path.isprintable() else _show(path)
+        raise ConfigError(f"{shown}: cannot read config file ({exc})") from None
     if suffix == ".json":
         try:
             return json.loads(text, object_pairs_hook=_json_pairs)
@@ -94,13 +103,16 @@ def read_config_file(path: str | os.PathLike) -> Any:
             ) from None
         except _DuplicateKey as exc:
             raise ConfigError(
-                f"{path}: key {exc.args[0]!r} appears twice in one mapping; allowed: each key once"
+                f"{path}: key {_show(exc.args[0])} appears twice in one mapping; "
+                "allowed: each key once"
             ) from None
+        except (RecursionError, ValueError) as exc:
+            raise ConfigError(f"{path}: not valid JSON: {_why(exc)}") from None
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
     except _DuplicateKey as exc:
         raise ConfigError(
-            f"{path}: key {exc.args[0]!r} appears twice in one mapping "
+            f"{path}: key {_show(exc.args[0])} appears twice in one mapping "
             f"({exc.args[1]}); allowed: each key once"
         ) from None
     except yaml.YAMLError as exc:
@@ -108,6 +120,14 @@ def read_config_file(path: str | os.PathLike) -> Any:
         where = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{path}: not valid YAML: {problem}{where}") from None
+    except (RecursionError, ValueError, OverflowError) as exc:
+        raise ConfigError(f"{path}: not valid YAML: {_why(exc)}") from None
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 class _DuplicateKey(Exception):
@@ -139,6 +159,15 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any
     out: dict[Any, Any] = {}
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping",
+                node.start_mark,
+                f"found a {type(key).__name__} as a key (keys are names)",
+                key_node.start_mark,
+            ) from None
         if key in out:
             mark = key_node.start_mark
             raise _DuplicateKey(key, f"line {mark.line + 1}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from offload.config._checks import as_choice, as_float
-from offload.config.errors import ConfigError
+from offload.config.errors import ConfigError, dotted_key
 from offload.config.sections import (
     SECTIONS,
     AioConfig,
@@ -30,6 +30,7 @@ from offload.config.sections import (
     WrapConfig,
     _Section,
 )
+from offload.config.sizes import AutoSize
 
 DTYPES: dict[str, tuple[str, ...]] = {
     "fp32": ("float32", "float", "torch.float32"),
@@ -127,8 +128,8 @@ class OffloadConfig:
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
-        """The normalized config as plain JSON-able values (sizes in bytes, betas as a list);
-        ``OffloadConfig.from_dict(cfg.to_dict()) == cfg``."""
+        """The normalized config as plain JSON-able values (sizes in bytes, "auto" sizes as
+        ``"auto"``, betas as a list); ``OffloadConfig.from_dict(cfg.to_dict()) == cfg``."""
         return _plain(self)
 
 
@@ -143,7 +144,7 @@ def _reject_unknown(prefix: str, data: Mapping[str, Any], allowed: list[str]) ->
     for key in data:
         if key in allowed:
             continue
-        dotted = f"{prefix}{key}"
+        dotted = dotted_key(prefix, key)
         if not isinstance(key, str):
             raise ConfigError.bad(dotted, key, f"string keys: {', '.join(allowed)}")
         hint = ""
@@ -175,6 +176,8 @@ def _build_section(cls: type[_Section], value: Any) -> _Section:
 
 
 def _plain(obj: Any) -> Any:
+    if isinstance(obj, AutoSize):
+        return "auto"
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):

@@ -8,17 +8,30 @@ Note: validation and normalization
     dataclasses; ``dataclasses.replace`` and ``load_config(cfg)`` validate again.
 
 Note: 4096-byte multiples
-    ``buffer_size`` and ``aio.block_size`` must be multiples of 4096 bytes, whatever the device:
-    shards are padded to 4096 bytes, pool buffers are 4096-aligned, and O_DIRECT needs offsets
-    and lengths in 4096 multiples. Rounding silently would change what the user asked for, so a
-    bad value is refused and the error names the two nearest valid sizes. Binary units
-    (``"256MiB"``) are always multiples; decimal ones may not be (``"1GB"`` = 10**9 is not).
+    ``buffer_size`` and ``aio.block_size`` are used as multiples of 4096 bytes, whatever the
+    device: shards are padded to 4096 bytes, pool buffers are 4096-aligned, and O_DIRECT needs
+    offsets and lengths in 4096 multiples. Any size is accepted (``"16MB"``, ``1e8``) and rounded
+    UP to the next multiple of 4096: a buffer never gets smaller than asked, and the difference
+    is at most 4095 bytes. The rounding is logged at INFO and the stored (and printed) value is
+    the rounded one. Zero, negative, non-finite and non-numeric values are refused.
+
+Note: "auto" buffer sizes
+    ``offload_param.buffer_size`` and ``offload_optimizer.buffer_size`` default to ``"auto"``:
+    the smaller of ``DEFAULT_BUFFER_SIZE`` (256 MiB, the former fixed default) and what the
+    model's largest unit needs (its bytes in fp32 for the optimizer pool, in the compute dtype
+    for the param pool), so a 3M-parameter model does not reserve 13 x 256 MiB. Only ``wrap``
+    sees the model, so the field holds an :class:`~offload.config.sizes.AutoSize`: an ``int``
+    equal to the 256 MiB cap (a correct upper bound for code that reads it as a number) whose
+    type says "auto"; ``buffer_size_is_auto`` tells, and
+    :func:`offload.config.resolve_auto_buffer_size` gives the size for a model. The counts stay
+    fixed numbers: they set how many pieces are in flight (the NVMe step needs 4 per piece),
+    not how large the model is.
 
 Note: defaults
     The defaults fit one 24 GB GPU with 64 GB of RAM: optimizer state on the CPU, parameters on
-    the device; when they are moved to NVMe, 8 x 256 MiB optimizer swap buffers (enough for the
-    step to read the next piece while updating this one) and 5 x 256 MiB parameter buffers, so
-    3.25 GiB of host buffers at most; 1 MiB IO blocks 8 deep on 2 IO threads.
+    the device; when they are moved to NVMe, 8 optimizer swap buffers (enough for the step to
+    read the next piece while updating this one) and 5 parameter buffers of at most 256 MiB
+    each ("auto"), so 3.25 GiB of host buffers at most; 1 MiB IO blocks 8 deep on 2 IO threads.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from typing import ClassVar
 from offload.config._checks import (
     as_betas,
     as_bool,
+    as_buffer_size,
     as_choice,
     as_float,
     as_int,
@@ -37,9 +51,12 @@ from offload.config._checks import (
     as_size,
 )
 from offload.config.errors import ConfigError
+from offload.config.sizes import AutoSize
 
 MiB = 2**20
 ALIGN = 4096
+DEFAULT_BUFFER_SIZE = 256 * MiB
+"""Bytes: the most an "auto" swap buffer holds (the fixed default before "auto")."""
 _MAX_BUFFER = 2**40  # 1 TiB: far above any sane pinned buffer, catches unit mistakes
 _MAX_COUNT = 4096
 
@@ -52,6 +69,28 @@ class _Section:
 
     def _k(self, name: str) -> str:
         return f"{self.KEY}.{name}"
+
+
+class _SwapPool(_Section):
+    """Mixin of the two sections with a host swap buffer pool (``buffer_count`` x
+    ``buffer_size``)."""
+
+    __slots__ = ()
+
+    @property
+    def buffer_size_is_auto(self) -> bool:
+        """Whether ``buffer_size`` is "auto" (sized to the model at wrap, at most its value)."""
+        return isinstance(self.buffer_size, AutoSize)  # type: ignore[attr-defined]
+
+    def _check_buffer_size(self, value: object) -> int:
+        return as_buffer_size(
+            self._k("buffer_size"),
+            value,
+            cap=DEFAULT_BUFFER_SIZE,
+            lo=1,
+            hi=_MAX_BUFFER,
+            align=ALIGN,
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,7 +133,7 @@ def _check_nvme_path(section: _Section, device: str, nvme_path: str | None) -> N
 
 
 @dataclass(kw_only=True, slots=True)
-class OffloadOptimizerConfig(_Section):
+class OffloadOptimizerConfig(_SwapPool):
     """Where the fp32 master weights, gradients and Adam moments live between steps."""
 
     KEY: ClassVar[str] = "offload_optimizer"
@@ -107,8 +146,9 @@ class OffloadOptimizerConfig(_Section):
     """Page-lock the host buffers for fast asynchronous device copies (CUDA only)."""
     buffer_count: int = 8
     """Host swap buffers for streaming the state from NVMe (count; wrap needs >= 4 with "nvme")."""
-    buffer_size: int = 256 * MiB
-    """Bytes per swap buffer, a multiple of 4096; the NVMe step streams fp32 pieces this size."""
+    buffer_size: int | str = "auto"
+    """Bytes per swap buffer (rounded up to 4096), or "auto": the largest unit in fp32, at most
+    256 MiB; the NVMe step streams fp32 pieces this size."""
     threads: int = 0
     """CPU threads of the optimizer step, caller included (count; 0 = all cores)."""
     step_in_backward: bool = False
@@ -123,9 +163,7 @@ class OffloadOptimizerConfig(_Section):
         self.buffer_count = as_int(
             self._k("buffer_count"), self.buffer_count, lo=1, hi=_MAX_COUNT, what="count"
         )
-        self.buffer_size = as_size(
-            self._k("buffer_size"), self.buffer_size, lo=ALIGN, hi=_MAX_BUFFER, multiple=ALIGN
-        )
+        self.buffer_size = self._check_buffer_size(self.buffer_size)
         self.threads = as_int(
             self._k("threads"), self.threads, lo=0, hi=_MAX_COUNT, what="count; 0 = all cores"
         )
@@ -140,7 +178,7 @@ class OffloadOptimizerConfig(_Section):
 
 
 @dataclass(kw_only=True, slots=True)
-class OffloadParamConfig(_Section):
+class OffloadParamConfig(_SwapPool):
     """Where the compute-dtype parameters live while not in use by forward or backward."""
 
     KEY: ClassVar[str] = "offload_param"
@@ -153,8 +191,9 @@ class OffloadParamConfig(_Section):
     """Page-lock the host buffers for fast asynchronous device copies (CUDA only)."""
     buffer_count: int = 5
     """Number of host buffers for parameter shards in flight (count)."""
-    buffer_size: int = 256 * MiB
-    """Bytes per buffer, a multiple of 4096; parameters stream from NVMe in pieces this size."""
+    buffer_size: int | str = "auto"
+    """Bytes per buffer (rounded up to 4096), or "auto": the largest unit in the compute dtype,
+    at most 256 MiB; parameters stream from NVMe in pieces this size."""
     persistence_threshold: int = 100_000
     """Units with at most this many parameters stay on the compute device (elements)."""
 
@@ -165,9 +204,7 @@ class OffloadParamConfig(_Section):
         self.buffer_count = as_int(
             self._k("buffer_count"), self.buffer_count, lo=1, hi=_MAX_COUNT, what="count"
         )
-        self.buffer_size = as_size(
-            self._k("buffer_size"), self.buffer_size, lo=ALIGN, hi=_MAX_BUFFER, multiple=ALIGN
-        )
+        self.buffer_size = self._check_buffer_size(self.buffer_size)
         self.persistence_threshold = as_int(
             self._k("persistence_threshold"), self.persistence_threshold, lo=0, what="elements"
         )
@@ -181,7 +218,7 @@ class AioConfig(_Section):
     KEY: ClassVar[str] = "aio"
 
     block_size: int = 1 * MiB
-    """Bytes per IO request, a multiple of 4096; a transfer is split into such blocks."""
+    """Bytes per IO request (rounded up to 4096); a transfer is split into such blocks."""
     queue_depth: int = 8
     """IO requests in flight per thread (count)."""
     thread_count: int = 2
@@ -193,7 +230,7 @@ class AioConfig(_Section):
 
     def __post_init__(self) -> None:
         self.block_size = as_size(
-            self._k("block_size"), self.block_size, lo=ALIGN, hi=2**30, multiple=ALIGN
+            self._k("block_size"), self.block_size, lo=1, hi=2**30, align=ALIGN
         )
         self.queue_depth = as_int(
             self._k("queue_depth"), self.queue_depth, lo=1, hi=_MAX_COUNT, what="count"

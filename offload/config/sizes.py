@@ -1,4 +1,4 @@
-"""Byte sizes written by people: ``4096``, ``"256MB"``, ``"1GiB"``, ``"4k"``.
+"""Byte sizes written by people: ``4096``, ``"256MB"``, ``"1GiB"``, ``"4k"``, ``1e8``, ``"1e8"``.
 
 Note: units
     A size is a non-negative integer number of bytes, or a string ``<number><unit>`` with
@@ -10,14 +10,22 @@ Note: units
     - ``K M G T`` (no ``B``): binary, as ``dd``, ``fio`` and ``ulimit`` read them, so ``"4k"``
       is 4096.
 
-    The number may have a fraction (``"1.5GiB"``) when the result is a whole number of bytes;
-    it is computed exactly (``fractions.Fraction``), never through a binary float. Floats are
-    accepted only when integral (``1e8`` from a JSON file). There are no bit units, and booleans
-    are not sizes.
+    The number may have a fraction and an exponent (``"1.5GiB"``, ``"1e8"``, ``"2.5e3MB"``) when
+    the result is a whole number of bytes; it is computed exactly (``fractions.Fraction``), never
+    through a binary float. Floats are accepted only when integral (``1e8`` from a JSON file).
+    There are no bit units, and booleans are not sizes. Whether a size may be zero, how large
+    it may be and whether it is rounded up to an alignment is the caller's business
+    (``offload.config._checks.as_size``).
+
+Note: bounded work
+    The text of a number is limited to ``_MAX_NUMBER_CHARS`` characters and its exponent to
+    ``_MAX_EXPONENT``, so a config cannot make the parser build a gigantic integer
+    (``"1e999999999"`` is refused at once, not computed).
 """
 
 from __future__ import annotations
 
+import numbers
 import re
 from fractions import Fraction
 from typing import Any
@@ -41,16 +49,20 @@ _UNITS: dict[str, int] = {
     "t": 2**40,
 }
 
-_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+_PATTERN = re.compile(
+    r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?)\s*([a-z]*)\s*$", re.IGNORECASE | re.ASCII
+)
+_MAX_NUMBER_CHARS = 64
+_MAX_EXPONENT = 30
 
 SIZE_HELP = (
-    "a byte count >= 0: an integer, or a string like '4096', '256MB' (10**6), '1GiB' (2**30), "
-    "'4k' (bare K/M/G/T are binary)"
+    "a byte count: an integer, 1e8, or a string such as '16MB' (10**6), '16MiB' (2**20), "
+    "'1e8' or '4k' (bare K/M/G/T are binary)"
 )
 
 
 def parse_size(value: Any, *, key: str = "size") -> int:
-    """Bytes from an int, an integral float or a string such as ``"256MB"`` / ``"1GiB"``.
+    """Bytes from an int, an integral float or a string such as ``"256MB"`` / ``"1GiB"`` / ``"1e8"``.
 
     Args:
         value: the size as written (see the module's ``Note: units``).
@@ -62,27 +74,46 @@ def parse_size(value: Any, *, key: str = "size") -> int:
     Raises:
         ConfigError: naming ``key``, the value and the accepted forms.
     """
+    nbytes, problem = parse_bytes(value)
+    if nbytes is None:
+        raise ConfigError.bad(key, value, SIZE_HELP + (f"; {problem}" if problem else ""))
+    return nbytes
+
+
+def parse_bytes(value: Any) -> tuple[int | None, str]:
+    """``(bytes, "")``, or ``(None, why)`` when ``value`` is not a size (``why`` may be empty when
+    the form itself is wrong). For callers that write their own message (``as_size``)."""
     if isinstance(value, bool):
-        raise ConfigError.bad(key, value, SIZE_HELP)
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError.bad(key, value, SIZE_HELP)
-        return value
+        return None, ""
+    if isinstance(value, numbers.Integral):  # int, numpy integers
+        return (None, "not negative") if value < 0 else (int(value), "")
     if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")) or value < 0:
-            raise ConfigError.bad(key, value, SIZE_HELP)
+        if value != value or value in (float("inf"), float("-inf")):
+            return None, "a finite number"
+        if value < 0:
+            return None, "not negative"
         if not value.is_integer():
-            raise ConfigError.bad(key, value, SIZE_HELP + "; a whole number of bytes")
-        return int(value)
-    if isinstance(value, str):
-        match = _PATTERN.match(value)
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise ConfigError.bad(key, value, SIZE_HELP)
-        number = Fraction(match.group(1)) * _UNITS[match.group(2).lower()]
-        if number.denominator != 1:
-            raise ConfigError.bad(key, value, SIZE_HELP + "; a whole number of bytes")
-        return int(number)
-    raise ConfigError.bad(key, value, SIZE_HELP)
+            return None, "a whole number of bytes"
+        return int(value), ""
+    if not isinstance(value, str):
+        return None, ""
+    match = _PATTERN.match(value)
+    if match is None or match.group(3).lower() not in _UNITS:
+        return None, ""
+    number_text, exponent = match.group(1), match.group(2)
+    if len(number_text) > _MAX_NUMBER_CHARS or (  # checked first: int() below stays cheap
+        exponent is not None and abs(int(exponent)) > _MAX_EXPONENT
+    ):
+        return None, f"at most {_MAX_NUMBER_CHARS} characters, exponent within +-{_MAX_EXPONENT}"
+    number = Fraction(number_text) * _UNITS[match.group(3).lower()]
+    if number.denominator != 1:
+        return None, "a whole number of bytes"
+    return int(number), ""
+
+
+def round_up(nbytes: int, align: int) -> int:
+    """``nbytes`` rounded up to a multiple of ``align`` (``align`` >= 1)."""
+    return -(-nbytes // align) * align
 
 
 def format_size(nbytes: int) -> str:
@@ -94,3 +125,42 @@ def format_size(nbytes: int) -> str:
                 return f"{nbytes // factor} {unit}"
             return f"{nbytes / factor:.2f} {unit}"
     return f"{nbytes} B"
+
+
+class AutoSize(int):
+    """A byte size written as ``"auto"``.
+
+    Its value as an ``int`` is the most the size can become (the fixed default that ``"auto"``
+    replaces), so code that reads the field as a number gets a safe upper bound;
+    :func:`offload.config.resolve_auto_buffer_size` turns it into the size for a given model.
+    The type is the flag, so "auto" survives ``dataclasses.replace``, copies and
+    ``load_config(cfg)``; ``to_dict()`` writes it back as ``"auto"``. It never equals a plain
+    ``int``: ``"auto"`` and an explicit 256 MiB are different requests.
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"AutoSize({int(self)})"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, AutoSize):
+            return int(self) == int(other)
+        if isinstance(other, int):
+            return False
+        return NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    def __hash__(self) -> int:
+        return hash(("auto", int(self)))
+
+
+def is_auto(value: Any) -> bool:
+    """Whether ``value`` asks for an automatic size: the string ``"auto"`` (any case) or an
+    :class:`AutoSize`."""
+    return isinstance(value, AutoSize) or (
+        isinstance(value, str) and value.strip().lower() == "auto"
+    )

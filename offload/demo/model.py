@@ -77,6 +77,13 @@ def param_count(cfg: GPTConfig) -> int:
     return cfg.n_layer * block_params(d, cfg.mlp_ratio) + emb
 
 
+def largest_unit_params(cfg: GPTConfig) -> int:
+    """Parameters of the largest offload unit of ``GPT(cfg)``: one :class:`Block`, or the root
+    unit (embeddings, final norm, head) when that is larger (see the Note on why this shape)."""
+    block = block_params(cfg.d_model, cfg.mlp_ratio)
+    return max(block, param_count(cfg) - cfg.n_layer * block)
+
+
 def parse_size(size: str | int) -> int:
     """``"50M"`` -> 50_000_000; also ``"1.5M"``, ``"800K"``, ``"1B"`` or a plain integer."""
     if isinstance(size, int) and not isinstance(size, bool):

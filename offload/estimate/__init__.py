@@ -20,10 +20,27 @@ Note: offload placements
     keeps its compute params and streams each unit's gradients off as backward finishes it.
     ``cpu_optimizer_params``: the compute params live on the host too (P bytes per parameter of
     the partition); the device holds only the units being computed. ``nvme`` (ZeRO-Infinity):
-    both live on NVMe and the host holds only the pinned staging pools
-    (2 pools x buffer_count x buffer_size per rank). Partitioning follows the stage in every
-    placement (optimizer and fp32 grads split at stage >= 1, params at stage 3), so stage 0 with
-    offload means every rank keeps a full copy on its host or disk.
+    both live on NVMe and the host holds only the pinned staging pools, sized as ``wrap`` sizes
+    them (see the Note on staging pools). Partitioning follows the stage in every placement
+    (optimizer and fp32 grads split at stage >= 1, params at stage 3), so stage 0 with offload
+    means every rank keeps a full copy on its host or disk.
+
+Note: staging pools
+    With NVMe placement each rank holds two pinned pools, ``offload_param`` and
+    ``offload_optimizer``, of ``buffer_count`` x ``buffer_size`` bytes. The counts and the
+    "auto" size come from ``offload.config`` (the very defaults ``wrap`` uses, never copied
+    here): "auto" is the largest unit's bytes (in the compute dtype for params, fp32 for the
+    optimizer state), rounded up to 4096, at least one IO block, at most 256 MiB
+    (``offload.config.resolve_auto_buffer_size``). ``Machine.buffer_count`` /
+    ``Machine.buffer_size``, when given, replace them for both pools.
+
+Note: the documented host budget
+    README "Memory: what host RAM holds": with params and optimizer state on NVMe, training grows
+    the process's resident memory (over the process before the model existed) by at most the
+    pool buffers + ``HOST_UNITS`` (4) x the largest unit in fp32 (the root and the unit being
+    run, its grads, the next unit gathered) + ``HOST_FIXED_BYTES`` (48 MiB: interpreter objects,
+    hooks, per-shard records, IO threads' arenas, allocator slack); activations come on top.
+    :func:`host_memory_budget` is that sum, part by part (``offload demo`` draws it).
 
 Note: the working set
     Units (one transformer block by default) are gathered on the device while they compute:
@@ -50,6 +67,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from offload.config import ConfigError, OffloadConfig, resolve_auto_buffer_size
+from offload.config.sections import OffloadOptimizerConfig, OffloadParamConfig
 from offload.estimate.errors import EstimateError as EstimateError
 from offload.estimate.hf import (
     ModelShape as ModelShape,
@@ -86,6 +105,34 @@ PLACEMENT_TITLES: dict[str, str] = {
 
 # Bytes per parameter on the host or NVMe for an offloaded optimizer: fp32 master, m, v, grad.
 OFFLOADED_OPTIMIZER_BYTES = 16
+# The documented host budget (see the module Note): fp32 copies of the largest unit, fixed bytes.
+HOST_UNITS = 4
+HOST_FIXED_BYTES = 48 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class HostBudget:
+    """The documented bound on host memory growth with state on NVMe, part by part (bytes)."""
+
+    buffers: int  # the pools: buffer_count x buffer_size, both sections
+    units: int  # HOST_UNITS x the largest unit in fp32
+    fixed: int  # HOST_FIXED_BYTES
+
+    @property
+    def total(self) -> int:
+        return self.buffers + self.units + self.fixed
+
+
+def host_memory_budget(buffer_bytes: int, largest_unit_params: int) -> HostBudget:
+    """README "Memory: what host RAM holds" for pools of ``buffer_bytes`` and a largest unit of
+    ``largest_unit_params`` parameters (see the module Note)."""
+    for key, value in (
+        ("buffer_bytes", buffer_bytes),
+        ("largest_unit_params", largest_unit_params),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise EstimateError(f"{key}: must be an integer >= 0, got {value!r}")
+    return HostBudget(buffer_bytes, HOST_UNITS * 4 * largest_unit_params, HOST_FIXED_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +193,8 @@ def parse_count(value: str | int | float, *, what: str = "--params") -> int:
 def parse_bytes(value: str | int | float, *, what: str = "size") -> int:
     """A byte size: ``80GB`` (10**9), ``64GiB`` (2**30), ``512MB``, ``3.84TB`` or an integer.
 
-    Same conventions as ``offload.config.parse_size`` (MB = 10**6, MiB = 2**20); kept here so the
-    estimator stays importable without torch or the config package.
+    Same units as ``offload.config.parse_size`` (MB = 10**6, MiB = 2**20), but a fraction of a
+    byte is rounded (machine sizes such as ``3.84TB`` are estimates, not buffer sizes).
     """
     if isinstance(value, bool):
         raise EstimateError(f"{what}: expected a size such as 80GB or 64GiB, got {value!r}")
@@ -220,8 +267,8 @@ class Machine:
     gpu_mem: int | None = None  # bytes per device
     host_mem: int | None = None  # bytes per node
     nvme: int | None = None  # bytes of NVMe per node
-    buffer_count: int = 4  # pinned staging buffers per pool (NVMe placement; 2 pools per rank)
-    buffer_size: int = 64 * 10**6  # bytes per staging buffer
+    buffer_count: int | None = None  # staging buffers per pool; None: wrap's default per pool
+    buffer_size: int | None = None  # bytes per staging buffer; None: wrap's "auto"
 
     @property
     def ranks(self) -> int:
@@ -230,8 +277,53 @@ class Machine:
     def __post_init__(self) -> None:
         for key in ("gpus_per_node", "nodes", "buffer_count", "buffer_size"):
             value = getattr(self, key)
+            if value is None and key.startswith("buffer"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EstimateError(f"{key}: must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """One pinned staging pool per rank (NVMe placement): ``count`` buffers of ``size`` bytes."""
+
+    section: str  # the config section that owns it: "offload_param" or "offload_optimizer"
+    count: int
+    size: int  # bytes per buffer
+    auto: bool  # the size is wrap's "auto" (the largest unit, at most 256 MiB)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.size
+
+
+def staging_pools(machine: Machine, unit_params: int, precision: str = "bf16") -> list[Pool]:
+    """The two pools wrap allocates per rank with params and optimizer state on NVMe, with its
+    defaults unless ``machine`` overrides them (see the module's Note on staging pools)."""
+    prec = _precision(precision)
+    sections = {"offload_param": OffloadParamConfig, "offload_optimizer": OffloadOptimizerConfig}
+    try:
+        cfg = OffloadConfig(
+            **{
+                name: cls(
+                    buffer_count=machine.buffer_count or cls().buffer_count,
+                    buffer_size=machine.buffer_size or "auto",
+                )
+                for name, cls in sections.items()
+            }
+        )
+    except ConfigError as exc:  # e.g. a buffer size above 1 TiB
+        raise EstimateError(f"--buffer-count / --buffer-size: {exc}") from None
+    unit_bytes = {"offload_param": unit_params * prec.params, "offload_optimizer": unit_params * 4}
+    return [
+        Pool(
+            section=name,
+            count=getattr(cfg, name).buffer_count,
+            size=resolve_auto_buffer_size(name, cfg, unit_bytes[name]),
+            auto=getattr(cfg, name).buffer_size_is_auto,
+        )
+        for name in sections
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,7 +412,7 @@ def placement_row(
     elif placement == "cpu_optimizer_params":
         host = opt_state + param_state
     elif placement == "nvme":
-        host = 2 * machine.buffer_count * machine.buffer_size
+        host = sum(pool.nbytes for pool in staging_pools(machine, unit_params, precision))
         nvme = opt_state + param_state
     total = states + working + activations
     r = machine.gpus_per_node
@@ -359,6 +451,7 @@ class Estimate:
     live_units: int
     activations: Activations | None
     activation_checkpointing: bool
+    staging: list[Pool] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -379,6 +472,7 @@ class Estimate:
             "live_units": self.live_units,
             "activations": None if self.activations is None else asdict(self.activations),
             "activation_checkpointing": self.activation_checkpointing,
+            "staging": [asdict(p) for p in self.staging],
             "rows": [asdict(r) for r in self.rows],
         }
 
@@ -434,6 +528,7 @@ def estimate(
         live_units=live_units,
         activations=acts,
         activation_checkpointing=activation_checkpointing,
+        staging=staging_pools(machine, unit_params, precision),
     )
     for stage in STAGES:
         for placement in PLACEMENTS:
@@ -450,3 +545,21 @@ def estimate(
                 )
             )
     return est
+
+
+def collapse_rows(rows: list[Row]) -> list[tuple[str, Row]]:
+    """Rows that differ only in their stage, merged: ``(stages, row)`` in first-seen order, the
+    stages written ``"0-2"`` (a run) or ``"0,3"``. With one rank ZeRO partitions nothing, so
+    stages 0-2 (and for some placements 3) give the same numbers."""
+    groups: dict[tuple, list[Row]] = {}
+    for row in rows:
+        key = tuple(v for k, v in asdict(row).items() if k != "stage")
+        groups.setdefault(key, []).append(row)
+    return [(_stage_label([r.stage for r in same]), same[0]) for same in groups.values()]
+
+
+def _stage_label(stages: list[int]) -> str:
+    stages = sorted(stages)
+    if len(stages) > 1 and stages == list(range(stages[0], stages[-1] + 1)):
+        return f"{stages[0]}-{stages[-1]}"
+    return ",".join(str(s) for s in stages)

@@ -152,16 +152,15 @@ def _make_store(cfg: OffloadConfig, section: str, depth: int, b: _Parts, aio, re
     from offload.store import TieredStore  # noqa: PLC0415
 
     sec = getattr(cfg, section)
-    check_host_buffers(
-        section, sec.buffer_count, sec.buffer_size, psutil.virtual_memory().available
-    )
+    size = b.plan.placement.buffer_sizes[section]
+    check_host_buffers(section, sec.buffer_count, size, psutil.virtual_memory().available)
     try:
         nvme = NvmeStore(sec.nvme_path, aio=aio, checksum=cfg.aio.checksum)
     except OSError as exc:
         raise ConfigError(f"{section}.nvme_path={sec.nvme_path!r}: {exc}") from exc
     resources.append(nvme)
     pin = b.memory.pins(b.plan.placement.pin[section])
-    pool = BufferPool(sec.buffer_count, sec.buffer_size, pin=pin)
+    pool = BufferPool(sec.buffer_count, size, pin=pin)
     resources.append(pool)
     return TieredStore(pool=pool, nvme=nvme, prefetch_depth=depth, name=section)
 

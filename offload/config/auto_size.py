@@ -2,7 +2,7 @@
 
 Note: what "auto" becomes
     A pool buffer holds one piece of one unit's flat buffer at a time (see
-    ``offload.engine.layout``'s Note on pieces). A buffer larger than the model's largest unit
+    ``offload.plan.layout``'s Note on pieces). A buffer larger than the model's largest unit
     is never filled, so "auto" is::
 
         min(cap, max(round_up(largest_unit_bytes, 4096), aio.block_size))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.config import ConfigError, OffloadConfig
+from offload.config import ConfigError, OffloadConfig, resolve_auto_buffer_size
 from offload.plan.layout import PAGE_ELEMS
 from offload.plan.ownership import GradOwner, MasterOwner
 
@@ -68,7 +68,7 @@ class Placement:
     stores: dict[str, int]
     """Config section of each store to build -> its trace prefetch depth (shards ahead)."""
     buffer_sizes: dict[str, int]
-    """Config section -> bytes per swap buffer."""
+    """Config section -> bytes per swap buffer (``"auto"`` resolved for the model)."""
     pin: dict[str, bool]
     """Config section -> whether its host memory should be page-locked (CUDA applies it)."""
 
@@ -84,14 +84,25 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def piece_numel(cfg: OffloadConfig, dtype: torch.dtype) -> int:
+def buffer_sizes(cfg: OffloadConfig, dtype: torch.dtype, largest_unit: int) -> dict[str, int]:
+    """Bytes per swap buffer of each pool, ``"auto"`` resolved for a model whose largest unit
+    has ``largest_unit`` elements (``offload.config.auto_size``)."""
+    return {
+        "offload_param": resolve_auto_buffer_size(
+            "offload_param", cfg, largest_unit * dtype.itemsize
+        ),
+        "offload_optimizer": resolve_auto_buffer_size("offload_optimizer", cfg, largest_unit * 4),
+    }
+
+
+def piece_numel(cfg: OffloadConfig, dtype: torch.dtype, sizes: dict[str, int]) -> int:
     """Elements per piece: what one swap buffer holds (fp32 for optimizer state, the compute
     dtype for params), rounded down to the padding granule."""
     limits = []
     if cfg.offload_optimizer.device == "nvme":
-        limits.append(("offload_optimizer.buffer_size", cfg.offload_optimizer.buffer_size, 4))
+        limits.append(("offload_optimizer.buffer_size", sizes["offload_optimizer"], 4))
     if cfg.offload_param.device == "nvme":
-        limits.append(("offload_param.buffer_size", cfg.offload_param.buffer_size, dtype.itemsize))
+        limits.append(("offload_param.buffer_size", sizes["offload_param"], dtype.itemsize))
     piece = UNLIMITED
     for key, size, itemsize in limits:
         n = size // itemsize // PAGE_ELEMS * PAGE_ELEMS
@@ -136,11 +147,18 @@ def _owners(
 
 
 def make_placement(
-    cfg: OffloadConfig, device: torch.device, *, keep_grads: bool | None = None
+    cfg: OffloadConfig,
+    device: torch.device,
+    *,
+    largest_unit: int = 0,
+    keep_grads: bool | None = None,
 ) -> Placement:
-    """Every placement decision for ``cfg`` on ``device``. ``keep_grads`` overrides whether
-    gradients stay in ``p.grad`` (tests run the flat-gradient path on the CPU with False)."""
+    """Every placement decision for ``cfg`` on ``device``, for a model whose largest unit has
+    ``largest_unit`` elements (what ``"auto"`` buffers are sized for). ``keep_grads``
+    overrides whether gradients stay in ``p.grad`` (tests run the flat-gradient path on the CPU
+    with False)."""
     dtype = DTYPES[cfg.dtype]
+    sizes = buffer_sizes(cfg, dtype, largest_unit)
     opt = cfg.offload_optimizer
     master, grads = _owners(cfg, device, dtype, keep_grads)
     lookahead = hold = 0
@@ -161,15 +179,12 @@ def make_placement(
         schedule=schedule,
         master=master,
         grads=grads,
-        piece_numel=piece_numel(cfg, dtype),
+        piece_numel=piece_numel(cfg, dtype, sizes),
         param_window=max(1, cfg.offload_param.buffer_count - 1),
         step_lookahead=lookahead,
         grad_hold=hold,
         stores=stores,
-        buffer_sizes={
-            "offload_param": cfg.offload_param.buffer_size,
-            "offload_optimizer": opt.buffer_size,
-        },
+        buffer_sizes=sizes,
         pin={
             "offload_param": cfg.offload_param.pin_memory,
             "offload_optimizer": opt.pin_memory,

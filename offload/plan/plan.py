@@ -53,7 +53,6 @@ def make_plan(
     """Units and placement of ``model`` under ``cfg`` (nothing is allocated or moved)."""
     shard = shard or ShardSpec()
     device = resolve_device(cfg.device)
-    placement = make_placement(cfg, device, keep_grads=keep_grads)
     params_move = cfg.offload_param.device != "none"
     units = build_units(
         model,
@@ -62,4 +61,6 @@ def make_plan(
         persistence_threshold=cfg.offload_param.persistence_threshold if params_move else None,
         shard=shard,
     )
+    largest = max(u.layout.total for u in units)
+    placement = make_placement(cfg, device, largest_unit=largest, keep_grads=keep_grads)
     return Plan(units, placement, shard)

@@ -25,9 +25,9 @@ TIMERS = (
 
 
 def store_totals(counted) -> tuple[dict[str, int], int, int, int, dict]:
-    """(bytes per tier pair, prefetch hits, misses, peak host buffer bytes, raw stats) summed
-    over everything that counts moved bytes (the stores and the host <-> device transfers:
-    ``Runtime.counted()``), cumulative since wrap."""
+    """(bytes per tier pair, prefetch hits, misses, peak host buffer bytes used, raw stats)
+    summed over everything that counts moved bytes (the stores and the host <-> device
+    transfers: ``Runtime.counted()``), cumulative since wrap."""
     moved: dict[str, int] = {}
     hits = misses = peak = 0
     raw = {}
@@ -61,7 +61,8 @@ class Telemetry:
         rec["bytes"] = {k: v - prev_moved.get(k, 0) for k, v in moved.items()}
         rec["prefetch_hits"] = hits - prev_hits
         rec["prefetch_misses"] = misses - prev_misses
-        rec["host_peak_bytes"] = peak
+        rec["host_peak_bytes"] = peak  # used by shards at the peak, summed over the pools
+        rec["host_reserved_bytes"] = sum(st.get("host_reserved_bytes", 0) for st in raw.values())
         rec["rss_bytes"] = psutil.Process().memory_info().rss
         rec["steps"] = steps
         rec["skipped"] = skipped

@@ -73,21 +73,28 @@ class Reclaimer:
         self._prefetcher, self._counters, self._lock = prefetcher, counters, lock
         self._transfers = transfers
         self.cached: dict[str, Shard] = {}  # shards holding a pool buffer: eviction candidates
+        self.held_bytes = 0  # IO bytes of the shards holding a buffer (what the pages hold)
+        self.peak_held_bytes = 0
 
     # -- buffers ------------------------------------------------------------------------------
     def took(self, shard: Shard) -> None:
         """``shard`` now holds a pool buffer."""
         self.cached[shard.key] = shard
+        self.held_bytes += shard.io_nbytes
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
 
     def give_buf(self, shard: Shard) -> None:
         """Drops the host copy of ``shard`` (clean, settled) and gives its buffer back."""
-        self.budget.give(shard.drop_host())
-        self.cached.pop(shard.key, None)
+        self._gone(shard, shard.drop_host())
 
     def give_aborted(self, shard: Shard, buf: torch.Tensor) -> None:
         """A read into ``buf`` failed: the buffer goes back."""
+        self._gone(shard, buf)
+
+    def _gone(self, shard: Shard, buf: torch.Tensor) -> None:
         self.budget.give(buf)
-        self.cached.pop(shard.key, None)
+        if self.cached.pop(shard.key, None) is not None:
+            self.held_bytes -= shard.io_nbytes
 
     def close(self) -> None:
         """Gives every buffer back (the store has settled every transfer)."""
@@ -204,7 +211,8 @@ class Reclaimer:
         return {
             "host_buffers": host.capacity,
             "host_buffer_size": host.buffer_size,
+            "host_reserved_bytes": host.capacity * host.buffer_size,
             "host_buffers_in_use": host.in_use,
             "peak_host_buffers": host.peak,
-            "peak_host_bytes": host.peak * host.buffer_size,
+            "peak_host_bytes": self.peak_held_bytes,
         }

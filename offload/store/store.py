@@ -320,8 +320,9 @@ class TieredStore:
         ``prefetch_hits``, ``prefetch_misses``, ``prefetch_hit_rate``, ``prefetches_started``,
         ``prefetches_deferred``, ``rerecords``; ``evictions`` -> ``{host}``; ``budget_waits``;
         ``fetched_bytes``;
-        ``host_buffers``, ``host_buffer_size``, ``host_buffers_in_use``, ``peak_host_buffers``,
-        ``peak_host_bytes``.
+        ``host_buffers``, ``host_buffer_size``, ``host_reserved_bytes`` (the pool: count x size),
+        ``host_buffers_in_use``, ``peak_host_buffers``, ``peak_host_bytes`` (the most bytes of
+        shards held in buffers at once: what the pool's pages held, not what it reserved).
         """
         with self._lock:
             host = self._room.stats() if self._room is not None else _NO_POOL
@@ -503,6 +504,7 @@ class TieredStore:
 _NO_POOL = {
     "host_buffers": 0,
     "host_buffer_size": 0,
+    "host_reserved_bytes": 0,
     "host_buffers_in_use": 0,
     "peak_host_buffers": 0,
     "peak_host_bytes": 0,

@@ -1,92 +1,44 @@
-"""Sharded checkpoints and consolidated export.
+"""Sharded checkpoints and consolidated export: what of the engine goes into which file.
 
 Note: format and atomicity
     A checkpoint directory holds one ``unit_NNNNN.safetensors`` per unit (flat fp32 ``master``,
     ``exp_avg``, ``exp_avg_sq`` over the trainable prefix, and the ``frozen`` compute params)
-    plus ``meta.json`` (layout, step counters, loss scale, hyperparameters and the caller's
-    extra JSON). No pickle anywhere. Tensors are streamed piece by piece from wherever they live
-    (NVMe-resident state is never pulled whole into RAM): the safetensors header is computed
-    first from the known sizes, then each piece's bytes are appended.
+    plus ``meta.json`` (layout, step counters, loss scale, hyperparameters, the caller's extra
+    JSON, and every file's size and SHA-256). No pickle anywhere. Tensors are streamed piece by
+    piece from wherever they live (NVMe-resident state is never pulled whole into RAM). The
+    files, checksums, the commit (temp directory, fsync, rename, ``latest`` pointer) and the
+    verifying reader live in :mod:`offload.engine.checkpoint_files`; this module only knows
+    which engine state goes where.
 
-    ``save_checkpoint(root, ...)`` writes ``root/.ckpt-...tmp``, fsyncs every file and the
-    directory, renames it to ``root/ckpt-<step>-<ns>``, then atomically replaces the pointer file
-    ``root/latest`` (temp name, fsync, rename) and only then deletes older checkpoints. A crash
-    at any point leaves ``latest`` naming a complete checkpoint.
+Note: a load changes everything or nothing
+    ``load_checkpoint`` runs in three stages: (1) verify the whole directory (schema, files,
+    headers, checksums, streamed; nothing is changed), (2) compare its layout and counters with
+    the model and optimizer (an error names the parameter and both shapes), (3) only then write
+    the values, piece by piece, and last the counters and hyperparameters. What can still fail
+    in (3) is IO of the model's own state (an EIO of the swap device): the error then says
+    which unit was being written; earlier units hold the checkpoint's values.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import struct
 import time
-from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from offload.engine import checkpoint_files as files
+from offload.engine.checkpoint_files import CheckpointError
 from offload.engine.optstate import KINDS
 from offload.engine.units import Unit
 
-FORMAT = "offload-checkpoint"
-VERSION = 1
-_ST_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+__all__ = ["CheckpointError", "export", "load_checkpoint", "save_checkpoint"]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_safetensors(
-    path: Path,
-    entries: list[tuple[str, torch.dtype, list[int], Callable[[], Iterable[torch.Tensor]]]],
-    metadata: dict[str, str] | None = None,
-) -> None:
-    """Writes a safetensors file whose tensors are produced piece by piece (in order)."""
-    header: dict = {}
-    offset = 0
-    for name, dtype, shape, _ in entries:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        header[name] = {
-            "dtype": _ST_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    if metadata:
-        header["__metadata__"] = metadata
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name, dtype, _shape, produce in entries:
-            written = 0
-            for piece in produce():
-                piece = piece.detach().to("cpu", dtype).contiguous()
-                f.write(piece.view(torch.uint8).numpy().tobytes())
-                written += piece.numel() * piece.element_size()
-            want = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
-            if written != want:
-                raise RuntimeError(
-                    f"checkpoint: tensor '{name}' produced {written} bytes, expected {want}"
-                )
-        f.flush()
-        os.fsync(f.fileno())
+def _unit_file(unit: Unit) -> str:
+    return f"unit_{unit.index:05d}.safetensors"
 
 
 def _unit_meta(unit: Unit) -> dict:
@@ -117,6 +69,35 @@ def _to_json(extra: dict) -> dict:
     return extra
 
 
+def _unit_entries(engine, unit: Unit) -> list[files.Entry]:
+    """The tensors of one unit's file, each produced piece by piece from wherever it lives."""
+    entries: list[files.Entry] = []
+    n, total = unit.layout.trainable, unit.layout.total
+    for kind in KINDS if n else ():
+        entries.append(
+            (
+                kind,
+                torch.float32,
+                [n],
+                lambda u=unit, k=kind: (
+                    engine.optim.read(u, k, lo, hi) for lo, hi in engine.optim.pieces(u)
+                ),
+            )
+        )
+    if total > n:
+        entries.append(
+            (
+                "frozen",
+                engine.dtype,
+                [total - n],
+                lambda u=unit, a=n, b=total: (
+                    engine.params.read(u, lo, hi) for lo, hi in engine.compute_pieces(u, a, b)
+                ),
+            )
+        )
+    return entries
+
+
 def save_checkpoint(
     directory: str | os.PathLike, model: nn.Module, optimizer, *, keep_last: int = 1, **extra
 ) -> Path:
@@ -124,140 +105,78 @@ def save_checkpoint(
     checkpoint's own directory. ``extra`` (JSON-serializable) comes back from load_checkpoint."""
     engine = _engine(model)
     engine.check_idle("save_checkpoint")
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
+    _to_json(extra)
     name = f"ckpt-{engine.step_count:08d}-{time.time_ns()}"
-    tmp = root / f".{name}.tmp"
-    tmp.mkdir()
-    try:
+    with files.CheckpointWriter(Path(directory), name) as out:
         for unit in engine.units:
-            entries = []
-            n, total = unit.layout.trainable, unit.layout.total
-            for kind in KINDS if n else ():
-                entries.append(
-                    (
-                        kind,
-                        torch.float32,
-                        [n],
-                        lambda u=unit, k=kind: (
-                            engine.optim.read(u, k, lo, hi) for lo, hi in engine.optim.pieces(u)
-                        ),
-                    )
-                )
-            if total > n:
-                entries.append(
-                    (
-                        "frozen",
-                        engine.dtype,
-                        [total - n],
-                        lambda u=unit, a=n, b=total: (
-                            engine.params.read(u, lo, hi)
-                            for lo, hi in engine.compute_pieces(u, a, b)
-                        ),
-                    )
-                )
-            _write_safetensors(tmp / f"unit_{unit.index:05d}.safetensors", entries)
+            out.add_file(_unit_file(unit), _unit_entries(engine, unit))
         group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
         meta = {
-            "format": FORMAT,
-            "version": VERSION,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "step_count": engine.step_count,
             "skipped_steps": optimizer.skipped_steps,
             "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None,
             "param_group": {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()},
             "units": [_unit_meta(u) for u in engine.units],
-            "extra": _to_json(extra),
+            "extra": extra,
         }
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        final = root / name
-        os.rename(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    pointer = root / "latest.tmp"
-    with open(pointer, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer, root / "latest")
-    _fsync_dir(root)
-    old = sorted(p for p in root.glob("ckpt-*") if p.is_dir() and p.name != name)
-    for p in old[: max(0, len(old) - (keep_last - 1))]:
-        shutil.rmtree(p, ignore_errors=True)
-    return final
+        return out.commit(meta, keep_last)
 
 
-def _resolve(directory: Path) -> Path:
-    if (directory / "meta.json").exists():
-        return directory
-    pointer = directory / "latest"
-    if not pointer.exists():
-        raise FileNotFoundError(
-            f"load_checkpoint: no checkpoint in '{directory}' (no 'latest' file or meta.json)"
-        )
-    ckpt = directory / pointer.read_text().strip()
-    if not (ckpt / "meta.json").exists():
-        raise FileNotFoundError(
-            f"load_checkpoint: '{pointer}' names '{ckpt.name}', which is incomplete or missing"
-        )
-    return ckpt
+def _unit_tensors(engine, unit: Unit) -> dict[str, tuple[tuple[str, ...], list[int]]]:
+    """The tensors the unit's file must hold: name -> (allowed dtype codes, shape)."""
+    n, total = unit.layout.trainable, unit.layout.total
+    out = {k: (("F32",), [n]) for k in (KINDS if n else ())}
+    if total > n:  # frozen values convert to the model's dtype on load
+        out["frozen"] = (("F32", "BF16", "F16"), [total - n])
+    return out
 
 
 def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -> dict:
     """Restores what :func:`save_checkpoint` wrote into a model wrapped with the same layout;
-    returns the ``extra`` values."""
-    from safetensors import safe_open  # noqa: PLC0415
-
+    returns the ``extra`` values. Verifies everything before changing anything (module Note);
+    a bad checkpoint raises :class:`CheckpointError` and leaves the model as it was."""
     engine = _engine(model)
     engine.check_idle("load_checkpoint")
-    ckpt = _resolve(Path(directory))
-    meta = json.loads((ckpt / "meta.json").read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"load_checkpoint: '{ckpt / 'meta.json'}' is not an offload checkpoint")
-    saved_units = meta["units"]
-    if len(saved_units) != len(engine.units):
-        raise ValueError(
-            f"load_checkpoint: checkpoint has {len(saved_units)} units, the model has "
-            f"{len(engine.units)}; wrap the same model with the same wrap config"
+    with files.open_checkpoint(files.resolve(Path(directory))) as ckpt:  # (1)
+        files.check_layout(  # (2)
+            ckpt,
+            [_unit_meta(u) for u in engine.units],
+            {_unit_file(u): _unit_tensors(engine, u) for u in engine.units},
         )
-    for unit, saved in zip(engine.units, saved_units):
-        if _unit_meta(unit) != saved:
-            raise ValueError(
-                f"load_checkpoint: unit '{unit.label}' differs from the checkpoint's "
-                f"'{saved['name'] or '<root>'}' (parameters, shapes or order)"
-            )
-    for unit in engine.units:
-        n, total = unit.layout.trainable, unit.layout.total
-        with safe_open(str(ckpt / f"unit_{unit.index:05d}.safetensors"), framework="pt") as f:
-            for kind in KINDS if n else ():
-                sl = f.get_slice(kind)
-                for lo, hi in engine.optim.pieces(unit):
-                    piece = sl[lo:hi]
-                    engine.optim.write(unit, kind, lo, hi, piece)
-                    if kind == "master" and not engine.optim.master_is_compute(unit):
-                        for plo, phi in engine.compute_pieces(unit, lo, hi):
-                            engine.params.write(
-                                unit, plo, phi, piece[plo - lo : phi - lo].to(engine.dtype)
-                            )
-            if total > n:
-                sl = f.get_slice("frozen")
-                for lo, hi in engine.compute_pieces(unit, n, total):
-                    engine.params.write(unit, lo, hi, sl[lo - n : hi - n])
-        engine.params.release(unit)
-    engine.step_count = int(meta["step_count"])
-    optimizer.skipped_steps = int(meta["skipped_steps"])
-    if optimizer.scaler is not None and meta.get("loss_scaler"):
-        optimizer.scaler.load_state_dict(meta["loss_scaler"])
-    for k, v in meta["param_group"].items():
-        optimizer.param_groups[0][k] = tuple(v) if k == "betas" else v
+        counters = files.check_counters(ckpt, optimizer.param_groups[0], optimizer.scaler)
+        for unit in engine.units:  # (3)
+            try:
+                _apply_unit(ckpt, engine, unit)
+            except Exception as exc:  # not a CheckpointError: that one means nothing changed
+                raise RuntimeError(
+                    f"load_checkpoint: writing unit '{unit.label}' from '{ckpt.path}' failed "
+                    f"after the checkpoint was verified ({exc}); the units before it hold the "
+                    "checkpoint's values, it and the rest may hold either, the counters are "
+                    "unchanged: load a checkpoint again before training"
+                ) from exc
+    engine.step_count = counters["step_count"]
+    optimizer.skipped_steps = counters["skipped_steps"]
+    if counters["loss_scaler"] is not None:
+        optimizer.scaler.load_state_dict(counters["loss_scaler"])
+    optimizer.param_groups[0].update(counters["param_group"])
     engine.zero_grad()
-    return meta["extra"]
+    return counters["extra"]
+
+
+def _apply_unit(ckpt: files.VerifiedCheckpoint, engine, unit: Unit) -> None:
+    """Stage (3) for one unit: the saved values into the engine's state, piece by piece."""
+    name, n, total = _unit_file(unit), unit.layout.trainable, unit.layout.total
+    for kind in KINDS if n else ():
+        for lo, hi in engine.optim.pieces(unit):
+            piece = ckpt.read(name, kind, lo, hi)
+            engine.optim.write(unit, kind, lo, hi, piece)
+            if kind == "master" and not engine.optim.master_is_compute(unit):
+                for plo, phi in engine.compute_pieces(unit, lo, hi):
+                    engine.params.write(unit, plo, phi, piece[plo - lo : phi - lo].to(engine.dtype))
+    for lo, hi in engine.compute_pieces(unit, n, total) if total > n else ():
+        engine.params.write(unit, lo, hi, ckpt.read(name, "frozen", lo - n, hi - n))
+    engine.params.release(unit)
 
 
 def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -290,10 +209,10 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
                 continue
             full = f"{mname}.{bname}" if mname else bname
             bdt = dtype if buf.is_floating_point() else buf.dtype
-            if bdt in _ST_DTYPES:
+            if bdt in files.ST_DTYPES:
                 entries.append((full, bdt, list(buf.shape), lambda b=buf, d=bdt: iter([b.to(d)])))
     tmp = path.with_name(path.name + ".tmp")
-    _write_safetensors(tmp, entries, metadata={"format": "pt", "producer": "offload"})
+    files.write_safetensors(tmp, entries, metadata={"format": "pt", "producer": "offload"})
     os.replace(tmp, path)
-    _fsync_dir(path.parent if str(path.parent) else Path("."))
+    files.fsync_dir(path.parent if str(path.parent) else Path("."))
     return path

@@ -275,10 +275,14 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_code(v) -> bool:
+    return isinstance(v, str) and v in DTYPES
+
+
 def _check_tensor_record(path: Path, name, rec) -> None:
     if not isinstance(name, str) or not isinstance(rec, dict) or set(rec) != {"dtype", "shape"}:
         raise _fail(path, f"meta.json's record of tensor {short_repr(name)} is malformed")
-    if rec["dtype"] not in DTYPES or not isinstance(rec["shape"], list):
+    if not _is_code(rec["dtype"]) or not isinstance(rec["shape"], list):
         raise _fail(path, f"meta.json's record of tensor '{name}' has a bad dtype or shape")
     if not all(_is_int(d) and 0 <= d <= MAX_INT for d in rec["shape"]):
         raise _fail(path, f"meta.json's shape of tensor '{name}' is {short_repr(rec['shape'])}")
@@ -353,7 +357,7 @@ def _parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, TensorInfo]
         if name == "__metadata__":
             continue
         ok = isinstance(rec, dict) and set(rec) == {"dtype", "shape", "data_offsets"}
-        ok = ok and rec["dtype"] in DTYPES and isinstance(rec["shape"], list)
+        ok = ok and _is_code(rec["dtype"]) and isinstance(rec["shape"], list)
         ok = ok and all(_is_int(d) and 0 <= d <= MAX_INT for d in rec["shape"])
         offs = rec.get("data_offsets") if ok else None
         ok = ok and isinstance(offs, list) and len(offs) == 2 and all(map(_is_int, offs))
@@ -461,7 +465,8 @@ class VerifiedCheckpoint:
         if have != rec["tensors"]:
             raise _fail(
                 path,
-                f"its header holds {_describe(have)}, meta.json records {_describe(rec['tensors'])}",
+                f"its header holds {_describe(have)}, meta.json records "
+                f"{_describe(rec['tensors'])}",
             )
         self._tensors[name] = tensors
         return size
@@ -560,11 +565,10 @@ def check_layout(ckpt: VerifiedCheckpoint, units: list[dict], tensors: dict[str,
         if set(have) != set(want) or any(
             have[t][1] != want[t][1] or have[t][0] not in want[t][0] for t in want
         ):
+            held = {t: {"dtype": d, "shape": s} for t, (d, s) in have.items()}
+            needed = {t: {"dtype": "|".join(d), "shape": s} for t, (d, s) in want.items()}
             raise _fail(
-                path / name,
-                f"holds {_describe({t: {'dtype': d, 'shape': s} for t, (d, s) in have.items()})}; "
-                "the model needs "
-                f"{_describe({t: {'dtype': '|'.join(d), 'shape': s} for t, (d, s) in want.items()})}",
+                path / name, f"holds {_describe(held)}; the model needs {_describe(needed)}"
             )
 
 
@@ -592,10 +596,11 @@ def _unit_difference(path: Path, index: int, mine: dict, saved) -> None:
                 f"{shape} in the model",
             )
         if rec[4] is not trainable:
+            saved = state[rec[4]] if isinstance(rec[4], bool) else short_repr(rec[4])
             raise meta_error(
                 path,
-                f"parameter '{name}' is {state.get(rec[4], short_repr(rec[4]))} in the "
-                f"checkpoint and {state[trainable]} in the model",
+                f"parameter '{name}' is {saved} in the checkpoint and {state[trainable]} in the "
+                "model",
             )
     extra = sorted(set(theirs) - {p[0] for p in mine["params"]})
     if extra:

@@ -292,11 +292,11 @@ def _read_meta(ckpt: Path) -> dict:
     path = ckpt / META
     try:
         with open(path, "rb") as f:
-            raw = f.read(MAX_META + 1)
+            if os.fstat(f.fileno()).st_size > MAX_META:
+                raise _fail(path, f"is over {MAX_META} bytes; it is not a checkpoint's meta.json")
+            raw = f.read()
     except OSError as exc:
         raise _fail(path, f"cannot be read ({exc.strerror or exc})") from None
-    if len(raw) > MAX_META:
-        raise _fail(path, f"is larger than {MAX_META} bytes; it is not a checkpoint's meta.json")
     meta = _parse_json(path, raw, "the file")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise _fail(path, f'is not an offload checkpoint (no "format": "{FORMAT}")')

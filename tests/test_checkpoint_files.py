@@ -49,8 +49,8 @@ def test_save_and_verify_stream_in_bounded_memory(tmp_path):
         tracemalloc.reset_peak()
         with cf.open_checkpoint(ckpt) as verified:
             _, verify_peak = tracemalloc.get_traced_memory()
-            part = verified.read("big.safetensors", "a", numel - 7, numel)
-            b = verified.read("big.safetensors", "b", 0, 15)
+            part = verified.read("big.safetensors", "a", numel - 7, numel).clone()
+            b = verified.read("big.safetensors", "b", 0, 15)  # borrowed: valid until next read
     finally:
         tracemalloc.stop()
     size = (ckpt / "big.safetensors").stat().st_size

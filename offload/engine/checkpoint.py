@@ -169,7 +169,7 @@ def _apply_unit(ckpt: files.VerifiedCheckpoint, engine, unit: Unit) -> None:
     name, n, total = _unit_file(unit), unit.layout.trainable, unit.layout.total
     for kind in KINDS if n else ():
         for lo, hi in engine.optim.pieces(unit):
-            piece = ckpt.read(name, kind, lo, hi)
+            piece = ckpt.read(name, kind, lo, hi)  # borrowed: used up before the next read
             engine.optim.write(unit, kind, lo, hi, piece)
             if kind == "master" and not engine.optim.master_is_compute(unit):
                 for plo, phi in engine.compute_pieces(unit, lo, hi):

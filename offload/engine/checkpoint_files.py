@@ -30,7 +30,9 @@ Note: verification before use
 
     The files stay open from verification until the reader is closed and tensor slices are
     read from those same descriptors, so renaming or replacing a file after verification
-    cannot feed unverified bytes (rewriting a verified file in place still could).
+    cannot feed unverified bytes (rewriting a verified file in place still could). Slices are
+    read with ``preadv`` into one reused buffer (no mmap: a file truncated under an mmap
+    kills the process with SIGBUS; a short read is an error).
 
 Every failure is a :class:`CheckpointError` whose message names the file and what is wrong.
 """
@@ -410,6 +412,7 @@ class VerifiedCheckpoint:
         self.path, self.meta = path, meta
         self._fds: dict[str, int] = {}
         self._tensors: dict[str, dict[str, TensorInfo]] = {}
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # see read()
 
     def __enter__(self) -> VerifiedCheckpoint:
         return self
@@ -430,14 +433,19 @@ class VerifiedCheckpoint:
         return self._tensors[name]
 
     def read(self, name: str, tensor: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of the flattened ``tensor`` of file ``name``, as a new tensor."""
+        """Elements ``[lo, hi)`` of the flattened ``tensor`` of file ``name``, in a buffer that
+        is BORROWED: it is valid until the next ``read`` from this checkpoint (the buffer is
+        reused, so a load's reads cost no page faults; copy it to keep it)."""
         info = self._tensors[name][tensor]
         if not 0 <= lo <= hi <= info.numel:
             raise IndexError(f"{name}:{tensor}: [{lo}, {hi}) outside [0, {info.numel})")
-        out = torch.empty((hi - lo) * info.dtype.itemsize, dtype=torch.uint8)
+        n = (hi - lo) * info.dtype.itemsize
+        if self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=torch.uint8)
+        out = self._scratch[:n]
         view = memoryview(out.numpy())
         at, pos = 0, info.begin + lo * info.dtype.itemsize
-        while at < len(view):
+        while at < n:
             got = os.preadv(self._fds[name], [view[at:]], pos + at)
             if got == 0:
                 raise _fail(self.path / name, "ended early (was it changed after verification?)")

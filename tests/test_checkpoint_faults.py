@@ -281,7 +281,11 @@ CASES = {
     "meta.json bad type": (_meta_step_count_string, "meta.json", "'step_count' must be an int"),
     "meta.json huge number": (_meta_huge_lr, "meta.json", "'lr' must be a finite number"),
     "meta.json lists a missing file": (_meta_lists_missing_file, "unit_00099", "is missing"),
-    "meta.json version 1": (_meta_version_1, "meta.json", "format version 1, without checksum"),
+    "meta.json version 1": (
+        _meta_version_1,
+        "meta.json",
+        "format version 1 \\(written before checkpoints carried checksums",
+    ),
     "meta.json escapes": (_meta_path_escape, "meta.json", "'../x.safetensors', which is not"),
 }
 

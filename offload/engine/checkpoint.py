@@ -144,7 +144,9 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -
             [_unit_meta(u) for u in engine.units],
             {_unit_file(u): _unit_tensors(engine, u) for u in engine.units},
         )
-        counters = files.check_counters(ckpt, optimizer.param_groups[0], optimizer.scaler)
+        counters = files.check_counters(
+            ckpt, optimizer.param_groups[0], loss_scale=optimizer.scaler is not None
+        )
         for unit in engine.units:  # (3)
             try:
                 _apply_unit(ckpt, engine, unit)

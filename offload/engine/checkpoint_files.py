@@ -8,7 +8,10 @@ Note: what a checkpoint directory holds
     ``{"dtype", "shape"}``). ``meta_sha256`` is the SHA-256 of the canonical JSON of every other
     key of ``meta.json`` (sorted keys, no spaces, ASCII): a flipped byte in ``meta.json``
     itself is caught too. ``format`` and ``version`` (2; version 1 had no checksums) say what
-    the directory is. The caller's own keys (layout, counters) ride along unchecked here.
+    the directory is. The caller's own keys are sealed with the rest; :func:`check_layout` and
+    :func:`check_counters` check the ones a load of units uses (``units``, ``step_count``,
+    ``skipped_steps``, ``loss_scaler``, ``param_group``, ``extra``) against what the caller
+    passes in, so that a load can be refused before anything changes.
 
     A data file's checksum is computed while the file is written, over the same bytes, piece
     by piece: a save never holds a file in RAM and never reads one back.
@@ -306,8 +309,8 @@ def _read_meta(ckpt: Path) -> dict:
     if version == 1:
         raise _fail(
             path,
-            "was written by offload 0.1 (format version 1, without checksums); this offload "
-            f"reads version {VERSION}: load it with the version that wrote it and save again",
+            "has format version 1 (written before checkpoints carried checksums); this offload "
+            f"reads version {VERSION}: load it with the offload that wrote it and save it again",
         )
     if version != VERSION:
         raise _fail(path, f"has format version {short_repr(version)}; this offload reads {VERSION}")
@@ -634,9 +637,9 @@ def _hyper(path: Path, key: str, saved, now):
     return meta_number(path, saved, what) if number else saved
 
 
-def check_counters(ckpt: VerifiedCheckpoint, group: dict, scaler) -> dict:
+def check_counters(ckpt: VerifiedCheckpoint, group: dict, loss_scale: bool) -> dict:
     """The saved counters, hyperparameters (checked against ``group``, the optimizer's current
-    param group), loss scale (when ``scaler`` is not None) and extra values, checked:
+    param group), loss scale (when ``loss_scale``) and extra values, checked:
     ``{"step_count", "skipped_steps", "loss_scaler" (None or a state dict), "param_group"
     (lists as tuples), "extra"}``."""
     meta, path = ckpt.meta, ckpt.path
@@ -646,7 +649,7 @@ def check_counters(ckpt: VerifiedCheckpoint, group: dict, scaler) -> dict:
         "loss_scaler": None,
     }
     saved = meta.get("loss_scaler")
-    if scaler is not None and saved is not None:
+    if loss_scale and saved is not None:
         if not isinstance(saved, dict):
             raise meta_error(path, f"'loss_scaler' is {short_repr(saved)}")
         scale = meta_number(path, saved.get("scale"), "'loss_scaler'.'scale'")

@@ -150,6 +150,8 @@ def _flip(path: Path, at: int) -> None:
 
 
 UNIT = "unit_00004.safetensors"  # the largest file
+CORRUPT = "SHA-256 is .*: the file is corrupt or not the one saved"
+V1 = r"format version 1 \(written before checkpoints carried checksums"
 
 
 def _truncate(ck):
@@ -263,13 +265,9 @@ CASES = {
     "truncated unit file": (_truncate, UNIT, r"bytes, meta.json records \d+ \(truncated"),
     "deleted unit file": (lambda ck: (ck / UNIT).unlink(), UNIT, "is missing"),
     "extra file": (_extra_file, "notes.txt", "not listed in meta.json"),
-    "flipped data byte": (_flip_data, "unit_00002", r"SHA-256 is .*\(the data is corrupt\)"),
-    "flipped last byte": (_flip_last_byte, UNIT, r"SHA-256 is .*\(the data is corrupt\)"),
-    "two files swapped": (
-        _swap_files_same_size,
-        "unit_00002",
-        r"SHA-256 is .*\(the data is corrupt\)",
-    ),
+    "flipped data byte": (_flip_data, "unit_00002", CORRUPT),
+    "flipped last byte": (_flip_last_byte, UNIT, CORRUPT),
+    "two files swapped": (_swap_files_same_size, "unit_00002", CORRUPT),
     "corrupt header JSON": (_break_header_json, UNIT, "safetensors header is not valid JSON"),
     "corrupt header length": (_break_header_length, UNIT, "header: length 1099511627776"),
     "header shape edited": (_header_names_other_shape, UNIT, "tensor 'master' spans bytes"),
@@ -281,11 +279,7 @@ CASES = {
     "meta.json bad type": (_meta_step_count_string, "meta.json", "'step_count' must be an int"),
     "meta.json huge number": (_meta_huge_lr, "meta.json", "'lr' must be a finite number"),
     "meta.json lists a missing file": (_meta_lists_missing_file, "unit_00099", "is missing"),
-    "meta.json version 1": (
-        _meta_version_1,
-        "meta.json",
-        "format version 1 \\(written before checkpoints carried checksums",
-    ),
+    "meta.json version 1": (_meta_version_1, "meta.json", V1),
     "meta.json escapes": (_meta_path_escape, "meta.json", "'../x.safetensors', which is not"),
 }
 

@@ -515,8 +515,8 @@ def open_checkpoint(ckpt: Path, threads: int | None = None) -> VerifiedCheckpoin
             if digests[name] != want:
                 raise _fail(
                     ckpt / name,
-                    f"its SHA-256 is {digests[name][:16]}..., meta.json records {want[:16]}... "
-                    "(the data is corrupt)",
+                    f"its SHA-256 is {digests[name][:16]}..., meta.json records {want[:16]}...: "
+                    "the file is corrupt or not the one saved",
                 )
     except BaseException:
         out.close()

@@ -123,7 +123,7 @@ def save_checkpoint(
         return out.commit(meta, keep_last)
 
 
-def _unit_tensors(engine, unit: Unit) -> dict[str, tuple[tuple[str, ...], list[int]]]:
+def _unit_tensors(unit: Unit) -> dict[str, tuple[tuple[str, ...], list[int]]]:
     """The tensors the unit's file must hold: name -> (allowed dtype codes, shape)."""
     n, total = unit.layout.trainable, unit.layout.total
     out = {k: (("F32",), [n]) for k in (KINDS if n else ())}
@@ -142,7 +142,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -
         files.check_layout(  # (2)
             ckpt,
             [_unit_meta(u) for u in engine.units],
-            {_unit_file(u): _unit_tensors(engine, u) for u in engine.units},
+            {_unit_file(u): _unit_tensors(u) for u in engine.units},
         )
         counters = files.check_counters(
             ckpt, optimizer.param_groups[0], loss_scale=optimizer.scaler is not None

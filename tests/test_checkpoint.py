@@ -15,7 +15,7 @@ from engine_models import batches, lm_loss, make_model, placement_config, train_
 from safetensors.torch import load_file
 
 import offload
-from offload.api import checkpoint as ckpt_mod
+from offload.api import checkpoint_files as ckpt_files
 
 HERE = Path(__file__).parent
 
@@ -87,7 +87,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     good = {k: v.clone() for k, v in model.state_dict().items()}
     train_wrapped(model, opt, data, 2, 1, 0.0)
 
-    real = ckpt_mod._write_safetensors
+    real = ckpt_files.write_safetensors
     calls = {"n": 0}
 
     def dying(path, entries, metadata=None):
@@ -96,10 +96,10 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device (injected)")
         return real(path, entries, metadata)
 
-    monkeypatch.setattr(ckpt_mod, "_write_safetensors", dying)
+    monkeypatch.setattr(ckpt_files, "write_safetensors", dying)
     with pytest.raises(OSError, match="No space left"):
         offload.save_checkpoint(tmp_path / "ck", model, opt, note="second")
-    monkeypatch.setattr(ckpt_mod, "_write_safetensors", real)
+    monkeypatch.setattr(ckpt_files, "write_safetensors", real)
     assert not [p for p in (tmp_path / "ck").iterdir() if p.name.endswith(".tmp")]
     extra = offload.load_checkpoint(tmp_path / "ck", model, opt)
     assert extra == {"note": "first"}

@@ -1,93 +1,46 @@
-"""Sharded checkpoints and consolidated export.
+"""Sharded checkpoints and consolidated export: what of the engine goes into which file.
 
 Note: format and atomicity
     A checkpoint directory holds one ``unit_NNNNN.safetensors`` per unit (flat fp32 ``master``,
     ``exp_avg``, ``exp_avg_sq`` over the trainable prefix, and the ``frozen`` compute params)
-    plus ``meta.json`` (layout, step counters, loss scale, hyperparameters and the caller's
-    extra JSON). No pickle anywhere. Tensors are streamed piece by piece from wherever they live
-    (NVMe-resident state is never pulled whole into RAM): the safetensors header is computed
-    first from the known sizes, then each piece's bytes are appended.
+    plus ``meta.json`` (layout, step counters, loss scale, hyperparameters, the caller's extra
+    JSON, and every file's size and SHA-256). No pickle anywhere. Tensors are streamed piece by
+    piece from wherever they live (NVMe-resident state is never pulled whole into RAM). The
+    files, checksums, the commit (temp directory, fsync, rename, ``latest`` pointer) and the
+    verifying reader live in :mod:`offload.api.checkpoint_files`; this module only knows which
+    state goes where, and reads and writes it through the runtime's values
+    (``offload.runtime.values``: each unit's file is a value source on load).
 
-    ``save_checkpoint(root, ...)`` writes ``root/.ckpt-...tmp``, fsyncs every file and the
-    directory, renames it to ``root/ckpt-<step>-<ns>``, then atomically replaces the pointer file
-    ``root/latest`` (temp name, fsync, rename) and only then deletes older checkpoints. A crash
-    at any point leaves ``latest`` naming a complete checkpoint.
+Note: a load changes everything or nothing
+    ``load_checkpoint`` runs in three stages: (1) verify the whole directory (schema, files,
+    headers, checksums, streamed; nothing is changed), (2) compare its layout and counters with
+    the model and optimizer (an error names the parameter and both shapes), (3) only then write
+    the values, piece by piece, and last the counters and hyperparameters. What can still fail
+    in (3) is IO of the model's own state (an EIO of the swap device): the error then says
+    which unit was being written; earlier units hold the checkpoint's values.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import struct
 import time
-from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from offload.api import checkpoint_files as files
+from offload.api.checkpoint_files import CheckpointError
 from offload.homes.optim import KINDS
 from offload.plan import Unit
 from offload.runtime.values import FROZEN, ValueSource
 
-FORMAT = "offload-checkpoint"
-VERSION = 1
-_ST_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+__all__ = ["CheckpointError", "export", "load_checkpoint", "save_checkpoint"]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_safetensors(
-    path: Path,
-    entries: list[tuple[str, torch.dtype, list[int], Callable[[], Iterable[torch.Tensor]]]],
-    metadata: dict[str, str] | None = None,
-) -> None:
-    """Writes a safetensors file whose tensors are produced piece by piece (in order)."""
-    header: dict = {}
-    offset = 0
-    for name, dtype, shape, _ in entries:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        header[name] = {
-            "dtype": _ST_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    if metadata:
-        header["__metadata__"] = metadata
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name, dtype, _shape, produce in entries:
-            written = 0
-            for piece in produce():
-                piece = piece.detach().to("cpu", dtype).contiguous()
-                f.write(piece.view(torch.uint8).numpy().tobytes())
-                written += piece.numel() * piece.element_size()
-            want = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
-            if written != want:
-                raise RuntimeError(
-                    f"checkpoint: tensor '{name}' produced {written} bytes, expected {want}"
-                )
-        f.flush()
-        os.fsync(f.fileno())
+def _unit_file(unit: Unit) -> str:
+    return f"unit_{unit.index:05d}.safetensors"
 
 
 def _unit_meta(unit: Unit) -> dict:
@@ -118,6 +71,23 @@ def _to_json(extra: dict) -> dict:
     return extra
 
 
+def _unit_entries(engine, unit: Unit) -> list[files.Entry]:
+    """The tensors of one unit's file, each produced piece by piece from its owner."""
+    values = engine.values
+    n, total = unit.layout.trainable, unit.layout.total
+    kinds = [(k, torch.float32, n) for k in (KINDS if n else ())]
+    kinds += [(FROZEN, engine.dtype, total - n)] if total > n else []
+    return [
+        (
+            kind,
+            dtype,
+            [numel],
+            lambda k=kind: (values.flat(unit, k, lo, hi) for lo, hi in values.pieces(unit, k)),
+        )
+        for kind, dtype, numel in kinds
+    ]
+
+
 def save_checkpoint(
     directory: str | os.PathLike, model: nn.Module, optimizer, *, keep_last: int = 1, **extra
 ) -> Path:
@@ -125,127 +95,84 @@ def save_checkpoint(
     checkpoint's own directory. ``extra`` (JSON-serializable) comes back from load_checkpoint."""
     engine = _engine(model)
     engine.check_idle("save_checkpoint")
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
+    _to_json(extra)
     name = f"ckpt-{engine.step_count:08d}-{time.time_ns()}"
-    tmp = root / f".{name}.tmp"
-    tmp.mkdir()
-    try:
-        values = engine.values
+    with files.CheckpointWriter(Path(directory), name) as out:
         for unit in engine.units:
-            entries = []
-            n, total = unit.layout.trainable, unit.layout.total
-            for kind, dtype, numel in ((k, torch.float32, n) for k in KINDS) if n else ():
-                entries.append((kind, dtype, [numel], _pieces_of(values, unit, kind)))
-            if total > n:
-                entries.append(
-                    (FROZEN, engine.dtype, [total - n], _pieces_of(values, unit, FROZEN))
-                )
-            _write_safetensors(tmp / f"unit_{unit.index:05d}.safetensors", entries)
+            out.add_file(_unit_file(unit), _unit_entries(engine, unit))
         group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
         meta = {
-            "format": FORMAT,
-            "version": VERSION,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "step_count": engine.step_count,
             "skipped_steps": optimizer.skipped_steps,
             "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None,
             "param_group": {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()},
             "units": [_unit_meta(u) for u in engine.units],
-            "extra": _to_json(extra),
+            "extra": extra,
         }
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        final = root / name
-        os.rename(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    pointer = root / "latest.tmp"
-    with open(pointer, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer, root / "latest")
-    _fsync_dir(root)
-    old = sorted(p for p in root.glob("ckpt-*") if p.is_dir() and p.name != name)
-    for p in old[: max(0, len(old) - (keep_last - 1))]:
-        shutil.rmtree(p, ignore_errors=True)
-    return final
+        return out.commit(meta, keep_last)
 
 
-def _pieces_of(values, unit: Unit, kind: str) -> Callable[[], Iterable[torch.Tensor]]:
-    """The flat tensor ``kind`` of ``unit``, produced piece by piece from its owner."""
-    return lambda: (values.flat(unit, kind, lo, hi) for lo, hi in values.pieces(unit, kind))
-
-
-class _UnitFile(ValueSource):
-    """One unit's checkpoint file as a source of values (flat slices, read per piece)."""
-
-    def __init__(self, f, unit: Unit) -> None:
-        self.f, self.base = f, {FROZEN: unit.layout.trainable}
-
-    def piece(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor | None:
-        base = self.base.get(kind, 0)
-        return self.f.get_slice(kind)[lo - base : hi - base]
-
-
-def _resolve(directory: Path) -> Path:
-    if (directory / "meta.json").exists():
-        return directory
-    pointer = directory / "latest"
-    if not pointer.exists():
-        raise FileNotFoundError(
-            f"load_checkpoint: no checkpoint in '{directory}' (no 'latest' file or meta.json)"
-        )
-    ckpt = directory / pointer.read_text().strip()
-    if not (ckpt / "meta.json").exists():
-        raise FileNotFoundError(
-            f"load_checkpoint: '{pointer}' names '{ckpt.name}', which is incomplete or missing"
-        )
-    return ckpt
+def _unit_tensors(unit: Unit) -> dict[str, tuple[tuple[str, ...], list[int]]]:
+    """The tensors the unit's file must hold: name -> (allowed dtype codes, shape)."""
+    n, total = unit.layout.trainable, unit.layout.total
+    out = {k: (("F32",), [n]) for k in (KINDS if n else ())}
+    if total > n:  # frozen values convert to the model's dtype on load
+        out["frozen"] = (("F32", "BF16", "F16"), [total - n])
+    return out
 
 
 def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -> dict:
     """Restores what :func:`save_checkpoint` wrote into a model wrapped with the same layout;
-    returns the ``extra`` values."""
-    from safetensors import safe_open  # noqa: PLC0415
-
+    returns the ``extra`` values. Verifies everything before changing anything (module Note);
+    a bad checkpoint raises :class:`CheckpointError` and leaves the model as it was."""
     engine = _engine(model)
     engine.check_idle("load_checkpoint")
-    ckpt = _resolve(Path(directory))
-    meta = json.loads((ckpt / "meta.json").read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"load_checkpoint: '{ckpt / 'meta.json'}' is not an offload checkpoint")
-    saved_units = meta["units"]
-    if len(saved_units) != len(engine.units):
-        raise ValueError(
-            f"load_checkpoint: checkpoint has {len(saved_units)} units, the model has "
-            f"{len(engine.units)}; wrap the same model with the same wrap config"
+    with files.open_checkpoint(files.resolve(Path(directory))) as ckpt:  # (1)
+        files.check_layout(  # (2)
+            ckpt,
+            [_unit_meta(u) for u in engine.units],
+            {_unit_file(u): _unit_tensors(u) for u in engine.units},
         )
-    for unit, saved in zip(engine.units, saved_units):
-        if _unit_meta(unit) != saved:
-            raise ValueError(
-                f"load_checkpoint: unit '{unit.label}' differs from the checkpoint's "
-                f"'{saved['name'] or '<root>'}' (parameters, shapes or order)"
-            )
-    for run in engine.runs:
-        unit = run.unit
-        with safe_open(str(ckpt / f"unit_{unit.index:05d}.safetensors"), framework="pt") as f:
-            engine.values.load(unit, _UnitFile(f, unit))
-        run.release()  # a gathered copy would be stale
-    engine.step_count = int(meta["step_count"])
-    optimizer.skipped_steps = int(meta["skipped_steps"])
-    if optimizer.scaler is not None and meta.get("loss_scaler"):
-        optimizer.scaler.load_state_dict(meta["loss_scaler"])
-    for k, v in meta["param_group"].items():
-        optimizer.param_groups[0][k] = tuple(v) if k == "betas" else v
+        counters = files.check_counters(
+            ckpt, optimizer.param_groups[0], loss_scale=optimizer.scaler is not None
+        )
+        for run in engine.runs:  # (3)
+            try:
+                _apply_unit(ckpt, engine, run)
+            except Exception as exc:  # not a CheckpointError: that one means nothing changed
+                raise RuntimeError(
+                    f"load_checkpoint: writing unit '{run.unit.label}' from '{ckpt.path}' failed "
+                    f"after the checkpoint was verified ({exc}); the units before it hold the "
+                    "checkpoint's values, it and the rest may hold either, the counters are "
+                    "unchanged: load a checkpoint again before training"
+                ) from exc
+    engine.step_count = counters["step_count"]
+    optimizer.skipped_steps = counters["skipped_steps"]
+    if counters["loss_scaler"] is not None:
+        optimizer.scaler.load_state_dict(counters["loss_scaler"])
+    optimizer.param_groups[0].update(counters["param_group"])
     engine.zero_grad()
-    return meta["extra"]
+    return counters["extra"]
+
+
+class _UnitFile(ValueSource):
+    """One unit's verified file as a source of values: flat slices read per piece (each into a
+    buffer borrowed until the next read; ``Values.load`` uses a piece before the next)."""
+
+    def __init__(self, ckpt: files.VerifiedCheckpoint, unit: Unit) -> None:
+        self.ckpt, self.name = ckpt, _unit_file(unit)
+        self.base = {FROZEN: unit.layout.trainable}
+
+    def piece(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor | None:
+        base = self.base.get(kind, 0)
+        return self.ckpt.read(self.name, kind, lo - base, hi - base)
+
+
+def _apply_unit(ckpt: files.VerifiedCheckpoint, engine, run) -> None:
+    """Stage (3) for one unit: the saved values into its homes, piece by piece."""
+    engine.values.load(run.unit, _UnitFile(ckpt, run.unit))
+    run.release()  # a gathered copy would be stale
 
 
 def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
@@ -278,10 +205,10 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
                 continue
             full = f"{mname}.{bname}" if mname else bname
             bdt = dtype if buf.is_floating_point() else buf.dtype
-            if bdt in _ST_DTYPES:
+            if bdt in files.ST_DTYPES:
                 entries.append((full, bdt, list(buf.shape), lambda b=buf, d=bdt: iter([b.to(d)])))
     tmp = path.with_name(path.name + ".tmp")
-    _write_safetensors(tmp, entries, metadata={"format": "pt", "producer": "offload"})
+    files.write_safetensors(tmp, entries, metadata={"format": "pt", "producer": "offload"})
     os.replace(tmp, path)
-    _fsync_dir(path.parent if str(path.parent) else Path("."))
+    files.fsync_dir(path.parent if str(path.parent) else Path("."))
     return path

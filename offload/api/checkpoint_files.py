@@ -1,0 +1,667 @@
+"""Checkpoint files: safetensors streamed out of tensor pieces with a running checksum, a sealed
+``meta.json``, the commit of a checkpoint directory, and the reader that verifies one before
+anything is loaded from it. This module knows files, tensors and bytes, nothing of models.
+
+Note: what a checkpoint directory holds
+    ``meta.json`` and the data files it lists under ``"files"``. For each file it records the
+    ``size`` in bytes, the ``sha256`` of the file's exact bytes and its ``tensors`` (name ->
+    ``{"dtype", "shape"}``). ``meta_sha256`` is the SHA-256 of the canonical JSON of every other
+    key of ``meta.json`` (sorted keys, no spaces, ASCII): a flipped byte in ``meta.json``
+    itself is caught too. ``format`` and ``version`` (2; version 1 had no checksums) say what
+    the directory is. The caller's own keys are sealed with the rest; :func:`check_layout` and
+    :func:`check_counters` check the ones a load of units uses (``units``, ``step_count``,
+    ``skipped_steps``, ``loss_scaler``, ``param_group``, ``extra``) against what the caller
+    passes in, so that a load can be refused before anything changes.
+
+    A data file's checksum is computed while the file is written, over the same bytes, piece
+    by piece: a save never holds a file in RAM and never reads one back.
+
+Note: commit
+    :class:`CheckpointWriter` writes into ``root/.<name>.tmp``, fsyncs every file and the
+    directory, renames it to ``root/<name>``, then replaces the pointer ``root/latest`` (temp
+    name, fsync, rename, fsync of ``root``) and only then deletes older checkpoints and the
+    temp directories of saves that were killed. A crash at any point leaves ``latest`` naming
+    a complete checkpoint. One process saves into a given ``root`` at a time.
+
+Note: verification before use
+    :func:`open_checkpoint` checks everything a load relies on before its caller changes
+    anything: ``meta.json`` parses, is sealed and has the schema above; the directory holds
+    exactly the listed files; each file's size, its safetensors header (8-byte length, JSON,
+    dtypes, shapes, data offsets that tile the data region) and the header's tensors agree
+    with ``meta.json``; and the SHA-256 of each whole file, read in ``CHUNK``-sized reads into
+    one reused buffer per thread, matches. Nothing checkpoint-sized is held in RAM.
+
+    The files stay open from verification until the reader is closed and tensor slices are
+    read from those same descriptors, so renaming or replacing a file after verification
+    cannot feed unverified bytes (rewriting a verified file in place still could). Slices are
+    read with ``preadv`` into one reused buffer (no mmap: a file truncated under an mmap
+    kills the process with SIGBUS; a short read is an error).
+
+Every failure is a :class:`CheckpointError` whose message names the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FORMAT = "offload-checkpoint"
+VERSION = 2
+META = "meta.json"
+LATEST = "latest"
+CHUNK = 8 << 20  # bytes per read while checksumming
+MAX_HEADER = 100 << 20  # bytes; safetensors' own limit
+MAX_META = 256 << 20  # bytes
+MAX_INT = 2**63 - 1  # counts, sizes and shapes beyond this are corrupt
+
+ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+DTYPES = {code: dt for dt, code in ST_DTYPES.items()}
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,254}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and what is wrong."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint where one was asked for (no ``latest``, or it names nothing complete)."""
+
+
+def _fail(path: Path | str, what: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint file '{path}': {what}")
+
+
+def short_repr(value, n: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+# ------------------------------------------------------------------------ writing
+Producer = Callable[[], Iterable[torch.Tensor]]
+Entry = tuple[str, torch.dtype, Sequence[int], Producer]
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    """What ``meta.json`` records about one data file."""
+
+    size: int  # bytes
+    sha256: str  # hex digest of the file's bytes
+    tensors: dict  # name -> {"dtype": code, "shape": [...]}, in file order
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "sha256": self.sha256, "tensors": self.tensors}
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(
+    path: Path, entries: list[Entry], metadata: dict[str, str] | None = None
+) -> FileRecord:
+    """Writes a safetensors file whose tensors are produced piece by piece (in order), hashing
+    the bytes as they go out; fsyncs it. Returns its size, checksum and tensors."""
+    header: dict = {}
+    offset = 0
+    for name, dtype, shape, _ in entries:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {
+            "dtype": ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "wb") as f:
+        for head in (struct.pack("<Q", len(raw)), raw):
+            f.write(head)
+            digest.update(head)
+            size += len(head)
+        for name, dtype, _shape, produce in entries:
+            written = 0
+            for piece in produce():
+                piece = piece.detach().to("cpu", dtype).contiguous().reshape(-1)
+                data = memoryview(piece.view(torch.uint8).numpy())
+                f.write(data)
+                digest.update(data)
+                written += len(data)
+            want = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+            if written != want:
+                raise RuntimeError(
+                    f"checkpoint: tensor '{name}' produced {written} bytes, expected {want}"
+                )
+            size += written
+        f.flush()
+        os.fsync(f.fileno())
+    tensors = {
+        n: {"dtype": h["dtype"], "shape": h["shape"]} for n, h in header.items() if n[:2] != "__"
+    }
+    return FileRecord(size, digest.hexdigest(), tensors)
+
+
+def _canonical(meta: dict) -> bytes:
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def seal_meta(meta: dict) -> dict:
+    """``meta`` with its ``meta_sha256`` (over everything else) set."""
+    return dict(meta, meta_sha256=hashlib.sha256(_canonical(meta)).hexdigest())
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class CheckpointWriter:
+    """Writes one checkpoint directory ``root/name`` (see Note: commit). Use as a context
+    manager: leaving it with an exception before :meth:`commit` removes the temp directory."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.root, self.name = root, name
+        root.mkdir(parents=True, exist_ok=True)
+        self.tmp = root / f".{name}.tmp"
+        self.tmp.mkdir()
+        self.files: dict[str, FileRecord] = {}
+        self._committed = False
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if not self._committed:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def add_file(self, name: str, entries: list[Entry]) -> None:
+        self.files[name] = write_safetensors(self.tmp / name, entries)
+
+    def commit(self, meta: dict, keep_last: int = 1) -> Path:
+        """Seals ``meta`` (plus format, version and the file records) into ``meta.json``,
+        publishes the directory and points ``latest`` at it; returns its path."""
+        body = dict(meta, format=FORMAT, version=VERSION)
+        body["files"] = {n: r.to_json() for n, r in self.files.items()}
+        body = json.loads(json.dumps(body))  # as a load will see it: tuples as lists, str keys
+        _write_text(self.tmp / META, json.dumps(seal_meta(body), indent=1))
+        fsync_dir(self.tmp)
+        final = self.root / self.name
+        os.rename(self.tmp, final)
+        self._committed = True
+        fsync_dir(self.root)
+        pointer = self.root / f"{LATEST}.tmp"
+        _write_text(pointer, self.name + "\n")
+        os.replace(pointer, self.root / LATEST)
+        fsync_dir(self.root)
+        old = sorted(p for p in self.root.glob("ckpt-*") if p.is_dir() and p.name != self.name)
+        for p in old[: max(0, len(old) - (keep_last - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
+        for p in self.root.glob(".ckpt-*.tmp"):  # left by saves that were killed
+            shutil.rmtree(p, ignore_errors=True)
+        return final
+
+
+# ------------------------------------------------------------------------ reading
+def resolve(directory: Path) -> Path:
+    """The checkpoint directory ``directory`` is, or the one its ``latest`` names."""
+    if (directory / META).exists():
+        return directory
+    pointer = directory / LATEST
+    if not pointer.exists():
+        raise CheckpointNotFoundError(
+            f"load_checkpoint: no checkpoint in '{directory}' (no 'latest' file or meta.json)"
+        )
+    try:
+        with open(pointer, "rb") as f:
+            raw = f.read(4096).decode()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _fail(pointer, f"cannot be read ({exc})") from None
+    name = raw.strip()
+    if not _FILE_NAME.fullmatch(name):
+        raise _fail(pointer, f"names {short_repr(name)}, which is not a checkpoint directory name")
+    ckpt = directory / name
+    if not (ckpt / META).exists():
+        raise CheckpointNotFoundError(
+            f"load_checkpoint: '{pointer}' names '{name}', which is incomplete or missing "
+            f"(no '{ckpt / META}')"
+        )
+    return ckpt
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One tensor of a verified file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    numel: int
+
+
+def _parse_json(path: Path, raw: bytes, what: str):
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise _fail(path, f"{what} is not valid JSON ({short_repr(str(exc), 120)})") from None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_code(v) -> bool:
+    return isinstance(v, str) and v in DTYPES
+
+
+def _check_tensor_record(path: Path, name, rec) -> None:
+    if not isinstance(name, str) or not isinstance(rec, dict) or set(rec) != {"dtype", "shape"}:
+        raise _fail(path, f"meta.json's record of tensor {short_repr(name)} is malformed")
+    if not _is_code(rec["dtype"]) or not isinstance(rec["shape"], list):
+        raise _fail(path, f"meta.json's record of tensor '{name}' has a bad dtype or shape")
+    if not all(_is_int(d) and 0 <= d <= MAX_INT for d in rec["shape"]):
+        raise _fail(path, f"meta.json's shape of tensor '{name}' is {short_repr(rec['shape'])}")
+
+
+def _read_meta(ckpt: Path) -> dict:
+    path = ckpt / META
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size > MAX_META:
+                raise _fail(path, f"is over {MAX_META} bytes; it is not a checkpoint's meta.json")
+            raw = f.read()
+    except OSError as exc:
+        raise _fail(path, f"cannot be read ({exc.strerror or exc})") from None
+    meta = _parse_json(path, raw, "the file")
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise _fail(path, f'is not an offload checkpoint (no "format": "{FORMAT}")')
+    version = meta.get("version")
+    if version == 1:
+        raise _fail(
+            path,
+            "has format version 1 (written before checkpoints carried checksums); this offload "
+            f"reads version {VERSION}: load it with the offload that wrote it and save it again",
+        )
+    if version != VERSION:
+        raise _fail(path, f"has format version {short_repr(version)}; this offload reads {VERSION}")
+    sealed = meta.get("meta_sha256")
+    if not isinstance(sealed, str) or not _HEX64.fullmatch(sealed):
+        raise _fail(path, f"has no valid 'meta_sha256' (got {short_repr(sealed)})")
+    actual = hashlib.sha256(_canonical(meta)).hexdigest()
+    if actual != sealed:
+        raise _fail(
+            path,
+            f"its contents hash to {actual[:16]}..., its 'meta_sha256' says {sealed[:16]}... "
+            "(meta.json was modified or is corrupt)",
+        )
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        raise _fail(path, f"'files' must be an object of file records, got {short_repr(files)}")
+    for name, rec in files.items():
+        if not _FILE_NAME.fullmatch(name) or name in (META, LATEST):
+            raise _fail(path, f"'files' lists {short_repr(name)}, which is not a data file name")
+        if not isinstance(rec, dict) or set(rec) != {"size", "sha256", "tensors"}:
+            raise _fail(path, f"'files'.'{name}' must have exactly size, sha256 and tensors")
+        if not _is_int(rec["size"]) or not 0 <= rec["size"] <= MAX_INT:
+            raise _fail(path, f"'files'.'{name}'.size is {short_repr(rec['size'])}")
+        if not isinstance(rec["sha256"], str) or not _HEX64.fullmatch(rec["sha256"]):
+            raise _fail(path, f"'files'.'{name}'.sha256 is {short_repr(rec['sha256'])}")
+        if not isinstance(rec["tensors"], dict):
+            raise _fail(path, f"'files'.'{name}'.tensors is {short_repr(rec['tensors'])}")
+        for tname, trec in rec["tensors"].items():
+            _check_tensor_record(ckpt / name, tname, trec)
+    return meta
+
+
+def _parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, TensorInfo], int]:
+    """Reads and checks a safetensors header; returns its tensors and the header's length."""
+    if size < 8:
+        raise _fail(path, f"is {size} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    if n < 2 or n > min(size - 8, MAX_HEADER):
+        raise _fail(path, f"corrupt safetensors header: length {n} does not fit the file")
+    raw = os.pread(fd, n, 8)
+    if len(raw) != n:
+        raise _fail(path, "corrupt safetensors header: the file ended inside it")
+    header = _parse_json(path, raw, "the safetensors header")
+    if not isinstance(header, dict):
+        raise _fail(path, "corrupt safetensors header: not a JSON object")
+    data0, spans = 8 + n, []
+    tensors: dict[str, TensorInfo] = {}
+    for name, rec in header.items():
+        if name == "__metadata__":
+            continue
+        ok = isinstance(rec, dict) and set(rec) == {"dtype", "shape", "data_offsets"}
+        ok = ok and _is_code(rec["dtype"]) and isinstance(rec["shape"], list)
+        ok = ok and all(_is_int(d) and 0 <= d <= MAX_INT for d in rec["shape"])
+        offs = rec.get("data_offsets") if ok else None
+        ok = ok and isinstance(offs, list) and len(offs) == 2 and all(map(_is_int, offs))
+        if not ok:
+            raise _fail(path, f"corrupt safetensors header: entry {short_repr(name)} is malformed")
+        dtype, shape = DTYPES[rec["dtype"]], tuple(rec["shape"])
+        numel = math.prod(shape)
+        begin, end = offs
+        if not 0 <= begin <= end or end - begin != numel * dtype.itemsize:
+            raise _fail(
+                path,
+                f"corrupt safetensors header: tensor '{name}' spans bytes {offs}, but its "
+                f"dtype and shape need {numel * dtype.itemsize}",
+            )
+        spans.append((begin, end, name))
+        tensors[name] = TensorInfo(dtype, shape, data0 + begin, numel)
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise _fail(path, f"corrupt safetensors header: tensor '{name}' starts at {begin}")
+        at = end
+    if data0 + at != size:
+        raise _fail(
+            path,
+            f"corrupt safetensors header: its tensors end at byte {data0 + at}, the file has "
+            f"{size} bytes",
+        )
+    return tensors, n
+
+
+def _sha256_of(fd: int, size: int) -> str:
+    digest = hashlib.sha256()
+    buf = bytearray(min(CHUNK, max(size, 1)))
+    view = memoryview(buf)
+    at = 0
+    while at < size:
+        got = os.preadv(fd, [view[: min(CHUNK, size - at)]], at)
+        if got == 0:
+            break
+        digest.update(view[:got])
+        at += got
+    return digest.hexdigest() if at == size else f"<file ended at byte {at}>"
+
+
+class VerifiedCheckpoint:
+    """A checkpoint directory that passed every check of Note: verification before use, with
+    its files held open. Read tensor slices with :meth:`read`; close it when done."""
+
+    def __init__(self, path: Path, meta: dict) -> None:
+        self.path, self.meta = path, meta
+        self._fds: dict[str, int] = {}
+        self._tensors: dict[str, dict[str, TensorInfo]] = {}
+        self._scratch = torch.empty(0, dtype=torch.uint8)  # see read()
+
+    def __enter__(self) -> VerifiedCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def file_path(self, name: str) -> Path:
+        return self.path / name
+
+    def tensors(self, name: str) -> dict[str, TensorInfo]:
+        """The tensors of data file ``name`` (as its verified header has them)."""
+        return self._tensors[name]
+
+    def read(self, name: str, tensor: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the flattened ``tensor`` of file ``name``, in a buffer that
+        is BORROWED: it is valid until the next ``read`` from this checkpoint (the buffer is
+        reused, so a load's reads cost no page faults; copy it to keep it)."""
+        info = self._tensors[name][tensor]
+        if not 0 <= lo <= hi <= info.numel:
+            raise IndexError(f"{name}:{tensor}: [{lo}, {hi}) outside [0, {info.numel})")
+        n = (hi - lo) * info.dtype.itemsize
+        if self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=torch.uint8)
+        out = self._scratch[:n]
+        view = memoryview(out.numpy())
+        at, pos = 0, info.begin + lo * info.dtype.itemsize
+        while at < n:
+            got = os.preadv(self._fds[name], [view[at:]], pos + at)
+            if got == 0:
+                raise _fail(self.path / name, "ended early (was it changed after verification?)")
+            at += got
+        return out.view(info.dtype)
+
+    def _open(self, name: str, rec: dict) -> int:
+        """Opens and checks one file up to (not including) its checksum; returns its size."""
+        path = self.path / name
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise _fail(path, "is missing (meta.json lists it)") from None
+        except OSError as exc:
+            raise _fail(path, f"cannot be opened ({exc.strerror or exc})") from None
+        self._fds[name] = fd
+        size = os.fstat(fd).st_size
+        if size != rec["size"]:
+            raise _fail(
+                path,
+                f"is {size} bytes, meta.json records {rec['size']} (truncated or replaced)",
+            )
+        tensors, _ = _parse_header(path, fd, size)
+        have = {t: {"dtype": _code(i.dtype), "shape": list(i.shape)} for t, i in tensors.items()}
+        if have != rec["tensors"]:
+            raise _fail(
+                path,
+                f"its header holds {_describe(have)}, meta.json records "
+                f"{_describe(rec['tensors'])}",
+            )
+        self._tensors[name] = tensors
+        return size
+
+
+def _code(dtype: torch.dtype) -> str:
+    return ST_DTYPES[dtype]
+
+
+def _describe(tensors: dict) -> str:
+    return ", ".join(f"{n} {r['dtype']}{r['shape']}" for n, r in tensors.items()) or "nothing"
+
+
+def open_checkpoint(ckpt: Path, threads: int | None = None) -> VerifiedCheckpoint:
+    """Verifies the checkpoint directory ``ckpt`` (Note: verification before use) and returns
+    it open; raises :class:`CheckpointError` naming the file and what is wrong."""
+    meta = _read_meta(ckpt)
+    files: dict = meta["files"]
+    try:
+        present = set(os.listdir(ckpt))
+    except OSError as exc:
+        raise _fail(ckpt, f"cannot be listed ({exc.strerror or exc})") from None
+    extra = sorted(present - set(files) - {META})
+    if extra:
+        raise _fail(ckpt / extra[0], "is not listed in meta.json (an extra file)")
+    out = VerifiedCheckpoint(ckpt, meta)
+    try:
+        sizes = {name: out._open(name, files[name]) for name in sorted(files)}
+        names = sorted(sizes, key=lambda n: -sizes[n])  # largest first
+        workers = max(1, min(threads or os.cpu_count() or 1, 8, len(names)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="offload-ckpt-verify") as pool:
+            digests = dict(zip(names, pool.map(lambda n: _sha256_of(out._fds[n], sizes[n]), names)))
+        for name in sorted(files):
+            want = files[name]["sha256"]
+            if digests[name] != want:
+                raise _fail(
+                    ckpt / name,
+                    f"its SHA-256 is {digests[name][:16]}..., meta.json records {want[:16]}...: "
+                    "the file is corrupt or not the one saved",
+                )
+    except BaseException:
+        out.close()
+        raise
+    return out
+
+
+# ------------------------------------------------------------------------ the caller's keys
+def meta_error(ckpt: Path, what: str) -> CheckpointError:
+    """An error about ``ckpt``'s meta.json."""
+    return _fail(ckpt / META, what)
+
+
+def meta_int(ckpt: Path, value, key: str) -> int:
+    if not _is_int(value) or not 0 <= value <= MAX_INT:
+        raise meta_error(ckpt, f"{key} must be an integer in [0, 2**63), got {short_repr(value)}")
+    return value
+
+
+def meta_number(ckpt: Path, value, key: str) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    try:
+        ok = ok and math.isfinite(float(value))
+    except OverflowError:
+        ok = False
+    if not ok:
+        raise meta_error(ckpt, f"{key} must be a finite number, got {short_repr(value)}")
+    return value
+
+
+def check_layout(ckpt: VerifiedCheckpoint, units: list[dict], tensors: dict[str, dict]) -> None:
+    """The saved ``units`` records are ``units`` (the model's, in order), parameter by
+    parameter, and each data file holds exactly ``tensors[file]``: name -> (allowed dtype
+    codes, shape). A unit record is ``{"name", "trainable", "total", "params": [[name, offset,
+    numel, shape, trainable], ...]}``."""
+    path = ckpt.path
+    saved_units = ckpt.meta.get("units")
+    if not isinstance(saved_units, list):
+        raise meta_error(path, f"'units' must be a list, got {short_repr(saved_units)}")
+    if len(saved_units) != len(units):
+        raise meta_error(
+            path,
+            f"the checkpoint has {len(saved_units)} units, the model has {len(units)}; "
+            "wrap the same model with the same wrap config",
+        )
+    for i, (mine, saved) in enumerate(zip(units, saved_units)):
+        if saved != mine:
+            _unit_difference(path, i, mine, saved)
+    listed = ckpt.meta["files"]
+    for name in sorted(set(listed) | set(tensors)):
+        if name not in tensors:
+            raise meta_error(path, f"lists '{name}', which is not a data file of this model")
+        if name not in listed:
+            raise meta_error(path, f"does not list '{name}', which this model needs")
+        have = {t: (ST_DTYPES[i.dtype], list(i.shape)) for t, i in ckpt.tensors(name).items()}
+        want = tensors[name]
+        if set(have) != set(want) or any(
+            have[t][1] != want[t][1] or have[t][0] not in want[t][0] for t in want
+        ):
+            held = {t: {"dtype": d, "shape": s} for t, (d, s) in have.items()}
+            needed = {t: {"dtype": "|".join(d), "shape": s} for t, (d, s) in want.items()}
+            raise _fail(
+                path / name, f"holds {_describe(held)}; the model needs {_describe(needed)}"
+            )
+
+
+def _unit_difference(path: Path, index: int, mine: dict, saved) -> None:
+    """Raises the error that says how the saved unit record differs from the model's."""
+    label = f"unit {index} ('{mine['name'] or '<root>'}')"
+    if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+        raise meta_error(path, f"the record of {label} is malformed")
+    if saved.get("name") != mine["name"]:
+        raise meta_error(path, f"{label} is {short_repr(saved.get('name'))} in the checkpoint")
+    theirs = {}
+    for rec in saved["params"]:
+        if not (isinstance(rec, list) and len(rec) == 5 and isinstance(rec[0], str)):
+            raise meta_error(path, f"a parameter record of {label} is malformed")
+        theirs[rec[0]] = rec
+    state = {True: "trainable", False: "frozen"}
+    for name, _offset, _numel, shape, trainable in mine["params"]:
+        rec = theirs.get(name)
+        if rec is None:
+            raise meta_error(path, f"parameter '{name}' of {label} is not in the checkpoint")
+        if rec[3] != shape:
+            raise meta_error(
+                path,
+                f"parameter '{name}' has shape {short_repr(rec[3])} in the checkpoint and "
+                f"{shape} in the model",
+            )
+        if rec[4] is not trainable:
+            saved = state[rec[4]] if isinstance(rec[4], bool) else short_repr(rec[4])
+            raise meta_error(
+                path,
+                f"parameter '{name}' is {saved} in the checkpoint and {state[trainable]} in the "
+                "model",
+            )
+    extra = sorted(set(theirs) - {p[0] for p in mine["params"]})
+    if extra:
+        raise meta_error(path, f"parameter '{extra[0]}' of {label} is not in the model")
+    raise meta_error(
+        path, f"{label} lays out its parameters differently from the model (order or padding)"
+    )
+
+
+def _hyper(path: Path, key: str, saved, now):
+    """A saved hyperparameter, checked against the kind of value the group holds now (any
+    JSON scalar, or a list of numbers, for a key the group does not have)."""
+    what = f"'param_group'.'{key}'"
+    if isinstance(saved, list):
+        if now is not None and not (isinstance(now, (tuple, list)) and len(now) == len(saved)):
+            raise meta_error(path, f"{what} is {short_repr(saved)}, not like {now!r}")
+        return tuple(meta_number(path, x, what) for x in saved)
+    number = isinstance(saved, (int, float)) and not isinstance(saved, bool)
+    now_number = isinstance(now, (int, float)) and not isinstance(now, bool)
+    same = (number and now_number) or (number == now_number and type(saved) is type(now))
+    if isinstance(saved, dict) or (now is not None and not same):
+        raise meta_error(path, f"{what} is {short_repr(saved)}, not like {now!r}")
+    return meta_number(path, saved, what) if number else saved
+
+
+def check_counters(ckpt: VerifiedCheckpoint, group: dict, loss_scale: bool) -> dict:
+    """The saved counters, hyperparameters (checked against ``group``, the optimizer's current
+    param group), loss scale (when ``loss_scale``) and extra values, checked:
+    ``{"step_count", "skipped_steps", "loss_scaler" (None or a state dict), "param_group"
+    (lists as tuples), "extra"}``."""
+    meta, path = ckpt.meta, ckpt.path
+    out = {
+        "step_count": meta_int(path, meta.get("step_count"), "'step_count'"),
+        "skipped_steps": meta_int(path, meta.get("skipped_steps"), "'skipped_steps'"),
+        "loss_scaler": None,
+    }
+    saved = meta.get("loss_scaler")
+    if loss_scale and saved is not None:
+        if not isinstance(saved, dict):
+            raise meta_error(path, f"'loss_scaler' is {short_repr(saved)}")
+        scale = meta_number(path, saved.get("scale"), "'loss_scaler'.'scale'")
+        good = meta_int(path, saved.get("good_steps"), "'loss_scaler'.'good_steps'")
+        if scale <= 0:
+            raise meta_error(path, f"'loss_scaler'.'scale' must be > 0, got {scale}")
+        out["loss_scaler"] = {"scale": scale, "good_steps": good}
+    hyper = meta.get("param_group")
+    if not isinstance(hyper, dict) or "params" in hyper:
+        raise meta_error(path, f"'param_group' is {short_repr(hyper)}")
+    out["param_group"] = {k: _hyper(path, k, v, group.get(k)) for k, v in hyper.items()}
+    if not isinstance(meta.get("extra"), dict):
+        raise meta_error(path, f"'extra' is {short_repr(meta.get('extra'))}")
+    out["extra"] = meta["extra"]
+    return out

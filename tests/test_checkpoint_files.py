@@ -1,0 +1,107 @@
+"""The checkpoint file layer on its own (no model): streaming in bounded memory both ways,
+slices read back exactly, files written by it are ordinary safetensors, and the pointer and
+directory rules of a commit."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from offload.api import checkpoint_files as cf
+
+MIB = 1 << 20
+
+
+def _pieces(total: int, piece: int, dtype=torch.float32):
+    """``total`` elements as pieces of ``piece``; element i is i mod 1000 (cheap to check)."""
+
+    def produce():
+        for lo in range(0, total, piece):
+            yield (torch.arange(lo, min(lo + piece, total)) % 1000).to(dtype)
+
+    return produce
+
+
+def _save(root: Path, name: str, numel: int, keep_last: int = 1) -> Path:
+    with cf.CheckpointWriter(root, name) as out:
+        out.add_file(
+            "big.safetensors",
+            [
+                ("a", torch.float32, [numel], _pieces(numel, MIB // 4)),
+                ("b", torch.bfloat16, [3, 5], _pieces(15, 15, torch.bfloat16)),
+                ("empty", torch.float32, [0], lambda: iter(())),
+            ],
+        )
+        return out.commit({"note": name}, keep_last)
+
+
+def test_save_and_verify_stream_in_bounded_memory(tmp_path):
+    numel = 24 * MIB  # a 96 MiB tensor, produced 1 MiB at a time
+    tracemalloc.start()
+    try:
+        ckpt = _save(tmp_path, "ckpt-1", numel)
+        _, save_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        with cf.open_checkpoint(ckpt) as verified:
+            _, verify_peak = tracemalloc.get_traced_memory()
+            part = verified.read("big.safetensors", "a", numel - 7, numel).clone()
+            b = verified.read("big.safetensors", "b", 0, 15)  # borrowed: valid until next read
+    finally:
+        tracemalloc.stop()
+    size = (ckpt / "big.safetensors").stat().st_size
+    assert size > 96 * MIB
+    assert save_peak < 8 * MIB, save_peak
+    assert verify_peak < cf.CHUNK + 4 * MIB, verify_peak
+    assert torch.equal(part, (torch.arange(numel - 7, numel) % 1000).float())
+    assert torch.equal(b, (torch.arange(15) % 1000).to(torch.bfloat16))
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["files"]["big.safetensors"]["size"] == size
+    assert meta["version"] == cf.VERSION and meta["note"] == "ckpt-1"
+
+
+def test_written_files_are_plain_safetensors(tmp_path):
+    ckpt = _save(tmp_path, "ckpt-1", 1000)
+    plain = load_file(str(ckpt / "big.safetensors"))
+    assert torch.equal(plain["a"], (torch.arange(1000) % 1000).float())
+    assert plain["b"].shape == (3, 5) and plain["empty"].numel() == 0
+
+
+def test_commit_pointer_cleanup_and_resolve(tmp_path):
+    first = _save(tmp_path, "ckpt-1", 10)
+    (tmp_path / ".ckpt-0-killed.tmp").mkdir()  # a save that was killed
+    second = _save(tmp_path, "ckpt-2", 10, keep_last=2)
+    assert cf.resolve(tmp_path) == second
+    assert cf.resolve(first) == first  # a checkpoint directory is its own answer
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-1", "ckpt-2", "latest"]
+    _save(tmp_path, "ckpt-3", 10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-3", "latest"]
+    (tmp_path / "latest").write_text("ckpt-9\n")
+    with pytest.raises(cf.CheckpointNotFoundError, match="names 'ckpt-9', which is incomplete"):
+        cf.resolve(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        cf.resolve(tmp_path / "ckpt-3" / "nothing")
+
+
+def test_a_failed_write_leaves_no_temp_directory(tmp_path):
+    def broken():
+        yield torch.zeros(4)
+        raise OSError(28, "No space left on device (injected)")
+
+    with pytest.raises(OSError, match="No space left"):
+        with cf.CheckpointWriter(tmp_path, "ckpt-1") as out:
+            out.add_file("x.safetensors", [("x", torch.float32, [8], broken)])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_meta_seal_round_trips_awkward_values(tmp_path):
+    extra = {"t": (1, 2.5), "k": {3: "int key"}, "nan": float("nan"), "s": "\u00e9\ud800"}
+    with cf.CheckpointWriter(tmp_path, "ckpt-1") as out:
+        ckpt = out.commit({"extra": extra})
+    with cf.open_checkpoint(ckpt) as verified:
+        assert verified.meta["extra"]["t"] == [1, 2.5]
+        assert verified.meta["extra"]["k"] == {"3": "int key"}

@@ -19,48 +19,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from children import ROOT, TIMEOUT, start_worker, wait_for_step
 
 from offload.io import AsyncIO, NvmeStore, lifecycle
-
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "_exit_worker.py"
-TIMEOUT = 120
-
-
-def default_sigint() -> None:
-    """preexec_fn: the child starts with SIGINT at its default, so Python installs its
-    KeyboardInterrupt handler there even when this process ignores SIGINT."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def start_worker(root: Path, end: str, *places: str, env: dict | None = None) -> subprocess.Popen:
-    env = dict(os.environ if env is None else env, PYTHONPATH=str(ROOT))
-    return subprocess.Popen(
-        [sys.executable, str(WORKER), str(root), end, *places],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=str(root),
-        preexec_fn=default_sigint,
-    )
-
-
-def wait_for_step(proc: subprocess.Popen, step: int) -> None:
-    """Reads the child's output until it reports ``step``."""
-    deadline = time.monotonic() + TIMEOUT
-    for line in proc.stdout:
-        if line.strip() == f"step {step}":
-            return
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise AssertionError(f"the worker never reached step {step}: {proc.communicate()[1][-3000:]}")
 
 
 def swap_left(root: Path) -> list[str]:

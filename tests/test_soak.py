@@ -21,6 +21,9 @@ import offload
 from offload.io import _owner
 
 RSS_ALLOWANCE = 8 << 20  # bytes of RSS growth tolerated after warm-up (allocator noise)
+# under AddressSanitizer (tests/test_sanitizers.py) freed memory waits in its quarantine, so RSS
+# grows by design there; the other figures still must stay flat
+ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
 OBJECT_ALLOWANCE = 64  # GC-tracked objects tolerated after warm-up (caches of lazy imports)
 
 
@@ -70,7 +73,7 @@ def assert_flat(samples: dict[int, dict], warmup: int) -> None:
         assert last[key] == first[key], f"{key}: {first[key]} after warm-up, {last[key]} at end"
     assert last["swap_bytes"] > 0
     assert last["objects"] - first["objects"] <= OBJECT_ALLOWANCE, (first, last)
-    assert last["rss"] - first["rss"] <= RSS_ALLOWANCE, (first, last)
+    assert ASAN or last["rss"] - first["rss"] <= RSS_ALLOWANCE, (first, last)
 
 
 def test_soak_150_steps(tmp_path):

@@ -120,7 +120,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
     for resource in [*_engines, *_stores]:
         try:
             resource.abandon()
-        except Exception:  # noqa: BLE001, S110 - the process is ending; the rest still goes
+        except Exception:  # noqa: BLE001 - the process is ending; the rest still goes
             pass
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.raise_signal(signal.SIGTERM)

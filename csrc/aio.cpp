@@ -1,11 +1,13 @@
 // Python bindings of the async IO engine (aio_engine.h): offload._C.AioEngine / AioRequest.
 // Python (offload/io/async_io.py) turns a request's errno + message into OSError(errno, msg,
-// path); every wait releases the GIL.
+// path); every wait releases the GIL through without_gil (gil.h: safe at interpreter exit).
 #include <pybind11/pybind11.h>
 
 #include <memory>
+#include <string>
 
 #include "aio_engine.h"
+#include "gil.h"
 
 namespace py = pybind11;
 
@@ -16,8 +18,10 @@ void register_aio(py::module_& m) {
   using aio::Request;
   py::class_<Request, std::shared_ptr<Request>>(m, "AioRequest",
                                                  "One in-flight read or write of AioEngine.")
-      .def("wait", &Request::wait, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>(),
-           "Block up to timeout_s seconds (< 0: forever); True once completed.")
+      .def(
+          "wait",
+          [](Request& r, double timeout_s) { return without_gil([&] { return r.wait(timeout_s); }); },
+          py::arg("timeout_s"), "Block up to timeout_s seconds (< 0: forever); True once completed.")
       .def("done", &Request::done)
       .def("error", &Request::error, "errno of the first failure, 0 if none.")
       .def("message", &Request::message, "What failed, e.g. 'read of N bytes at offset X ...'.")
@@ -29,9 +33,15 @@ void register_aio(py::module_& m) {
                      "O_DIRECT async file IO on its own threads (Linux AIO or pread/pwrite).")
       .def(py::init<size_t, int, int, bool>(), py::arg("block_size"), py::arg("queue_depth"),
            py::arg("thread_count"), py::arg("direct_io"))
-      .def("submit", &Engine::submit, py::arg("is_write"), py::arg("path"), py::arg("addr"),
-           py::arg("nbytes"), py::arg("offset"), py::call_guard<py::gil_scoped_release>(),
-           "Queue a read/write of nbytes at addr <-> path[offset:]; IO errors land on the request.")
+      .def(
+          "submit",
+          [](Engine& e, bool is_write, const std::string& path, uintptr_t addr, size_t nbytes,
+             off_t offset) {
+            return without_gil([&] { return e.submit(is_write, path, addr, nbytes, offset); });
+          },
+          py::arg("is_write"), py::arg("path"), py::arg("addr"), py::arg("nbytes"),
+          py::arg("offset"),
+          "Queue a read/write of nbytes at addr <-> path[offset:]; IO errors land on the request.")
       .def("stats",
            [](Engine& e) {
              aio::Stats s = e.stats();
@@ -45,8 +55,9 @@ void register_aio(py::module_& m) {
              return d;
            })
       .def_property_readonly("uses_kernel_aio", &Engine::uses_kernel_aio)
-      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>(),
-           "Wait for every submitted request, then stop the threads.");
+      .def(
+          "close", [](Engine& e) { without_gil([&] { e.close(); }); },
+          "Wait for every submitted request, then stop the threads.");
 
   m.def("aio_inject_fault", &aio::inject_fault, py::arg("op"), py::arg("err"), py::arg("count"),
         "Test only: the next `count` syscalls of kind op (0 any, 1 read, 2 write, 3 O_DIRECT "

@@ -45,9 +45,11 @@ long sys_io_getevents(aio_context_t ctx, long min_nr, long nr, struct io_event* 
   return syscall(SYS_io_getevents, ctx, min_nr, nr, ev, nullptr);
 }
 
+// "<why> (in the write of N bytes at file offset X)": Python puts the whole request first
 std::string piece_error(const Request& r, size_t len, off_t foff, const char* why) {
-  return std::string(r.is_write ? "write" : "read") + " of " + std::to_string(len) +
-         " bytes at offset " + std::to_string(static_cast<long long>(foff)) + " failed: " + why;
+  return std::string(why) + " (in the " + (r.is_write ? "write" : "read") + " of " +
+         std::to_string(len) + " bytes at file offset " +
+         std::to_string(static_cast<long long>(foff)) + ")";
 }
 
 }  // namespace
@@ -108,7 +110,8 @@ int Request::buffered_fd() {
 Engine::Engine(size_t block_size, int queue_depth, int thread_count, bool direct_io)
     : block_size_(block_size < kAlign ? kAlign : block_size / kAlign * kAlign),
       queue_depth_(queue_depth < 1 ? 1 : queue_depth),
-      direct_io_(direct_io) {
+      direct_io_(direct_io),
+      owner_pid_(::getpid()) {
   if (thread_count < 1) thread_count = 1;
   aio_context_t probe = 0;
   if (sys_io_setup(1, &probe) == 0) {
@@ -179,13 +182,13 @@ std::shared_ptr<Request> Engine::submit(bool is_write, const std::string& path, 
         need_buffered = true;
         plan(false);
       } else {
-        r->fail(errno, std::string("open failed: ") + std::strerror(errno));
+        r->fail(errno, std::string("cannot open the file: ") + std::strerror(errno));
       }
     }
   }
   if (!r->err.load() && need_buffered) {
     r->fd_buffered = ::open(path.c_str(), flags, 0600);
-    if (r->fd_buffered < 0) r->fail(errno, std::string("open failed: ") + std::strerror(errno));
+    if (r->fd_buffered < 0) r->fail(errno, std::string("cannot open the file: ") + std::strerror(errno));
   }
   if (r->err.load() || pieces.empty()) {
     complete(*r);
@@ -439,6 +442,11 @@ Stats Engine::stats() {
 }
 
 void Engine::close() {
+  if (::getpid() != owner_pid_) {  // a forked child: see the header. mu_ may have been held
+    closed_ = stop_ = true;         // by a parent thread at fork time, so it is not taken.
+    new std::vector<std::thread>(std::move(threads_));  // deliberately leaked
+    return;
+  }
   {
     std::unique_lock<std::mutex> lk(mu_);
     if (closed_) return;

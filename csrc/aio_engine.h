@@ -10,6 +10,12 @@
 // (io_setup/io_submit/io_getevents, raw syscalls, no libaio needed); where Linux AIO is not
 // available it falls back to blocking pread/pwrite. Buffered pieces always use pread/pwrite.
 //
+// Lifetime: close() (and the destructor) waits for every submitted request, then stops and joins
+// the IO threads; Python closes every engine still open at exit (offload/io/lifecycle.py). In a
+// process forked from the one that made the engine its threads do not exist, so there close()
+// only marks it closed and leaves the thread handles alone (never joined, never destroyed: a
+// joinable std::thread destroyed calls std::terminate).
+//
 // Errors are recorded on the request (errno + message, the path is on the request) and raised
 // by Python when the handle is waited on. If open(O_DIRECT) is refused with EINVAL the request
 // is served buffered, each piece followed by posix_fadvise(DONTNEED), and direct_refused is set
@@ -127,6 +133,7 @@ class Engine {
   size_t outstanding_ = 0;
   bool stop_ = false;
   bool closed_ = false;
+  pid_t owner_pid_;  // the process whose threads threads_ holds
   Stats stats_;
 };
 

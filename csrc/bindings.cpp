@@ -34,6 +34,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_num_threads", &offload::set_num_threads, py::arg("n"),
         "Threads of the compute pool (CPU Adam, gradient kernels), including the caller.");
   m.def("get_num_threads", &offload::get_num_threads);
+  m.def("shutdown_compute_pool", &offload::shutdown_compute_pool,
+        "Stop and join the compute pool's threads (a later kernel call makes a new pool).");
   offload::register_cpu_adam(m);
   offload::register_aio(m);
+  // the compute pool's workers are joined before the interpreter tears down (thread_pool.h)
+  py::module_::import("atexit").attr("register")(m.attr("shutdown_compute_pool"));
 }

@@ -15,10 +15,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "gil.h"
 #include "simd.h"
 #include "thread_pool.h"
 
@@ -48,13 +50,13 @@ Fn pick(Fn scalar_fn, Fn avx2_fn, Fn avx512_fn) {
 // Runs f(part, begin, end) over [0, n) cut into contiguous chunks, one per pool thread.
 template <class F>
 size_t split(size_t n, const F& f) {
-  ThreadPool& pool = compute_pool();
-  size_t parts = std::min<size_t>(static_cast<size_t>(pool.num_threads()), n / kMinPerThread);
+  std::shared_ptr<ThreadPool> pool = compute_pool();  // kept alive across a set_num_threads
+  size_t parts = std::min<size_t>(static_cast<size_t>(pool->num_threads()), n / kMinPerThread);
   if (parts <= 1) {
     f(0, 0, n);
     return 1;
   }
-  pool.parallel_for(parts, [&](size_t part) {
+  pool->parallel_for(parts, [&](size_t part) {
     size_t b, e;
     chunk_range(n, parts, part, kAlignElems, &b, &e);
     if (b < e) f(part, b, e);
@@ -123,15 +125,17 @@ void adam_step_multi(const std::vector<uintptr_t>& params, const std::vector<uin
     start[i + 1] = start[i] + ns[i];
   }
   AdamFn fn = pick<AdamFn>(ca::scalar::adam_range, ca::avx2::adam_range, ca::avx512::adam_range);
-  py::gil_scoped_release release;
-  split(start[k], [&](size_t, size_t b, size_t e) {
-    // first tensor that ends after b
-    size_t i = static_cast<size_t>(std::upper_bound(start.begin(), start.end(), b) - start.begin()) - 1;
-    for (; i < k && start[i] < e; ++i) {
-      size_t lo = std::max(b, start[i]) - start[i];
-      size_t hi = std::min(e, start[i + 1]) - start[i];
-      if (lo < hi) fn(args[i], lo, hi);
-    }
+  without_gil([&] {
+    split(start[k], [&](size_t, size_t b, size_t e) {
+      // first tensor that ends after b
+      size_t i =
+          static_cast<size_t>(std::upper_bound(start.begin(), start.end(), b) - start.begin()) - 1;
+      for (; i < k && start[i] < e; ++i) {
+        size_t lo = std::max(b, start[i]) - start[i];
+        size_t hi = std::min(e, start[i + 1]) - start[i];
+        if (lo < hi) fn(args[i], lo, hi);
+      }
+    });
   });
 }
 
@@ -156,13 +160,13 @@ py::tuple accumulate_grad(uintptr_t acc, uintptr_t grad, size_t n, int grad_dtyp
   a.overwrite = overwrite;
   AccumFn fn = pick<AccumFn>(ca::scalar::accumulate_range, ca::avx2::accumulate_range,
                              ca::avx512::accumulate_range);
-  double sumsq = 0.0;
-  {
-    py::gil_scoped_release release;
+  double sumsq = without_gil([&] {
+    double sum = 0.0;
     std::vector<double> partial(static_cast<size_t>(get_num_threads()) + 1, 0.0);
     size_t parts = split(n, [&](size_t part, size_t b, size_t e) { partial[part] = fn(a, b, e); });
-    for (size_t i = 0; i < parts && i < partial.size(); ++i) sumsq += partial[i];
-  }
+    for (size_t i = 0; i < parts && i < partial.size(); ++i) sum += partial[i];
+    return sum;
+  });
   // A square of a finite float is at most ~1.2e77, so the double sum of squares is finite
   // exactly when every element is finite: the inf/NaN check costs nothing extra.
   bool found_inf = !std::isfinite(sumsq);
@@ -182,8 +186,7 @@ void stream_4r3w(uintptr_t a, uintptr_t b, uintptr_t c, uintptr_t d, size_t n, f
   s.k = k;
   StreamFn fn =
       pick<StreamFn>(ca::scalar::stream_range, ca::avx2::stream_range, ca::avx512::stream_range);
-  py::gil_scoped_release release;
-  split(n, [&](size_t, size_t b0, size_t e0) { fn(s, b0, e0); });
+  without_gil([&] { split(n, [&](size_t, size_t b0, size_t e0) { fn(s, b0, e0); }); });
 }
 
 }  // namespace

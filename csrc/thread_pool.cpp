@@ -1,5 +1,7 @@
 #include "thread_pool.h"
 
+#include <pthread.h>
+
 #include <memory>
 #include <stdexcept>
 
@@ -81,9 +83,22 @@ void ThreadPool::parallel_for(size_t num_tasks, const std::function<void(size_t)
 }
 
 namespace {
-std::mutex g_pool_mu;
-std::unique_ptr<ThreadPool> g_pool;
+// Never destroyed (see the Note in thread_pool.h): heap objects, so static destruction at
+// process exit leaves them alone.
+std::mutex* g_mu = new std::mutex;
+auto* g_slot = new std::shared_ptr<ThreadPool>;
 int g_threads = 0;
+
+std::mutex& pool_mu() { return *g_mu; }
+std::shared_ptr<ThreadPool>& pool_slot() { return *g_slot; }
+
+// In a forked child the pool's workers do not exist and g_mu may be held by a parent thread:
+// forget both (leaked, never joined); the child's first kernel call makes a new pool.
+void forget_pool_in_child() {
+  g_mu = new std::mutex;
+  g_slot = new std::shared_ptr<ThreadPool>;
+}
+[[maybe_unused]] const int g_atfork = pthread_atfork(nullptr, nullptr, forget_pool_in_child);
 
 int default_threads() {
   unsigned hw = std::thread::hardware_concurrency();
@@ -91,27 +106,41 @@ int default_threads() {
 }
 }  // namespace
 
-ThreadPool& compute_pool() {
-  std::lock_guard<std::mutex> lk(g_pool_mu);
-  if (!g_pool) {
+std::shared_ptr<ThreadPool> compute_pool() {
+  std::lock_guard<std::mutex> lk(pool_mu());
+  std::shared_ptr<ThreadPool>& slot = pool_slot();
+  if (!slot) {
     g_threads = g_threads > 0 ? g_threads : default_threads();
-    g_pool = std::make_unique<ThreadPool>(g_threads);
+    slot = std::make_shared<ThreadPool>(g_threads);
   }
-  return *g_pool;
+  return slot;
 }
 
 void set_num_threads(int n) {
   if (n < 1) throw std::invalid_argument("num_threads must be >= 1, got " + std::to_string(n));
-  std::lock_guard<std::mutex> lk(g_pool_mu);
-  if (g_pool && g_threads == n) return;
-  g_pool.reset();
-  g_threads = n;
-  g_pool = std::make_unique<ThreadPool>(n);
+  std::shared_ptr<ThreadPool> old;  // released outside the lock: its destructor joins threads
+  {
+    std::lock_guard<std::mutex> lk(pool_mu());
+    std::shared_ptr<ThreadPool>& slot = pool_slot();
+    if (slot && g_threads == n) return;
+    old = std::move(slot);
+    g_threads = n;
+    slot = std::make_shared<ThreadPool>(n);
+  }
 }
 
 int get_num_threads() {
-  std::lock_guard<std::mutex> lk(g_pool_mu);
+  std::lock_guard<std::mutex> lk(pool_mu());
   return g_threads > 0 ? g_threads : default_threads();
+}
+
+void shutdown_compute_pool() {
+  std::shared_ptr<ThreadPool> old;
+  {
+    std::lock_guard<std::mutex> lk(pool_mu());
+    old = std::move(pool_slot());
+  }
+  // joined here, or by the parallel_for still holding it when that call returns
 }
 
 }  // namespace offload

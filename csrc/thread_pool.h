@@ -3,11 +3,20 @@
 // Not OpenMP on purpose: a second OpenMP runtime next to torch's oversubscribes the cores and
 // can crash. The caller's thread takes part in every parallel_for, so a pool of N threads uses
 // N-1 workers plus the caller. Thread count comes from Python (config), never from the machine.
+//
+// Note (lifetime of the process-wide pool): callers hold the pool through a shared_ptr for the
+// length of a call, so set_num_threads() or shutdown_compute_pool() never frees a pool that a
+// parallel_for on another thread is still using; the last holder joins its workers. The slot
+// that holds the current pool is never destroyed: at static-destruction time (after Python has
+// finalized) a daemon thread may still be inside parallel_for, and a std::thread destroyed while
+// joinable calls std::terminate. The bindings register shutdown_compute_pool() with Python's
+// atexit, so the workers are stopped and joined before the interpreter tears down.
 #pragma once
 
 #include <condition_variable>
 #include <cstddef>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -46,10 +55,14 @@ class ThreadPool {
   std::exception_ptr error_;
 };
 
-// The process-wide compute pool used by the kernels; resized by set_num_threads().
-ThreadPool& compute_pool();
+// The process-wide compute pool used by the kernels (made on first use); resized by
+// set_num_threads(). Hold the returned pointer for the whole call (see the Note).
+std::shared_ptr<ThreadPool> compute_pool();
 void set_num_threads(int n);
 int get_num_threads();
+// Stops and joins the pool's workers once no call uses it (at interpreter exit); a later
+// compute_pool() makes a new one.
+void shutdown_compute_pool();
 
 // Splits [0, n) into `parts` contiguous chunks whose boundaries are multiples of `align`
 // elements (so SIMD bodies stay aligned to each other); returns the chunk [begin, end).

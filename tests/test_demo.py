@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from children import default_sigint
 
 from offload.cli.demo import engine_status
 from offload.cli.main import main
@@ -132,6 +133,7 @@ def _interrupt_after_steps(
         text=True,
         cwd=ROOT,
         env=_env(),
+        preexec_fn=default_sigint,  # a Ctrl-C must reach the demo even if ours is ignored
     )
     try:
         deadline = time.monotonic() + 180

@@ -1,6 +1,6 @@
 """NvmeStore: round trips, private files, validity of incomplete writes, checksums, and the
 errors users hit (ENOSPC on a tiny real filesystem, EIO by fault injection, EROFS, EACCES,
-missing path), over both IO backends."""
+a path that cannot be created), over both IO backends."""
 
 import errno
 import os
@@ -197,13 +197,23 @@ def test_read_only_path(tmp_path):
         subprocess.run(["umount", str(d)], check=True)
 
 
-def test_missing_path_and_not_a_directory(tmp_path):
-    with pytest.raises(FileNotFoundError) as info:
-        NvmeStore(tmp_path / "missing")
-    assert info.value.filename == str(tmp_path / "missing") and "nvme_path" in str(info.value)
+def test_missing_path_is_created_private_and_a_file_is_refused(tmp_path):
+    missing = tmp_path / "a" / "b" / "swap"
+    with NvmeStore(missing) as store:
+        assert os.path.dirname(store.directory) == str(missing)
+        for level in (tmp_path / "a", tmp_path / "a" / "b", missing):
+            assert os.stat(level).st_mode & 0o777 == 0o700, level
+    assert os.listdir(missing) == []  # the private directory went with close(); the path stays
     (tmp_path / "file").write_text("x")
-    with pytest.raises(NotADirectoryError):
+    with pytest.raises(NotADirectoryError) as info:
         NvmeStore(tmp_path / "file")
+    assert info.value.filename == str(tmp_path / "file") and "nvme_path" in str(info.value)
+    # a path that cannot be created: the error names it, the level that failed and the errno
+    below_a_file = tmp_path / "file" / "swap"
+    with pytest.raises(OSError) as info:
+        NvmeStore(below_a_file)
+    assert info.value.errno == errno.ENOTDIR and info.value.filename == str(below_a_file)
+    assert "cannot be created" in str(info.value) and "ENOTDIR" in str(info.value)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to switch to an unprivileged user")

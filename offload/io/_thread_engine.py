@@ -161,7 +161,7 @@ class ThreadEngine:
         try:
             self._open(req, pieces)
         except OSError as exc:
-            req.fail(exc.errno or errno_mod.EIO, f"open failed: {exc.strerror}")
+            req.fail(exc.errno or errno_mod.EIO, f"cannot open the file: {exc.strerror}")
             req.finish()
             return req
         if req.direct_refused:
@@ -210,7 +210,7 @@ class ThreadEngine:
                     what = "write" if req.is_write else "read"
                     req.fail(
                         exc.errno or errno_mod.EIO,
-                        f"{what} of {length} bytes at offset {foff} failed: {exc.strerror}",
+                        f"{exc.strerror} (in the {what} of {length} bytes at file offset {foff})",
                     )
                 except Exception as exc:  # never lose a worker thread
                     req.fail(errno_mod.EIO, f"unexpected error: {exc}")

@@ -12,11 +12,16 @@ address round-trip.
 
 Note: lifetimes. An :class:`IOHandle` holds a reference to its tensor until the request has
 completed, so the memory the kernel writes into cannot be freed underneath it. ``close()`` (and
-leaving the ``with`` block) waits for every request in flight before stopping the threads.
+leaving the ``with`` block) waits for every request in flight before stopping the threads. An
+engine nobody closed is closed at exit, or abandoned on SIGTERM, by ``offload.io.lifecycle``;
+in a process forked from the one that made it, it is only forgotten (its threads live in the
+parent).
 
 Note: errors. A failure (open, read, write, short file) is recorded on the request and raised by
 ``IOHandle.wait()`` as ``OSError(errno, message, path)``; submission itself never raises for IO
-errors, so a caller has one place to handle them.
+errors, so a caller has one place to handle them. The message names what was asked (the
+caller's label, e.g. a shard key, the bytes and the file offset) and the piece that failed;
+ENOSPC adds the bytes the request needed and the bytes free on that filesystem.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 
 from offload import _native
+from offload.io import lifecycle
 from offload.io._thread_engine import ALIGN, ThreadEngine
 
 logger = logging.getLogger("offload.io")
@@ -52,6 +58,7 @@ class IOHandle:
         "_tensor",
         "_path",
         "_what",
+        "_nbytes",
         "_callbacks",
         "_errbacks",
         "_error",
@@ -59,11 +66,14 @@ class IOHandle:
         "_lock",
     )
 
-    def __init__(self, req: Any, tensor: torch.Tensor | None, path: str, what: str) -> None:
+    def __init__(
+        self, req: Any, tensor: torch.Tensor | None, path: str, what: str, nbytes: int = 0
+    ) -> None:
         self._req = req
         self._tensor = tensor  # keeps the buffer alive while the kernel may touch it
         self._path = path
         self._what = what
+        self._nbytes = nbytes
         self._callbacks: list[Callable[[], None]] = []
         self._errbacks: list[Callable[[BaseException], None]] = []
         self._error: BaseException | None = None
@@ -116,8 +126,7 @@ class IOHandle:
     def _finish_locked(self) -> None:
         req = self._req
         if req is not None and req.error():
-            err = req.error()
-            self._error = OSError(err, f"{self._what}: {req.message()}", self._path)
+            self._error = OSError(req.error(), self._describe(req), self._path)
         self._tensor = None
         self._finished = True
         if self._error is None:
@@ -132,6 +141,24 @@ class IOHandle:
                 on_error(self._error)
         self._callbacks = []
         self._errbacks = []
+
+    def _describe(self, req: Any) -> str:
+        """What failed, for the OSError: the request, then the engine's account of the piece."""
+        err = req.error()
+        text = f"{self._what} failed: {req.message() or os.strerror(err)}"
+        if err == errno.ENOSPC:
+            text += (
+                f"; the {self._nbytes} bytes of this request did not fit, {_free_bytes(self._path)}"
+            )
+        return text
+
+
+def _free_bytes(path: str) -> str:
+    try:
+        st = os.statvfs(os.path.dirname(path) or ".")
+    except OSError as exc:
+        return f"free space unknown ({exc.strerror})"
+    return f"{st.f_bavail * st.f_frsize} bytes are free on that filesystem"
 
 
 class AsyncIO:
@@ -173,19 +200,28 @@ class AsyncIO:
             self._engine = ThreadEngine(block_size, queue_depth, thread_count, self.direct_io)
             self.backend = "threads"
         self._closed = False
+        self._pid = os.getpid()
         self._refused_dirs: set[str] = set()
         self._direct_cache: dict[str, bool] = {}
+        lifecycle.track_engine(self)
 
     # ---- requests ---------------------------------------------------------------------
-    def read(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> IOHandle:
-        """Fill ``tensor``'s bytes from ``path[offset : offset + tensor.nbytes]``."""
-        return self._submit(False, tensor, path, offset)
+    def read(
+        self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0, label: str = ""
+    ) -> IOHandle:
+        """Fill ``tensor``'s bytes from ``path[offset : offset + tensor.nbytes]``; ``label``
+        (e.g. a shard key) names the data in error messages."""
+        return self._submit(False, tensor, path, offset, label)
 
-    def write(self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> IOHandle:
+    def write(
+        self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0, label: str = ""
+    ) -> IOHandle:
         """Write ``tensor``'s bytes to ``path`` at ``offset`` (file created 0600 if missing)."""
-        return self._submit(True, tensor, path, offset)
+        return self._submit(True, tensor, path, offset, label)
 
-    def _submit(self, is_write: bool, tensor: torch.Tensor, path: Any, offset: int) -> IOHandle:
+    def _submit(
+        self, is_write: bool, tensor: torch.Tensor, path: Any, offset: int, label: str
+    ) -> IOHandle:
         if self._closed:
             raise RuntimeError("AsyncIO is closed")
         what = "write" if is_write else "read"
@@ -203,7 +239,9 @@ class AsyncIO:
         req = self._engine.submit(is_write, path, tensor.data_ptr(), nbytes, offset)
         if req.direct_refused:
             self._note_refused(path)
-        return IOHandle(req, tensor, path, f"{what} of {nbytes} bytes at offset {offset}")
+        of = f" of {label}" if label else ""
+        desc = f"{what}{of} ({nbytes} bytes at file offset {offset})"
+        return IOHandle(req, tensor, path, desc, nbytes)
 
     def _note_refused(self, path: str) -> None:
         d = os.path.dirname(os.path.abspath(path))
@@ -236,8 +274,19 @@ class AsyncIO:
     # ---- lifetime ---------------------------------------------------------------------
     def close(self) -> None:
         """Wait for every request in flight, then stop the IO threads. Idempotent."""
-        if not self._closed:
-            self._closed = True
+        if self._closed:
+            return
+        self._closed = True
+        lifecycle.untrack(self)
+        if os.getpid() == self._pid:  # see the Note on lifetimes
+            self._engine.close()
+
+    def abandon(self) -> None:
+        """:meth:`close` from a signal handler (``offload.io.lifecycle``): takes no Python lock.
+        The native engine stops after the requests in flight; the thread fallback's workers
+        are daemon threads that end with the process, so nothing waits for them."""
+        self._closed = True
+        if os.getpid() == self._pid and self.backend == "native":
             self._engine.close()
 
     def __enter__(self) -> AsyncIO:

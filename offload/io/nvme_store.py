@@ -8,6 +8,14 @@ and the key) rather than half way through a training step. A new data file start
 current one would pass ``file_bytes``. Extents freed with :meth:`NvmeStore.free` are reused
 first-fit. The directory and its files are removed by :meth:`NvmeStore.close` unless ``keep``.
 
+Note: the configured path and crashes. A missing ``nvme_path`` is created (each missing level
+0700, like DeepSpeed does it but private); only a path that cannot be created is an error,
+naming the path, the level that failed and the errno. The private directory records its owner
+(``owner.json``, see ``offload.io._owner``), and a new store on the same path first removes the
+directories of owners that are provably gone (a process killed by SIGKILL cannot clean up), so
+crashed runs do not fill the disk. Every other way a process ends removes the directory itself
+(``offload.io.lifecycle``).
+
 Note: validity. The store tracks, per shard, which byte ranges hold data of a *completed*
 write. A write first marks its range invalid, then marks it valid in its handle's completion
 (run by the first ``wait()`` on it, or by a later read that waits for it). A read of a range
@@ -37,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload.io import _owner, lifecycle
 from offload.io.aligned import ALIGN, round_up
 from offload.io.async_io import AsyncIO, IOHandle
 from offload.io.errors import OffloadIOError
@@ -91,8 +100,8 @@ class NvmeStore:
     """Named shards on disk, written and read asynchronously through :class:`AsyncIO`.
 
     Args:
-        path: an existing, writable directory (``nvme_path``); the store makes a private
-            ``offload-*`` directory inside it.
+        path: a writable directory (``nvme_path``), created if missing; the store makes a
+            private ``offload-*`` directory inside it.
         aio: the engine to use; ``None`` makes (and later closes) a default ``AsyncIO()``.
         checksum: record a CRC-32 per write and verify it on read.
         keep: leave the directory and files in place on :meth:`close`.
@@ -109,23 +118,25 @@ class NvmeStore:
         file_bytes: int = 64 << 30,
     ) -> None:
         path = os.fspath(path)
-        if not os.path.exists(path):
-            raise FileNotFoundError(
-                errno.ENOENT,
-                "nvme_path does not exist (create it or point nvme_path elsewhere)",
-                path,
-            )
+        _make_path(path)
         if not os.path.isdir(path):
-            raise NotADirectoryError(errno.ENOTDIR, "nvme_path is not a directory", path)
+            raise NotADirectoryError(
+                errno.ENOTDIR, "nvme_path is not a directory; allowed: a directory path", path
+            )
+        _owner.reclaim(path)
         try:
-            self._dir = tempfile.mkdtemp(prefix="offload-", dir=path)  # mode 0700
+            self._dir = tempfile.mkdtemp(prefix=_owner.PREFIX, dir=path)  # mode 0700
+            _owner.write_record(self._dir, keep)
         except OSError as exc:
+            if getattr(self, "_dir", None):
+                shutil.rmtree(self._dir, ignore_errors=True)
             raise OSError(
                 exc.errno,
                 f"cannot create the private swap directory under nvme_path ({exc.strerror}); "
                 "nvme_path must be a writable directory on a local disk",
                 path,
             ) from exc
+        self._pid = os.getpid()  # a forked child never removes its parent's files
         self._own_aio = aio is None
         self._aio = aio if aio is not None else AsyncIO()
         self.checksum = bool(checksum)
@@ -138,6 +149,7 @@ class NvmeStore:
         self._lock = threading.Lock()
         self._closed = False
         self._counters = dict(checksum_failures=0, bytes_written=0, bytes_read=0)
+        lifecycle.track_store(self)
 
     # ---- layout -----------------------------------------------------------------------
     @property
@@ -224,7 +236,7 @@ class NvmeStore:
         name = self._files[shard.file]
         with self._lock:
             shard.ranges = _cut(shard.ranges, offset, offset + n)  # invalid until completed
-            handle = self._aio.write(tensor, name, shard.offset + offset)
+            handle = self._aio.write(tensor, name, shard.offset + offset, label=f"shard {key!r}")
             shard.pending.append((handle, offset, offset + n))
 
         def completed() -> None:
@@ -270,7 +282,7 @@ class NvmeStore:
                 if crc is not None and a >= offset and b <= offset + n
             ]
         name = self._files[shard.file]
-        handle = self._aio.read(tensor, name, shard.offset + offset)
+        handle = self._aio.read(tensor, name, shard.offset + offset, label=f"shard {key!r}")
 
         def completed() -> None:
             if self.checksum and checks:
@@ -372,16 +384,31 @@ class NvmeStore:
 
     def close(self) -> None:
         """Wait for writes in flight, close an engine the store made, remove the files unless
-        ``keep``. Idempotent."""
+        ``keep``. Idempotent; in a forked child it only forgets the store."""
         if self._closed:
             return
         self._closed = True
+        lifecycle.untrack(self)
+        if os.getpid() != self._pid:
+            return
         for shard in list(self._shards.values()):
             self._drain(shard)
         if self._own_aio:
             self._aio.close()
         if not self.keep:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            _remove_tree(self._dir)
+
+    def abandon(self) -> None:
+        """:meth:`close` for a process that is being terminated (see ``offload.io.lifecycle``):
+        stops the store's own engine after the requests in flight and removes the files, taking
+        no lock and not waiting for the writes' completion callbacks."""
+        self._closed = True
+        if os.getpid() != self._pid:
+            return
+        if self._own_aio:
+            self._aio.abandon()
+        if not self.keep:
+            _remove_tree(self._dir)
 
     def __enter__(self) -> NvmeStore:
         return self
@@ -398,3 +425,35 @@ class NvmeStore:
 
     def __repr__(self) -> str:
         return f"NvmeStore({self._dir!r}, shards={len(self._shards)}, checksum={self.checksum})"
+
+
+def _make_path(path: str) -> None:
+    """Creates ``path`` and each missing parent with mode 0700 (``mkdir -p``)."""
+    missing = []
+    level = os.path.abspath(path)
+    while not os.path.lexists(level):
+        missing.append(level)
+        level = os.path.dirname(level)
+    for level in reversed(missing):
+        try:
+            os.mkdir(level, 0o700)
+            os.chmod(level, 0o700)  # whatever the umask
+        except FileExistsError:
+            continue  # made by someone else meanwhile
+        except OSError as exc:
+            name = errno.errorcode.get(exc.errno, str(exc.errno))
+            raise OSError(
+                exc.errno,
+                f"nvme_path does not exist and cannot be created: mkdir {level!r} failed with "
+                f"{name} ({exc.strerror}); allowed: an existing directory, or one that can be "
+                "created",
+                path,
+            ) from exc
+        logger.info("offload.io: created %s (mode 0700) for nvme_path", level)
+
+
+def _remove_tree(directory: str) -> None:
+    """Removes ``directory``; once more if a file appeared in it meanwhile."""
+    shutil.rmtree(directory, ignore_errors=True)
+    if os.path.lexists(directory):
+        shutil.rmtree(directory, ignore_errors=True)

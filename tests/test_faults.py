@@ -1,0 +1,152 @@
+"""Faults during training, injected, through the public API (issue 13, part 4).
+
+- The disk fills after ``wrap``: every shard's extent was reserved (``posix_fallocate``) and
+  written at ``wrap``, so training goes on; a disk too small already at ``wrap`` is an error
+  there naming the file and the bytes.
+- ENOSPC on a write while training (a copy-on-write filesystem can refuse to overwrite reserved
+  blocks; injected at the syscall boundary): the error at that step names the swap file, the
+  shard and the bytes the write needed; ``close()`` still works and leaves nothing behind.
+- EIO on a read of optimizer state: an error naming the file and the shard, never a silent
+  wrong value; flipped bytes on disk are caught the same way with ``aio.checksum``.
+
+A shard's failure surfaces from the optimizer step, wrapped by the engine; the tests look for
+the IO error in the exception's chain.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from engine_models import batches, lm_loss, make_model, placement_config
+
+import offload
+from offload.io import faults
+
+
+@pytest.fixture(autouse=True)
+def _no_fault_left():
+    yield
+    faults.clear()
+
+
+def train(model, opt, steps: int, start: int = 0) -> None:
+    data = batches(4)
+    for s in range(start, start + steps):
+        lm_loss(model, data[s % len(data)]).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+
+
+def io_error_in_chain(exc: BaseException) -> OSError:
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    raise AssertionError(f"no OSError with an errno behind {exc!r}")
+
+
+def nothing_left(root: Path) -> bool:
+    return all(not any((root / d).iterdir()) for d in ("nvme_p", "nvme_o") if (root / d).exists())
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A tmpfs of 8 MiB (skipped where mounting is not permitted)."""
+    d = tmp_path / "disk"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(d)]).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=True)
+
+
+def test_disk_filling_after_wrap_does_not_stop_training(tiny_disk):
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tiny_disk))
+    try:
+        with open(tiny_disk / "filler", "wb") as f:  # another program takes every free byte
+            with pytest.raises(OSError) as info:
+                while True:
+                    f.write(bytes(1 << 16))
+                    f.flush()
+            assert info.value.errno == errno.ENOSPC
+        assert os.statvfs(tiny_disk).f_bavail == 0
+        train(model, opt, 3)  # every shard's extent was reserved and written at wrap
+    finally:
+        opt.close()
+    assert nothing_left(tiny_disk)
+
+
+def test_a_disk_too_small_at_wrap_names_the_file_and_the_bytes(tiny_disk):
+    (tiny_disk / "filler").write_bytes(bytes(7 << 20))  # leaves under 1 MiB
+    cfg = placement_config("nvme", "nvme", tiny_disk)
+    with pytest.raises(OSError) as info:
+        offload.wrap(make_model(), cfg)
+    err = io_error_in_chain(info.value)
+    assert err.errno == errno.ENOSPC
+    assert str(tiny_disk) in str(info.value) and "shards-000.bin" in str(info.value)
+    assert "cannot reserve" in str(info.value) and " bytes " in str(info.value)
+    assert nothing_left(tiny_disk)
+
+
+@pytest.mark.parametrize("params", ["cpu", "nvme"])
+def test_enospc_while_training_names_the_file_and_the_bytes(tmp_path, params):
+    model, opt = offload.wrap(make_model(), placement_config(params, "nvme", tmp_path))
+    try:
+        train(model, opt, 2)
+        faults.inject(errno.ENOSPC, count=1, op="write")
+        with pytest.raises(Exception) as info:  # noqa: B017 - the chain is checked below
+            train(model, opt, 3, start=2)
+        err = io_error_in_chain(info.value)
+        assert err.errno == errno.ENOSPC
+        assert Path(err.filename).parent.parent in (tmp_path / "nvme_p", tmp_path / "nvme_o")
+        text = str(info.value)
+        assert err.filename in text and "shard '" in text
+        assert "bytes of this request did not fit" in text and "bytes are free" in text
+    finally:
+        faults.clear()
+        opt.close()
+    assert nothing_left(tmp_path)
+
+
+def test_eio_reading_optimizer_state_is_an_error_naming_the_file(tmp_path):
+    model, opt = offload.wrap(make_model(), placement_config("cpu", "nvme", tmp_path))
+    try:
+        train(model, opt, 2)
+        faults.inject(errno.EIO, count=1, op="read")
+        with pytest.raises(Exception) as info:  # noqa: B017 - the chain is checked below
+            train(model, opt, 3, start=2)
+        err = io_error_in_chain(info.value)
+        assert err.errno == errno.EIO
+        assert err.filename.startswith(str(tmp_path / "nvme_o"))
+        text = str(info.value)
+        assert err.filename in text and "read of shard '" in text and "Input/output error" in text
+    finally:
+        faults.clear()
+        opt.close()
+    assert nothing_left(tmp_path)
+
+
+def test_flipped_bytes_in_optimizer_state_are_detected_with_checksums(tmp_path):
+    cfg = placement_config("cpu", "nvme", tmp_path, aio={"checksum": True})
+    model, opt = offload.wrap(make_model(), cfg)
+    try:
+        train(model, opt, 2)
+        (swap,) = (tmp_path / "nvme_o").glob("offload-*/shards-*.bin")
+        with open(swap, "r+b") as f:  # the disk returns other bytes than were written
+            data = bytearray(f.read())
+            f.seek(0)
+            f.write(bytes(b ^ 0x5A for b in data))
+        with pytest.raises(Exception) as info:  # noqa: B017 - the chain is checked below
+            train(model, opt, 1, start=2)
+        err = io_error_in_chain(info.value)
+        assert err.errno == errno.EBADMSG and err.filename == str(swap)
+        assert "checksum mismatch in shard '" in str(info.value)
+    finally:
+        opt.close()
+    assert nothing_left(tmp_path)

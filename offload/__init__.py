@@ -23,6 +23,7 @@ _EXPORTS = {
     "save_checkpoint": "offload.api",
     "load_checkpoint": "offload.api",
     "export": "offload.api",
+    "CheckpointError": "offload.api",
     "OffloadConfig": "offload.config",
     "load_config": "offload.config",
     "ConfigError": "offload.config",
@@ -35,6 +36,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "export",
+    "CheckpointError",
     "OffloadConfig",
     "load_config",
     "ConfigError",
@@ -42,7 +44,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from offload.api import export, load_checkpoint, save_checkpoint, wrap
+    from offload.api import CheckpointError, export, load_checkpoint, save_checkpoint, wrap
     from offload.config import ConfigError, OffloadConfig, load_config
     from offload.optim import CPUAdam
 

@@ -58,7 +58,7 @@ def _check_report(report: Path, steps: int) -> list[dict]:
 def test_demo_without_engine_says_so(monkeypatch, capsys):
     import offload.cli.demo as demo_cli
 
-    monkeypatch.setattr(demo_cli, "engine_status", lambda: (False, "offload.engine has no wrap()"))
+    monkeypatch.setattr(demo_cli, "engine_status", lambda: (False, "offload.api has no wrap()"))
     assert main(["demo", "--size", "tiny", "--steps", "3", "--no-report"]) == 2
     err = capsys.readouterr().err
     assert "the training engine is not built yet" in err and "no wrap()" in err

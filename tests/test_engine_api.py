@@ -96,11 +96,16 @@ def test_unwritable_nvme_path_nonroot(tmp_path):
 
 def test_missing_or_file_nvme_path(tmp_path):
     cfg = placement_config("nvme", "cpu", tmp_path)
-    cfg["offload_param"]["nvme_path"] = str(tmp_path / "does-not-exist")
-    with pytest.raises(ConfigError, match=r"offload_param\.nvme_path=.*does-not-exist"):
-        offload.wrap(make_model(), cfg)
+    missing = tmp_path / "does-not-exist" / "yet"
+    cfg["offload_param"]["nvme_path"] = str(missing)  # made, private, as DeepSpeed does
+    m, o = offload.wrap(make_model(), cfg)
+    assert missing.is_dir() and (missing.stat().st_mode & 0o777) == 0o700
+    o.close()
     afile = tmp_path / "a-file"
     afile.write_text("x")
+    cfg["offload_param"]["nvme_path"] = str(afile / "sub")  # cannot be made
+    with pytest.raises(ConfigError, match=r"offload_param\.nvme_path=.*a-file"):
+        offload.wrap(make_model(), cfg)
     cfg["offload_param"]["nvme_path"] = str(afile)
     with pytest.raises(ConfigError, match=r"offload_param\.nvme_path="):
         offload.wrap(make_model(), cfg)
@@ -274,4 +279,35 @@ def test_background_step_error_reaches_the_caller(tmp_path):
             lm_loss(model, data[1]).backward()
     finally:
         faults.clear()
+    opt.close()
+
+
+def test_after_a_failed_update_training_waits_for_a_checkpoint(tmp_path):
+    """An update that failed part way leaves some units updated and others not: step() and
+    saving are refused until a checkpoint is loaded, after which training goes on."""
+    from offload.io import faults
+
+    model, opt = offload.wrap(make_model(), placement_config("none", "nvme", tmp_path))
+    data = batches(3)
+    lm_loss(model, data[0]).backward()
+    opt.step()
+    ckpt = offload.save_checkpoint(tmp_path / "ckpt", model, opt)
+    lm_loss(model, data[1]).backward()
+    faults.inject(5, count=1000, op="read")
+    try:
+        opt.step()
+        with pytest.raises(RuntimeError, match="background optimizer step failed"):
+            opt.synchronize()
+    finally:
+        faults.clear()
+    opt.zero_grad()
+    lm_loss(model, data[2]).backward()
+    with pytest.raises(PhaseError, match="earlier optimizer update failed part way"):
+        opt.step()
+    with pytest.raises(PhaseError, match="load a checkpoint"):
+        offload.save_checkpoint(tmp_path / "bad", model, opt)
+    offload.load_checkpoint(ckpt.parent, model, opt)
+    lm_loss(model, data[2]).backward()
+    opt.step()  # training goes on
+    assert opt.state_dict()["offload"]["step_count"] == 2
     opt.close()

@@ -127,7 +127,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -
     returns the ``extra`` values. Verifies everything before changing anything (module Note);
     a bad checkpoint raises :class:`CheckpointError` and leaves the model as it was."""
     engine = _engine(model)
-    engine.check_idle("load_checkpoint")
+    engine.check_idle("load_checkpoint", restoring=True)
     with files.open_checkpoint(files.resolve(Path(directory))) as ckpt:  # (1)
         files.check_layout(  # (2)
             ckpt,
@@ -153,6 +153,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -
         optimizer.scaler.load_state_dict(counters["loss_scaler"])
     optimizer.param_groups[0].update(counters["param_group"])
     engine.zero_grad()
+    engine.state_restored()
     return counters["extra"]
 
 

@@ -154,7 +154,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         engine = self._engine
-        engine.check_idle("optimizer.load_state_dict()")
+        engine.check_idle("optimizer.load_state_dict()", restoring=True)
         params = self.param_groups[0]["params"]
         state = state_dict["state"]
         if len(state_dict["param_groups"]) != 1 or len(
@@ -186,3 +186,4 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         if self.scaler is not None and "loss_scaler" in extra:
             self.scaler.load_state_dict(extra["loss_scaler"])
+        engine.state_restored()

@@ -11,6 +11,7 @@ twice.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import weakref
@@ -104,6 +105,15 @@ SCHEDULES = {
 }
 # whose access trace starts with the first forward of a step, and whose with its first backward
 TRACE_STARTS = {"offload_param": "forward", "offload_optimizer": "backward"}
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    """At interpreter exit: a runtime nobody closed is closed (its update thread joined, its
+    files removed) before the IO layer shuts down (``offload.io.lifecycle``'s Note on order:
+    registered at wrap time, so it runs before the IO layer's own handler)."""
+    runtime = ref()
+    if runtime is not None and not runtime.closed:
+        runtime.close()
 
 
 def _check_model(model: nn.Module) -> None:
@@ -270,6 +280,7 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
         raise
     runtime.install_hooks()
     _RUNTIMES[model] = runtime
+    atexit.register(_close_at_exit, weakref.ref(runtime))
     _trim_host_heap()
     scaler = None
     if placement.dtype == torch.float16:

@@ -141,7 +141,8 @@ class OffloadOptimizerConfig(_SwapPool):
     device: str = "cpu"
     """Home of the optimizer state: "cpu" (host memory) or "nvme" (files under nvme_path)."""
     nvme_path: str | None = None
-    """Directory for the state files when device is "nvme" (a private subdirectory is made)."""
+    """Directory for the state files when device is "nvme" (created 0700 if missing; a private
+    subdirectory is made in it, and a crashed run's is reclaimed by the next)."""
     pin_memory: bool = True
     """Page-lock the host buffers for fast asynchronous device copies (CUDA only)."""
     buffer_count: int = 8
@@ -186,7 +187,7 @@ class OffloadParamConfig(_SwapPool):
     device: str = "none"
     """Home of the parameters: "none" (stay on the compute device), "cpu" or "nvme"."""
     nvme_path: str | None = None
-    """Directory for the parameter files when device is "nvme"."""
+    """Directory for the parameter files when device is "nvme" (created 0700 if missing)."""
     pin_memory: bool = True
     """Page-lock the host buffers for fast asynchronous device copies (CUDA only)."""
     buffer_count: int = 5

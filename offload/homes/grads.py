@@ -239,9 +239,8 @@ class NvmeGrads(GradHome):
             key = self.key(unit, lo)
             if not first:  # an overwrite reads nothing: keep it out of the prefetch trace
                 self.store.use(key, self.tier)
-            buf = self.store.fetch(key, self.tier, read=not first).wait()
-            recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
-            self.store.release(key, self.tier, dirty=True)
+            with self.store.borrow(key, read=not first) as buf:
+                recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
         _drop_device_grads(unit)
 
     def fetch(self, unit: Unit, lo: int):

@@ -16,6 +16,7 @@ Which owns the master and which owns the gradients is the plan's decision
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -224,6 +225,7 @@ class NvmeOptim(OptimHome):
             queued.extend((unit, lo, hi, j + 1 == len(pieces)) for j, (lo, hi) in enumerate(pieces))
             return True
 
+        current = None  # the piece being updated: what it still holds
         try:
             while True:
                 while len(ahead) <= self.lookahead:
@@ -231,20 +233,59 @@ class NvmeOptim(OptimHome):
                         break
                     if queued:
                         unit, lo, hi, last = queued.popleft()
-                        futs = [self.store.fetch(self.key(unit, k, lo), self.tier) for k in KINDS]
-                        futs.append(self.grads.fetch(unit, lo))
-                        ahead.append((unit, lo, hi, last, futs))
+                        item = _Piece(unit, lo, hi, last)
+                        ahead.append(item)
+                        for k in KINDS:
+                            item.held.append(self.key(unit, k, lo))  # held even if refused
+                            item.futs.append(self.store.fetch(item.held[-1], self.tier))
+                        item.grad = self.grads.fetch(unit, lo)
                 if not ahead:
                     return
-                unit, lo, hi, last, futs = ahead.popleft()
-                master, exp_avg, exp_avg_sq, grad = (f.wait() for f in futs)
-                out = self.params.out_buffer(unit, lo, hi)
-                adam_step(master, grad, exp_avg, exp_avg_sq, **hyper.kwargs(), out=out)
+                current = ahead.popleft()
+                unit, lo, hi = current.unit, current.lo, current.hi
+                master, exp_avg, exp_avg_sq = (f.wait() for f in current.futs)
+                grad = current.grad.wait()
+                current.out = self.params.out_buffer(unit, lo, hi)
+                adam_step(master, grad, exp_avg, exp_avg_sq, **hyper.kwargs(), out=current.out)
                 self.params.commit(unit, lo, hi)
-                for k in KINDS:
-                    self.store.release(self.key(unit, k, lo), self.tier, dirty=True)
-                self.grads.drop(unit, lo, futs[3])
-                if on_unit_done is not None and last:
+                current.out = None
+                while current.held:
+                    self.store.release(current.held[0], self.tier, dirty=True)
+                    current.held.pop(0)
+                grad, current.grad = current.grad, None
+                self.grads.drop(unit, lo, grad)
+                if on_unit_done is not None and current.last:
                     on_unit_done(unit)
+                current = None
+        except BaseException:
+            for item in [current, *ahead] if current is not None else ahead:
+                self._give_up(item)
+            raise
         finally:
             self.grads.abandon()
+
+    def _give_up(self, item: _Piece) -> None:
+        """A failed update lets go of what a piece holds; copies it changed are dropped
+        unwritten, so the shards keep their values from before (as far as it got, the update
+        is then half done: see ``offload.runtime.schedule``'s failure)."""
+        steps = [lambda k=key: self.store.release(k, self.tier, discard=True) for key in item.held]
+        if item.out is not None:
+            steps.append(lambda: self.params.give_up_out(item.unit, item.lo, item.hi))
+        if item.grad is not None:
+            steps.append(lambda: self.grads.drop(item.unit, item.lo, item.grad))
+        for step in steps:
+            with contextlib.suppress(Exception):  # a read that failed too: the error is raised
+                step()
+
+
+class _Piece:
+    """One piece of the NVMe update in flight: the fetches it holds until it is done."""
+
+    __slots__ = ("unit", "lo", "hi", "last", "held", "futs", "grad", "out")
+
+    def __init__(self, unit: Unit, lo: int, hi: int, last: bool) -> None:
+        self.unit, self.lo, self.hi, self.last = unit, lo, hi, last
+        self.held: list[str] = []  # shard keys fetched and not released yet
+        self.futs: list = []
+        self.grad = None  # the grad piece's future, until dropped
+        self.out: torch.Tensor | None = None  # the compute params' buffer, until committed

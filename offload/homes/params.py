@@ -30,6 +30,7 @@ Note: the gather's window
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 
@@ -87,6 +88,10 @@ class ParamHome:
 
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
         """The optimizer finished writing ``out_buffer(unit, lo, hi)``."""
+
+    def give_up_out(self, unit: Unit, lo: int, hi: int) -> None:
+        """The optimizer failed before committing ``out_buffer(unit, lo, hi)``: the home keeps
+        its values from before where it can (an NVMe piece's buffer is dropped unwritten)."""
 
     def read(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         """Current compute values of elements ``[lo, hi)`` as a new host tensor."""
@@ -223,8 +228,25 @@ class NvmeParams(_Released):
             return
         self.storage.make_room(unit)
         pieces = self.plan.pieces(unit)
-        fetching: deque = deque()  # (lo, hi, future) whose read was asked for
+        fetching: deque = deque()  # (lo, hi) of the pieces fetched, not copied yet
         copying: deque = deque()  # (key, event): a pool buffer whose copy up is in flight
+        try:
+            self._stream_in(unit, pieces, fetching, copying)
+        except BaseException:  # a failed read: let go of every piece, the unit stays released
+            keys = [self.key(unit, a) for a, _ in fetching]
+            steps = [lambda k=k: self.store.release(k, self.tier) for k in keys]
+            steps += [lambda c=c: self._give_back(*c) for c in copying]
+            for step in steps:
+                with contextlib.suppress(Exception):  # the read's own error is the one raised
+                    step()
+            self.storage.drop(unit)
+            raise
+        self._gathered.add(unit.index)
+
+    def _stream_in(self, unit: Unit, pieces, fetching: deque, copying: deque) -> None:
+        """The gather's loop (see the module Note on its window); what it holds is in
+        ``fetching`` and ``copying`` at any moment."""
+        futures: deque = deque()  # the fetches of ``fetching``, once made
         ahead = copied = 0
         while copied < len(pieces):
             while ahead < len(pieces) and len(fetching) + len(copying) < self.window:
@@ -233,20 +255,27 @@ class NvmeParams(_Released):
                 # the use is recorded as the piece is pinned: a recorded, unpinned piece would
                 # look used already to the eviction planner and be the first given up
                 self.store.use(key, self.tier)
-                fetching.append((a, b, self.store.fetch(key, self.tier)))
+                fetching.append((a, b))  # held from here, even if the fetch is refused
+                futures.append(self.store.fetch(key, self.tier))
                 ahead += 1
             if not fetching:  # the window is full of copies: the oldest gives its buffer back
-                self._give_back(*copying.popleft())
+                self._give_back(*copying[0])
+                copying.popleft()
                 continue
-            a, b, future = fetching.popleft()
-            event = self.transfers.to_device(unit.layout.pairs(a, b, future.wait(), _param_view))
+            a, b = fetching[0]
+            event = self.transfers.to_device(
+                unit.layout.pairs(a, b, futures[0].wait(), _param_view)
+            )
+            fetching.popleft()
+            futures.popleft()
             copying.append((self.key(unit, a), event))
             copied += 1
             while copying and copying[0][1].done():
-                self.store.release(copying.popleft()[0], self.tier)
+                self.store.release(copying[0][0], self.tier)
+                copying.popleft()
         while copying:
-            self._give_back(*copying.popleft())
-        self._gathered.add(unit.index)
+            self._give_back(*copying[0])
+            copying.popleft()
 
     def _give_back(self, key: str, event: Event) -> None:
         self.transfers.wait(event, "host->device")
@@ -257,6 +286,9 @@ class NvmeParams(_Released):
 
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
         self.store.release(self.key(unit, lo), self.tier, dirty=True)
+
+    def give_up_out(self, unit: Unit, lo: int, hi: int) -> None:
+        self.store.release(self.key(unit, lo), self.tier, discard=True)
 
     def read(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         out = torch.empty(hi - lo, dtype=self.dtype)

@@ -103,6 +103,7 @@ class _Worker:
         self._thread: threading.Thread | None = None
         self._unit_done: dict[int, threading.Event] = {}
         self._error: BaseException | None = None
+        self.failure: str | None = None  # an update that failed part way, until state is loaded
 
     @property
     def failed(self) -> bool:
@@ -150,10 +151,14 @@ class _Worker:
         self._thread.join()
         self.timers["step_wait_seconds"] += time.perf_counter() - t0
         self._thread = None
-        self._unit_done = {}
         err, self._error = self._error, None
         if err is not None:
-            raise RuntimeError(f"offload: the background optimizer step failed: {err}") from err
+            self.failure = f"{type(err).__name__}: {err}"
+            raise RuntimeError(
+                f"offload: the background optimizer step failed: {err} (the optimizer state now "
+                "mixes updated and old units; load a checkpoint before training on)"
+            ) from err
+        self._unit_done = {}
 
 
 class StepSchedule:
@@ -198,6 +203,14 @@ class StepSchedule:
     def check_grad_norm(self) -> None:
         """Raises if the gradients cannot be inspected as a whole."""
 
+    @property
+    def failure(self) -> str | None:
+        """What made an update fail part way (its state is then mixed), until state is loaded."""
+        return None
+
+    def state_restored(self) -> None:
+        """Every unit's state was loaded again: a failed update's mix is gone."""
+
 
 class Immediate(StepSchedule):
     def step(self, hyper: Hyper) -> None:
@@ -219,6 +232,13 @@ class Background(StepSchedule):
 
     def flush(self) -> None:
         self.worker.join()
+
+    @property
+    def failure(self) -> str | None:
+        return self.worker.failure
+
+    def state_restored(self) -> None:
+        self.worker.failure = None
 
 
 class InBackward(Background):

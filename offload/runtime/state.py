@@ -249,8 +249,9 @@ class Runtime:
         self.schedule.check_grad_norm()
         return self.grads.stats()
 
-    def check_idle(self, what: str) -> None:
-        """Raises unless between steps; then waits for a running update (state is read)."""
+    def check_idle(self, what: str, *, restoring: bool = False) -> None:
+        """Raises unless between steps; then waits for a running update (state is read, or,
+        ``restoring``, overwritten: then a failed update's mixed state may be replaced)."""
         self._check_open()
         if self.phase.phase is not Phase.IDLE:
             raise PhaseError(
@@ -258,9 +259,25 @@ class Runtime:
             )
         self.schedule.check_access(what, self.backwards_since_step)
         self.flush_pending()
+        if not restoring:
+            self._check_consistent(what)
+
+    def _check_consistent(self, what: str) -> None:
+        failure = self.schedule.failure
+        if failure is not None:
+            raise PhaseError(
+                f"offload: {what} refused: an earlier optimizer update failed part way "
+                f"({failure}), so some units hold the new values and others the old ones; "
+                "load a checkpoint (offload.load_checkpoint) or optimizer.load_state_dict() first"
+            )
+
+    def state_restored(self) -> None:
+        """Every unit's state was loaded (a checkpoint, ``load_state_dict``)."""
+        self.schedule.state_restored()
 
     def check_can_step(self) -> None:
         self._check_open()
+        self._check_consistent("optimizer.step()")
         if self.phase.phase is not Phase.IDLE:
             raise PhaseError(
                 f"offload: optimizer.step() called during {self.phase.phase.value}; "

@@ -20,6 +20,7 @@ Note: coherence
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Iterable
@@ -162,8 +163,9 @@ class TieredStore:
     def fetch(self, key: str, tier: Tier = Tier.HOST, *, read: bool = True) -> Fetch:
         """Pin ``key`` in host memory and start moving it there; ``wait()`` the result to use it.
 
-        Each ``fetch`` must be matched by one ``release``. ``read=False``: the caller overwrites
-        the whole copy (no disk read; the shard counts as dirty from now on).
+        Each ``fetch`` must be matched by one ``release``, also when it (or the ``wait``)
+        raised. ``read=False``: the caller overwrites the whole copy (no disk read; the shard
+        counts as dirty from now on).
         """
         with self._lock:
             shard = self._get(key, tier)
@@ -174,7 +176,7 @@ class TieredStore:
                 shard.dirty = True
             elif shard.home is Tier.NVME:
                 self._counters.fetched_bytes += shard.io_nbytes
-            shard.pins += 1
+            shard.pins += 1  # held even when the read is refused below: release() it
             self._advance(shard, read=read, blocking=False)
             return Fetch(self, shard, read)
 
@@ -206,6 +208,19 @@ class TieredStore:
             if shard.dirty and shard.pins == 0:
                 self._write_back(shard)
             self._poll()
+
+    @contextlib.contextmanager
+    def borrow(self, key: str, *, read: bool = True):
+        """``fetch`` + ``wait`` + ``release``: the block gets the host copy, which is released
+        dirty when it ends. If the block (or the read) fails, the copy is dropped unwritten
+        (the shard keeps its value from before) and the error goes up."""
+        try:
+            yield self.fetch(key, Tier.HOST, read=read).wait()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the read's own error is the one raised
+                self.release(key, Tier.HOST, discard=True)
+            raise
+        self.release(key, Tier.HOST, dirty=True)
 
     # the Fetch's side (see fetch.Driver)
     def drive(self, shard: Shard, read: bool, blocking: bool) -> bool:

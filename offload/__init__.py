@@ -23,6 +23,8 @@ _EXPORTS = {
     "save_checkpoint": "offload.api",
     "load_checkpoint": "offload.api",
     "export": "offload.api",
+    "from_pretrained": "offload.api",
+    "save_pretrained": "offload.api",
     "OffloadConfig": "offload.config",
     "load_config": "offload.config",
     "ConfigError": "offload.config",
@@ -35,6 +37,8 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "export",
+    "from_pretrained",
+    "save_pretrained",
     "OffloadConfig",
     "load_config",
     "ConfigError",
@@ -42,7 +46,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from offload.api import export, load_checkpoint, save_checkpoint, wrap
+    from offload.api import (
+        export,
+        from_pretrained,
+        load_checkpoint,
+        save_checkpoint,
+        save_pretrained,
+        wrap,
+    )
     from offload.config import ConfigError, OffloadConfig, load_config
     from offload.optim import CPUAdam
 

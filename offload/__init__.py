@@ -25,6 +25,8 @@ _EXPORTS = {
     "export": "offload.api",
     "from_pretrained": "offload.api",
     "save_pretrained": "offload.api",
+    "route_clipping": "offload.api.clipping",
+    "OffloadTrainer": "offload.api.trainer",
     "OffloadConfig": "offload.config",
     "load_config": "offload.config",
     "ConfigError": "offload.config",
@@ -39,6 +41,8 @@ __all__ = [
     "export",
     "from_pretrained",
     "save_pretrained",
+    "route_clipping",
+    "OffloadTrainer",
     "OffloadConfig",
     "load_config",
     "ConfigError",
@@ -54,6 +58,8 @@ if TYPE_CHECKING:  # pragma: no cover
         save_pretrained,
         wrap,
     )
+    from offload.api.clipping import route_clipping
+    from offload.api.trainer import OffloadTrainer
     from offload.config import ConfigError, OffloadConfig, load_config
     from offload.optim import CPUAdam
 

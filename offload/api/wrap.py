@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from offload import _native
+from offload.api import clipping
 from offload.api.loss_scale import DynamicLossScaler
 from offload.api.optimizer import OffloadOptimizer
 from offload.config import ConfigError, OffloadConfig, load_config
@@ -331,6 +332,7 @@ def wrap(model: nn.Module, config=None, *, weights=None, _keep_grads: bool | Non
     optimizer = OffloadOptimizer(
         runtime, group, gradient_clipping=cfg.gradient_clipping, scaler=scaler
     )
+    clipping.register(optimizer)  # torch's clipping would see no gradient: guard it
     logger.info(
         "offload: %d units (+root), params on %s, optimizer on %s, compute %s on %s, piece %d "
         "elements",

@@ -238,6 +238,7 @@ def _build(
         optim.create(unit, lambda lo, hi, u=unit: source.values(u, lo, hi, torch.float32))
         _materialize(unit)
         params.attach(unit)
+        _trim_host_heap()  # the unit's pieces were new tensors: no heap left holding them
     largest = max((u.layout.trainable for u in plan.units), default=0)
     timers: dict[str, float] = defaultdict(float)
     stepped = [u for u in plan.units if plan.trainable_pieces(u)]

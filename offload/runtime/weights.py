@@ -36,7 +36,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -314,8 +314,3 @@ def fill_computed_buffers(model: nn.Module) -> None:
             "fills them); build the model with accelerate.init_empty_weights() (which leaves "
             "buffers real), or give these buffers their values before wrap"
         )
-
-
-def meta_buffers(model: nn.Module) -> Iterable[str]:
-    """Names of buffers still on the meta device."""
-    return [n for n, b in model.named_buffers() if b.is_meta]

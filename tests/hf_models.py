@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "mistral")
 VOCAB = 96
 
 

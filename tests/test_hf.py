@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_models import ARCHS, VOCAB, hf_config, nvme_config, write_model  # noqa: E402
+from hf_models import VOCAB, hf_config, nvme_config, write_model  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -79,8 +79,9 @@ def _offload(model, opt):
     return losses
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize(
+    "arch,tie", [("llama", False), ("llama", True), ("qwen2", True), ("mistral", False)]
+)
 def test_fp32_parity_with_the_model_loaded_normally(tmp_path, arch, tie):
     d = write_model(tmp_path / "m", arch, tie=tie, max_shard_size="40KB")
     assert (d / "model.safetensors.index.json").exists()  # streamed from several shards

@@ -1,6 +1,6 @@
 """The CPU paths of the two Hugging Face benchmarks, so the scripts the README and
-benchmarks/README.md quote keep running: gpu_7b.py (``--device cpu --layers 2``, narrow) and
-beyond_ram.py (``--size tiny``). The full-width 7B CPU path is slow-marked."""
+benchmarks/README.md quote keep running: gpu_7b.py (``--device cpu --layers 2``, narrow) in the
+default suite; beyond_ram.py (``--size tiny``) and the full-width 7B CPU path slow-marked."""
 
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ def test_gpu_7b_cpu_path_full_width(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["params"] > 6e8
 
 
+@pytest.mark.slow
 def test_beyond_ram_tiny(tmp_path):
     out = _run(
         [

@@ -20,7 +20,7 @@ from offload.api import engine_of
 from offload.runtime.safetensors import SafetensorsError, SafetensorsFile
 from offload.runtime.weights import WeightsError
 
-PLACEMENTS = [("none", "cpu"), ("nvme", "nvme"), ("cpu", "nvme")]
+PLACEMENTS = [("none", "cpu"), ("nvme", "nvme")]
 
 
 def _file_state(model: nn.Module) -> dict:

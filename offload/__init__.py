@@ -58,7 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover
         wrap,
     )
     from offload.api.clipping import route_clipping
-    from offload.api.trainer import OffloadTrainer
+    from offload.api.trainer import OffloadTrainer  # noqa: F401 (needs transformers)
     from offload.config import ConfigError, OffloadConfig, load_config
     from offload.optim import CPUAdam
 

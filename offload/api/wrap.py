@@ -51,7 +51,7 @@ from offload.runtime.grads import Grads
 from offload.runtime.schedule import Background, Immediate, InBackward
 from offload.runtime.telemetry import Telemetry, check_jsonl_path
 from offload.runtime.values import LiveParams, ParamValues
-from offload.runtime.weights import ModelWeights, fill_computed_buffers
+from offload.runtime.weights import ModelWeights
 
 logger = logging.getLogger("offload.api")
 
@@ -304,9 +304,7 @@ def wrap(model: nn.Module, config=None, *, weights=None, _keep_grads: bool | Non
         source = ModelWeights(model, weights, placement.dtype)
     resources: list = []  # pools, NVMe stores and the IO engine, closed with the runtime
     try:
-        if isinstance(source, ModelWeights):
-            source.load_buffers()
-            fill_computed_buffers(model)
+        source.fill_buffers(model)
         buffer_dtypes = _cast_buffers(model, placement.device, placement.dtype)
         hyper = lambda: OffloadOptimizer.hyper_of(group)  # noqa: E731
         runtime = _build(model, cfg, plan, hyper, resources, buffer_dtypes, source)
@@ -315,8 +313,7 @@ def wrap(model: nn.Module, config=None, *, weights=None, _keep_grads: bool | Non
             res.close()
         raise
     finally:
-        if isinstance(source, ModelWeights):
-            source.close()
+        source.close()
     runtime.install_hooks()
     _RUNTIMES[model] = runtime
     _trim_host_heap()

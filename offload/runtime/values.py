@@ -64,6 +64,13 @@ class ParamValues(ValueSource):
         """The parameter's values, flat: a 1-D tensor or anything sliced like one."""
         raise NotImplementedError
 
+    def fill_buffers(self, model: nn.Module) -> None:
+        """Gives the model's buffers their values before wrap casts them (a live model's are
+        its own already)."""
+
+    def close(self) -> None:
+        """Releases what the source holds open (files)."""
+
     def piece(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor | None:
         if kind in KINDS[1:]:
             return None

@@ -253,14 +253,16 @@ class ModelWeights(ParamValues):
         t = self.tensors[self._name[seg.param]]
         return t.reshape(-1) if isinstance(t, torch.Tensor) else t
 
-    def load_buffers(self) -> None:
-        """Sets every persistent buffer from the weights, in the buffer's dtype."""
+    def fill_buffers(self, model: nn.Module) -> None:
+        """Persistent buffers from the weights (in each buffer's dtype); non-persistent ones on
+        the meta device computed by the model (:func:`fill_computed_buffers`)."""
         for name, (module, bname) in self._buffers.items():
             t = self.tensors[name]
             value = t if isinstance(t, torch.Tensor) else t[:]
             old = module._buffers[bname]
             device = "cpu" if old.is_meta else old.device
             module._buffers[bname] = value.reshape(old.shape).to(device, old.dtype, copy=True)
+        fill_computed_buffers(model)
 
     def close(self) -> None:
         for f in self.files:

@@ -43,7 +43,8 @@ def test_gpu_7b_cpu_path(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_7b_cpu_path_full_width(tmp_path):
-    """Two Llama-2-7B layers at full width (0.67B parameters) on the CPU."""
+    """Two Llama-2-7B layers at full width (0.67B parameters) on the CPU, in bf16 as the recipe
+    runs (torch's bf16 backward is slow on CPUs: ~20 min on the shared 2-core machine)."""
     _run(
         [
             str(BENCH / "gpu_7b.py"), "--device", "cpu", "--layers", "2", "--seq-len", "64",

@@ -24,6 +24,10 @@ _EXPORTS = {
     "load_checkpoint": "offload.api",
     "export": "offload.api",
     "CheckpointError": "offload.api",
+    "from_pretrained": "offload.api",
+    "save_pretrained": "offload.api",
+    "route_clipping": "offload.api.clipping",
+    "OffloadTrainer": "offload.api.trainer",  # needs transformers: not in __all__
     "OffloadConfig": "offload.config",
     "load_config": "offload.config",
     "ConfigError": "offload.config",
@@ -37,6 +41,9 @@ __all__ = [
     "load_checkpoint",
     "export",
     "CheckpointError",
+    "from_pretrained",
+    "save_pretrained",
+    "route_clipping",
     "OffloadConfig",
     "load_config",
     "ConfigError",
@@ -44,7 +51,17 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from offload.api import CheckpointError, export, load_checkpoint, save_checkpoint, wrap
+    from offload.api import (
+        CheckpointError,
+        export,
+        from_pretrained,
+        load_checkpoint,
+        save_checkpoint,
+        save_pretrained,
+        wrap,
+    )
+    from offload.api.clipping import route_clipping
+    from offload.api.trainer import OffloadTrainer  # noqa: F401 (needs transformers)
     from offload.config import ConfigError, OffloadConfig, load_config
     from offload.optim import CPUAdam
 

@@ -55,3 +55,68 @@ def test_peak_rss_does_not_scale_with_model_size(tmp_path):
         small,
         big,
     )
+
+
+# ------------------------------------------------------------------ loading and exporting models
+def _write_sharded_checkpoint(directory: Path, shard_bytes: int = 50 * 10**6) -> None:
+    """The worker's model as Hugging Face shards it: safetensors files of at most
+    ``shard_bytes`` and ``model.safetensors.index.json``."""
+    import torch  # noqa: PLC0415
+    from _load_memory_worker import Stack  # noqa: PLC0415
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    state = Stack().state_dict()
+    shards: list[dict] = [{}]
+    size = 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += n
+    directory.mkdir()
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, directory / fname)
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _load_measure(tmp_path: Path, mode: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
+    (tmp_path / "p").mkdir()
+    (tmp_path / "o").mkdir()
+    if mode == "weights":
+        _write_sharded_checkpoint(tmp_path / "ckpt")
+    out = subprocess.run(
+        [sys.executable, str(HERE / "_load_memory_worker.py"), str(tmp_path), mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_streaming_load_and_export_stay_within_the_budget(tmp_path):
+    """A model on the meta device filled from 5 safetensors shards of 50 MB (params and optimizer state
+    on NVMe), trained one step and exported with save_pretrained: host memory grows by the
+    budget, never by the model (whose fp32 values alone are twice the budget)."""
+    m = _load_measure(tmp_path, "weights")
+    assert m["fp32_state"] >= 8 * m["buffers"], m
+    budget = m["buffers"] + 4 * 4 * m["largest_unit"] + FIXED_OVERHEAD
+    assert 4 * m["n_params"] > 2 * budget, m  # holding the model's values would not fit
+    for phase in ("wrap", "train", "export"):
+        assert m[phase] <= budget, (phase, m)
+
+
+def test_wrapping_a_materialized_model_holds_no_second_copy(tmp_path):
+    m = _load_measure(tmp_path, "live")
+    budget = m["buffers"] + 4 * 4 * m["largest_unit"] + FIXED_OVERHEAD
+    assert 4 * m["n_params"] > 2 * budget, m
+    assert m["wrap"] <= budget, m  # over the RSS that already held the model

@@ -1,4 +1,5 @@
-"""What users call: ``wrap``, the optimizer it returns, checkpoints and export.
+"""What users call: ``wrap``, the optimizer it returns, checkpoints, export and Hugging Face
+directories in and out (``from_pretrained``, ``save_pretrained``).
 
 Owns: the public entry points and their errors. ``wrap`` turns a plan (``offload.plan``) into a
 runtime (``offload.runtime``) over homes (``offload.homes``); everything below it is private.
@@ -6,6 +7,7 @@ runtime (``offload.runtime``) over homes (``offload.homes``); everything below i
 
 from offload.api.checkpoint import CheckpointError, export, load_checkpoint, save_checkpoint
 from offload.api.optimizer import OffloadOptimizer
+from offload.api.pretrained import from_pretrained, save_pretrained
 from offload.api.wrap import engine_of, wrap
 
 __all__ = [
@@ -13,7 +15,9 @@ __all__ = [
     "OffloadOptimizer",
     "engine_of",
     "export",
+    "from_pretrained",
     "load_checkpoint",
     "save_checkpoint",
+    "save_pretrained",
     "wrap",
 ]

@@ -60,16 +60,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
             raise ValueError(f"clip_grad_norm_: norm_type={norm_type!r} is not supported; only 2.0")
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm!r}")
-        found_inf, ss = self._engine.grad_norm_sq()
-        norm = math.sqrt(ss) if not found_inf else math.inf
-        if self.scaler is not None:
-            norm /= self.scaler.scale
+        norm = self._norm()
         coef = float(
             torch.tensor(max_norm, dtype=torch.float32)
             / torch.tensor(norm + 1e-6, dtype=torch.float32)
         )
         self._clip_coef = min(coef, 1.0)
         return torch.tensor(norm, dtype=torch.float32)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the accumulated gradients (loss scale removed), clipping
+        nothing: what ``clip_grad_norm_`` returns."""
+        return torch.tensor(self._norm(), dtype=torch.float32)
+
+    def _norm(self) -> float:
+        found_inf, ss = self._engine.grad_norm_sq()
+        norm = math.sqrt(ss) if not found_inf else math.inf
+        if self.scaler is not None:
+            norm /= self.scaler.scale
+        return norm
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -2,11 +2,19 @@
 
 The plan (``offload.plan``) decides everything once; this module turns its decisions into
 objects through the tables below (param home, gradient owner, optimizer-state home, step
-schedule), fills the homes from the model's current values piece by piece, and installs the
-hooks. Everything that can be checked before training is checked by the plan or here, with
-errors naming the config key, the value and what to change: buffers too small for one piece,
-pools larger than RAM, an unwritable ``nvme_path``, a model on the meta device, a model wrapped
-twice.
+schedule), fills the homes piece by piece from one source of values (the model's current values,
+or ``weights=``: files or tensors by name, ``offload.runtime.weights``), and installs the hooks.
+Everything that can be checked before training is checked by the plan or here, with errors
+naming the config key, the value and what to change: buffers too small for one piece, pools
+larger than RAM, an unwritable ``nvme_path``, a model on the meta device without ``weights=``,
+weights that do not fit the model, a model wrapped twice.
+
+Note: a model on the meta device
+    Its parameters have shapes and dtypes but no storage; the plan lays them out all the same.
+    Nothing reads them: the homes are filled from ``weights``, and each parameter gets storage
+    (the same ``nn.Parameter`` object, swapped in place by ``torch.utils.swap_tensors``) just
+    before its home attaches it to its working storage. Buffers come from the weights
+    (persistent ones) or are computed by the model (``fill_computed_buffers``).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from offload import _native
+from offload.api import clipping
 from offload.api.loss_scale import DynamicLossScaler
 from offload.api.optimizer import OffloadOptimizer
 from offload.config import ConfigError, OffloadConfig, load_config
@@ -42,7 +51,8 @@ from offload.runtime import Runtime
 from offload.runtime.grads import Grads
 from offload.runtime.schedule import Background, Immediate, InBackward
 from offload.runtime.telemetry import Telemetry, check_jsonl_path
-from offload.runtime.values import LiveParams
+from offload.runtime.values import LiveParams, ParamValues
+from offload.runtime.weights import ModelWeights
 
 logger = logging.getLogger("offload.api")
 
@@ -116,7 +126,7 @@ def _close_at_exit(ref: weakref.ref) -> None:
         runtime.close()
 
 
-def _check_model(model: nn.Module) -> None:
+def _check_model(model: nn.Module, has_weights: bool) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload.wrap: expected a torch.nn.Module, got {type(model).__name__}")
     for wrapped, runtime in list(_RUNTIMES.items()):
@@ -136,12 +146,27 @@ def _check_model(model: nn.Module) -> None:
             raise ValueError(
                 f"offload.wrap: its submodule {type(wrapped).__name__} is already wrapped"
             )
-    for name, p in model.named_parameters():
+    if has_weights:
+        return
+    for what, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta:
+                raise ValueError(
+                    f"offload.wrap: {what} '{name}' is on the meta device (no values); pass "
+                    "weights= (a .safetensors file, a Hugging Face model directory or a mapping "
+                    "of names to tensors), or materialize the model first"
+                )
+
+
+def _materialize(unit) -> None:
+    """Gives the unit's meta parameters an empty CPU storage in place (see the module Note);
+    the param home's ``attach`` points them at their working storage right after."""
+    for seg in unit.layout.segments:
+        p = seg.param
         if p.is_meta:
-            raise ValueError(
-                f"offload.wrap: parameter '{name}' is on the meta device (no weights); materialize "
-                "the model first (e.g. model.to_empty(device='cpu') then initialize or load weights)"
-            )
+            t = torch.empty(p.shape, dtype=p.dtype)
+            t.untyped_storage().resize_(0)  # shape and dtype only: no bytes are ever touched
+            torch.utils.swap_tensors(p, nn.Parameter(t, requires_grad=p.requires_grad))
 
 
 def _new_aio(cfg: OffloadConfig, resources: list):
@@ -197,7 +222,13 @@ def _cast_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
 
 
 def _build(
-    model: nn.Module, cfg: OffloadConfig, plan: Plan, hyper, resources: list, buffer_dtypes: dict
+    model: nn.Module,
+    cfg: OffloadConfig,
+    plan: Plan,
+    hyper,
+    resources: list,
+    buffer_dtypes: dict,
+    source: ParamValues,
 ) -> Runtime:
     placement = plan.placement
     memory, staging, writer = for_device(placement.device)
@@ -211,11 +242,13 @@ def _build(
     params = PARAM_HOMES[placement.param_home](b)
     grad_home = GRAD_HOMES[(placement.grads, placement.schedule)](b)
     optim = OPTIM_HOMES[placement.master](b, params, grad_home)
-    for unit in plan.units:  # piece by piece from the live values (see offload.runtime.values)
-        params.create(unit, lambda lo, hi, u=unit: LiveParams.values(u, lo, hi, placement.dtype))
+    for unit in plan.units:  # piece by piece from the source (see offload.runtime.values)
+        params.create(unit, lambda lo, hi, u=unit: source.values(u, lo, hi, placement.dtype))
         grad_home.create(unit)
-        optim.create(unit, lambda lo, hi, u=unit: LiveParams.values(u, lo, hi, torch.float32))
+        optim.create(unit, lambda lo, hi, u=unit: source.values(u, lo, hi, torch.float32))
+        _materialize(unit)
         params.attach(unit)
+        _trim_host_heap()  # the unit's pieces were new tensors: no heap left holding them
     largest = max((u.layout.trainable for u in plan.units), default=0)
     timers: dict[str, float] = defaultdict(float)
     stepped = [u for u in plan.units if plan.trainable_pieces(u)]
@@ -240,15 +273,21 @@ def _build(
     )
 
 
-def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
+def wrap(model: nn.Module, config=None, *, weights=None, _keep_grads: bool | None = None):
     """Wraps ``model`` for offloaded training; returns ``(model, optimizer)``.
 
     ``config`` is a dict, a path to a JSON/YAML file (ours or DeepSpeed's), an
     :class:`~offload.OffloadConfig`, or None for the defaults. The model stays the same object
     and its parameters stay the same ``nn.Parameter`` objects.
+
+    ``weights`` (optional): where the values come from instead of the model's parameters, which
+    may then be on the meta device: a ``.safetensors`` file, a directory with
+    ``model.safetensors`` or a sharded ``model.safetensors.index.json``, or a mapping of
+    ``model.state_dict()`` names to tensors. Each piece streams from it into its home; the full
+    model is never in RAM (``offload.runtime.weights``).
     """
     cfg = load_config(config)
-    _check_model(model)
+    _check_model(model, weights is not None)
     check_jsonl_path(cfg.telemetry.jsonl_path)
     plan = make_plan(model, cfg, keep_grads=_keep_grads)
     placement = plan.placement
@@ -269,15 +308,22 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
     }
     if cfg.offload_optimizer.threads:
         _native.set_num_threads(cfg.offload_optimizer.threads)
-    buffer_dtypes = _cast_buffers(model, placement.device, placement.dtype)
+    if weights is None:
+        source: ParamValues = LiveParams(placement.dtype)
+    else:  # checked against the model here, before anything is built
+        source = ModelWeights(model, weights, placement.dtype)
     resources: list = []  # pools, NVMe stores and the IO engine, closed with the runtime
     try:
+        source.fill_buffers(model)
+        buffer_dtypes = _cast_buffers(model, placement.device, placement.dtype)
         hyper = lambda: OffloadOptimizer.hyper_of(group)  # noqa: E731
-        runtime = _build(model, cfg, plan, hyper, resources, buffer_dtypes)
+        runtime = _build(model, cfg, plan, hyper, resources, buffer_dtypes, source)
     except BaseException:
         for res in reversed(resources):
             res.close()
         raise
+    finally:
+        source.close()
     runtime.install_hooks()
     _RUNTIMES[model] = runtime
     atexit.register(_close_at_exit, weakref.ref(runtime))
@@ -295,6 +341,7 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
     optimizer = OffloadOptimizer(
         runtime, group, gradient_clipping=cfg.gradient_clipping, scaler=scaler
     )
+    clipping.register(optimizer)  # torch's clipping would see no gradient: guard it
     logger.info(
         "offload: %d units (+root), params on %s, optimizer on %s, compute %s on %s, piece %d "
         "elements",

@@ -15,6 +15,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("offload.cli.demo", "train a built-in GPT on local text with state on NVMe"),
+    "finetune": ("offload.cli.finetune", "fine-tune a Hugging Face model directory on a data file"),
     "report": ("offload.cli.report", "print what this machine offers (native, SIMD, CUDA, disk)"),
     "config": ("offload.cli.config_cmd", "validate a config file and print it normalized"),
     "estimate": ("offload.cli.estimate", "memory per device/host/NVMe for ZeRO stages 0-3"),

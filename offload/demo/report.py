@@ -138,6 +138,8 @@ def plot_report(
     title: str = "offload demo",
     host_budget: HostBudget | None = None,
     rss_before_bytes: int | None = None,
+    loss_title: str = "loss (nats per byte)",
+    uniform_loss: float = math.log(256),
 ) -> Path:
     """Write the four-panel PNG (see the module Notes) and return its path.
 
@@ -164,8 +166,14 @@ def plot_report(
         ax_loss.plot(
             [r["step"] for r in evals], [r["val_loss"] for r in evals], "o", label="validation"
         )
-    ax_loss.axhline(math.log(256), color="grey", lw=0.8, ls=":", label="uniform guess (ln 256)")
-    ax_loss.set(title="loss (nats per byte)", xlabel="step", ylabel="cross-entropy")
+    ax_loss.axhline(
+        uniform_loss,
+        color="grey",
+        lw=0.8,
+        ls=":",
+        label=f"uniform guess (ln {math.exp(uniform_loss):.0f})",
+    )
+    ax_loss.set(title=loss_title, xlabel="step", ylabel="cross-entropy")
     ax_loss.legend(loc="upper right", fontsize=8)
 
     _plot_time(ax_time, steps, xs)
@@ -347,8 +355,12 @@ def fmt_size(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
-def format_summary(summary: Mapping[str, Any], header: Iterable[tuple[str, str]] = ()) -> str:
-    """A two-column table: what, value."""
+def format_summary(
+    summary: Mapping[str, Any],
+    header: Iterable[tuple[str, str]] = (),
+    uniform_loss: float = math.log(256),
+) -> str:
+    """A two-column table: what, value (``uniform_loss``: the loss of a uniform guess)."""
     s = summary
     rows: list[tuple[str, str]] = list(header)
     rows.append(("steps", str(s["steps"])))
@@ -357,7 +369,8 @@ def format_summary(summary: Mapping[str, Any], header: Iterable[tuple[str, str]]
             (
                 "train loss",
                 f"{s['loss_first']:.3f} -> {s['loss_last']:.3f} "
-                f"(mean of first / last {s['loss_window']} steps; uniform guess 5.545)",
+                f"(mean of first / last {s['loss_window']} steps; uniform guess "
+                f"{uniform_loss:.3f})",
             )
         )
     if s["val_first"] is not None:

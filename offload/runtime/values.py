@@ -2,8 +2,9 @@
 parameters (``FlatLayout.pairs``), fed by value sources.
 
 A :class:`ValueSource` gives the flat values of one piece of one kind of state; sources are
-the live parameters (at wrap), per-parameter tensors (``optimizer.load_state_dict``) and
-checkpoint files (``offload.api.checkpoint``); safetensors files of a model are the next.
+the live parameters (at wrap), a model's weights in safetensors files or tensors by name
+(``wrap(..., weights=)``, ``offload.runtime.weights``), per-parameter tensors
+(``optimizer.load_state_dict``) and checkpoint files (``offload.api.checkpoint``).
 :meth:`Values.load` writes a source into the homes piece by piece, the master through its owner
 (which derives the compute params), so nothing is ever held whole. :meth:`Values.read` scatters
 the homes' pieces into one tensor per parameter.
@@ -34,7 +35,9 @@ def gather_piece(
     view_of: Callable[[Segment], torch.Tensor | None],
 ) -> torch.Tensor:
     """A new flat tensor of elements ``[lo, hi)`` from per-parameter flat views (zero where no
-    parameter is, or ``view_of`` gives None)."""
+    parameter is, or ``view_of`` gives None). A view may be anything sliced like a flat tensor
+    that gives a tensor (a tensor in a file, ``offload.runtime.weights``): only the elements
+    inside ``[lo, hi)`` are asked for."""
     out = torch.zeros(hi - lo, dtype=dtype)
     for param_side, flat_side in layout.pairs(lo, hi, out, view_of):
         flat_side.copy_(param_side)
@@ -49,22 +52,40 @@ class ValueSource:
         raise NotImplementedError
 
 
-class LiveParams(ValueSource):
-    """The parameters' current values (what a model holds when it is wrapped)."""
+class ParamValues(ValueSource):
+    """A value for every parameter and nothing else: what a new state is built from at wrap.
+    The master and the frozen compute values are gathered from each parameter's flat view
+    (:meth:`view_of`); there are no moments (a new state starts them at zero)."""
 
     def __init__(self, compute_dtype: torch.dtype) -> None:
         self.dtype = compute_dtype
 
+    def view_of(self, seg: Segment):
+        """The parameter's values, flat: a 1-D tensor or anything sliced like one."""
+        raise NotImplementedError
+
+    def fill_buffers(self, model: nn.Module) -> None:
+        """Gives the model's buffers their values before wrap casts them (a live model's are
+        its own already)."""
+
+    def close(self) -> None:
+        """Releases what the source holds open (files)."""
+
     def piece(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor | None:
         if kind in KINDS[1:]:
             return None
-        dtype = torch.float32 if kind == "master" else self.dtype
-        return self.values(unit, lo, hi, dtype)
+        return self.values(unit, lo, hi, torch.float32 if kind == "master" else self.dtype)
 
-    @staticmethod
-    def values(unit: Unit, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of the unit's flat buffer from its parameters, in ``dtype``."""
-        return gather_piece(unit.layout, lo, hi, dtype, lambda s: s.param.detach().reshape(-1))
+    def values(self, unit: Unit, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the unit's flat buffer, in ``dtype``."""
+        return gather_piece(unit.layout, lo, hi, dtype, self.view_of)
+
+
+class LiveParams(ParamValues):
+    """The parameters' current values (what a materialized model holds when it is wrapped)."""
+
+    def view_of(self, seg: Segment) -> torch.Tensor:
+        return seg.param.detach().reshape(-1)
 
 
 class ParamTensors(ValueSource):

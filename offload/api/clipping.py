@@ -1,0 +1,145 @@
+"""Gradient clipping that cannot silently vanish.
+
+Note: why torch's clipping sees nothing
+    When offload owns the gradients (a host buffer or NVMe shards: ``GradOwner.HOST`` /
+    ``NVME``), a parameter's ``.grad`` is dropped as its unit's backward ends.
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` then finds no gradient, returns
+    0 and clips nothing, and Hugging Face ``Trainer`` (through Accelerate) logs ``grad_norm``
+    0.0 and trains unclipped, while the same script with ``p.grad`` kept
+    (``GradOwner.AUTOGRAD``) clips. The call that clips offload's gradients is
+    ``optimizer.clip_grad_norm_(max_norm)``: the global norm from the owners' sums of squares,
+    the coefficient fused into the next ``step()``.
+
+Note: the guard
+    From the first ``wrap`` whose gradients are held elsewhere, ``torch.nn.utils``'s
+    ``clip_grad_norm_`` and ``clip_grad_value_`` (under ``torch.nn.utils`` and
+    ``torch.nn.utils.clip_grad``) go through :func:`_guard`: a call passing parameters of an
+    open offload model whose gradients live elsewhere raises :class:`ClipError` naming the call
+    to use. That is detected exactly (the parameters are the runtime's; their gradients are
+    not in ``.grad``), so it is an error, not a warning that would scroll by while the run
+    trains unclipped. Every other call goes to torch unchanged. Code that imported the function
+    by name before offload was imported (``from torch.nn.utils import clip_grad_norm_``) keeps
+    torch's own; it is not guarded.
+
+Note: routing Trainer and Accelerate
+    :func:`route_clipping` gives one ``accelerate.Accelerator`` a ``clip_grad_norm_`` that sends
+    offload's parameters to their optimizer (``max_norm=inf``, which ``Trainer`` uses to log the
+    norm without clipping, gives the norm and clips nothing) and everything else to Accelerate.
+    ``offload.OffloadTrainer`` does this for its own accelerator. The whole set of a model's
+    trainable parameters is clipped together or not at all: a call with only some of them, or
+    mixed with other parameters, is a :class:`ClipError`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+
+import torch
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+
+from offload.plan import GradOwner
+
+# optimizers whose runtime keeps gradients outside .grad (weak: a closed, dropped model goes)
+_HELD: weakref.WeakSet = weakref.WeakSet()
+_GUARDED = ("clip_grad_norm_", "clip_grad_value_")
+_WHERE = {GradOwner.HOST: "a host buffer", GradOwner.NVME: "NVMe shards"}
+
+
+class ClipError(RuntimeError):
+    """Clipping asked of parameters whose gradients offload holds elsewhere."""
+
+
+def register(optimizer) -> None:
+    """Called by ``wrap``: guards torch's clipping once gradients are held outside ``.grad``."""
+    if optimizer._engine.plan.placement.grads is GradOwner.AUTOGRAD:
+        return
+    _HELD.add(optimizer)
+    _install()
+
+
+def _install() -> None:
+    for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+        for name in _GUARDED:
+            fn = getattr(module, name)
+            if not getattr(fn, "_offload_guard", False):
+                setattr(module, name, _guard(fn, name))
+
+
+def _owned(parameters: list) -> dict:
+    """``{optimizer: [its trainable parameters among these]}`` for open offload models that hold
+    their gradients elsewhere."""
+    out: dict = {}
+    for opt in list(_HELD):
+        if opt._engine.closed:
+            continue
+        mine = {id(p) for p in opt.param_groups[0]["params"]}
+        hit = [p for p in parameters if id(p) in mine]
+        if hit:
+            out[opt] = hit
+    return out
+
+
+def _guard(torch_fn, name: str):
+    @functools.wraps(torch_fn)
+    def clip(parameters, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        owned = _owned(params)
+        if owned:
+            opt, hit = next(iter(owned.items()))
+            where = _WHERE.get(opt._engine.plan.placement.grads, "offload's buffers")
+            raise ClipError(
+                f"torch.nn.utils.{name}: {sum(len(h) for h in owned.values())} of the "
+                f"{len(params)} parameters passed are trained by offload, which keeps their "
+                f"gradients in {where}, not in .grad: this call would find no gradient and "
+                "clip nothing (a norm of 0). Call optimizer.clip_grad_norm_(max_norm) on the "
+                "optimizer offload.wrap returned (it returns the global norm and the clip is "
+                "applied in optimizer.step()), or set gradient_clipping in the config; with "
+                "Hugging Face Trainer use offload.OffloadTrainer, with Accelerate call "
+                "offload.route_clipping(accelerator) once"
+            )
+        return torch_fn(params, *args, **kwargs)
+
+    clip._offload_guard = True
+    return clip
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, fallback=None):
+    """``torch.nn.utils.clip_grad_norm_`` for parameters that may be offload's: those of one
+    wrapped model (all its trainable parameters, any others of it being frozen) go to its
+    optimizer; parameters of no offload model go to ``fallback`` (torch's by default)."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owned = _owned(params)
+    if not owned:
+        fallback = fallback or torch.nn.utils.clip_grad_norm_
+        return fallback(params, max_norm, norm_type=norm_type)
+    (opt, hit), *others = owned.items()
+    trainable = opt.param_groups[0]["params"]
+    ours = {id(p) for p in trainable}
+    stray = [p for p in params if id(p) not in ours and p.requires_grad]
+    if others or stray or len({id(p) for p in hit}) != len(trainable):
+        raise ClipError(
+            "clip_grad_norm_: offload clips all of a wrapped model's gradients together; pass "
+            f"exactly its parameters (model.parameters()): got {len(hit)} of its "
+            f"{len(trainable)} trainable parameters, {len(stray)} parameters of no offload model"
+            + (f" and parameters of {len(others)} other offload model(s)" if others else "")
+        )
+    if math.isinf(max_norm):
+        return opt.grad_norm()
+    return opt.clip_grad_norm_(max_norm, norm_type)
+
+
+def route_clipping(accelerator) -> None:
+    """Makes ``accelerator.clip_grad_norm_`` clip offload's parameters through their optimizer
+    (see the module Note); idempotent."""
+    original = accelerator.clip_grad_norm_
+    if getattr(original, "_offload_route", False):
+        return
+
+    def routed(parameters, max_norm, norm_type=2):
+        return clip_grad_norm_(parameters, max_norm, norm_type, fallback=original)
+
+    routed._offload_route = True
+    accelerator.clip_grad_norm_ = routed

@@ -1,0 +1,233 @@
+"""Hugging Face models in and out of offload: ``from_pretrained`` and ``save_pretrained``.
+
+``from_pretrained(path, config)`` builds the model of a local Hugging Face directory on the meta
+device from its ``config.json`` and wraps it with ``weights=path``: every tensor streams from the
+safetensors shards into its home (``offload.runtime.weights``). ``save_pretrained(model, dir)``
+writes the layout ``from_pretrained`` and the Hub expect: ``model.safetensors``, or shards
+``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` when the model is
+larger than ``max_shard_size``, plus ``config.json`` when the model has a Hugging Face config.
+
+Note: streaming out
+    Each tensor is written chunk by chunk as it is read from its owner (``Values.flat``: the
+    fp32 master of a trainable parameter, the compute values of a frozen one), one piece of its
+    unit at a time, the last piece kept for the next tensor that starts in it. So host memory
+    holds one piece (at most one swap buffer) and its conversion, whatever the size of the model
+    or of its largest tensor (a 128k-token embedding included). Shards are split the way
+    ``huggingface_hub`` splits a state dict: in order, a new shard when the next tensor would go
+    over ``max_shard_size``, a larger tensor alone in its shard.
+
+Note: what is written, and when
+    One name per parameter: the first under which ``named_parameters`` finds it, so tied
+    weights are written once, as Hugging Face does (``lm_head.weight`` tied to
+    ``model.embed_tokens.weight`` is not written). Persistent buffers are written; computed
+    (non-persistent) ones are not. Each file goes to a temporary name, is fsynced and renamed;
+    the index and ``config.json`` come after every shard, then shards of an earlier save that
+    the new index does not name are removed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from offload.config import parse_size
+from offload.plan import Segment, Unit
+from offload.runtime.safetensors import NAMES, Produce, write_file
+from offload.runtime.values import FROZEN, Values
+from offload.runtime.weights import INDEX, SINGLE
+
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+Entry = tuple[str, torch.dtype, list[int], Produce]
+
+
+def _need_transformers(what: str):
+    try:
+        import transformers  # noqa: PLC0415
+    except ImportError:
+        raise ImportError(
+            f"offload.{what} needs Hugging Face transformers: pip install 'offload[hf]'"
+        ) from None
+    return transformers
+
+
+def from_pretrained(path: str | os.PathLike, config=None, **model_kwargs):
+    """Builds the causal LM of the local Hugging Face directory ``path`` on the meta device and
+    wraps it with ``weights=path``; returns ``(model, optimizer)``. ``config`` is offload's
+    config (as for :func:`offload.wrap`); ``model_kwargs`` go to
+    ``AutoModelForCausalLM.from_config`` (``dtype`` defaults to the checkpoint's). Nothing is
+    downloaded: ``path`` must be a directory."""
+    transformers = _need_transformers("from_pretrained")
+    from offload.api.wrap import wrap  # noqa: PLC0415
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"offload.from_pretrained: '{path}' is not a local model directory with a "
+            "config.json (offload never downloads; use huggingface-cli download first)"
+        )
+    hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    if "dtype" not in model_kwargs and "torch_dtype" not in model_kwargs:
+        saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(saved, str):
+            saved = getattr(torch, saved, None)
+        model_kwargs["dtype"] = saved if isinstance(saved, torch.dtype) else torch.float32
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, **model_kwargs)
+    return wrap(model, config, weights=path)
+
+
+# ------------------------------------------------------------------------------------------ out
+class _PieceReader:
+    """One unit's tensors, chunk by chunk, from its owners (see the module Note)."""
+
+    def __init__(self, values: Values, unit: Unit) -> None:
+        self.values, self.unit = values, unit
+        self._at: tuple[str, int] | None = None
+        self._flat: torch.Tensor | None = None
+
+    def chunks(self, seg: Segment) -> Iterator[torch.Tensor]:
+        kind = "master" if seg.trainable else FROZEN
+        for lo, hi in self.values.pieces(self.unit, kind):
+            a, b = max(lo, seg.offset), min(hi, seg.end)
+            if a >= b:
+                continue
+            if self._at != (kind, lo):
+                self._flat = None  # the previous piece goes before the next is read
+                self._flat = self.values.flat(self.unit, kind, lo, hi)
+                self._at = (kind, lo)
+            yield self._flat[a - lo : b - lo]
+
+
+def model_entries(model: nn.Module, dtype: torch.dtype | None = None) -> list[Entry]:
+    """``(name, dtype, shape, producer)`` of every tensor a wrapped model's state dict holds, one
+    name per parameter, in unit order (each unit read once), then the persistent buffers."""
+    from offload.api.wrap import engine_of  # noqa: PLC0415
+
+    engine = engine_of(model)
+    first: dict[nn.Parameter, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(p, name)
+    entries: list[Entry] = []
+    for unit in engine.units:
+        reader = _PieceReader(engine.values, unit)
+        for seg in sorted(unit.layout.segments, key=lambda s: s.offset):
+            entries.append(
+                (
+                    first[seg.param],
+                    dtype or seg.dtype,
+                    list(seg.shape),
+                    lambda s=seg, r=reader: r.chunks(s),
+                )
+            )
+    for mname, module in model.named_modules():
+        for bname, buf in module._buffers.items():
+            if buf is None or bname in module._non_persistent_buffers_set:
+                continue
+            before = engine.buffer_dtypes.get((module, bname), buf.dtype)
+            bdt = (dtype or before) if buf.is_floating_point() else buf.dtype
+            full = f"{mname}.{bname}" if mname else bname
+            entries.append((full, bdt, list(buf.shape), lambda b=buf: iter([b])))
+    return entries
+
+
+def _nbytes(entry: Entry) -> int:
+    return torch.Size(entry[2]).numel() * entry[1].itemsize
+
+
+def split_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry]]:
+    """Entries in shards of at most ``max_shard_size`` bytes (see the module Note)."""
+    shards: list[list[Entry]] = []
+    current: list[Entry] = []
+    size = 0
+    for entry in entries:
+        n = _nbytes(entry)
+        if n > max_shard_size:
+            shards.append([entry])
+            continue
+        if current and size + n > max_shard_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append(entry)
+        size += n
+    if current:
+        shards.append(current)
+    return shards
+
+
+def write_shards(
+    directory: str | os.PathLike, entries: list[Entry], max_shard_size: int | str = "5GB"
+) -> list[Path]:
+    """Writes ``entries`` as ``model.safetensors`` or as shards with their index (the layout
+    ``from_pretrained`` reads), streaming; removes what an earlier save left that the new files
+    do not replace; returns the files written."""
+    limit = parse_size(max_shard_size, key="max_shard_size")
+    if limit <= 0:
+        raise ValueError(f"max_shard_size={max_shard_size!r}; allowed: a size > 0")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    shards = split_shards(entries, limit)
+    n = len(shards)
+    names = [SINGLE] if n <= 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    written = []
+    for name, shard in zip(names, shards or [[]]):
+        written.append(write_file(directory / name, shard, metadata={"format": "pt"}))
+    if n > 1:
+        index = {
+            "metadata": {"total_size": sum(_nbytes(e) for e in entries)},
+            "weight_map": {e[0]: name for name, shard in zip(names, shards) for e in shard},
+        }
+        tmp = directory / f".{INDEX}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / INDEX)
+        written.append(directory / INDEX)
+    keep = {p.name for p in written}
+    for old in directory.iterdir():
+        stale = _SHARD.fullmatch(old.name) or old.name in (SINGLE, INDEX)
+        if stale and old.name not in keep and old.is_file():
+            old.unlink()
+    return written
+
+
+def save_pretrained(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+) -> Path:
+    """Writes a wrapped model as a Hugging Face directory (see the module Notes): its current
+    values (the fp32 masters of trainable parameters, in ``dtype``, default each parameter's
+    dtype before wrap), and ``config.json`` when the model has a Hugging Face config. Loadable
+    with ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` or
+    :func:`from_pretrained`. Returns ``directory``."""
+    from offload.api.wrap import engine_of  # noqa: PLC0415
+
+    if dtype is not None and dtype not in NAMES:
+        raise ValueError(f"save_pretrained: dtype={dtype!r}; allowed: {', '.join(map(str, NAMES))}")
+    engine = engine_of(model)
+    engine.check_idle("save_pretrained")
+    directory = Path(directory)
+    write_shards(directory, model_entries(model, dtype), max_shard_size)
+    hf_config = getattr(model, "config", None)
+    if hf_config is not None and hasattr(hf_config, "to_json_file"):
+        hf_config = copy.deepcopy(hf_config)
+        saved = dtype or next((s.dtype for u in engine.units for s in u.layout.segments), None)
+        if saved is not None:
+            hf_config.dtype = saved
+        tmp = directory / ".config.json.tmp"
+        hf_config.to_json_file(tmp)
+        os.replace(tmp, directory / "config.json")
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and hasattr(generation, "save_pretrained"):
+            generation.save_pretrained(directory)
+    return directory

@@ -1,0 +1,42 @@
+"""``OffloadTrainer``: Hugging Face ``Trainer`` for a model wrapped by offload.
+
+Use it as ``Trainer``, with the pair ``wrap`` (or ``from_pretrained``) returned::
+
+    model, optimizer = offload.from_pretrained(path, config)
+    trainer = offload.OffloadTrainer(model=model, args=args, train_dataset=data,
+                                     optimizers=(optimizer, scheduler_or_None))
+
+What it changes (``offload.api.clipping``): ``max_grad_norm`` clips through
+``optimizer.clip_grad_norm_`` and the logged ``grad_norm`` is the real one whatever the placement
+(a plain ``Trainer`` would get no gradient from the parameters and is stopped by the guard).
+The model is never moved to ``args.device``: its homes own the parameters and inputs are moved
+by offload's hooks.
+"""
+
+from __future__ import annotations
+
+import transformers
+
+from offload.api.clipping import route_clipping
+from offload.api.optimizer import OffloadOptimizer
+
+
+class OffloadTrainer(transformers.Trainer):
+    def __init__(self, *args, **kwargs) -> None:
+        optimizers = kwargs.get("optimizers") or (None, None)
+        if not isinstance(optimizers[0], OffloadOptimizer):
+            raise TypeError(
+                "OffloadTrainer: pass optimizers=(optimizer, scheduler) with the optimizer "
+                "offload.wrap / offload.from_pretrained returned (scheduler may be None); got "
+                f"{type(optimizers[0]).__name__}"
+            )
+        super().__init__(*args, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        route_clipping(self.accelerator)
+        # offload's homes own the parameters: Accelerate must not move the model
+        self.accelerator.device_placement = False
+
+    def _move_model_to_device(self, model, device) -> None:
+        pass  # see create_accelerator_and_postprocess

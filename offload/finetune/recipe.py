@@ -1,0 +1,345 @@
+"""``offload finetune``: a Hugging Face model directory + a data file -> a fine-tuned directory.
+
+One run: ``from_pretrained`` (the model streams from its shards into the tiers), the data packed
+into sequences (``offload.finetune.data``), AdamW with linear warm-up and cosine decay, gradient
+accumulation, clipping through ``optimizer.clip_grad_norm_``, checkpoints every ``save_every``
+steps, and at the end a Hugging Face export (``save_pretrained`` + the tokenizer) in
+``OUT/hf``. ``OUT`` also gets ``metrics.jsonl`` and ``report.png`` (the demo's report).
+
+Note: resuming bitwise
+    Everything a step depends on is a function of the step number or is in the checkpoint: the
+    batch of micro-step ``k`` comes from a permutation seeded by (seed, epoch)
+    (``data.Order``); the LR comes from the scheduler's state, saved as JSON with the
+    checkpoint along with the torch RNG state; the optimizer state and step count are the
+    checkpoint's. So ``--resume`` from the checkpoint of step ``s`` computes steps ``s+1...``
+    exactly as the uninterrupted run did. A resume with another ``--seq-len``, ``--batch``,
+    ``--accum``, ``--seed`` or data file is refused (it would not be the same run).
+    ``metrics.jsonl`` keeps the records up to the checkpoint's step and appends the rest.
+
+Note: Ctrl-C
+    Ends the loop after the current step; no export, the last checkpoint stays, the swap files
+    are removed (``optimizer.close()``), exit status 130.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import dataclasses
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload.finetune.data import Order, load_data
+
+TIER_SHORT = {"nvme->host": "rd", "host->nvme": "wr", "host->device": "h2d", "device->host": "d2h"}
+
+
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    """What ``offload finetune`` was asked (the command's flags)."""
+
+    model: str
+    data: str
+    out: str
+    config: str | None = None
+    steps: int | None = None
+    epochs: float | None = None
+    seq_len: int = 512
+    batch: int = 1
+    accum: int = 1
+    lr: float = 2e-5
+    warmup: int = 0
+    max_grad_norm: float = 1.0
+    save_every: int = 0
+    resume: bool = False
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    progress: bool = True
+    report: bool = True
+
+
+def cosine_with_warmup(warmup: int, total: int):
+    """The LR factor of step ``s`` (0-based): linear warm-up, then cosine decay to 0 (the
+    schedule of ``transformers.get_cosine_schedule_with_warmup``)."""
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return s / max(1, warmup)
+        progress = (s - warmup) / max(1, total - warmup)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+    return factor
+
+
+def offload_config(opts: Options, out: Path) -> dict:
+    """The user's config (or the defaults) with ``--lr``; in offload's format, an NVMe section
+    that names no ``nvme_path`` gets ``OUT/swap``."""
+    from offload.config import ConfigError, load_config  # noqa: PLC0415
+    from offload.config.deepspeed import is_deepspeed_config  # noqa: PLC0415
+    from offload.config.loader import read_config_file  # noqa: PLC0415
+
+    raw = read_config_file(opts.config) if opts.config else {}
+    if isinstance(raw, dict) and not is_deepspeed_config(raw):
+        raw = copy.deepcopy(raw)
+        for section in ("offload_param", "offload_optimizer"):
+            sec = raw.get(section)
+            if isinstance(sec, dict) and sec.get("device") == "nvme" and not sec.get("nvme_path"):
+                (out / "swap").mkdir(parents=True, exist_ok=True)
+                sec["nvme_path"] = str(out / "swap")
+    try:
+        cfg = load_config(raw).to_dict()
+    except ConfigError as exc:
+        raise exc.with_source(opts.config) if opts.config else exc from None
+    cfg["optimizer"]["lr"] = opts.lr
+    return cfg
+
+
+def _rng_state() -> str:
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+
+
+def _set_rng_state(text: str) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8))
+
+
+def _postfix(rec: dict[str, Any]) -> str:
+    moved = rec["bytes"]
+    rates = " ".join(
+        f"{short} {moved.get(pair, 0) / rec['wall_seconds'] / 1e9:.2f}"
+        for pair, short in TIER_SHORT.items()
+        if moved.get(pair)
+    )
+    return (
+        f"loss {rec['loss']:.3f} | {rec['tokens_per_second']:.0f} tok/s | fwd "
+        f"{rec['forward_seconds']:.2f} bwd {rec['backward_seconds']:.2f} step "
+        f"{rec['step_wall']:.2f} s" + (f" | GB/s {rates}" if rates else "")
+    )
+
+
+def finetune(opts: Options, on_step=None) -> int:
+    """Runs the recipe (see the module docstring); returns the exit status. ``on_step(record)``
+    is called after each step (tests)."""
+    import transformers  # noqa: PLC0415
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    import offload  # noqa: PLC0415
+    from offload.api import engine_of  # noqa: PLC0415
+    from offload.demo.loop import current_rss, normalize_stats  # noqa: PLC0415
+    from offload.demo.report import (  # noqa: PLC0415
+        MetricsWriter,
+        format_summary,
+        plot_report,
+        read_metrics,
+        summarize,
+    )
+    from offload.plan import Schedule  # noqa: PLC0415
+
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = out / "checkpoints"
+    if opts.resume and not (ckpt_dir / "latest").exists():
+        raise ValueError(f"--resume: no checkpoint in '{ckpt_dir}'")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(opts.model, local_files_only=True)
+    data = load_data(opts.data, tokenizer, opts.seq_len)
+    per_step = opts.batch * opts.accum
+    if opts.steps is None:
+        epochs = opts.epochs if opts.epochs is not None else 1.0
+        total = max(1, math.ceil(epochs * len(data) / per_step))
+    else:
+        total = opts.steps
+    run_id = {
+        "seq_len": opts.seq_len,
+        "batch": opts.batch,
+        "accum": opts.accum,
+        "seed": opts.seed,
+        "sequences": len(data),
+        "data": str(Path(opts.data).resolve()),
+    }
+    cfg = offload_config(opts, out)
+    rss_before = current_rss()
+    model, optimizer = offload.from_pretrained(opts.model, cfg)
+    writer = None
+    try:
+        in_backward = engine_of(model).plan.placement.schedule is Schedule.IN_BACKWARD
+        if in_backward and (opts.accum > 1 or opts.max_grad_norm > 0):
+            raise ValueError(
+                "offload_optimizer.step_in_backward updates each unit during backward: use "
+                "--accum 1 --max-grad-norm 0 with it"
+            )
+        if opts.gradient_checkpointing:  # non-reentrant: offload's hooks run in recomputation
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.train()
+        sched = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(opts.warmup, total))
+        start = 0
+        records: list[dict] = []
+        if opts.resume:
+            extra = offload.load_checkpoint(ckpt_dir, model, optimizer)
+            saved = extra["run"]
+            changed = [k for k in run_id if saved.get(k) != run_id[k]]
+            if changed:
+                raise ValueError(
+                    "--resume: the checkpoint's run had "
+                    + ", ".join(f"{k}={saved.get(k)!r}" for k in changed)
+                    + "; this one has "
+                    + ", ".join(f"{k}={run_id[k]!r}" for k in changed)
+                )
+            start = int(extra["step"])
+            sched.load_state_dict(extra["scheduler"])
+            _set_rng_state(extra["rng"])
+            if (out / "metrics.jsonl").exists():
+                records = [
+                    r
+                    for r in read_metrics(out / "metrics.jsonl")
+                    if r.get("kind") != "step" or r["step"] <= start
+                ]
+        if opts.report:
+            writer = MetricsWriter(out / "metrics.jsonl")
+            for r in records:
+                writer.write(r)
+            if not opts.resume:
+                run = {"kind": "run", "model": str(opts.model), "config": cfg, "steps": total}
+                writer.write(run | run_id | {"rss_before_model_bytes": rss_before})
+                records.append(run)
+        order = Order(len(data), opts.batch, opts.seed)
+        budget = _host_budget(engine_of(model), cfg)
+        vocab = getattr(model.config, "vocab_size", None) or len(tokenizer)
+        elapsed0 = max((r.get("elapsed_seconds", 0.0) for r in records), default=0.0)
+        t_start = time.perf_counter()
+        print(
+            f"offload finetune: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+            f"parameters; {len(data)} sequences of {opts.seq_len} tokens ({data.format}, "
+            f"{data.documents} documents); {total} steps of {opts.batch} x {opts.accum}"
+            + (f", resuming after step {start}" if start else ""),
+            file=sys.stderr,
+        )
+        bar = tqdm(
+            total=total, initial=start, disable=not opts.progress, unit="step", dynamic_ncols=True
+        )
+        interrupted = False
+        try:
+            for step in range(start, total):
+                t_step = time.perf_counter()
+                fwd = bwd = 0.0
+                loss_sum, tokens = 0.0, 0
+                for m in range(opts.accum):
+                    idx = order.indices(step * opts.accum + m)
+                    x, y = data.input_ids[idx], data.labels[idx]
+                    t0 = time.perf_counter()
+                    loss = model(input_ids=x, labels=y).loss / opts.accum
+                    t1 = time.perf_counter()
+                    loss.backward()
+                    fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
+                    loss_sum += loss.item()
+                    tokens += x.numel()
+                t2 = time.perf_counter()
+                norm = None
+                if opts.max_grad_norm > 0:
+                    norm = float(optimizer.clip_grad_norm_(opts.max_grad_norm))
+                elif not in_backward:
+                    norm = float(optimizer.grad_norm())
+                lr = optimizer.param_groups[0]["lr"]
+                optimizer.step()
+                sched.step()
+                optimizer.zero_grad()
+                t3 = time.perf_counter()
+                if not math.isfinite(loss_sum):
+                    raise FloatingPointError(f"loss became {loss_sum} at step {step + 1}")
+                rec = normalize_stats(optimizer.stats())
+                wall = t3 - t_step
+                rec.update(
+                    kind="step",
+                    step=step + 1,
+                    loss=loss_sum,
+                    lr=lr,
+                    grad_norm=norm,
+                    tokens=tokens,
+                    wall_seconds=wall,
+                    forward_seconds=rec["forward_seconds"] or fwd,
+                    backward_seconds=rec["backward_seconds"] or bwd,
+                    forward_wall=fwd,
+                    backward_wall=bwd,
+                    step_wall=t3 - t2,
+                    tokens_per_second=tokens / wall if wall > 0 else 0.0,
+                    elapsed_seconds=elapsed0 + time.perf_counter() - t_start,
+                    io_bytes=sum(rec["bytes"].values()),
+                )
+                rec["rss_bytes"] = rec["rss_bytes"] or current_rss()
+                records.append(rec)
+                if writer is not None:
+                    writer.write(rec)
+                bar.set_postfix_str(_postfix(rec), refresh=False)
+                bar.update(1)
+                if opts.save_every and (step + 1) % opts.save_every == 0 and step + 1 < total:
+                    save(offload, ckpt_dir, model, optimizer, step + 1, sched, run_id)
+                if on_step is not None:
+                    on_step(rec)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            bar.close()
+        if not interrupted:
+            if opts.save_every:
+                save(offload, ckpt_dir, model, optimizer, total, sched, run_id)
+            export = out / "hf"
+            offload.save_pretrained(model, export)
+            tokenizer.save_pretrained(export)
+        summary = summarize(records)
+        if writer is not None:
+            writer.write({"kind": "summary", "interrupted": interrupted, **summary})
+            writer.close()
+            writer = None
+            try:
+                plot_report(
+                    records,
+                    out / "report.png",
+                    title=f"offload finetune: {Path(opts.model).name}",
+                    host_budget=budget,
+                    rss_before_bytes=rss_before,
+                    loss_title="loss (nats per token)",
+                    uniform_loss=math.log(vocab),
+                )
+            except ImportError:
+                print("offload finetune: no report.png (pip install 'offload[plot]')")
+        header = [("model", str(opts.model)), ("out", str(out))]
+        if not interrupted:
+            header.append(("export", str(out / "hf")))
+        print("\noffload finetune summary")
+        print(format_summary(summary, header, uniform_loss=math.log(vocab)))
+        return 130 if interrupted else 0
+    finally:
+        if writer is not None:
+            writer.close()
+        optimizer.close()
+        shutil.rmtree(out / "swap", ignore_errors=True)
+
+
+def _host_budget(engine, cfg: dict):
+    """The documented host budget (README "Memory") of a run with NVMe pools, else None."""
+    from offload.estimate import host_memory_budget  # noqa: PLC0415
+
+    sizes = engine.plan.placement.buffer_sizes
+    buffers = sum(cfg[s]["buffer_count"] * sizes[s] for s in engine.stores)
+    return host_memory_budget(buffers, engine.plan.largest_unit) if buffers else None
+
+
+def save(offload, ckpt_dir: Path, model, optimizer, step: int, sched, run_id: dict) -> None:
+    offload.save_checkpoint(
+        ckpt_dir,
+        model,
+        optimizer,
+        keep_last=2,
+        step=step,
+        scheduler=sched.state_dict(),
+        rng=_rng_state(),
+        run=run_id,
+    )

@@ -1,0 +1,145 @@
+"""``offload finetune`` end to end on the CPU: a tiny random Llama, a tokenizer built here with
+the ``tokenizers`` library, JSONL data; checkpoints, an interrupted run resumed bitwise, the
+Hugging Face export loaded back by ``transformers``."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_models import WORDS, write_model, write_tokenizer  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from offload.cli.main import main  # noqa: E402
+from offload.demo.report import read_metrics  # noqa: E402
+from offload.finetune import Options, finetune, load_data  # noqa: E402
+from offload.finetune.data import IGNORE  # noqa: E402
+
+CONFIG = """\
+device: cpu
+dtype: fp32
+offload_param: {device: nvme, buffer_count: 4, buffer_size: 16KiB, persistence_threshold: 0}
+offload_optimizer: {device: nvme, buffer_count: 8, buffer_size: 16KiB}
+"""
+
+
+@pytest.fixture
+def setup(tmp_path):
+    model = write_model(tmp_path / "model")
+    write_tokenizer(model)
+    rng = random.Random(0)
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for _ in range(40):
+            prompt = " ".join(rng.choice(WORDS) for _ in range(5))
+            f.write(json.dumps({"prompt": prompt, "completion": "yes the cat sat"}) + "\n")
+    (tmp_path / "cfg.yaml").write_text(CONFIG)
+    return tmp_path
+
+
+def _args(t, out, *extra):
+    return [
+        "finetune", "--model", str(t / "model"), "--data", str(t / "data.jsonl"),
+        "--out", str(out), "--config", str(t / "cfg.yaml"), "--steps", "6", "--seq-len", "16",
+        "--batch", "2", "--accum", "2", "--lr", "1e-2", "--warmup", "2", "--save-every", "2",
+        "--gradient-checkpointing", "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+def _steps(out):
+    return [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "step"]
+
+
+def test_finetune_end_to_end_and_resume_bitwise(setup):
+    t = setup
+    assert main(_args(t, t / "a")) == 0
+    full = _steps(t / "a")
+    assert [r["step"] for r in full] == [1, 2, 3, 4, 5, 6]
+    assert full[-1]["loss"] < full[0]["loss"]
+    assert all(r["grad_norm"] > 0 for r in full) and full[0]["lr"] == 0.0  # warm-up from 0
+    assert (t / "a" / "report.png").stat().st_size > 10_000
+    kinds = [r["kind"] for r in read_metrics(t / "a" / "metrics.jsonl")]
+    assert kinds[0] == "run" and kinds[-1] == "summary"
+
+    # the export is a Hugging Face directory transformers loads, tokenizer included
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    hf = t / "a" / "hf"
+    tok = AutoTokenizer.from_pretrained(hf)
+    model = AutoModelForCausalLM.from_pretrained(hf)
+    ids = torch.tensor([tok("the cat sat")["input_ids"]])
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+    # the same run, stopped (as by Ctrl-C) after step 3: the last checkpoint is step 2's
+    opts = Options(
+        model=str(t / "model"), data=str(t / "data.jsonl"), out=str(t / "b"),
+        config=str(t / "cfg.yaml"), steps=6, seq_len=16, batch=2, accum=2, lr=1e-2, warmup=2,
+        save_every=2, gradient_checkpointing=True, progress=False,
+    )  # fmt: skip
+
+    def stop(rec):
+        if rec["step"] == 3:
+            raise KeyboardInterrupt
+
+    assert finetune(opts, on_step=stop) == 130
+    assert not (t / "b" / "hf").exists()
+    assert [r["step"] for r in _steps(t / "b")] == [1, 2, 3]
+    assert (t / "b" / "checkpoints" / "latest").read_text().startswith("ckpt-00000002")
+    # resumed: steps 3-6 recomputed exactly as the uninterrupted run computed them
+    assert main(_args(t, t / "b", "--resume")) == 0
+    resumed = _steps(t / "b")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(full, resumed):
+        assert (a["loss"], a["lr"], a["grad_norm"]) == (b["loss"], b["lr"], b["grad_norm"])
+    for name, tensor in load_file(t / "a" / "hf" / "model.safetensors").items():
+        assert torch.equal(tensor, load_file(t / "b" / "hf" / "model.safetensors")[name]), name
+
+
+def test_resume_refuses_another_run(setup, capsys):
+    t = setup
+    assert main(_args(t, t / "a", "--resume")) == 2
+    assert "--resume: no checkpoint in" in capsys.readouterr().err
+    assert main([*_args(t, t / "a"), "--steps", "2"]) == 0  # the last --steps wins
+    assert main([*_args(t, t / "a", "--resume"), "--seq-len", "8"]) == 2
+    assert "the checkpoint's run had seq_len=16" in capsys.readouterr().err
+
+
+def test_data_formats(tmp_path):
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    write_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    eos = tok.eos_token_id
+    (tmp_path / "pc.jsonl").write_text(
+        json.dumps({"prompt": "what is the cat", "completion": "a cat"}) + "\n"
+    )
+    pc = load_data(tmp_path / "pc.jsonl", tok, 4)
+    ids, labels = pc.input_ids.flatten().tolist(), pc.labels.flatten().tolist()
+    assert pc.format == "prompt/completion" and len(ids) == 4  # 7 tokens: one sequence of 4
+    prompt = tok("what is the cat", add_special_tokens=False)["input_ids"]
+    assert ids == prompt and labels == [IGNORE] * 4  # the prompt is not trained on
+    whole = load_data(tmp_path / "pc.jsonl", tok, 7)
+    assert whole.labels.flatten().tolist() == [IGNORE] * 4 + [*tok("a cat")["input_ids"], eos]
+
+    (tmp_path / "t.jsonl").write_text(
+        "\n".join(json.dumps({"text": w}) for w in ("the cat", "a dog"))
+    )
+    text = load_data(tmp_path / "t.jsonl", tok, 6)
+    assert text.format == "jsonl text"
+    assert text.input_ids.flatten().tolist() == text.labels.flatten().tolist()
+    assert text.input_ids.flatten().tolist()[2] == eos and len(text) == 1
+
+    (tmp_path / "plain.txt").write_text("the cat sat\non the mat\n\nthe dog ran\n")
+    plain = load_data(tmp_path / "plain.txt", tok, 2)
+    assert plain.format == "text" and plain.documents == 2 and len(plain) == 5  # 11 tokens
+
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"x": 1}))
+    with pytest.raises(ValueError, match=r"bad\.jsonl' line 2: expected string values for 'text'"):
+        load_data(tmp_path / "bad.jsonl", tok, 4)
+    (tmp_path / "keys.jsonl").write_text(json.dumps({"question": "a"}))
+    with pytest.raises(ValueError, match=r"line 1 has keys \['question'\]"):
+        load_data(tmp_path / "keys.jsonl", tok, 4)

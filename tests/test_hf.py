@@ -1,0 +1,339 @@
+"""Hugging Face models through offload: ``from_pretrained`` (built on meta, streamed from the
+shards) against the same model loaded normally and trained with ``torch.optim.AdamW``;
+``save_pretrained`` back and ``transformers`` loading it; Trainer and Accelerate clipping."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_models import VOCAB, hf_config, nvme_config, write_model  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+import offload  # noqa: E402
+from offload.api.clipping import ClipError  # noqa: E402
+from offload.runtime.weights import WeightsError  # noqa: E402
+
+STEPS, ACCUM, CLIP, LR, WD = 5, 2, 0.5, 1e-2, 0.1
+
+
+def _batches(n=STEPS * ACCUM, seed=1):
+    """``n`` batches cycling over two (so that five steps learn something)."""
+    g = torch.Generator().manual_seed(seed)
+    two = [torch.randint(3, VOCAB, (2, 12), generator=g) for _ in range(2)]
+    return [two[i % 2] for i in range(n)]
+
+
+def _loss(model, x):
+    return model(input_ids=x, labels=x).loss
+
+
+def _reference(directory, dtype=None):
+    """The model loaded normally, trained with torch.optim.AdamW (mixed precision: an fp32
+    master, a low-precision compute copy, fp32 gradients)."""
+    master = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    compute = master if dtype is None else copy.deepcopy(master).to(dtype)
+    mparams, cparams = list(master.parameters()), list(compute.parameters())
+    opt = torch.optim.AdamW(mparams, lr=LR, weight_decay=WD, foreach=False)
+    data, losses = _batches(), []
+    for s in range(STEPS):
+        total = 0.0
+        for m in range(ACCUM):
+            loss = _loss(compute, data[s * ACCUM + m]) / ACCUM
+            loss.backward()
+            total += loss.item()
+            if compute is not master:
+                for mp, cp in zip(mparams, cparams):
+                    g = cp.grad.float()
+                    mp.grad = g if mp.grad is None else mp.grad + g
+                    cp.grad = None
+        torch.nn.utils.clip_grad_norm_(mparams, CLIP)
+        opt.step()
+        opt.zero_grad()
+        if compute is not master:
+            with torch.no_grad():
+                for mp, cp in zip(mparams, cparams):
+                    cp.copy_(mp)
+        losses.append(total)
+    return losses
+
+
+def _offload(model, opt):
+    data, losses = _batches(), []
+    for s in range(STEPS):
+        total = 0.0
+        for m in range(ACCUM):
+            loss = _loss(model, data[s * ACCUM + m]) / ACCUM
+            loss.backward()
+            total += loss.item()
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+@pytest.mark.parametrize(
+    "arch,tie", [("llama", False), ("llama", True), ("qwen2", True), ("mistral", False)]
+)
+def test_fp32_parity_with_the_model_loaded_normally(tmp_path, arch, tie):
+    d = write_model(tmp_path / "m", arch, tie=tie, max_shard_size="40KB")
+    assert (d / "model.safetensors.index.json").exists()  # streamed from several shards
+    ref = _reference(d)
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path, "nvme", "nvme"))
+    try:
+        assert model.config.tie_word_embeddings == tie
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
+        got = _offload(model, opt)
+    finally:
+        opt.close()
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-5, atol=0)
+    assert got[-1] < got[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_parity_with_a_mixed_precision_reference(tmp_path, arch):
+    d = write_model(tmp_path / "m", arch, dtype=torch.bfloat16)
+    ref = _reference(d, torch.bfloat16)
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path, "nvme", "nvme", dtype="bf16"))
+    try:
+        got = _offload(model, opt)
+    finally:
+        opt.close()
+    # bf16 compute: the tolerance of bf16 (8 bits of mantissa)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1.6e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_save_pretrained_round_trip(tmp_path, arch):
+    d = write_model(tmp_path / "m", arch, tie=arch == "llama")
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path / "a", "nvme", "nvme"))
+    x = _batches(1, seed=7)[0]
+    try:
+        _offload(model, opt)  # values differ from the file's now
+        with torch.no_grad():
+            logits = model(input_ids=x).logits
+        state = model.state_dict()
+        out = offload.save_pretrained(model, tmp_path / "out", max_shard_size="40KB")
+        offload.save_pretrained(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    finally:
+        opt.close()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and all((out / s).exists() for s in shards)
+    assert not (out / "model.safetensors").exists()
+    assert ("lm_head.weight" in index["weight_map"]) == (arch != "llama")  # tied: written once
+    assert json.loads((out / "config.json").read_text())["model_type"] == arch
+    back = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=x).logits, logits, rtol=1e-5, atol=1e-5)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    back16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert back16.dtype == torch.bfloat16 and (tmp_path / "bf16" / "model.safetensors").exists()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            back16(input_ids=x).logits.float(), logits, rtol=1.6e-2, atol=5e-2
+        )
+    # and offload reads its own export back
+    again, opt = offload.from_pretrained(out, nvme_config(tmp_path / "b", "cpu", "cpu"))
+    try:
+        for k, v in again.state_dict().items():
+            assert torch.equal(v, state[k]), k
+    finally:
+        opt.close()
+
+
+def test_loading_errors_name_the_keys(tmp_path):
+    d = write_model(tmp_path / "m")
+    state = load_file(d / "model.safetensors")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # old HF: ignored
+    state["model.extra.weight"] = torch.ones(2)
+    state["model.norm.weight"] = torch.ones(5)
+    save_file(state, d / "model.safetensors")
+    with pytest.raises(WeightsError) as err:
+        offload.from_pretrained(d, nvme_config(tmp_path, "nvme", "nvme"))
+    msg = str(err.value)
+    assert "1 missing key" in msg and "model.layers.1.mlp.up_proj.weight" in msg
+    assert "1 unexpected key" in msg and "model.extra.weight" in msg and "inv_freq" not in msg
+    assert "'model.norm.weight': shape [5] in the file, [32] in the model's parameter" in msg
+    with pytest.raises(FileNotFoundError, match="not a local model directory"):
+        offload.from_pretrained(tmp_path / "nowhere", nvme_config(tmp_path, "nvme", "nvme"))
+
+
+def test_init_empty_weights_and_a_meta_context_both_load(tmp_path):
+    from accelerate import init_empty_weights  # noqa: PLC0415
+
+    d = write_model(tmp_path / "m")
+    ref = AutoModelForCausalLM.from_pretrained(d)
+    x = _batches(1)[0]
+    with torch.no_grad():
+        want = ref(input_ids=x).logits
+    with init_empty_weights():  # parameters on meta, buffers real
+        a = AutoModelForCausalLM.from_config(hf_config())
+    with torch.device("meta"):  # buffers on meta too: inv_freq is computed by the model
+        b = AutoModelForCausalLM.from_config(hf_config())
+    assert a.model.rotary_emb.inv_freq.device.type == "cpu" and b.model.rotary_emb.inv_freq.is_meta
+    for i, model in enumerate((a, b)):
+        model, opt = offload.wrap(model, nvme_config(tmp_path / str(i), "nvme", "nvme"), weights=d)
+        try:
+            torch.testing.assert_close(
+                model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq
+            )
+            with torch.no_grad():
+                assert torch.equal(model(input_ids=x).logits, want)
+        finally:
+            opt.close()
+
+
+# ------------------------------------------------------------------------------- clipping
+PLACEMENTS = [(p, o) for p in ("none", "cpu", "nvme") for o in ("cpu", "nvme")]
+
+
+def _trainer_args(out, **over):
+    from transformers import TrainingArguments  # noqa: PLC0415
+
+    kw = dict(
+        output_dir=str(out),
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=ACCUM,
+        learning_rate=LR,
+        weight_decay=WD,
+        max_grad_norm=CLIP,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        lr_scheduler_type="cosine",
+        warmup_steps=2,
+        seed=0,
+        disable_tqdm=True,
+    )
+    kw.update(over)
+    return TrainingArguments(**kw)
+
+
+def _dataset():
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(STEPS * ACCUM * 2):
+        t = torch.randint(3, VOCAB, (12,), generator=g)
+        out.append({"input_ids": t, "labels": t})
+    return out
+
+
+def _history(trainer):
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return [h["loss"] for h in logs], [h["grad_norm"] for h in logs]
+
+
+@pytest.fixture(scope="module")
+def trainer_reference(tmp_path_factory):
+    """Plain Trainer, the model loaded normally, torch AdamW, torch's clipping; and offload's
+    CPU placement (gradients in .grad, where torch's clipping works too)."""
+    from transformers import Trainer  # noqa: PLC0415
+
+    tmp = tmp_path_factory.mktemp("trainer")
+    d = write_model(tmp / "m")
+    ref = AutoModelForCausalLM.from_pretrained(d)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    trainer = Trainer(
+        model=ref, args=_trainer_args(tmp / "r"), train_dataset=_dataset(), optimizers=(opt, None)
+    )
+    trainer.train()
+    return d, _history(trainer)
+
+
+@pytest.mark.parametrize("param_dev,opt_dev", PLACEMENTS)
+def test_trainer_clips_through_offload_for_every_placement(
+    tmp_path, trainer_reference, param_dev, opt_dev
+):
+    d, (ref_losses, ref_norms) = trainer_reference
+    assert max(ref_norms) > CLIP  # clipping changes the run
+    cfg = nvme_config(tmp_path, param_dev, opt_dev)
+    cfg["optimizer"]["lr"] = LR
+    model, opt = offload.from_pretrained(d, cfg)
+    try:
+        trainer = offload.OffloadTrainer(
+            model=model,
+            args=_trainer_args(tmp_path / "o"),
+            train_dataset=_dataset(),
+            optimizers=(opt, None),
+        )
+        trainer.train()
+        losses, norms = _history(trainer)
+    finally:
+        opt.close()
+    assert len(losses) == STEPS
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+
+
+def test_clipping_offload_s_parameters_with_torch_is_an_error(tmp_path):
+    from transformers import Trainer  # noqa: PLC0415
+
+    d = write_model(tmp_path / "m")
+    # gradients in .grad (CPU, fp32, optimizer on the CPU): torch's clipping works, no error
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path / "a", "none", "cpu"))
+    try:
+        _loss(model, _batches(1)[0]).backward()
+        assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) > 0
+    finally:
+        opt.close()
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path / "b", "nvme", "nvme"))
+    try:
+        _loss(model, _batches(1)[0]).backward()
+        for clip in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_):
+            with pytest.raises(ClipError, match=r"optimizer\.clip_grad_norm_\(max_norm\)"):
+                clip(model.parameters(), 1.0)
+        with pytest.raises(ClipError, match="NVMe shards"):
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
+        with pytest.raises(ClipError, match="all of a wrapped model's gradients together"):
+            offload.api.clipping.clip_grad_norm_(list(model.parameters())[:3], 1.0)
+        opt.zero_grad()
+        trainer = Trainer(
+            model=model,
+            args=_trainer_args(tmp_path / "o"),
+            train_dataset=_dataset(),
+            optimizers=(opt, None),
+        )
+        with pytest.raises(ClipError, match="offload.OffloadTrainer"):
+            trainer.train()  # a plain Trainer would log grad_norm 0.0 and never clip
+    finally:
+        opt.close()
+    # a closed model is not guarded any more
+    assert float(torch.nn.utils.clip_grad_norm_([torch.nn.Parameter(torch.ones(2))], 1.0)) == 0
+
+
+def test_accelerate_loop_clips_through_route_clipping(tmp_path):
+    from accelerate import Accelerator  # noqa: PLC0415
+
+    d = write_model(tmp_path / "m")
+    ref_model = AutoModelForCausalLM.from_pretrained(d)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path, "nvme", "nvme"))
+    try:
+        acc = Accelerator(cpu=True, device_placement=False)
+        offload.route_clipping(acc)
+        p_model, p_opt = acc.prepare(model, opt)
+        for x in _batches(3):
+            norms = []
+            for m, o, clip in (
+                (ref_model, ref_opt, torch.nn.utils.clip_grad_norm_),
+                (p_model, p_opt, acc.clip_grad_norm_),
+            ):
+                _loss(m, x).backward()
+                norms.append(float(clip(m.parameters(), CLIP)))
+                o.step()
+                o.zero_grad()
+            assert norms[0] > CLIP and norms[1] == pytest.approx(norms[0], rel=1e-5)
+    finally:
+        opt.close()

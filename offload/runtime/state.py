@@ -348,13 +348,17 @@ class Runtime:
         self.backwards_since_step = 0
         self.grads.step_ended()
         self.params.end_iteration()
-        self.telemetry.end_step(self.timers, self.counted(), self.step_count, skipped)
+        self.telemetry.end_step(self.timers, self._counters(), self.step_count, skipped)
         self.timers.clear()
 
     def counted(self) -> list:
-        """Everything that counts moved bytes: the stores, the host <-> device transfers and
-        the collectives."""
-        return [*self.stores.values(), self.transfers, self.comm]
+        """Everything that counts bytes moved between tiers: the stores and the host <-> device
+        transfers."""
+        return [*self.stores.values(), self.transfers]
+
+    def _counters(self) -> list:
+        """What telemetry reads: :meth:`counted` and the collectives."""
+        return [*self.counted(), self.comm]
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of training state this rank holds, by where (``device``, ``host``, ``nvme``):
@@ -370,7 +374,7 @@ class Runtime:
         """Whatever ran since the last step (an evaluation, say) is not counted in the next one."""
         self.timers.clear()
         self._step_started = time.perf_counter()
-        self.telemetry.rebase(self.counted())
+        self.telemetry.rebase(self._counters())
 
     def zero_grad(self) -> None:
         self.grads.zero()

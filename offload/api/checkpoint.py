@@ -487,26 +487,35 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
     """Writes one consolidated safetensors file with every parameter (by its qualified name,
     tied ones under each name) and persistent buffer, usable without offload
     (``safetensors.torch.load_file`` then ``model.load_state_dict``). Written to a temp name,
-    fsynced and renamed."""
+    fsynced and renamed; streamed one unit at a time (RAM: the largest unit).
+
+    With several ranks it is collective: every rank gathers each unit's values with the
+    others, rank 0 writes the file (the others write nothing) and every rank returns ``path``
+    once it is in place, or raises if rank 0 failed."""
     engine = _engine(model)
     engine.check_idle("export")
+    comm = engine.comm
     path = Path(path)
     names: dict[nn.Parameter, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, []).append(name)
+    cache: dict = {}  # the one unit whose values are held (units' entries are contiguous)
+    gathered: list[int] = []  # units gathered so far, in order (every rank gathers the same)
+
+    def produce(p, u):
+        if u.index not in cache:
+            cache.clear()
+            cache[u.index] = engine.full_values(u)
+            gathered.append(u.index)
+        yield cache[u.index][p].to(dtype)
+
     entries = []
     for unit in engine.units:
-        cache: dict = {}
-
-        def produce(p, u=unit, cache=cache):
-            if u.index not in cache:
-                cache.clear()
-                cache[u.index] = engine.full_values(u)
-            yield cache[u.index][p].to(dtype)
-
         for seg in unit.layout.segments:
             for name in names[seg.param]:
-                entries.append((name, dtype, list(seg.shape), lambda p=seg.param, f=produce: f(p)))
+                entries.append(
+                    (name, dtype, list(seg.shape), lambda p=seg.param, u=unit: produce(p, u))
+                )
     for mname, module in model.named_modules():
         for bname, buf in module._buffers.items():
             if buf is None or bname in module._non_persistent_buffers_set:
@@ -515,8 +524,21 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
             bdt = dtype if buf.is_floating_point() else buf.dtype
             if bdt in files.ST_DTYPES:
                 entries.append((full, bdt, list(buf.shape), lambda b=buf, d=bdt: iter([b.to(d)])))
-    tmp = path.with_name(path.name + ".tmp")
-    files.write_safetensors(tmp, entries, metadata={"format": "pt", "producer": "offload"})
-    os.replace(tmp, path)
-    files.fsync_dir(path.parent if str(path.parent) else Path("."))
+    error = None
+    if comm.rank == 0:
+        try:
+            tmp = path.with_name(path.name + ".tmp")
+            files.write_safetensors(tmp, entries, metadata={"format": "pt", "producer": "offload"})
+            os.replace(tmp, path)
+            files.fsync_dir(path.parent if str(path.parent) else Path("."))
+        except Exception as exc:  # noqa: BLE001 - with one rank it is raised as it is
+            if comm.world == 1:
+                raise
+            error = exc
+    if comm.world > 1:
+        cache.clear()
+        for unit in engine.units:  # the gathers rank 0 did not make (all of them elsewhere)
+            if unit.layout.segments and unit.index not in gathered:
+                engine.full_values(unit)
+        _agree(comm, error, "export")
     return path

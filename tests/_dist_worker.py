@@ -1,17 +1,22 @@
-"""One rank of a multi-rank test (started by ``dist_harness.run_ranks``): runs a list of jobs.
+"""One rank of a multi-rank test (started by ``dist_harness``, or by torchrun): runs a list of
+jobs in one process group.
 
 Environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (``env://``, what
 torchrun sets). Argument: a JSON file ``{"out": DIR, "timeout": seconds, "jobs": [...]}``;
-each job wraps ``engine_models.make_model()`` with ``placement_config(param, optim, ...)`` and
-``distributed.stage``, trains its slice of every global batch (``GLOBAL_BATCH`` rows split
-evenly over the ranks) and writes ``<name>.json`` (rank 0: the mean loss over ranks per step;
-every rank: its stats) and ``<name>.pt`` (rank 0: ``model.state_dict()``, gathered).
+each job wraps ``engine_models.make_model()`` (or ``StackLM`` with ``"model": "stack"``) with
+``placement_config(param, optim, ...)`` and ``distributed.stage``, trains its slice of every
+global batch (``GLOBAL_BATCH`` rows split evenly over the ranks) and writes ``<name>.<rank>.json``
+(the mean loss over ranks per step, this rank's stats per step, its NVMe directories) and
+``<name>.pt`` (rank 0: ``model.state_dict()``, gathered; the optimizer's state_dict if asked).
 
 Job keys: ``name``, ``param``, ``optim``, ``dtype`` (fp32), ``stage``, ``steps``, ``start``
-(0), ``accum`` (2), ``clip`` (1.0), ``config`` (extra top-level keys), ``load`` / ``save``
-(checkpoint directories; the scheduler and the step go in the checkpoint's extra values),
-``fail_at`` ({"rank": r, "step": s}: that rank raises there), ``optimizer_state`` (write the
-optimizer's gathered state_dict), ``export`` (a path: offload.export, written by rank 0).
+(0), ``accum`` (2), ``clip`` (1.0), ``config`` (extra top-level config keys), ``load`` /
+``save`` (checkpoint directories; the scheduler and the step go in its extra values),
+``fail_at`` ({"rank": r, "step": s, "hang": bool}: that rank raises there, or sleeps),
+``optimizer_state`` (keep the gathered optimizer state_dict), ``export`` (a path),
+``pairs`` (wrap over a process group of ranks {0,1} / {2,3}; only the first pair reports),
+``block`` (checkpoint block checksum size), ``log`` (record when collectives are issued and
+waited and when units compute, on rank 0), ``count_reads`` (bytes read from checkpoint files).
 """
 
 from __future__ import annotations
@@ -20,16 +25,24 @@ import datetime
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_models import batches, lm_loss, make_model, placement_config
+from engine_models import StackLM, batches, lm_loss, make_model, placement_config
 
 import offload
+from offload.api import checkpoint_files
+from offload.api.wrap import engine_of
 
 GLOBAL_BATCH = 8
 STEPS_DATA = 16
+ORIGINAL = (
+    checkpoint_files.BLOCK,
+    checkpoint_files.VerifiedCheckpoint.read,
+    checkpoint_files._sha256_of,
+)
 
 
 def slice_of(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -37,12 +50,86 @@ def slice_of(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return batch[rank * per : (rank + 1) * per]
 
 
+def _model(job: dict):
+    if job.get("model") == "stack":
+        torch.manual_seed(0)
+        return StackLM(n=4), {"module_classes": ["StackBlock"]}
+    return make_model(), None
+
+
+class _Logged:
+    """A collective's handle whose first wait is recorded."""
+
+    def __init__(self, handle, events: list, event: list) -> None:
+        self.handle, self.events, self.event = handle, events, event
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.events.append(self.event)
+            self.event = None
+        self.handle.wait()
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+
+class _Log:
+    """Records collectives issued / waited and units computing (``log`` jobs)."""
+
+    def __init__(self, model, runtime) -> None:
+        self.events: list[list] = []
+        comm = runtime.comm
+        for name in ("all_gather", "reduce_scatter"):
+            real = getattr(comm, name)
+
+            def issue(out, inp, what="", real=real, name=name):
+                self.events.append(["issue", name, what])
+                return _Logged(real(out, inp, what), self.events, ["wait", name, what])
+
+            setattr(comm, name, issue)
+        for run in runtime.runs[1:]:
+            label = run.unit.label
+            run.unit.module.register_forward_pre_hook(
+                lambda m, a, label=label: self.events.append(["forward", label])
+            )
+            run.unit.module.register_full_backward_pre_hook(
+                lambda m, g, label=label: self.events.append(["backward", label])
+            )
+
+
 def run_job(job: dict, out: Path, rank: int, world: int) -> None:
+    group, report = None, True
+    if job.get("pairs"):
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        group, report = pairs[rank // 2], rank < 2
+        rank, world = rank % 2, 2
+    if job.get("block"):
+        checkpoint_files.BLOCK = job["block"]
+    read = {"data": 0, "verified": 0}
+    if job.get("count_reads"):
+        real_read, real_sha = checkpoint_files.VerifiedCheckpoint.read, checkpoint_files._sha256_of
+
+        def counted_read(self, name, tensor, lo, hi):
+            got = real_read(self, name, tensor, lo, hi)
+            read["data"] += got.numel() * got.element_size()
+            return got
+
+        def counted_sha(fd, size, begin=0):
+            read["verified"] += size - begin
+            return real_sha(fd, size, begin)
+
+        checkpoint_files.VerifiedCheckpoint.read = counted_read
+        checkpoint_files._sha256_of = counted_sha
     tmp = out / "nvme" / job["name"]
     cfg = placement_config(job["param"], job["optim"], tmp, dtype=job.get("dtype", "fp32"))
     cfg["distributed"] = {"stage": job["stage"], "timeout": job.get("timeout", 60)}
+    model, wrap_classes = _model(job)
+    if wrap_classes:
+        cfg["wrap"] = wrap_classes
     cfg.update(job.get("config", {}))
-    model, opt = offload.wrap(make_model(), cfg)
+    model, opt = offload.wrap(model, cfg, process_group=group)
+    runtime = engine_of(model)
+    log = _Log(model, runtime) if job.get("log") else None
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     start = job.get("start", 0)
     if job.get("load"):
@@ -57,6 +144,8 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
         total = 0.0
         for m in range(accum):
             if fail.get("rank") == rank and fail.get("step") == s:
+                if fail.get("hang"):
+                    time.sleep(600)
                 raise RuntimeError(f"injected failure on rank {rank} at step {s}")
             batch = slice_of(data[(s * accum + m) % len(data)], rank, world)
             loss = lm_loss(model, batch) / accum
@@ -69,16 +158,10 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
         opt.zero_grad()
         losses.append(total)
         st = opt.stats()
-        stats.append(
-            {
-                "collectives": st["collectives"],
-                "collective_bytes": st["collective_bytes"],
-                "bytes": st["bytes"],
-                "state_bytes": st["state_bytes"],
-            }
-        )
+        keep = ("collectives", "collective_bytes", "collective_wait_seconds", "bytes")
+        stats.append({k: st[k] for k in keep} | {"state_bytes": st["state_bytes"]})
     mean = torch.tensor(losses, dtype=torch.float64)
-    dist.all_reduce(mean)
+    dist.all_reduce(mean, group=group)
     mean /= world
     if job.get("save"):
         offload.save_checkpoint(
@@ -88,11 +171,23 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
     opt_state = opt.state_dict() if job.get("optimizer_state") else None
     if job.get("export"):
         offload.export(model, job["export"], dtype=torch.float32)
-    result = {"losses": mean.tolist(), "stats": stats, "rank": rank, "world": world}
-    if rank == 0:
-        torch.save({"state": state, "optimizer": opt_state}, out / f"{job['name']}.pt")
-    (out / f"{job['name']}.{rank}.json").write_text(json.dumps(result))
+    result = {
+        "losses": mean.tolist(),
+        "stats": stats,
+        "rank": rank,
+        "world": world,
+        "nvme_dirs": sorted(s._nvme.directory for s in runtime.stores.values()),
+        "pools": sum(s.stats().get("host_reserved_bytes", 0) for s in runtime.stores.values()),
+        "read_bytes": read,
+        "log": log.events if log is not None else None,
+    }
+    if report:
+        if rank == 0:
+            torch.save({"state": state, "optimizer": opt_state}, out / f"{job['name']}.pt")
+        (out / f"{job['name']}.{rank}.json").write_text(json.dumps(result))
     opt.close()
+    checkpoint_files.BLOCK, checkpoint_files.VerifiedCheckpoint.read = ORIGINAL[:2]
+    checkpoint_files._sha256_of = ORIGINAL[2]
 
 
 def main() -> None:

@@ -138,7 +138,7 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
         start = extra["step"]
     data = batches(STEPS_DATA, batch=GLOBAL_BATCH)
     accum, clip = job.get("accum", 2), job.get("clip", 1.0)
-    losses, stats = [], []
+    losses, stats, norms = [], [], []
     fail = job.get("fail_at") or {}
     for s in range(start, job["steps"]):
         total = 0.0
@@ -152,7 +152,7 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
             loss.backward()
             total += float(loss.detach())
         if clip:
-            opt.clip_grad_norm_(clip)
+            norms.append(float(opt.clip_grad_norm_(clip)))
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -167,12 +167,33 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
         offload.save_checkpoint(
             job["save"], model, opt, scheduler=sched.state_dict(), step=job["steps"]
         )
+    save_error = None
+    if job.get("failed_save"):  # {"dir", "rank"}: that rank's writes fail part way
+        from offload.api import checkpoint as ckpt_mod  # noqa: PLC0415
+
+        real_entries = ckpt_mod._unit_entries
+        if rank == job["failed_save"]["rank"]:
+
+            def failing(engine, unit):
+                if unit.index == 2:
+                    raise OSError(28, "No space left on device (injected)")
+                return real_entries(engine, unit)
+
+            ckpt_mod._unit_entries = failing
+        try:
+            offload.save_checkpoint(job["failed_save"]["dir"], model, opt, step=job["steps"])
+        except Exception as exc:  # noqa: BLE001 - recorded for the test
+            save_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            ckpt_mod._unit_entries = real_entries
     state = {k: v.clone() for k, v in model.state_dict().items()}
     opt_state = opt.state_dict() if job.get("optimizer_state") else None
     if job.get("export"):
         offload.export(model, job["export"], dtype=torch.float32)
     result = {
         "losses": mean.tolist(),
+        "norms": norms,
+        "save_error": save_error,
         "stats": stats,
         "rank": rank,
         "world": world,

@@ -15,6 +15,8 @@ Job keys: ``name``, ``param``, ``optim``, ``dtype`` (fp32), ``stage``, ``steps``
 ``fail_at`` ({"rank": r, "step": s, "hang": bool}: that rank raises there, or sleeps),
 ``optimizer_state`` (keep the gathered optimizer state_dict), ``export`` (a path),
 ``pairs`` (wrap over a process group of ranks {0,1} / {2,3}; only the first pair reports),
+``load_state`` (an optimizer state_dict file to load, the scheduler advanced to ``start``),
+``restore`` (close with ``restore=True`` and compare the plain model's values),
 ``block`` (checkpoint block checksum size), ``log`` (record when collectives are issued and
 waited and when units compute, on rank 0), ``count_reads`` (bytes read from checkpoint files).
 """
@@ -132,6 +134,10 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
     log = _Log(model, runtime) if job.get("log") else None
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     start = job.get("start", 0)
+    if job.get("load_state"):  # an optimizer state_dict saved by another job (any world size)
+        opt.load_state_dict(torch.load(job["load_state"])["optimizer"])
+        for _ in range(start):
+            sched.step()
     if job.get("load"):
         extra = offload.load_checkpoint(job["load"], model, opt)
         sched.load_state_dict(extra["scheduler"])
@@ -202,6 +208,10 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
         "read_bytes": read,
         "log": log.events if log is not None else None,
     }
+    if job.get("restore"):  # back to a plain model (collective): the same values
+        opt.close(restore=True)
+        plain = model.state_dict()
+        result["restored_equal"] = all(torch.equal(plain[k], state[k]) for k in state)
     if report:
         if rank == 0:
             torch.save({"state": state, "optimizer": opt_state}, out / f"{job['name']}.pt")

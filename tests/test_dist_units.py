@@ -292,3 +292,16 @@ def test_one_rank_loads_a_sharded_checkpoint_layout_check(tmp_path):
         assert all(torch.equal(before[k], after[k]) for k in before)
     finally:
         opt.close()
+
+
+@pytest.mark.slow
+def test_one_rank_group_shards_through_its_collectives(tmp_path):
+    """``benchmarks/gpu_smoke.py``'s part 3 (a one-rank NCCL group when a GPU is lent) over
+    gloo here: stages 1-3 through real collectives of one rank match the fp32 reference."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_smoke
+
+    rows = gpu_smoke.group_parity("cpu", tmp_path)
+    assert len(rows) == 9 and all(r["ok"] for r in rows), rows

@@ -31,7 +31,7 @@ from offload.api.loss_scale import DynamicLossScaler
 from offload.api.optimizer import OffloadOptimizer
 from offload.config import ConfigError, OffloadConfig, load_config
 from offload.device import HostMemory, Transfers, for_device
-from offload.dist import Comm, comm_for
+from offload.dist import Comm, LocalComm, comm_for
 from offload.homes.grads import AutogradGrads, HeldNvmeGrads, HostGrads, NvmeGrads
 from offload.homes.optim import HostMaster, HostOptim, NvmeOptim, ParamsMaster
 from offload.homes.params import DeviceParams, HostParams, NvmeParams, ShardedParams
@@ -325,8 +325,6 @@ def _check_ranks(comm: Comm, model: nn.Module, cfg: OffloadConfig, plan: Plan) -
 def _resolve_cuda(cfg: OffloadConfig, comm: Comm) -> OffloadConfig:
     """With NCCL every rank computes on its own device: "auto" and "cuda" become
     ``cuda:LOCAL_RANK`` (torchrun sets it), made the current device."""
-    if comm.world == 1:
-        return cfg
     if comm.backend == "nccl":
         if cfg.device == "cpu":
             raise ConfigError(
@@ -346,6 +344,7 @@ def wrap(
     *,
     process_group=None,
     _keep_grads: bool | None = None,
+    _one_rank_collectives: bool = False,
 ):
     """Wraps ``model`` for offloaded training; returns ``(model, optimizer)``.
 
@@ -357,14 +356,17 @@ def wrap(
     default one) with more than one rank, the state is sharded over its ranks by the ZeRO
     stage of ``distributed.stage``; every rank calls ``wrap`` with the same model, values and
     config, and then runs the same forwards, backwards and steps (data parallel: each on its
-    own micro-batch). One rank, or no group, runs exactly as without one.
+    own micro-batch). One rank, or no group, runs exactly as without one
+    (``_one_rank_collectives``: a group of one rank shards and reduces through its collectives
+    all the same, for ``benchmarks/gpu_smoke.py``'s one-GPU NCCL check).
     """
     cfg = load_config(config)
     _check_model(model)
     check_jsonl_path(cfg.telemetry.jsonl_path)
-    comm = comm_for(process_group, cfg.distributed.timeout)
+    comm = comm_for(process_group, cfg.distributed.timeout, one_rank=_one_rank_collectives)
     cfg = _resolve_cuda(cfg, comm)
-    plan = make_plan(model, cfg, keep_grads=_keep_grads, shard=ShardSpec(comm.rank, comm.world))
+    shard, sharded = ShardSpec(comm.rank, comm.world), not isinstance(comm, LocalComm)
+    plan = make_plan(model, cfg, keep_grads=_keep_grads, shard=shard, sharded=sharded)
     if comm.world > 1:
         _check_ranks(comm, model, cfg, plan)
     placement = plan.placement
@@ -421,7 +423,7 @@ def wrap(
         placement.device,
         placement.piece_numel,
         f", ZeRO stage {placement.stage} over {comm.world} ranks (rank {comm.rank}, {comm.backend})"
-        if comm.world > 1
+        if sharded
         else "",
     )
     return model, optimizer

@@ -181,17 +181,20 @@ def make_placement(
     largest_unit: int = 0,
     keep_grads: bool | None = None,
     world: int = 1,
+    sharded: bool | None = None,
 ) -> Placement:
     """Every placement decision for ``cfg`` on ``device`` over ``world`` ranks, for a model
     whose largest piece region (a unit with one rank, a rank's share of one with more) has
     ``largest_unit`` elements (what ``"auto"`` buffers are sized for). ``keep_grads``
     overrides whether gradients stay in ``p.grad`` (tests run the flat-gradient path on the CPU
-    with False)."""
+    with False). ``sharded`` (default: ``world > 1``): the state is sharded and reduced with
+    collectives (with one rank only to test that path)."""
+    sharded = world > 1 if sharded is None else sharded
     dtype = DTYPES[cfg.dtype]
     sizes = buffer_sizes(cfg, dtype, largest_unit)
     opt = cfg.offload_optimizer
     stage = cfg.distributed.resolve_stage(cfg.offload_param.device)
-    master, grads = _owners(cfg, device, dtype, keep_grads, world)
+    master, grads = _owners(cfg, device, dtype, keep_grads, 2 if sharded else 1)
     lookahead = hold = 0
     schedule = Schedule.IMMEDIATE
     if opt.device == "nvme":
@@ -222,8 +225,8 @@ def make_placement(
         },
         world=world,
         stage=stage,
-        grad_reduce=_grad_reduce(world, stage, schedule),
-        shard_params=world > 1 and stage == 3,
+        grad_reduce=_grad_reduce(2 if sharded else 1, stage, schedule),
+        shard_params=sharded and stage == 3,
     )
 
 

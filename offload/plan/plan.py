@@ -48,7 +48,7 @@ class Plan:
     def home_regions(self, unit: Unit) -> list[tuple[int, int]]:
         """The element ranges the param home holds, in order (see the Note)."""
         layout = unit.layout
-        if self.shard.world == 1 or self.placement.shard_params:
+        if self.shard.world == 1 or self.placement.shard_params:  # (one rank: the same)
             regions = [layout.local_trainable, layout.local_frozen]
         else:
             every = [ShardSpec(r, self.shard.world) for r in range(self.shard.world)]
@@ -86,12 +86,15 @@ def make_plan(
     *,
     keep_grads: bool | None = None,
     shard: ShardSpec | None = None,
+    sharded: bool | None = None,
 ) -> Plan:
-    """Units and placement of ``model`` under ``cfg`` (nothing is allocated or moved)."""
+    """Units and placement of ``model`` under ``cfg`` (nothing is allocated or moved);
+    ``sharded``: see ``make_placement``."""
     shard = shard or ShardSpec()
+    sharded = shard.world > 1 if sharded is None else sharded
     device = resolve_device(cfg.device)
     stage = cfg.distributed.resolve_stage(cfg.offload_param.device)
-    params_move = cfg.offload_param.device != "none" or (shard.world > 1 and stage == 3)
+    params_move = cfg.offload_param.device != "none" or (sharded and stage == 3)
     units = build_units(
         model,
         list(cfg.wrap.module_classes),
@@ -106,6 +109,6 @@ def make_plan(
             max(b - a for a, b in (u.layout.local_trainable, u.layout.local_frozen)) for u in units
         )
     placement = make_placement(
-        cfg, device, largest_unit=largest, keep_grads=keep_grads, world=shard.world
+        cfg, device, largest_unit=largest, keep_grads=keep_grads, world=shard.world, sharded=sharded
     )
     return Plan(units, placement, shard)

@@ -7,7 +7,10 @@ the compute on ``--device``: fp32 against torch.optim.AdamW(foreach=False) and b
 reference mixed-precision loop, for params on none/cpu/nvme x optimizer on cpu/nvme; then
 ``offload_optimizer.step_in_backward`` against the default step (bitwise equal). Part 2 trains
 the demo GPT (~125M) in bf16 with params and optimizer on NVMe and prints tokens/s and the step
-split. Everything printed is also written as JSON to $OUT/gpu_smoke.json when $OUT is set. It also
+split. Part 3 (``group_parity``) runs ZeRO stages 1-3 through a process group of one rank
+(NCCL on CUDA, gloo on the CPU) whose collectives run all the same (``wrap``'s
+``_one_rank_collectives``): the NCCL staging, the device-side flattening and reduce-scatter,
+the stage-3 gathers into per-parameter storages, against the fp32 reference. Everything printed is also written as JSON to $OUT/gpu_smoke.json when $OUT is set. It also
 runs on the CPU (``--device cpu``) so the script itself is tested here.
 """
 
@@ -199,6 +202,52 @@ def throughput(device: str, tmp: Path, size: str, steps: int, seconds: float) ->
     }
 
 
+def group_parity(device: str, tmp: Path) -> list[dict]:
+    """ZeRO stages 1-3 through a one-rank process group (module docstring, part 3)."""
+    import socket  # noqa: PLC0415
+
+    import torch.distributed as dist  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    rows = []
+    try:
+        data = [d.to(device) for d in batches(16)]
+        steps, accum, clip = 6, 2, 1.0
+        ref, ref_losses = reference_fp32(make_model().to(device), data, steps, accum, clip)
+        for stage in (1, 2, 3):
+            for p_dev, o_dev in (("none", "cpu"), ("cpu", "cpu"), ("nvme", "nvme")):
+                cfg = placement_config(p_dev, o_dev, tmp / f"group-{stage}-{p_dev}-{o_dev}")
+                cfg |= {"device": device, "distributed": {"stage": stage, "timeout": 120}}
+                model, opt = offload.wrap(make_model(), cfg, _one_rank_collectives=True)
+                try:
+                    losses, _ = train_wrapped(model, opt, data, steps, accum, clip)
+                    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+                    param_err = _max_abs(model.state_dict(), ref.state_dict())
+                    moved = opt.stats()["collective_bytes"]
+                    rows.append(
+                        {
+                            "group": backend,
+                            "stage": stage,
+                            "params": p_dev,
+                            "optimizer": o_dev,
+                            "loss_rel_err": loss_err,
+                            "param_max_abs_err": param_err,
+                            "collective_bytes": moved,
+                            "ok": loss_err < 1e-4 and param_err < 1e-3 and moved > 0,
+                        }
+                    )
+                finally:
+                    opt.close()
+                print(json.dumps(rows[-1]))
+    finally:
+        dist.destroy_process_group()
+    return rows
+
+
 def _count(gcfg) -> int:
     from offload.demo.model import param_count  # noqa: PLC0415
 
@@ -220,6 +269,7 @@ def main() -> int:
         out["gpu"] = torch.cuda.get_device_name(0)
     if not args.skip_parity:
         out["parity"] = parity(args.device, tmp) + step_in_backward_parity(args.device, tmp)
+        out["parity"] += group_parity(args.device, tmp)
     out["throughput"] = throughput(args.device, tmp, args.size, args.steps, args.seconds)
     print(json.dumps(out["throughput"]))
     if os.environ.get("OUT"):

@@ -18,6 +18,7 @@ from offload.config import (
     AioConfig,
     AutoSize,
     ConfigError,
+    DistributedConfig,
     LossScaleConfig,
     OffloadConfig,
     OffloadOptimizerConfig,
@@ -42,6 +43,7 @@ SECTION_CLASSES = [
     LossScaleConfig,
     WrapConfig,
     TelemetryConfig,
+    DistributedConfig,
 ]
 
 # Every section away from its defaults, sizes written in several units.
@@ -90,6 +92,7 @@ FULL = {
     },
     "wrap": {"module_classes": ["GPTBlock", "my_pkg.model.Layer"], "min_params": 1_000_000},
     "telemetry": {"jsonl_path": "/tmp/offload-telemetry.jsonl"},
+    "distributed": {"stage": 3, "timeout": 120.0},
 }
 
 # The same config as a YAML file written by hand: unquoted 3e-4 / 1e-6 (YAML 1.1 reads them
@@ -119,6 +122,7 @@ loss_scale: {initial: 1024, growth_factor: 4, backoff_factor: 0.25, growth_inter
              min_scale: 2}
 wrap: {module_classes: [GPTBlock, my_pkg.model.Layer], min_params: 1e6}
 telemetry: {jsonl_path: /tmp/offload-telemetry.jsonl}
+distributed: {stage: 3, timeout: 120}
 """
 
 

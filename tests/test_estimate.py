@@ -91,17 +91,21 @@ def test_estimate_rows_carry_the_paper_figure_and_offload_shrinks_the_device():
     psi, n = 7_500_000_000, 64
     for stage in est.STAGES:
         none, opt, both, nvme = (rows[stage, p] for p in est.PLACEMENTS)
-        assert none.device_states > opt.device_states > both.device_states == 0
-        assert nvme.device_states == 0
+        held = 2 * psi if stage == 1 else 0  # stage 1 keeps the whole gradient on the device
+        assert none.device_states > opt.device_states > both.device_states == held
+        assert nvme.device_states == held
         # offloaded optimizer: fp32 master + m + v + grad = 16 bytes per param of the partition
         part = n if stage >= 1 else 1
         assert opt.host_per_rank == -(-16 * psi // part)
         assert opt.host_per_node == 8 * opt.host_per_rank
         assert both.host_per_rank == opt.host_per_rank + -(-2 * psi // (n if stage == 3 else 1))
-        # NVMe: the state moves to disk, the host keeps only wrap's two pinned pools: a unit of
-        # 7.5e9 / 32 params is far above 256 MiB, so "auto" is the cap: 5 + 8 buffers of 256 MiB
+        # NVMe: the state moves to disk, the host keeps only wrap's two pinned pools, whose
+        # "auto" buffers hold one rank's share of a unit: 7.5e9 / 32 / 64 params
+        unit = -(-psi // 32)
+        share = -(-unit // n)
         assert nvme.nvme_per_rank == both.host_per_rank
-        assert nvme.host_per_rank == (5 + 8) * 256 * 2**20
+        assert nvme.host_per_rank == 5 * _round4k(2 * share) + 8 * _round4k(4 * share)
+        assert none.comm_per_rank == (3 if stage == 3 else 2) * 2 * psi
         assert 0 < opt.device_working <= nvme.device_working
 
 
@@ -378,9 +382,10 @@ def test_many_ranks_keep_the_paper_rows_apart():
     collapsed = est.collapse_rows(e.rows)
     # no offload: four different ZeRO figures, four rows
     assert [s for s, r in collapsed if r.placement == "none"] == ["0", "1", "2", "3"]
-    # offloaded: stage 2 partitions the grads, which already live on the host at stage 1
-    assert [s for s, r in collapsed if r.placement == "cpu_optimizer"] == ["0", "1-2", "3"]
-    assert len(collapsed) == 13
+    # offloaded: stage 1 keeps the whole gradient on the device between micro-steps (reduced
+    # once per step), stage 2 streams it off unit by unit, stage 3 shards the params too
+    assert [s for s, r in collapsed if r.placement == "cpu_optimizer"] == ["0", "1", "2", "3"]
+    assert len(collapsed) == 16  # every stage differs from the others in every placement
 
 
 def test_stage_labels():

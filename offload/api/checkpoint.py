@@ -11,6 +11,27 @@ Note: format and atomicity
     state goes where, and reads and writes it through the runtime's values
     (``offload.runtime.values``: each unit's file is a value source on load).
 
+Note: many ranks, and another world size
+    With more than one rank, ``save_checkpoint`` and ``load_checkpoint`` are collective (every
+    rank calls them). Each rank writes its share: ``unit_NNNNN.rank_RRRRR.safetensors`` holds
+    the rank's part of the trainable prefix (master, moments) and of the frozen suffix;
+    ``meta.json`` records ``world`` and each unit's layout at that world size (``units``: the
+    padded lengths and every parameter's offset). Rank 0 owns the directory: it creates the
+    temp directory, gathers every rank's file records once each rank has fsynced its files, and
+    only then writes ``meta.json`` and moves ``latest`` (Note: commit in
+    ``checkpoint_files``); a rank that fails makes every rank raise and nothing is committed.
+
+    A load at any world size (the same or another) maps this rank's pieces onto the saved
+    ranks' files: the trainable prefix and the frozen suffix are packed the same way whatever
+    the world size (only their padding differs, and padding is zero), so element ``i`` of a
+    region is element ``i`` of the saved region, held by the saved rank whose share covers
+    it. Each rank opens only the files its share overlaps and verifies only the blocks it reads
+    (``checkpoint_files``' Note on verification), and the ranks agree before anything changes:
+    every rank's verification and layout check is gathered, and if one refused the checkpoint,
+    every rank raises and none has changed anything. Resuming at the same world size reads
+    back exactly the bytes saved (bitwise). With one rank and a one-rank checkpoint the load is
+    the one below, file by whole file.
+
 Note: a load changes everything or nothing
     ``load_checkpoint`` runs in three stages: (1) verify the whole directory (schema, files,
     headers, checksums, streamed; nothing is changed), (2) compare its layout and counters with
@@ -39,8 +60,11 @@ from offload.runtime.values import FROZEN, ValueSource
 __all__ = ["CheckpointError", "export", "load_checkpoint", "save_checkpoint"]
 
 
-def _unit_file(unit: Unit) -> str:
-    return f"unit_{unit.index:05d}.safetensors"
+def _unit_file(unit: Unit | int, rank: int = 0, world: int = 1) -> str:
+    index = unit if isinstance(unit, int) else unit.index
+    if world == 1:
+        return f"unit_{index:05d}.safetensors"
+    return f"unit_{index:05d}.rank_{rank:05d}.safetensors"
 
 
 def _unit_meta(unit: Unit) -> dict:
@@ -74,9 +98,9 @@ def _to_json(extra: dict) -> dict:
 def _unit_entries(engine, unit: Unit) -> list[files.Entry]:
     """The tensors of one unit's file, each produced piece by piece from its owner."""
     values = engine.values
-    n, total = unit.layout.trainable, unit.layout.total
-    kinds = [(k, torch.float32, n) for k in (KINDS if n else ())]
-    kinds += [(FROZEN, engine.dtype, total - n)] if total > n else []
+    (a, b), (c, d) = unit.layout.local_trainable, unit.layout.local_frozen  # this rank's share
+    kinds = [(k, torch.float32, b - a) for k in (KINDS if b > a else ())]
+    kinds += [(FROZEN, engine.dtype, d - c)] if d > c else []
     return [
         (
             kind,
@@ -97,20 +121,80 @@ def save_checkpoint(
     engine.check_idle("save_checkpoint")
     _to_json(extra)
     name = f"ckpt-{engine.step_count:08d}-{time.time_ns()}"
+    if engine.comm.world > 1:
+        return _save_ranks(Path(directory), name, engine, optimizer, keep_last, extra)
     with files.CheckpointWriter(Path(directory), name) as out:
         for unit in engine.units:
             out.add_file(_unit_file(unit), _unit_entries(engine, unit))
-        group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-        meta = {
-            "dtype": str(engine.dtype).removeprefix("torch."),
-            "step_count": engine.step_count,
-            "skipped_steps": optimizer.skipped_steps,
-            "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None,
-            "param_group": {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()},
-            "units": [_unit_meta(u) for u in engine.units],
-            "extra": extra,
-        }
-        return out.commit(meta, keep_last)
+        return out.commit(_meta(engine, optimizer, extra), keep_last)
+
+
+def _meta(engine, optimizer, extra: dict) -> dict:
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    return {
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "world": engine.comm.world,
+        "step_count": engine.step_count,
+        "skipped_steps": optimizer.skipped_steps,
+        "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None,
+        "param_group": {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()},
+        "units": [_unit_meta(u) for u in engine.units],
+        "extra": extra,
+    }
+
+
+def _agree(comm, error: BaseException | None, what: str, payload=None, cls=RuntimeError) -> list:
+    """Every rank says whether its part of ``what`` worked (and hands in ``payload``); raises
+    on every rank if one failed (its own error on that rank, one naming it on the others);
+    returns every rank's payload."""
+    said = comm.all_gather_object(
+        (None if error is None else f"{type(error).__name__}: {error}", payload)
+    )
+    if error is not None:
+        raise error
+    for rank, (text, _) in enumerate(said):
+        if text is not None:
+            raise cls(f"{what}: rank {rank} failed ({text}); nothing was changed")
+    return [p for _, p in said]
+
+
+def _save_ranks(root: Path, name: str, engine, optimizer, keep_last: int, extra: dict) -> Path:
+    """The collective save (module Note on ranks): rank 0 owns the directory and commits once
+    every rank's files are durable."""
+    comm = engine.comm
+    name = comm.all_gather_object(name)[0]  # rank 0's name for everyone
+    owner = comm.rank == 0
+    writer = error = None
+    try:
+        if owner:
+            writer = files.CheckpointWriter(root, name)
+    except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+        error = exc
+    _agree(comm, error, "save_checkpoint")
+    records: dict = {}
+    try:
+        if not owner:
+            writer = files.CheckpointWriter(root, name, owner=False)
+        for unit in engine.units:
+            writer.add_file(_unit_file(unit, comm.rank, comm.world), _unit_entries(engine, unit))
+        writer.sync()  # durable before this rank's records go to the owner
+        records = {n: r.to_json() for n, r in writer.files.items()}
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    final = None
+    try:
+        every = _agree(comm, error, "save_checkpoint", records)
+        if owner:
+            writer.files = {n: files.FileRecord.from_json(r) for rs in every for n, r in rs.items()}
+            try:
+                final = writer.commit(_meta(engine, optimizer, extra), keep_last)
+            except Exception as exc:  # noqa: BLE001
+                error = exc
+        _agree(comm, error, "save_checkpoint (commit)")
+    finally:
+        if owner and writer is not None:
+            writer.__exit__(None, None, None)  # removes the temp directory unless committed
+    return final or root / name
 
 
 def _unit_tensors(unit: Unit) -> dict[str, tuple[tuple[str, ...], list[int]]]:
@@ -128,7 +212,12 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -
     a bad checkpoint raises :class:`CheckpointError` and leaves the model as it was."""
     engine = _engine(model)
     engine.check_idle("load_checkpoint", restoring=True)
-    with files.open_checkpoint(files.resolve(Path(directory))) as ckpt:  # (1)
+    if engine.comm.world > 1:
+        return _load_ranks(Path(directory), engine, optimizer)
+    path = files.resolve(Path(directory))
+    if _saved_world(path, files.read_meta(path)) > 1:
+        return _load_ranks(Path(directory), engine, optimizer)
+    with files.open_checkpoint(path) as ckpt:  # (1)
         files.check_layout(  # (2)
             ckpt,
             [_unit_meta(u) for u in engine.units],
@@ -147,6 +236,10 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -
                     "checkpoint's values, it and the rest may hold either, the counters are "
                     "unchanged: load a checkpoint again before training"
                 ) from exc
+    return _apply_counters(engine, optimizer, counters)
+
+
+def _apply_counters(engine, optimizer, counters: dict) -> dict:
     engine.step_count = counters["step_count"]
     optimizer.skipped_steps = counters["skipped_steps"]
     if counters["loss_scaler"] is not None:
@@ -155,6 +248,220 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -
     engine.zero_grad()
     engine.state_restored()
     return counters["extra"]
+
+
+def _saved_world(path: Path, meta: dict) -> int:
+    """The world size a checkpoint was saved at (1 when it does not say)."""
+    world = files.meta_int(path, meta.get("world", 1), "'world'")
+    if world < 1:
+        raise files.meta_error(path, f"'world' must be >= 1, got {world}")
+    return world
+
+
+def _regions(rec: dict) -> dict[str, tuple[int, int]]:
+    """Kind -> the ``[begin, end)`` of its region in a unit record."""
+    t, total = rec["trainable"], rec["total"]
+    return {**dict.fromkeys(KINDS, (0, t)), FROZEN: (t, total)}
+
+
+def _relative(rec: dict) -> dict:
+    """A unit record with offsets relative to their region and no padded lengths: what must
+    be equal between a checkpoint and a model at any world size (module Note on ranks)."""
+    t = rec["trainable"]
+    params = [
+        [n, off - (0 if tr else t), numel, shape, tr] for n, off, numel, shape, tr in rec["params"]
+    ]
+    return {"name": rec["name"], "trainable": None, "total": None, "params": params}
+
+
+class _Saved:
+    """The layout a checkpoint was saved with (world size, each unit's padded regions), checked
+    against the model's, and the reads that give this rank's pieces (module Note on ranks)."""
+
+    def __init__(self, path: Path, meta: dict, engine) -> None:
+        self.path = path
+        self.world = _saved_world(path, meta)
+        saved = meta.get("units")
+        mine = [_unit_meta(u) for u in engine.units]
+        if not isinstance(saved, list) or len(saved) != len(mine):
+            n = len(saved) if isinstance(saved, list) else files.short_repr(saved)
+            raise files.meta_error(
+                path,
+                f"the checkpoint has {n} units, the model has {len(mine)}; wrap the same model "
+                "with the same wrap config",
+            )
+        self.units: list[dict] = []
+        for i, (m, rec) in enumerate(zip(mine, saved)):
+            self._check_unit(i, m, rec)
+            self.units.append(rec)
+
+    def _check_unit(self, i: int, mine: dict, rec) -> None:
+        path, world = self.path, self.world
+        ok = isinstance(rec, dict) and isinstance(rec.get("params"), list)
+        ok = ok and all(
+            isinstance(p, list) and len(p) == 5 and files._is_int(p[1]) and files._is_int(p[2])
+            for p in rec["params"]
+        )
+        t, total = (rec.get("trainable"), rec.get("total")) if ok else (None, None)
+        ok = ok and files._is_int(t) and files._is_int(total) and 0 <= t <= total
+        ok = ok and t % world == 0 and (total - t) % world == 0
+        if not ok:
+            raise files.meta_error(
+                path, f"the record of unit {i} is malformed for a world of {world} ranks"
+            )
+        for name, off, numel, shape, tr in rec["params"]:
+            lo, hi = (0, t) if tr is True else (t, total)
+            if not (isinstance(shape, list) and lo <= off and off + numel <= hi):
+                raise files.meta_error(
+                    path, f"parameter {files.short_repr(name)} lies outside its region"
+                )
+        if _relative(rec) != _relative(mine):
+            files._unit_difference(path, i, _relative(mine), _relative(rec))
+
+    def file(self, unit: int, rank: int) -> str:
+        return _unit_file(unit, rank, self.world)
+
+    def reads(self, unit: Unit, kind: str, lo: int, hi: int, mine_regions) -> list:
+        """``(file, tensor, first, end, at)``: elements ``[first, end)`` of ``tensor`` in
+        ``file`` go to element ``at`` of the model's piece ``[lo, hi)`` of ``kind``."""
+        here = mine_regions[kind][0]
+        begin, end = _regions(self.units[unit.index])[kind]
+        a, b = lo - here, min(hi - here, end - begin)  # region-relative; beyond: zero padding
+        share = (end - begin) // self.world
+        out = []
+        for r in range(a // share if share else 0, self.world):
+            s0, s1 = r * share, (r + 1) * share
+            x, y = max(a, s0), min(b, s1)
+            if x >= y:
+                break
+            out.append((self.file(unit.index, r), kind, x - s0, y - s0, x - a))
+        return out
+
+    def tensors(self, unit: int) -> dict[str, tuple[tuple[str, ...], list[int]]]:
+        """What each of the unit's saved files holds: name -> (allowed dtypes, shape)."""
+        begin_end = _regions(self.units[unit])
+        out = {}
+        for kind in (*KINDS, FROZEN):
+            begin, end = begin_end[kind]
+            if end > begin:
+                dtypes = ("F32",) if kind != FROZEN else ("F32", "BF16", "F16")
+                out[kind] = (dtypes, [(end - begin) // self.world])
+        return out
+
+
+def _load_plan(engine, saved: _Saved) -> dict[tuple[int, str, int], list]:
+    """(unit, kind, piece start) -> the reads of every piece this rank loads."""
+    out = {}
+    for unit in engine.units:
+        mine = _regions(_unit_meta(unit))
+        for kind in (*KINDS, FROZEN):
+            for lo, hi in engine.values._load_pieces(unit, kind):
+                out[(unit.index, kind, lo)] = saved.reads(unit, kind, lo, hi, mine)
+    return out
+
+
+def _needs(plan: dict) -> dict:
+    """File -> a function giving the byte ranges this rank reads of it (from its header)."""
+    spans: dict[str, list] = {}
+    for reads in plan.values():
+        for fname, tensor, first, end, _ in reads:
+            spans.setdefault(fname, []).append((tensor, first, end))
+
+    def ranges_of(fname, tensors):
+        out = []
+        for tensor, first, end in spans[fname]:
+            info = tensors.get(tensor)
+            if info is not None:
+                size = info.dtype.itemsize
+                out.append((info.begin + first * size, info.begin + end * size))
+        return out
+
+    return {f: ranges_of for f in spans}
+
+
+def _check_files(ckpt: files.VerifiedCheckpoint, saved: _Saved, plan: dict) -> None:
+    """Every file this rank reads holds what its unit's saved layout says."""
+    by_file = {}
+    for (index, _, _), reads in plan.items():
+        for fname, *_ in reads:
+            by_file[fname] = index
+    for fname, index in sorted(by_file.items()):
+        want = saved.tensors(index)
+        have = {
+            t: (files.ST_DTYPES[i.dtype], list(i.shape)) for t, i in ckpt.tensors(fname).items()
+        }
+        if set(have) != set(want) or any(
+            have[t][1] != want[t][1] or have[t][0] not in want[t][0] for t in want
+        ):
+            held = {t: {"dtype": d, "shape": sh} for t, (d, sh) in have.items()}
+            needed = {t: {"dtype": "|".join(d), "shape": sh} for t, (d, sh) in want.items()}
+            raise files._fail(
+                ckpt.path / fname,
+                f"holds {files._describe(held)}; its saved layout needs {files._describe(needed)}",
+            )
+
+
+class _Reads(ValueSource):
+    """This rank's pieces, each read from the byte ranges of the saved ranks' files that
+    hold it (zero where the saved layout has no element: padding)."""
+
+    def __init__(self, ckpt: files.VerifiedCheckpoint, plan: dict) -> None:
+        self.ckpt, self.plan = ckpt, plan
+
+    def piece(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor | None:
+        reads = self.plan.get((unit.index, kind, lo))
+        if reads is None:
+            return None
+        out = None
+        for fname, tensor, first, end, at in reads:
+            part = self.ckpt.read(fname, tensor, first, end)
+            if out is None:
+                out = torch.zeros(hi - lo, dtype=part.dtype)
+            out[at : at + end - first].copy_(part)
+        return out if out is not None else torch.zeros(hi - lo)
+
+
+def _load_ranks(root: Path, engine, optimizer) -> dict:
+    """The load at any world size (module Note on ranks); collective with several ranks."""
+    comm = engine.comm
+    ckpt = error = None
+    counters = plan = None
+    try:
+        path = files.resolve(root)
+        paths = comm.all_gather_object(str(path))
+        if len(set(paths)) > 1:
+            raise CheckpointError(
+                f"load_checkpoint: the ranks found different checkpoints in '{root}' "
+                f"({', '.join(sorted(set(paths)))}); is a save running?"
+            )
+        saved = _Saved(path, files.read_meta(path), engine)  # (2), the layout
+        plan = _load_plan(engine, saved)
+        ckpt = files.open_checkpoint(path, need=_needs(plan))  # (1), what this rank reads
+        _check_files(ckpt, saved, plan)
+        counters = files.check_counters(
+            ckpt, optimizer.param_groups[0], loss_scale=optimizer.scaler is not None
+        )
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it before anything changes
+        error = exc
+    try:
+        _agree(comm, error, "load_checkpoint", cls=CheckpointError)
+    except BaseException:
+        if ckpt is not None:
+            ckpt.close()
+        raise
+    with ckpt:
+        source = _Reads(ckpt, plan)
+        for run in engine.runs:  # (3)
+            try:
+                engine.values.load(run.unit, source)
+                run.release()
+            except Exception as exc:
+                raise RuntimeError(
+                    f"load_checkpoint: writing unit '{run.unit.label}' from '{ckpt.path}' failed "
+                    f"after the checkpoint was verified ({exc}); load a checkpoint again before "
+                    "training"
+                ) from exc
+    return _apply_counters(engine, optimizer, counters)
 
 
 class _UnitFile(ValueSource):
@@ -180,26 +487,35 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
     """Writes one consolidated safetensors file with every parameter (by its qualified name,
     tied ones under each name) and persistent buffer, usable without offload
     (``safetensors.torch.load_file`` then ``model.load_state_dict``). Written to a temp name,
-    fsynced and renamed."""
+    fsynced and renamed; streamed one unit at a time (RAM: the largest unit).
+
+    With several ranks it is collective: every rank gathers each unit's values with the
+    others, rank 0 writes the file (the others write nothing) and every rank returns ``path``
+    once it is in place, or raises if rank 0 failed."""
     engine = _engine(model)
     engine.check_idle("export")
+    comm = engine.comm
     path = Path(path)
     names: dict[nn.Parameter, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, []).append(name)
+    cache: dict = {}  # the one unit whose values are held (units' entries are contiguous)
+    gathered: list[int] = []  # units gathered so far, in order (every rank gathers the same)
+
+    def produce(p, u):
+        if u.index not in cache:
+            cache.clear()
+            cache[u.index] = engine.full_values(u)
+            gathered.append(u.index)
+        yield cache[u.index][p].to(dtype)
+
     entries = []
     for unit in engine.units:
-        cache: dict = {}
-
-        def produce(p, u=unit, cache=cache):
-            if u.index not in cache:
-                cache.clear()
-                cache[u.index] = engine.full_values(u)
-            yield cache[u.index][p].to(dtype)
-
         for seg in unit.layout.segments:
             for name in names[seg.param]:
-                entries.append((name, dtype, list(seg.shape), lambda p=seg.param, f=produce: f(p)))
+                entries.append(
+                    (name, dtype, list(seg.shape), lambda p=seg.param, u=unit: produce(p, u))
+                )
     for mname, module in model.named_modules():
         for bname, buf in module._buffers.items():
             if buf is None or bname in module._non_persistent_buffers_set:
@@ -208,8 +524,21 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
             bdt = dtype if buf.is_floating_point() else buf.dtype
             if bdt in files.ST_DTYPES:
                 entries.append((full, bdt, list(buf.shape), lambda b=buf, d=bdt: iter([b.to(d)])))
-    tmp = path.with_name(path.name + ".tmp")
-    files.write_safetensors(tmp, entries, metadata={"format": "pt", "producer": "offload"})
-    os.replace(tmp, path)
-    files.fsync_dir(path.parent if str(path.parent) else Path("."))
+    error = None
+    if comm.rank == 0:
+        try:
+            tmp = path.with_name(path.name + ".tmp")
+            files.write_safetensors(tmp, entries, metadata={"format": "pt", "producer": "offload"})
+            os.replace(tmp, path)
+            files.fsync_dir(path.parent if str(path.parent) else Path("."))
+        except Exception as exc:  # noqa: BLE001 - with one rank it is raised as it is
+            if comm.world == 1:
+                raise
+            error = exc
+    if comm.world > 1:
+        cache.clear()
+        for unit in engine.units:  # the gathers rank 0 did not make (all of them elsewhere)
+            if unit.layout.segments and unit.index not in gathered:
+                engine.full_values(unit)
+        _agree(comm, error, "export")
     return path

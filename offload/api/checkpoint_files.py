@@ -5,16 +5,20 @@ anything is loaded from it. This module knows files, tensors and bytes, nothing 
 Note: what a checkpoint directory holds
     ``meta.json`` and the data files it lists under ``"files"``. For each file it records the
     ``size`` in bytes, the ``sha256`` of the file's exact bytes and its ``tensors`` (name ->
-    ``{"dtype", "shape"}``). ``meta_sha256`` is the SHA-256 of the canonical JSON of every other
-    key of ``meta.json`` (sorted keys, no spaces, ASCII): a flipped byte in ``meta.json``
-    itself is caught too. ``format`` and ``version`` (2; version 1 had no checksums) say what
+    ``{"dtype", "shape"}``), and ``blocks``: ``{"size": BLOCK, "sha256": [...]}``, the
+    SHA-256 of each ``BLOCK``-byte block of the file in order (the last one shorter), so a
+    reader that needs only some byte ranges of a file (a rank loading its share of another
+    world size's checkpoint) verifies only the blocks it reads. ``meta_sha256`` is the SHA-256
+    of the canonical JSON of every other key of ``meta.json`` (sorted keys, no spaces, ASCII):
+    a flipped byte in ``meta.json`` itself is caught too. ``format`` and ``version`` (3;
+    version 2 had no block checksums and is still read, version 1 had no checksums) say what
     the directory is. The caller's own keys are sealed with the rest; :func:`check_layout` and
     :func:`check_counters` check the ones a load of units uses (``units``, ``step_count``,
     ``skipped_steps``, ``loss_scaler``, ``param_group``, ``extra``) against what the caller
     passes in, so that a load can be refused before anything changes.
 
-    A data file's checksum is computed while the file is written, over the same bytes, piece
-    by piece: a save never holds a file in RAM and never reads one back.
+    A data file's checksums are computed while the file is written, over the same bytes,
+    piece by piece: a save never holds a file in RAM and never reads one back.
 
 Note: commit
     :class:`CheckpointWriter` writes into ``root/.<name>.tmp``, fsyncs every file and the
@@ -30,6 +34,11 @@ Note: verification before use
     dtypes, shapes, data offsets that tile the data region) and the header's tensors agree
     with ``meta.json``; and the SHA-256 of each whole file, read in ``CHUNK``-sized reads into
     one reused buffer per thread, matches. Nothing checkpoint-sized is held in RAM.
+
+    A reader that needs only parts of some files (``need``: file -> byte ranges) opens and
+    checks only those files (size, header) and verifies the blocks covering the header and its
+    ranges; a file it reads whole is verified whole. What it does not read it does not verify
+    (another rank that reads it does).
 
     The files stay open from verification until the reader is closed and tensor slices are
     read from those same descriptors, so renaming or replacing a file after verification
@@ -57,7 +66,9 @@ from pathlib import Path
 import torch
 
 FORMAT = "offload-checkpoint"
-VERSION = 2
+VERSION = 3
+READS = (2, 3)  # versions this reader accepts
+BLOCK = 4 << 20  # bytes per block checksum
 META = "meta.json"
 LATEST = "latest"
 CHUNK = 8 << 20  # bytes per read while checksumming
@@ -108,9 +119,43 @@ class FileRecord:
     size: int  # bytes
     sha256: str  # hex digest of the file's bytes
     tensors: dict  # name -> {"dtype": code, "shape": [...]}, in file order
+    blocks: tuple[str, ...] = ()  # hex digest of each BLOCK bytes
 
     def to_json(self) -> dict:
-        return {"size": self.size, "sha256": self.sha256, "tensors": self.tensors}
+        out = {"size": self.size, "sha256": self.sha256, "tensors": self.tensors}
+        out["blocks"] = {"size": BLOCK, "sha256": list(self.blocks)}
+        return out
+
+    @staticmethod
+    def from_json(rec: dict) -> FileRecord:
+        return FileRecord(
+            rec["size"], rec["sha256"], rec["tensors"], tuple(rec["blocks"]["sha256"])
+        )
+
+
+class _Hasher:
+    """The SHA-256 of a stream of bytes and of each ``BLOCK`` of it, fed in any pieces."""
+
+    def __init__(self) -> None:
+        self.whole, self.block, self.filled = hashlib.sha256(), hashlib.sha256(), 0
+        self.blocks: list[str] = []
+
+    def update(self, data) -> None:
+        self.whole.update(data)
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), BLOCK - self.filled)
+            self.block.update(view[:take])
+            self.filled += take
+            view = view[take:]
+            if self.filled == BLOCK:
+                self.blocks.append(self.block.hexdigest())
+                self.block, self.filled = hashlib.sha256(), 0
+
+    def done(self) -> tuple[str, tuple[str, ...]]:
+        if self.filled:
+            self.blocks.append(self.block.hexdigest())
+        return self.whole.hexdigest(), tuple(self.blocks)
 
 
 def fsync_dir(path: Path) -> None:
@@ -140,7 +185,7 @@ def write_safetensors(
         header["__metadata__"] = metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    digest = hashlib.sha256()
+    digest = _Hasher()
     size = 0
     with open(path, "wb") as f:
         for head in (struct.pack("<Q", len(raw)), raw):
@@ -166,7 +211,8 @@ def write_safetensors(
     tensors = {
         n: {"dtype": h["dtype"], "shape": h["shape"]} for n, h in header.items() if n[:2] != "__"
     }
-    return FileRecord(size, digest.hexdigest(), tensors)
+    whole, blocks = digest.done()
+    return FileRecord(size, whole, tensors, blocks)
 
 
 def _canonical(meta: dict) -> bytes:
@@ -188,13 +234,22 @@ def _write_text(path: Path, text: str) -> None:
 
 class CheckpointWriter:
     """Writes one checkpoint directory ``root/name`` (see Note: commit). Use as a context
-    manager: leaving it with an exception before :meth:`commit` removes the temp directory."""
+    manager: leaving it with an exception before :meth:`commit` removes the temp directory.
 
-    def __init__(self, root: Path, name: str) -> None:
-        self.root, self.name = root, name
-        root.mkdir(parents=True, exist_ok=True)
+    Several processes can write one checkpoint (one per rank): the owner creates the temp
+    directory and commits; the others (``owner=False``) add their files to the existing temp
+    directory and never commit or remove it. The owner commits only once every writer's files
+    are durable (each is fsynced by :meth:`add_file` before its record is handed to the owner,
+    ``offload.api.checkpoint``)."""
+
+    def __init__(self, root: Path, name: str, *, owner: bool = True) -> None:
+        self.root, self.name, self.owner = root, name, owner
         self.tmp = root / f".{name}.tmp"
-        self.tmp.mkdir()
+        if owner:
+            root.mkdir(parents=True, exist_ok=True)
+            self.tmp.mkdir()
+        elif not self.tmp.is_dir():
+            raise CheckpointError(f"checkpoint directory '{self.tmp}' does not exist here")
         self.files: dict[str, FileRecord] = {}
         self._committed = False
 
@@ -202,11 +257,15 @@ class CheckpointWriter:
         return self
 
     def __exit__(self, kind, exc, tb) -> None:
-        if not self._committed:
+        if self.owner and not self._committed:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     def add_file(self, name: str, entries: list[Entry]) -> None:
         self.files[name] = write_safetensors(self.tmp / name, entries)
+
+    def sync(self) -> None:
+        """The directory entries of the files added are durable too."""
+        fsync_dir(self.tmp)
 
     def commit(self, meta: dict, keep_last: int = 1) -> Path:
         """Seals ``meta`` (plus format, version and the file records) into ``meta.json``,
@@ -312,8 +371,11 @@ def _read_meta(ckpt: Path) -> dict:
             "has format version 1 (written before checkpoints carried checksums); this offload "
             f"reads version {VERSION}: load it with the offload that wrote it and save it again",
         )
-    if version != VERSION:
-        raise _fail(path, f"has format version {short_repr(version)}; this offload reads {VERSION}")
+    if version not in READS:
+        raise _fail(
+            path,
+            f"has format version {short_repr(version)}; this offload reads {READS[0]}-{VERSION}",
+        )
     sealed = meta.get("meta_sha256")
     if not isinstance(sealed, str) or not _HEX64.fullmatch(sealed):
         raise _fail(path, f"has no valid 'meta_sha256' (got {short_repr(sealed)})")
@@ -330,17 +392,31 @@ def _read_meta(ckpt: Path) -> dict:
     for name, rec in files.items():
         if not _FILE_NAME.fullmatch(name) or name in (META, LATEST):
             raise _fail(path, f"'files' lists {short_repr(name)}, which is not a data file name")
-        if not isinstance(rec, dict) or set(rec) != {"size", "sha256", "tensors"}:
-            raise _fail(path, f"'files'.'{name}' must have exactly size, sha256 and tensors")
+        keys = {"size", "sha256", "tensors"} | ({"blocks"} if version >= 3 else set())
+        if not isinstance(rec, dict) or set(rec) != keys:
+            raise _fail(path, f"'files'.'{name}' must have exactly {', '.join(sorted(keys))}")
         if not _is_int(rec["size"]) or not 0 <= rec["size"] <= MAX_INT:
             raise _fail(path, f"'files'.'{name}'.size is {short_repr(rec['size'])}")
         if not isinstance(rec["sha256"], str) or not _HEX64.fullmatch(rec["sha256"]):
             raise _fail(path, f"'files'.'{name}'.sha256 is {short_repr(rec['sha256'])}")
         if not isinstance(rec["tensors"], dict):
             raise _fail(path, f"'files'.'{name}'.tensors is {short_repr(rec['tensors'])}")
+        if "blocks" in rec:
+            _check_blocks(path, name, rec)
         for tname, trec in rec["tensors"].items():
             _check_tensor_record(ckpt / name, tname, trec)
     return meta
+
+
+def _check_blocks(path: Path, name: str, rec: dict) -> None:
+    blocks = rec["blocks"]
+    ok = isinstance(blocks, dict) and set(blocks) == {"size", "sha256"}
+    ok = ok and _is_int(blocks["size"]) and 0 < blocks["size"] <= MAX_INT
+    ok = ok and isinstance(blocks["sha256"], list)
+    ok = ok and len(blocks["sha256"]) == -(-rec["size"] // blocks["size"])
+    ok = ok and all(isinstance(h, str) and _HEX64.fullmatch(h) for h in blocks["sha256"])
+    if not ok:
+        raise _fail(path, f"'files'.'{name}'.blocks is malformed (one SHA-256 per block)")
 
 
 def _parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, TensorInfo], int]:
@@ -393,11 +469,12 @@ def _parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, TensorInfo]
     return tensors, n
 
 
-def _sha256_of(fd: int, size: int) -> str:
+def _sha256_of(fd: int, size: int, begin: int = 0) -> str:
+    """The SHA-256 of bytes ``[begin, size)`` of the file."""
     digest = hashlib.sha256()
-    buf = bytearray(min(CHUNK, max(size, 1)))
+    buf = bytearray(min(CHUNK, max(size - begin, 1)))
     view = memoryview(buf)
-    at = 0
+    at = begin
     while at < size:
         got = os.preadv(fd, [view[: min(CHUNK, size - at)]], at)
         if got == 0:
@@ -405,6 +482,16 @@ def _sha256_of(fd: int, size: int) -> str:
         digest.update(view[:got])
         at += got
     return digest.hexdigest() if at == size else f"<file ended at byte {at}>"
+
+
+def _blocks_of(ranges: list[tuple[int, int]], block: int, size: int) -> list[int]:
+    """Indices of the blocks that cover byte ranges ``ranges`` of a ``size``-byte file."""
+    out: set[int] = set()
+    for lo, hi in ranges:
+        lo, hi = max(0, lo), min(size, hi)
+        if hi > lo:
+            out.update(range(lo // block, (hi - 1) // block + 1))
+    return sorted(out)
 
 
 class VerifiedCheckpoint:
@@ -415,6 +502,7 @@ class VerifiedCheckpoint:
         self.path, self.meta = path, meta
         self._fds: dict[str, int] = {}
         self._tensors: dict[str, dict[str, TensorInfo]] = {}
+        self._data_begin: dict[str, int] = {}
         self._scratch = torch.empty(0, dtype=torch.uint8)  # see read()
 
     def __enter__(self) -> VerifiedCheckpoint:
@@ -434,6 +522,10 @@ class VerifiedCheckpoint:
     def tensors(self, name: str) -> dict[str, TensorInfo]:
         """The tensors of data file ``name`` (as its verified header has them)."""
         return self._tensors[name]
+
+    def data_begin(self, name: str) -> int:
+        """Where the data of file ``name`` begins (the header's 8-byte length and JSON before)."""
+        return self._data_begin[name]
 
     def read(self, name: str, tensor: str, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the flattened ``tensor`` of file ``name``, in a buffer that
@@ -471,7 +563,8 @@ class VerifiedCheckpoint:
                 path,
                 f"is {size} bytes, meta.json records {rec['size']} (truncated or replaced)",
             )
-        tensors, _ = _parse_header(path, fd, size)
+        tensors, n = _parse_header(path, fd, size)
+        self._data_begin[name] = 8 + n
         have = {t: {"dtype": _code(i.dtype), "shape": list(i.shape)} for t, i in tensors.items()}
         if have != rec["tensors"]:
             raise _fail(
@@ -491,9 +584,22 @@ def _describe(tensors: dict) -> str:
     return ", ".join(f"{n} {r['dtype']}{r['shape']}" for n, r in tensors.items()) or "nothing"
 
 
-def open_checkpoint(ckpt: Path, threads: int | None = None) -> VerifiedCheckpoint:
+def read_meta(ckpt: Path) -> dict:
+    """``ckpt``'s ``meta.json``, parsed, sealed and checked against the schema (nothing else
+    of the directory is read)."""
+    return _read_meta(ckpt)
+
+
+NeedRanges = Callable[[str, dict[str, "TensorInfo"]], list[tuple[int, int]]]
+
+
+def open_checkpoint(
+    ckpt: Path, threads: int | None = None, need: dict[str, NeedRanges] | None = None
+) -> VerifiedCheckpoint:
     """Verifies the checkpoint directory ``ckpt`` (Note: verification before use) and returns
-    it open; raises :class:`CheckpointError` naming the file and what is wrong."""
+    it open; raises :class:`CheckpointError` naming the file and what is wrong. ``need``: only
+    these files, and of each only the byte ranges its function gives (from the file's verified
+    header); None: every file, whole."""
     meta = _read_meta(ckpt)
     files: dict = meta["files"]
     try:
@@ -503,19 +609,40 @@ def open_checkpoint(ckpt: Path, threads: int | None = None) -> VerifiedCheckpoin
     extra = sorted(present - set(files) - {META})
     if extra:
         raise _fail(ckpt / extra[0], "is not listed in meta.json (an extra file)")
+    wanted = sorted(files) if need is None else sorted(need)
+    for name in wanted:
+        if name not in files:
+            raise meta_error(ckpt, f"does not list '{name}', which this load needs")
     out = VerifiedCheckpoint(ckpt, meta)
     try:
-        sizes = {name: out._open(name, files[name]) for name in sorted(files)}
-        names = sorted(sizes, key=lambda n: -sizes[n])  # largest first
-        workers = max(1, min(threads or os.cpu_count() or 1, 8, len(names)))
+        sizes = {name: out._open(name, files[name]) for name in wanted}
+        jobs = []  # (name, begin, end, recorded digest)
+        for name in wanted:
+            rec, size = files[name], sizes[name]
+            blocks = _blocks_of(
+                [(0, out.data_begin(name))] + (need[name](name, out.tensors(name)) if need else []),
+                rec["blocks"]["size"] if "blocks" in rec else size or 1,
+                size,
+            )
+            whole = "blocks" not in rec or len(blocks) == len(rec["blocks"]["sha256"])
+            if need is None or whole:
+                jobs.append((name, 0, size, rec["sha256"]))
+                continue
+            bsize = rec["blocks"]["size"]
+            for b in blocks:
+                jobs.append(
+                    (name, b * bsize, min(size, (b + 1) * bsize), rec["blocks"]["sha256"][b])
+                )
+        jobs.sort(key=lambda j: j[1] - j[2])  # largest first
+        workers = max(1, min(threads or os.cpu_count() or 1, 8, len(jobs) or 1))
         with ThreadPoolExecutor(workers, thread_name_prefix="offload-ckpt-verify") as pool:
-            digests = dict(zip(names, pool.map(lambda n: _sha256_of(out._fds[n], sizes[n]), names)))
-        for name in sorted(files):
-            want = files[name]["sha256"]
-            if digests[name] != want:
+            digests = list(pool.map(lambda j: _sha256_of(out._fds[j[0]], j[2], j[1]), jobs))
+        for (name, begin, end, want), got in sorted(zip(jobs, digests), key=lambda x: x[0][:2]):
+            if got != want:
+                where = "" if (begin, end) == (0, sizes[name]) else f" of bytes [{begin}, {end})"
                 raise _fail(
                     ckpt / name,
-                    f"its SHA-256 is {digests[name][:16]}..., meta.json records {want[:16]}...: "
+                    f"its SHA-256{where} is {got[:16]}..., meta.json records {want[:16]}...: "
                     "the file is corrupt or not the one saved",
                 )
     except BaseException:

@@ -114,9 +114,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._clip_coef = None
 
     def stats(self) -> dict:
-        """The last step's counters: seconds per phase, bytes per tier pair, prefetch hits and
-        misses, memory figures, and cumulative totals (see ``offload.runtime.telemetry``)."""
+        """The last step's counters: seconds per phase, bytes per tier pair, collectives (bytes
+        and seconds waited), prefetch hits and misses, memory figures, cumulative totals (see
+        ``offload.runtime.telemetry``), and ``state_bytes``: the training state this rank holds
+        now by where (``Runtime.state_bytes``)."""
         out = self._engine.telemetry.stats()
+        out["state_bytes"] = self._engine.state_bytes()
         out["skipped_steps"] = self.skipped_steps
         if self.scaler is not None:
             out["loss_scale"] = self.scaler.scale

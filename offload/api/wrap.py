@@ -1,13 +1,17 @@
 """``offload.wrap(model, config) -> (model, optimizer)``: builds the runtime of a model from its plan.
 
 The plan (``offload.plan``) decides everything once; this module turns its decisions into
-objects through the tables below (param home, gradient owner, optimizer-state home, step
-schedule), fills the homes piece by piece from one source of values (the model's current values,
-or ``weights=``: files or tensors by name, ``offload.runtime.weights``), and installs the hooks.
-Everything that can be checked before training is checked by the plan or here, with errors
-naming the config key, the value and what to change: buffers too small for one piece, pools
-larger than RAM, an unwritable ``nvme_path``, a model on the meta device without ``weights=``,
-weights that do not fit the model, a model wrapped twice.
+objects through the tables below (param home, gradient owner and reduction, optimizer-state
+home, step schedule), fills the homes piece by piece from one source of values (the model's
+current values, or ``weights=``: files or tensors by name, ``offload.runtime.weights``), and
+installs the hooks. Inside a ``torch.distributed`` process group (the default one, or
+``process_group=``) each rank's plan covers its share (``ShardSpec``), its NVMe files go in its
+own ``rank-NNNNN`` subdirectory of ``nvme_path``, and every rank's plan is checked to be the
+same (same model, same values, same config) before anything is built. Everything that can be
+checked before training is checked by the plan or here, with errors naming the config key, the
+value and what to change: buffers too small for one piece, pools larger than RAM, an
+unwritable ``nvme_path``, a model on the meta device without ``weights=``, weights that do not
+fit the model, a model wrapped twice.
 
 Note: a model on the meta device
     Its parameters have shapes and dtypes but no storage; the plan lays them out all the same.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import logging
+import os
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -36,19 +41,22 @@ from offload.api.loss_scale import DynamicLossScaler
 from offload.api.optimizer import OffloadOptimizer
 from offload.config import ConfigError, OffloadConfig, load_config
 from offload.device import HostMemory, Transfers, for_device
+from offload.dist import Comm, LocalComm, comm_for
 from offload.homes.grads import AutogradGrads, HeldNvmeGrads, HostGrads, NvmeGrads
 from offload.homes.optim import HostMaster, HostOptim, NvmeOptim, ParamsMaster
-from offload.homes.params import DeviceParams, HostParams, NvmeParams
+from offload.homes.params import DeviceParams, HostParams, NvmeParams, ShardedParams
 from offload.plan import (
     GradOwner,
+    GradReduce,
     MasterOwner,
     Plan,
     Schedule,
+    ShardSpec,
     check_host_buffers,
     make_plan,
 )
 from offload.runtime import Runtime
-from offload.runtime.grads import Grads
+from offload.runtime.grads import Grads, ScatteredGrads, StepScatteredGrads
 from offload.runtime.schedule import Background, Immediate, InBackward
 from offload.runtime.telemetry import Telemetry, check_jsonl_path
 from offload.runtime.values import LiveParams, ParamValues
@@ -79,17 +87,22 @@ class _Parts:
     staging: type
     writer: type
     stores: dict
+    comm: Comm
 
 
 # ------------------------------------------------------------------ the plan's choices as objects
 PARAM_HOMES = {
     "none": lambda b: DeviceParams(
-        b.plan, b.transfers, b.memory, b.writer(b.transfers, b.memory, b.plan.placement.dtype)
+        b.plan,
+        b.transfers,
+        b.memory,
+        b.writer(b.transfers, b.memory, b.plan.placement.dtype),
+        b.comm,
     ),
     "cpu": lambda b: HostParams(
-        b.plan, b.transfers, b.memory, b.plan.placement.pin["offload_param"]
+        b.plan, b.transfers, b.memory, b.plan.placement.pin["offload_param"], b.comm
     ),
-    "nvme": lambda b: NvmeParams(b.plan, b.transfers, b.memory, b.stores["offload_param"]),
+    "nvme": lambda b: NvmeParams(b.plan, b.transfers, b.memory, b.stores["offload_param"], b.comm),
 }
 GRAD_HOMES = {
     (GradOwner.AUTOGRAD, Schedule.IMMEDIATE): lambda b: AutogradGrads(b.plan),
@@ -107,6 +120,15 @@ OPTIM_HOMES = {
     MasterOwner.PARAMS: lambda b, p, g: HostOptim(b.plan, p, g, ParamsMaster(p)),
     MasterOwner.HOST: lambda b, p, g: HostOptim(b.plan, p, g, HostMaster(p)),
     MasterOwner.NVME: lambda b, p, g: NvmeOptim(b.plan, p, g, b.stores["offload_optimizer"]),
+}
+GRAD_PATHS = {  # when gradients are reduced across ranks (plan.GradReduce)
+    GradReduce.NONE: lambda b, owner, staging: Grads(owner, staging, b.plan.units, b.comm),
+    GradReduce.PER_UNIT: lambda b, owner, staging: ScatteredGrads(
+        owner, staging, b.plan.units, b.comm, b.plan.placement.device, b.plan.placement.dtype
+    ),
+    GradReduce.AT_STEP: lambda b, owner, staging: StepScatteredGrads(
+        owner, staging, b.plan.units, b.comm, b.plan.placement.device, b.plan.placement.dtype
+    ),
 }
 SCHEDULES = {
     Schedule.IMMEDIATE: Immediate,
@@ -182,6 +204,15 @@ def _new_aio(cfg: OffloadConfig, resources: list):
     return aio
 
 
+def rank_path(nvme_path: str, comm: Comm) -> str:
+    """Where this rank's NVMe files go: ``nvme_path`` itself with one rank, its own
+    ``rank-NNNNN`` subdirectory (the global rank) with more, so ranks sharing a disk never
+    share a directory."""
+    if comm.world == 1:
+        return nvme_path
+    return os.path.join(nvme_path, f"rank-{comm.global_rank:05d}")
+
+
 def _make_store(cfg: OffloadConfig, section: str, depth: int, b: _Parts, aio, resources: list):
     from offload.io import BufferPool, NvmeStore  # noqa: PLC0415
     from offload.store import TieredStore  # noqa: PLC0415
@@ -190,7 +221,7 @@ def _make_store(cfg: OffloadConfig, section: str, depth: int, b: _Parts, aio, re
     size = b.plan.placement.buffer_sizes[section]
     check_host_buffers(section, sec.buffer_count, size, psutil.virtual_memory().available)
     try:
-        nvme = NvmeStore(sec.nvme_path, aio=aio, checksum=cfg.aio.checksum)
+        nvme = NvmeStore(rank_path(sec.nvme_path, b.comm), aio=aio, checksum=cfg.aio.checksum)
     except OSError as exc:
         raise ConfigError(f"{section}.nvme_path={sec.nvme_path!r}: {exc}") from exc
     resources.append(nvme)
@@ -229,17 +260,20 @@ def _build(
     resources: list,
     buffer_dtypes: dict,
     source: ParamValues,
+    comm: Comm,
 ) -> Runtime:
     placement = plan.placement
     memory, staging, writer = for_device(placement.device)
     transfers = Transfers(placement.device)
-    b = _Parts(plan, cfg, transfers, memory, staging, writer, {})
+    b = _Parts(plan, cfg, transfers, memory, staging, writer, {}, comm)
     aio = None  # one IO engine for every store, made with the first
     for section, depth in placement.stores.items():
         aio = aio or _new_aio(cfg, resources)
         b.stores[section] = _make_store(cfg, section, depth, b, aio, resources)
         resources.append(b.stores[section])
     params = PARAM_HOMES[placement.param_home](b)
+    if placement.shard_params:  # stage 3: the home holds this rank's share; unshard gathers
+        params = ShardedParams(plan, transfers, memory, params, comm)
     grad_home = GRAD_HOMES[(placement.grads, placement.schedule)](b)
     optim = OPTIM_HOMES[placement.master](b, params, grad_home)
     for unit in plan.units:  # piece by piece from the source (see offload.runtime.values)
@@ -260,7 +294,9 @@ def _build(
         plan,
         params=params,
         optim=optim,
-        grads=Grads(grad_home, staging(transfers, memory, placement.dtype, largest), plan.units),
+        grads=GRAD_PATHS[placement.grad_reduce](
+            b, grad_home, staging(transfers, memory, placement.dtype, largest)
+        ),
         schedule=SCHEDULES[placement.schedule](optim, params, stepped, timers),
         transfers=transfers,
         stores=b.stores,
@@ -273,7 +309,77 @@ def _build(
     )
 
 
-def wrap(model: nn.Module, config=None, *, weights=None, _keep_grads: bool | None = None):
+def _fingerprint(model: nn.Module, cfg: OffloadConfig, plan: Plan, weights) -> dict:
+    """What every rank must agree on: the config, the layout and the parameters' values (with
+    ``weights=``, the model holds none yet: the source, when it is a path)."""
+    layout = [
+        [u.name, u.layout.trainable, u.layout.total]
+        + [[s.name, s.offset, list(s.shape), s.trainable, str(s.dtype)] for s in u.layout.segments]
+        for u in plan.units
+    ]
+    if weights is not None:
+        values = [os.path.abspath(weights)] if isinstance(weights, (str, os.PathLike)) else []
+    else:
+        with torch.no_grad():
+            values = [
+                float(p.detach().double().sum()) + float(p.detach().double().abs().sum())
+                for _, p in model.named_parameters()
+            ]
+    pl = plan.placement
+    config = {  # what the ranks' collectives and updates depend on (not paths, devices, IO)
+        "dtype": cfg.dtype,
+        "optimizer": cfg.to_dict()["optimizer"],
+        "gradient_clipping": cfg.gradient_clipping,
+        "loss_scale": cfg.to_dict()["loss_scale"],
+        "placement": [pl.param_home, pl.optim_home, pl.schedule.value, pl.master.value],
+        "sharding": [pl.stage, pl.grad_reduce.value, pl.shard_params, pl.piece_numel],
+    }
+    return {"config": config, "layout": layout, "values": values}
+
+
+def _check_ranks(comm: Comm, model: nn.Module, cfg: OffloadConfig, plan: Plan, weights) -> None:
+    """Every rank of the group wraps the same model with the same config and values."""
+    mine = _fingerprint(model, cfg, plan, weights)
+    theirs = comm.all_gather_object(mine)
+    for rank, other in enumerate(theirs):
+        for key, what in (
+            ("config", "config"),
+            ("layout", "model (units and parameters)"),
+            ("values", "parameter values (seed every rank alike, or load the same weights)"),
+        ):
+            if other[key] != mine[key]:
+                raise ValueError(
+                    f"offload.wrap: rank {comm.rank} and rank {rank} of the process group wrap "
+                    f"a different {what}; every rank must wrap the same model with the same "
+                    "config and values"
+                )
+
+
+def _resolve_cuda(cfg: OffloadConfig, comm: Comm) -> OffloadConfig:
+    """With NCCL every rank computes on its own device: "auto" and "cuda" become
+    ``cuda:LOCAL_RANK`` (torchrun sets it), made the current device."""
+    if comm.backend == "nccl":
+        if cfg.device == "cpu":
+            raise ConfigError(
+                "device='cpu' with a NCCL process group: NCCL reduces CUDA tensors only; "
+                "initialize the group with backend='gloo' to train on the CPU"
+            )
+        if cfg.device in ("auto", "cuda"):
+            index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+            torch.cuda.set_device(index)
+            cfg = load_config(dict(cfg.to_dict(), device=f"cuda:{index}"))
+    return cfg
+
+
+def wrap(
+    model: nn.Module,
+    config=None,
+    *,
+    weights=None,
+    process_group=None,
+    _keep_grads: bool | None = None,
+    _one_rank_collectives: bool = False,
+):
     """Wraps ``model`` for offloaded training; returns ``(model, optimizer)``.
 
     ``config`` is a dict, a path to a JSON/YAML file (ours or DeepSpeed's), an
@@ -285,11 +391,24 @@ def wrap(model: nn.Module, config=None, *, weights=None, _keep_grads: bool | Non
     ``model.safetensors`` or a sharded ``model.safetensors.index.json``, or a mapping of
     ``model.state_dict()`` names to tensors. Each piece streams from it into its home; the full
     model is never in RAM (``offload.runtime.weights``).
+
+    Inside an initialized ``torch.distributed`` process group (``process_group``, or the
+    default one) with more than one rank, the state is sharded over its ranks by the ZeRO
+    stage of ``distributed.stage``; every rank calls ``wrap`` with the same model, values and
+    config, and then runs the same forwards, backwards and steps (data parallel: each on its
+    own micro-batch). One rank, or no group, runs exactly as without one
+    (``_one_rank_collectives``: a group of one rank shards and reduces through its collectives
+    all the same, for ``benchmarks/gpu_smoke.py``'s one-GPU NCCL check).
     """
     cfg = load_config(config)
     _check_model(model, weights is not None)
     check_jsonl_path(cfg.telemetry.jsonl_path)
-    plan = make_plan(model, cfg, keep_grads=_keep_grads)
+    comm = comm_for(process_group, cfg.distributed.timeout, one_rank=_one_rank_collectives)
+    cfg = _resolve_cuda(cfg, comm)
+    shard, sharded = ShardSpec(comm.rank, comm.world), not isinstance(comm, LocalComm)
+    plan = make_plan(model, cfg, keep_grads=_keep_grads, shard=shard, sharded=sharded)
+    if comm.world > 1:
+        _check_ranks(comm, model, cfg, plan, weights)
     placement = plan.placement
     trainable = [p for u in plan.units for p in u.trainable_params]
     if not trainable:
@@ -317,7 +436,7 @@ def wrap(model: nn.Module, config=None, *, weights=None, _keep_grads: bool | Non
         source.fill_buffers(model)
         buffer_dtypes = _cast_buffers(model, placement.device, placement.dtype)
         hyper = lambda: OffloadOptimizer.hyper_of(group)  # noqa: E731
-        runtime = _build(model, cfg, plan, hyper, resources, buffer_dtypes, source)
+        runtime = _build(model, cfg, plan, hyper, resources, buffer_dtypes, source, comm)
     except BaseException:
         for res in reversed(resources):
             res.close()
@@ -344,12 +463,15 @@ def wrap(model: nn.Module, config=None, *, weights=None, _keep_grads: bool | Non
     clipping.register(optimizer)  # torch's clipping would see no gradient: guard it
     logger.info(
         "offload: %d units (+root), params on %s, optimizer on %s, compute %s on %s, piece %d "
-        "elements",
+        "elements%s",
         len(plan.units) - 1,
         placement.param_home,
         placement.optim_home,
         cfg.dtype,
         placement.device,
         placement.piece_numel,
+        f", ZeRO stage {placement.stage} over {comm.world} ranks (rank {comm.rank}, {comm.backend})"
+        if sharded
+        else "",
     )
     return model, optimizer

@@ -14,6 +14,14 @@ Note: compute dtype
     params themselves. bf16 halves the parameter bytes moved to and from NVMe and is the right
     choice on a GPU; ``--dtype bf16`` selects it.
 
+Note: several ranks
+    ``--nproc N`` runs the demo as N data-parallel ranks on this machine: it starts itself
+    under ``torchrun --standalone --nproc-per-node N`` (gloo on the CPU, NCCL on CUDA), each
+    rank training on its own batches (``--batch-size`` per rank, the stream seeded with
+    ``--seed`` + rank) with the state sharded by ``distributed.stage`` (``--stage``). Rank 0
+    shows the progress, prints the summary and writes the report; every rank's swap files go
+    in its own directory.
+
 Note: clean stop
     Ctrl-C ends the training loop after the current operation; the report is written for the
     steps that finished, the engine is closed (its NVMe store removes its files) and the
@@ -108,6 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="plain PyTorch AdamW, everything in memory (for comparison; no offload)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="data-parallel ranks on this machine, via torchrun (1)"
+    )
+    parser.add_argument(
+        "--stage", choices=("1", "2", "3", "auto"), help="ZeRO stage across ranks (auto)"
+    )
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
@@ -153,8 +167,12 @@ def demo_config(nvme_dir: str, *, device: str, dtype: str, lr: float) -> dict[st
 
 
 def build_config(args: argparse.Namespace, nvme_dir: str, device: str) -> dict[str, Any]:
-    """Defaults, then ``--config FILE``, then the explicit flags (``--device``, ``--dtype``)."""
+    """Defaults, then ``--config FILE``, then the explicit flags (``--device``, ``--dtype``,
+    ``--stage``)."""
     cfg = demo_config(nvme_dir, device=device, dtype=args.dtype or "fp32", lr=args.lr)
+    if getattr(args, "stage", None):
+        stage = args.stage if args.stage == "auto" else int(args.stage)
+        cfg["distributed"] = {"stage": stage}
     if args.config:
         user = _read_config_file(args.config)
         if any(k in user for k in _DEEPSPEED_KEYS):
@@ -221,10 +239,61 @@ def _close(optimizer: Any, model: Any) -> None:
             return
 
 
+def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
+    """Runs this demo again as ``args.nproc`` ranks under torchrun (Note: several ranks)."""
+    import subprocess  # noqa: PLC0415
+
+    rest, skip = [], False
+    for a in argv:  # the same arguments without --nproc
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        "-m",
+        "offload.cli.main",
+        "demo",
+        *rest,
+    ]
+    print(f"offload demo: {args.nproc} ranks: {' '.join(cmd[1:])}", file=sys.stderr)
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:  # torchrun passed the Ctrl-C on to the ranks, which stopped
+        return 130
+
+
+def _join_group(device: str) -> tuple[int, int]:
+    """Under torchrun: joins the process group (gloo on the CPU, NCCL on CUDA)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or dist.is_initialized():
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return dist.get_rank(), world
+
+
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.batch_size < 1:
         print("offload demo: error: --steps and --batch-size must be >= 1", file=sys.stderr)
         return 2
+    nproc = getattr(args, "nproc", 1)
+    if nproc < 1:
+        print("offload demo: error: --nproc must be >= 1", file=sys.stderr)
+        return 2
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        if args.baseline:
+            print("offload demo: error: --baseline runs one process (no --nproc)", file=sys.stderr)
+            return 2
+        argv = getattr(args, "_argv", None) or sys.argv[1:]
+        return launch_ranks(args, argv[argv.index("demo") + 1 :])
     if not args.baseline:
         ok, why = engine_status()
         if not ok:
@@ -251,6 +320,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"offload demo: error: {exc}", file=sys.stderr)
         return 2
     device = _resolve_device(args.device)
+    rank, world = (0, 1) if args.baseline else _join_group(device)
+    if rank != 0:  # rank 0 reports (Note: several ranks)
+        args.no_progress, args.no_report = True, True
     n_params = param_count(gcfg)
     torch.manual_seed(args.seed)
     t_load = time.perf_counter()
@@ -338,7 +410,15 @@ def run(args: argparse.Namespace) -> int:
                     "baseline": bool(args.baseline),
                 }
             )  # fmt: skip
-        print(f"offload demo: {describe(gcfg)}; {header[1][1]}", file=sys.stderr)
+        if world > 1:
+            header.append(
+                (
+                    "ranks",
+                    f"{world} (ZeRO stage {norm.distributed.resolve_stage(norm.offload_param.device)}, batch {args.batch_size} per rank)",
+                )
+            )
+        if rank == 0:
+            print(f"offload demo: {describe(gcfg)}; {header[1][1]}", file=sys.stderr)
         result = train(
             model,
             optimizer,
@@ -348,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
             seq_len=gcfg.seq_len,
             lr=args.lr,
             warmup_steps=args.warmup,
-            seed=args.seed,
+            seed=args.seed + rank,
             eval_batches=args.eval_batches,
             device=device,
             writer=writer,
@@ -370,6 +450,12 @@ def run(args: argparse.Namespace) -> int:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
 
+    if world > 1:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        dist.destroy_process_group()
+    if rank != 0:
+        return 130 if result is None or result.interrupted else 0
     if result is None:
         if writer is not None:
             writer.close()

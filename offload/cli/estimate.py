@@ -202,6 +202,7 @@ def format_estimate(result: est.Estimate) -> str:
         "dev total",
         "host/node",
         "NVMe/node",
+        "comm/step",
         "fits",
     )
     table = [header]
@@ -237,6 +238,7 @@ def format_estimate(result: est.Estimate) -> str:
                 fmt_bytes(r.device_total),
                 fmt_bytes(r.host_per_node),
                 fmt_bytes(r.nvme_per_node),
+                fmt_bytes(r.comm_per_rank),
                 fit,
             )
         )
@@ -244,7 +246,7 @@ def format_estimate(result: est.Estimate) -> str:
     lines.append("")
     for i, row in enumerate(table):
         cells = [
-            c.ljust(widths[j]) if j in (1, 7) else c.rjust(widths[j]) for j, c in enumerate(row)
+            c.ljust(widths[j]) if j in (1, 8) else c.rjust(widths[j]) for j, c in enumerate(row)
         ]
         lines.append("  ".join(cells).rstrip())
         if i == 0:
@@ -252,7 +254,10 @@ def format_estimate(result: est.Estimate) -> str:
     lines.append("")
     lines.append(
         "dev states: persistent model state per device (ZeRO paper figure); dev working: "
-        "gathered units + streaming grads; dev total adds activations when estimated."
+        "gathered units + streaming grads; dev total adds activations when estimated; "
+        "comm/step: collective bytes per rank and optimizer step (2 Psi, stage 3: 3 Psi; each "
+        "extra micro-step adds Psi at stage 2 and 3 Psi at stage 3). Host, NVMe and comm are "
+        "what `offload.wrap` holds and moves per rank (benchmarks/bench_dist.py measures them)."
     )
     if len(table) - 1 < len(result.rows):
         lines.append(

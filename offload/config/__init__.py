@@ -6,6 +6,7 @@ from offload.config.loader import load_config
 from offload.config.offload_config import OffloadConfig
 from offload.config.sections import (
     AioConfig,
+    DistributedConfig,
     LossScaleConfig,
     OffloadOptimizerConfig,
     OffloadParamConfig,
@@ -20,6 +21,7 @@ __all__ = [
     "AioConfig",
     "AutoSize",
     "ConfigError",
+    "DistributedConfig",
     "LossScaleConfig",
     "OffloadConfig",
     "OffloadOptimizerConfig",

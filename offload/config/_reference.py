@@ -87,7 +87,8 @@ _DEEPSPEED_TABLE = """\
 | `zero_optimization.offload_optimizer.{device, nvme_path, pin_memory, buffer_count}` | `offload_optimizer.*` | `device: none` -> `cpu` (warned: the step always runs on the CPU) |
 | `aio.{block_size, queue_depth}` | `aio.*` | bytes / count |
 | `aio.thread_count` or `aio.intra_op_parallelism` | `aio.thread_count` | count (`intra_op_parallelism` wins) |
-| `zero_optimization.stage`, `offload_optimizer.pipeline_read/pipeline_write` | none | accepted without warning (stage 0-3 checked): offload's step is always pipelined and what moves is set by the offload sections |
+| `zero_optimization.stage` | `distributed.stage` | as is; `0` runs as `1` (logged at INFO: offload always shards the optimizer state across ranks) |
+| `offload_optimizer.pipeline_read/pipeline_write` | none | accepted without warning: offload's step is always pipelined |
 | `aio.single_submit: false`, `aio.overlap_events: true`, `aio.use_gds: false`, `fp16.hysteresis: 1`, `fp16.consecutive_hysteresis: false`, `optimizer.params.amsgrad: false`, `optimizer.params.torch_adam`, `offload_optimizer.ratio: 1` | none | offload behaves this way; any other value is listed in the warning |
 | anything else (`train_batch_size`, `zero_optimization.overlap_comm`, `stage3_prefetch_bucket_size`, `sub_group_size`, `scheduler`, ...) | none | listed in ONE warning on the `offload.config` logger |
 """

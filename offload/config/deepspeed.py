@@ -262,14 +262,17 @@ class _Mapper:
         return out, self.origin
 
     def _check_stage(self) -> None:
-        if "zero_optimization.stage" in self.raw:
-            as_int(
-                "zero_optimization.stage",
-                self.raw["zero_optimization.stage"],
-                lo=0,
-                hi=3,
-                what="ZeRO stage",
-            )
+        key = "zero_optimization.stage"
+        if key in self.raw:
+            stage = as_int(key, self.raw[key], lo=0, hi=3, what="ZeRO stage")
+            if stage == 0:  # offload always shards the optimizer state across ranks
+                logger.info(
+                    "DeepSpeed config: %s=0 runs as distributed.stage 1 (offload always "
+                    "partitions the fp32 master and moments across ranks; the training is the "
+                    "same data parallel)",
+                    key,
+                )
+            self.put("distributed.stage", key, max(stage, 1))
 
     def _finish_dtype(self) -> None:
         enabled = {}

@@ -21,6 +21,7 @@ from offload.config.errors import ConfigError, dotted_key
 from offload.config.sections import (
     SECTIONS,
     AioConfig,
+    DistributedConfig,
     LossScaleConfig,
     OffloadOptimizerConfig,
     OffloadParamConfig,
@@ -78,6 +79,8 @@ class OffloadConfig:
     """Which modules form offload units."""
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     """Per-step counters output."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """ZeRO stage and collective timeout across the ranks of a process group."""
 
     def __post_init__(self) -> None:
         self.device = _check_device("device", self.device)

@@ -322,6 +322,45 @@ class TelemetryConfig(_Section):
         self.jsonl_path = as_opt_path(self._k("jsonl_path"), self.jsonl_path)
 
 
+DEFAULT_TIMEOUT = 1800.0  # seconds; torch.distributed's own default for gloo and NCCL
+
+
+@dataclass(kw_only=True, slots=True)
+class DistributedConfig(_Section):
+    """ZeRO sharding across the ranks of a ``torch.distributed`` process group (used when
+    ``offload.wrap`` runs with more than one rank; one rank ignores it)."""
+
+    KEY: ClassVar[str] = "distributed"
+
+    stage: int | str = "auto"
+    """ZeRO stage: 1 (fp32 master and moments sharded; gradients averaged at the step), 2 (also
+    the gradients, reduce-scattered as each unit's backward ends), 3 (also the compute params,
+    all-gathered per unit), or "auto": 3 when offload_param.device is not "none", else 2."""
+    timeout: float = DEFAULT_TIMEOUT
+    """Seconds a collective may wait for the other ranks before it fails with an error naming
+    the operation (> 0)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, str) and self.stage.strip().lower() == "auto":
+            self.stage = "auto"
+        else:
+            allowed = '1, 2, 3 (the ZeRO stage) or "auto"'
+            if isinstance(self.stage, bool) or not isinstance(self.stage, (int, float)):
+                raise ConfigError.bad(self._k("stage"), self.stage, allowed)
+            if float(self.stage) not in (1.0, 2.0, 3.0):
+                raise ConfigError.bad(self._k("stage"), self.stage, allowed)
+            self.stage = int(self.stage)
+        self.timeout = as_float(
+            self._k("timeout"), self.timeout, lo=0.0, lo_open=True, what="seconds"
+        )
+
+    def resolve_stage(self, param_device: str) -> int:
+        """The stage to run: ``stage``, with "auto" decided by where the params live."""
+        if self.stage == "auto":
+            return 3 if param_device != "none" else 2
+        return int(self.stage)
+
+
 SECTIONS: tuple[type[_Section], ...] = (
     OptimizerConfig,
     OffloadOptimizerConfig,
@@ -331,4 +370,5 @@ SECTIONS: tuple[type[_Section], ...] = (
     LossScaleConfig,
     WrapConfig,
     TelemetryConfig,
+    DistributedConfig,
 )

@@ -69,6 +69,10 @@ class ResizedStorage:
             if st.nbytes() != 0:
                 st.resize_(0)
 
+    def flat(self, unit: Unit) -> None:
+        """None: the parameters have no common flat buffer (a gather copies into each)."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -103,7 +107,11 @@ def grad_parts(unit: Unit) -> Parts:
 
 
 class GradStaging:
-    """CPU: gradients are read where autograd left them (counted as they cross)."""
+    """CPU: gradients are read where autograd left them (counted as they cross).
+
+    Across ranks a unit's gradients are first flattened on the device (:meth:`flatten`, the
+    input of the reduce-scatter) and only this rank's reduced share crosses to the host
+    (:meth:`share_to_host`)."""
 
     def __init__(self, transfers: Transfers, memory: HostMemory, dtype, largest: int) -> None:
         self.transfers = transfers
@@ -113,6 +121,21 @@ class GradStaging:
         nbytes = sum(g.numel() * g.element_size() for _, _, g in parts if g is not None)
         self.transfers.count("device->host", nbytes)
         return parts
+
+    @staticmethod
+    def flatten(unit: Unit, out: torch.Tensor) -> None:
+        """``out[:trainable]`` becomes the unit's gradients in flat order (zeros where there is
+        none); a device-side copy."""
+        for a, b, g in grad_parts(unit):
+            if g is None:
+                out[a:b].zero_()
+            else:
+                out[a:b].copy_(g)
+
+    def share_to_host(self, share: torch.Tensor) -> torch.Tensor:
+        """A reduced share on the device, readable on the host (valid until the next call)."""
+        self.transfers.count("device->host", share.numel() * share.element_size())
+        return share
 
 
 class CudaGradStaging(GradStaging):
@@ -135,6 +158,11 @@ class CudaGradStaging(GradStaging):
         host = self._host[:n]
         self.transfers.wait(self.transfers.to_host(host, flat), "device->host")
         return [(0, n, host)]
+
+    def share_to_host(self, share: torch.Tensor) -> torch.Tensor:
+        host = self._host[: share.numel()]
+        self.transfers.wait(self.transfers.to_host(host, share), "device->host")
+        return host
 
 
 # ---------------------------------------------------------------------------- device params

@@ -45,6 +45,7 @@ class PageBlocks:
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self._maps: dict[int, mmap.mmap] = {}
+        self._flat: dict[int, torch.Tensor] = {}
 
     def attach(self, unit: Unit) -> None:
         """Points every parameter of ``unit`` at its view of a new block (values undefined:
@@ -56,6 +57,12 @@ class PageBlocks:
         for seg in layout.segments:
             seg.param.data = flat[seg.offset : seg.end].view(seg.shape)
         self._maps[unit.index] = block
+        self._flat[unit.index] = flat[: layout.total]
+
+    def flat(self, unit: Unit) -> torch.Tensor:
+        """The unit's whole flat buffer, which its parameters view (a gather can write it in
+        one piece)."""
+        return self._flat[unit.index]
 
     def make_room(self, unit: Unit) -> None:
         """Nothing to do: released pages come back as the gather writes them."""
@@ -67,3 +74,4 @@ class PageBlocks:
     def close(self) -> None:
         """Forgets the blocks; each mapping goes away with the last tensor viewing it."""
         self._maps.clear()
+        self._flat.clear()

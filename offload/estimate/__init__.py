@@ -19,15 +19,28 @@ Note: offload placements
     an fp32 gradient accumulator (16 bytes per parameter of the rank's partition); the device
     keeps its compute params and streams each unit's gradients off as backward finishes it.
     ``cpu_optimizer_params``: the compute params live on the host too (P bytes per parameter of
-    the partition); the device holds only the units being computed. ``nvme`` (ZeRO-Infinity):
+    the partition); the device holds only the units being computed. At stage 1 over several
+    ranks the device also keeps the whole gradient between micro-steps (G bytes per parameter:
+    autograd accumulates it and each unit is reduce-scattered once per step), which stage 2
+    streams off unit by unit instead. ``nvme`` (ZeRO-Infinity):
     both live on NVMe and the host holds only the pinned staging pools, sized as ``wrap`` sizes
     them (see the Note on staging pools). Partitioning follows the stage in every placement
     (optimizer and fp32 grads split at stage >= 1, params at stage 3), so stage 0 with offload
     means every rank keeps a full copy on its host or disk.
 
+Note: collectives
+    ``comm_per_rank`` is the textbook volume per rank and optimizer step (no gradient
+    accumulation), in bytes of the compute dtype, as ``offload.dist`` counts it: stage 0
+    all-reduces the gradients (2 Psi), stages 1 and 2 reduce-scatter them and all-gather the
+    updated params (2 Psi), stage 3 all-gathers every unit for its forward and again for its
+    backward and reduce-scatters the gradients (3 Psi). Each extra micro-step adds Psi at stage
+    2 (a reduce-scatter) and 3 Psi at stage 3; stage 1 reduces once per step. One rank: 0.
+
 Note: staging pools
     With NVMe placement each rank holds two pinned pools, ``offload_param`` and
-    ``offload_optimizer``, of ``buffer_count`` x ``buffer_size`` bytes. The counts and the
+    ``offload_optimizer``, of ``buffer_count`` x ``buffer_size`` bytes. With several ranks a
+    piece never holds more than one rank's share of a unit, so "auto" sizes them for the
+    largest unit divided by the ranks. The counts and the
     "auto" size come from ``offload.config`` (the very defaults ``wrap`` uses, never copied
     here): "auto" is the largest unit's bytes (in the compute dtype for params, fp32 for the
     optimizer state), rounded up to 4096, at least one IO block, at most 256 MiB
@@ -253,9 +266,18 @@ def _device_states(params: int, ranks: int, stage: int, placement: str, prec: Pr
     par = _split(prec.params * params, n_par)
     if placement == "none":
         return par + _split(prec.grads * params, n_grad) + _split(prec.optimizer * params, n_opt)
+    held = prec.grads * params if stage == 1 and ranks > 1 else 0  # (Note: offload placements)
     if placement == "cpu_optimizer":
-        return par
-    return 0
+        return par + held
+    return held
+
+
+def comm_bytes(params: int, ranks: int, stage: int, precision: str = "bf16") -> int:
+    """Collective bytes per rank and optimizer step (see the module Note on collectives)."""
+    _check_stage(stage)
+    if ranks == 1:
+        return 0
+    return (3 if stage == 3 else 2) * _precision(precision).params * params
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +323,8 @@ def staging_pools(machine: Machine, unit_params: int, precision: str = "bf16") -
     """The two pools wrap allocates per rank with params and optimizer state on NVMe, with its
     defaults unless ``machine`` overrides them (see the module's Note on staging pools)."""
     prec = _precision(precision)
+    if machine.ranks > 1:  # a piece holds one rank's share of a unit
+        unit_params = _split(unit_params, machine.ranks)
     sections = {"offload_param": OffloadParamConfig, "offload_optimizer": OffloadOptimizerConfig}
     try:
         cfg = OffloadConfig(
@@ -374,6 +398,7 @@ class Row:
     host_per_node: int
     nvme_per_rank: int
     nvme_per_node: int
+    comm_per_rank: int  # collective bytes per rank and optimizer step (compute dtype)
     fits_device: bool | None  # None: limit not given
     fits_host: bool | None
     fits_nvme: bool | None
@@ -404,6 +429,8 @@ def placement_row(
     working = (live_units * unit_params * prec.params if params_gathered else 0) + (
         unit_params * prec.grads if grads_stream else 0
     )
+    if ranks > 1 and stage >= 1:  # two units' gradients flattened for the reduce-scatter
+        working += 2 * unit_params * prec.grads
     opt_state = _split(OFFLOADED_OPTIMIZER_BYTES * params, n_opt)
     param_state = _split(prec.params * params, n_par)
     host = nvme = 0
@@ -431,6 +458,7 @@ def placement_row(
         host_per_node=host * r,
         nvme_per_rank=nvme,
         nvme_per_node=nvme * r,
+        comm_per_rank=comm_bytes(params, ranks, stage, precision),
         fits_device=fits_device,
         fits_host=fits_host,
         fits_nvme=fits_nvme,

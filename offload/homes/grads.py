@@ -123,6 +123,10 @@ class GradHome:
         recs = [r for rs in self.records.values() for r in rs]
         return any(r.found_inf for r in recs), sum(r.sumsq for r in recs)
 
+    def held(self) -> dict[str, int]:
+        """Bytes of fp32 gradients this owner holds, by where (``host``, ``nvme``)."""
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -197,6 +201,9 @@ class HostGrads(GradHome):
         grad = self.bufs[unit.index][lo - base : hi - base]
         adam_step(master, grad, exp_avg, exp_avg_sq, **hyper.kwargs(), out=out)
 
+    def held(self) -> dict[str, int]:
+        return {"host": sum(t.numel() * t.element_size() for t in self.bufs.values())}
+
 
 class _Ready:
     """A fetch that is already complete: a grad piece handed over in its buffer."""
@@ -253,6 +260,12 @@ class NvmeGrads(GradHome):
 
     def abandon(self) -> None:
         """The update stopped early (an error): nothing is held for it."""
+
+    def held(self) -> dict[str, int]:
+        return {
+            "nvme": 4
+            * sum(b - a for u in self.plan.units for a, b in self.plan.trainable_pieces(u))
+        }
 
 
 class HeldNvmeGrads(NvmeGrads):

@@ -89,6 +89,10 @@ class OptimHome:
     def step(self, unit: Unit, hyper: Hyper) -> None:
         raise NotImplementedError
 
+    def held(self) -> dict[str, int]:
+        """Bytes of optimizer state this home holds (the master when it owns it), by where."""
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -110,7 +114,7 @@ class ParamsMaster:
         return None
 
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
-        pass
+        self.params.changed(unit, lo, hi)
 
 
 class HostMaster(ParamsMaster):
@@ -164,6 +168,11 @@ class HostOptim(OptimHome):
         else:
             self._view(unit, kind, lo, hi).copy_(values)
 
+    def held(self) -> dict[str, int]:
+        kinds = KINDS if isinstance(self.master, HostMaster) else MOMENTS
+        n = sum(b[k].numel() * b[k].element_size() for b in self.bufs.values() for k in kinds)
+        return {"host": n}
+
     def step(self, unit: Unit, hyper: Hyper) -> None:
         for lo, hi in self.pieces(unit):
             master, exp_avg, exp_avg_sq = (self._view(unit, k, lo, hi) for k in KINDS)
@@ -200,6 +209,10 @@ class NvmeOptim(OptimHome):
         out = torch.empty(hi - lo, dtype=torch.float32)
         self.store.read_into(self.key(unit, kind, lo), out)
         return out
+
+    def held(self) -> dict[str, int]:
+        n = sum(b - a for u in self.plan.units for a, b in self.pieces(u))
+        return {"nvme": 4 * len(KINDS) * n}
 
     def load(self, unit: Unit, kind: str, lo: int, hi: int, values: torch.Tensor) -> None:
         values = values.to(torch.float32).contiguous()

@@ -26,6 +26,23 @@ Note: the gather's window
     An NVMe gather keeps at most ``param_window`` pieces in flight (the pool must keep a buffer
     free for the trace prefetcher's demand). A pool buffer goes back to the store once its copy
     to the device has completed; the host waits for those copies once per unit, not per piece.
+
+Note: across ranks
+    Stages 1 and 2 (:class:`DeviceParams`, :class:`HostParams`, :class:`NvmeParams` with more
+    than one rank): the home holds the whole unit, but each rank's update writes only its own
+    share of the trainable prefix, so after an update (or a load) the other shares are stale.
+    :meth:`ParamHome.refresh`, called before the unit's next use in a forward, all-gathers them
+    (a broadcast per rank and piece on NVMe, where the pool cannot hold every rank's piece at
+    once), with the next unit's all-gather in flight while this one computes.
+
+    Stage 3 (:class:`ShardedParams`): an inner home of any of the three kinds holds this rank's
+    share only (``Plan.home_regions``, packed at ``Plan.home_slice``); ``unshard`` brings the
+    share to the compute device and all-gathers the trainable prefix and the frozen suffix
+    into the unit's storage, and starts the next unit's gather before returning, so it runs
+    while this one computes. The next unit comes from :class:`Lookahead` (the order of the
+    first iteration, the same on every rank, so every rank issues the same collectives in the
+    same order) and is gathered only once its pending update is done on this rank (``gate``,
+    set by the runtime).
 """
 
 from __future__ import annotations
@@ -37,7 +54,8 @@ from collections.abc import Callable
 import torch
 
 from offload.device import COMPLETED, Event, HostMemory, Transfers, storage_for
-from offload.plan import Plan, Unit
+from offload.dist import Comm, Handle, LocalComm, completed
+from offload.plan import Plan, ShardSpec, Unit, split
 
 PieceValues = Callable[[int, int], torch.Tensor]
 """``(lo, hi) -> values`` of a unit's elements ``[lo, hi)`` in the compute dtype."""
@@ -47,14 +65,59 @@ def _param_view(seg) -> torch.Tensor:
     return seg.param.data.view(-1)
 
 
+class Lookahead:
+    """The order in which units are used, learned in the first iteration and replayed, so a
+    collective can be issued one unit ahead (see the module Note on ranks). Every call is
+    recorded, repeated units included, so the prediction depends only on the sequence of
+    calls, never on timing."""
+
+    __slots__ = ("trace", "learning", "pos")
+
+    def __init__(self) -> None:
+        self.trace: list[int] = []
+        self.learning = True
+        self.pos = 0
+
+    def record(self, index: int) -> int | None:
+        """Unit ``index`` is used now; returns the unit expected next (None: not known)."""
+        if self.learning:
+            self.trace.append(index)
+            return None
+        n = len(self.trace)
+        for k in range(n):
+            j = (self.pos + k) % n
+            if self.trace[j] == index:
+                self.pos = j + 1
+                return self.trace[self.pos] if self.pos < n else None
+        return None
+
+    def end_iteration(self) -> None:
+        if self.trace:
+            self.learning = False
+        self.pos = 0
+
+
+def _no_gate(unit: Unit) -> None:
+    pass
+
+
 class ParamHome:
     """Interface of the parameter homes (see the module docstring)."""
 
-    def __init__(self, plan: Plan, transfers: Transfers, memory: HostMemory) -> None:
+    def __init__(
+        self, plan: Plan, transfers: Transfers, memory: HostMemory, comm: Comm | None = None
+    ) -> None:
         self.plan, self.transfers, self.memory = plan, transfers, memory
+        self.comm = comm or LocalComm()
         self.device, self.dtype = plan.placement.device, plan.placement.dtype
         self._gathered: set[int] = set()
         self._pending: Event = COMPLETED  # the last copy out of a host home
+        # stages 1-2 across ranks (module Note): units whose other ranks' shares are stale
+        self._replicated = plan.shard.world > 1 and not plan.placement.shard_params
+        self._stale: set[int] = set()
+        self._refreshing: dict[int, Handle] = {}
+        self.order = Lookahead()
+        self.gate: Callable[[Unit], None] = _no_gate  # waits for the unit's pending update
 
     def create(self, unit: Unit, values: PieceValues) -> None:
         """Builds the unit's home from ``values`` of each piece (wrap time). The parameters
@@ -79,6 +142,54 @@ class ParamHome:
     def reshard(self, unit: Unit) -> None:
         """Drops the unit's working copy (idempotent)."""
 
+    # -- stages 1 and 2 across ranks (module Note) -----------------------------------------------
+    def _written(self, unit: Unit, lo: int) -> None:
+        """Elements from ``lo`` were written by this rank: other ranks' shares are stale."""
+        if self._replicated and lo < unit.layout.trainable:
+            self._stale.add(unit.index)
+
+    _views = False  # whether the parameters view the home (then they are always "gathered")
+
+    def refresh(self, unit: Unit) -> None:
+        """Before a use in a forward: the other ranks' shares of the unit's trainable prefix
+        are all-gathered into the home if an update or a load made them stale; the next unit's
+        all-gather is started (after its own update, ``gate``)."""
+        if not self._replicated:
+            return
+        nxt = self.order.record(unit.index)
+        self._finish_refresh(unit)
+        if nxt is not None and nxt in self._stale and nxt not in self._refreshing:
+            ahead = self.plan.units[nxt]
+            self.gate(ahead)
+            self._refreshing[nxt] = self._start_refresh(ahead)
+
+    def _finish_refresh(self, unit: Unit) -> None:
+        handle = self._refreshing.pop(unit.index, None)
+        if handle is None and unit.index in self._stale:
+            if self.gathered(unit) and not self._views:
+                self.reshard(unit)  # a copy of stale values
+            handle = self._start_refresh(unit)
+        if handle is not None:
+            handle.wait()
+            self._stale.discard(unit.index)
+
+    def _start_refresh(self, unit: Unit) -> Handle:
+        """Issues the all-gather of the unit's trainable shares into the home."""
+        raise NotImplementedError
+
+    def end_iteration(self) -> None:
+        """A step ended: the order of use is known from now on."""
+        self.order.end_iteration()
+
+    def settle(self) -> None:
+        """Waits for every collective in flight into the home (before it is rewritten)."""
+        for index in list(self._refreshing):
+            self._finish_refresh(self.plan.units[index])
+
+    def held(self) -> dict[str, int]:
+        """Bytes of compute params this home holds, by where: ``device``, ``host``, ``nvme``."""
+        return {}
+
     def gathered(self, unit: Unit) -> bool:
         return unit.index in self._gathered
 
@@ -93,6 +204,10 @@ class ParamHome:
         """The optimizer failed before committing ``out_buffer(unit, lo, hi)``: the home keeps
         its values from before where it can (an NVMe piece's buffer is dropped unwritten)."""
 
+    def changed(self, unit: Unit, lo: int, hi: int) -> None:
+        """Elements ``[lo, hi)`` were updated in place (the home's buffer is the master)."""
+        self._written(unit, lo)
+
     def read(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         """Current compute values of elements ``[lo, hi)`` as a new host tensor."""
         raise NotImplementedError
@@ -104,25 +219,32 @@ class ParamHome:
 
     def quiesce(self) -> None:
         """Waits until no copy out of the home is in flight (before the update rewrites it)."""
+        self.settle()
         self.transfers.wait(self._pending, "host->device")
         self._pending = COMPLETED
+
+    def share_on_device(self, unit: Unit) -> torch.Tensor:
+        """This rank's share of the unit (its home regions, packed) as a tensor on the compute
+        device, for an all-gather (stage 3); valid until the next update of the unit."""
+        raise NotImplementedError
 
     def close(self) -> None:
         pass
 
 
 class DeviceParams(ParamHome):
-    def __init__(self, plan: Plan, transfers: Transfers, memory: HostMemory, writer) -> None:
-        super().__init__(plan, transfers, memory)
+    _views = True
+
+    def __init__(self, plan: Plan, transfers: Transfers, memory: HostMemory, writer, comm=None):
+        super().__init__(plan, transfers, memory, comm)
         self.writer = writer
         self.flat: dict[int, torch.Tensor] = {}
 
     def create(self, unit: Unit, values: PieceValues) -> None:
-        flat = torch.empty(unit.layout.total, dtype=self.dtype, device=self.device)
+        flat = torch.empty(self.plan.home_numel(unit), dtype=self.dtype, device=self.device)
         for lo, hi in self.plan.pieces(unit):
-            self.transfers.wait(
-                self.transfers.to_device([(flat[lo:hi], values(lo, hi))]), "host->device"
-            )
+            dst = flat[self.plan.home_slice(unit, lo, hi)]
+            self.transfers.wait(self.transfers.to_device([(dst, values(lo, hi))]), "host->device")
         self.flat[unit.index] = flat
 
     def attach(self, unit: Unit) -> None:
@@ -131,29 +253,50 @@ class DeviceParams(ParamHome):
             seg.param.data = flat[seg.offset : seg.end].view(seg.shape)
         self._gathered.add(unit.index)
 
+    def _slice(self, unit: Unit, lo: int, hi: int) -> tuple[int, int]:
+        sl = self.plan.home_slice(unit, lo, hi)
+        return sl.start, sl.stop
+
     def out_buffer(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
-        return self.writer.out(self.flat[unit.index], lo, hi)
+        return self.writer.out(self.flat[unit.index], *self._slice(unit, lo, hi))
 
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
-        self.writer.commit(self.flat[unit.index], lo, hi)
+        self.writer.commit(self.flat[unit.index], *self._slice(unit, lo, hi))
+        self._written(unit, lo)
 
     def read(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         self.transfers.count("device->host", (hi - lo) * self.dtype.itemsize)
-        return self.flat[unit.index][lo:hi].to("cpu", copy=True)
+        return self.flat[unit.index][self.plan.home_slice(unit, lo, hi)].to("cpu", copy=True)
 
     def master_view(self, unit: Unit) -> torch.Tensor:
-        lo, hi = unit.layout.local_trainable
-        return self.flat[unit.index][lo:hi]
+        return self.flat[unit.index][self.plan.home_slice(unit, *unit.layout.local_trainable)]
 
     def quiesce(self) -> None:
+        self.settle()
         self.writer.quiesce()
+
+    def _start_refresh(self, unit: Unit) -> Handle:
+        self.writer.quiesce()  # the update's last writes into this buffer have landed
+        return _all_gather_trainable(self.comm, unit, self.flat[unit.index])
+
+    def share_on_device(self, unit: Unit) -> torch.Tensor:
+        return self.flat[unit.index]
+
+    def held(self) -> dict[str, int]:
+        return {"device": sum(t.numel() * t.element_size() for t in self.flat.values())}
+
+
+def _all_gather_trainable(comm: Comm, unit: Unit, flat: torch.Tensor) -> Handle:
+    """Every rank's share of the trainable prefix of a whole-unit home ``flat``, in place."""
+    lo, hi = unit.layout.local_trainable
+    return comm.all_gather(flat[: unit.layout.trainable], flat[lo:hi], what=f"{unit.label} params")
 
 
 class _Released(ParamHome):
     """A home whose unit is gathered into the parameters' own storage and released after."""
 
-    def __init__(self, plan: Plan, transfers: Transfers, memory: HostMemory) -> None:
-        super().__init__(plan, transfers, memory)
+    def __init__(self, plan: Plan, transfers: Transfers, memory: HostMemory, comm=None) -> None:
+        super().__init__(plan, transfers, memory, comm)
         self.storage = storage_for(self.device, self.dtype)
 
     def attach(self, unit: Unit) -> None:
@@ -171,15 +314,17 @@ class _Released(ParamHome):
 
 
 class HostParams(_Released):
-    def __init__(self, plan: Plan, transfers: Transfers, memory: HostMemory, pin: bool) -> None:
-        super().__init__(plan, transfers, memory)
+    def __init__(
+        self, plan: Plan, transfers: Transfers, memory: HostMemory, pin: bool, comm=None
+    ) -> None:
+        super().__init__(plan, transfers, memory, comm)
         self.pin = pin
         self.flat: dict[int, torch.Tensor] = {}
 
     def create(self, unit: Unit, values: PieceValues) -> None:
-        flat = self.memory.empty(unit.layout.total, self.dtype, self.pin)
+        flat = self.memory.empty(self.plan.home_numel(unit), self.dtype, self.pin)
         for lo, hi in self.plan.pieces(unit):
-            flat[lo:hi].copy_(values(lo, hi))
+            flat[self.plan.home_slice(unit, lo, hi)].copy_(values(lo, hi))
         self.flat[unit.index] = flat
 
     def unshard(self, unit: Unit) -> None:
@@ -193,23 +338,40 @@ class HostParams(_Released):
         self._gathered.add(unit.index)
 
     def out_buffer(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
-        return self.flat[unit.index][lo:hi]
+        return self.flat[unit.index][self.plan.home_slice(unit, lo, hi)]
+
+    def commit(self, unit: Unit, lo: int, hi: int) -> None:
+        self._written(unit, lo)
 
     def read(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
-        return self.flat[unit.index][lo:hi].clone()
+        return self.flat[unit.index][self.plan.home_slice(unit, lo, hi)].clone()
 
     def master_view(self, unit: Unit) -> torch.Tensor:
-        lo, hi = unit.layout.local_trainable
-        return self.flat[unit.index][lo:hi]
+        return self.flat[unit.index][self.plan.home_slice(unit, *unit.layout.local_trainable)]
+
+    def _start_refresh(self, unit: Unit) -> Handle:
+        return _all_gather_trainable(self.comm, unit, self.flat[unit.index])
+
+    def share_on_device(self, unit: Unit) -> torch.Tensor:
+        flat = self.flat[unit.index]
+        if self.device.type == "cpu":  # the home is already where the collective runs
+            self.transfers.count("host->device", flat.numel() * flat.element_size())
+            return flat
+        out = torch.empty(flat.numel(), dtype=self.dtype, device=self.device)
+        self._pending = self.transfers.to_device([(out, flat)])
+        return out
+
+    def held(self) -> dict[str, int]:
+        return {"host": sum(t.numel() * t.element_size() for t in self.flat.values())}
 
 
 class NvmeParams(_Released):
     """Compute params on NVMe, one store shard ``param.u<unit>.<lo>`` per piece."""
 
-    def __init__(self, plan: Plan, transfers: Transfers, memory: HostMemory, store) -> None:
+    def __init__(self, plan: Plan, transfers: Transfers, memory: HostMemory, store, comm=None):
         from offload.store import Tier  # noqa: PLC0415
 
-        super().__init__(plan, transfers, memory)
+        super().__init__(plan, transfers, memory, comm)
         self.store, self.tier, self._nvme = store, Tier.HOST, Tier.NVME
         self.window = plan.placement.param_window
 
@@ -227,23 +389,38 @@ class NvmeParams(_Released):
         if unit.index in self._gathered:
             return
         self.storage.make_room(unit)
+        try:
+            self._stream(unit, lambda a, b, buf: unit.layout.pairs(a, b, buf, _param_view))
+        except BaseException:  # a failed read: the unit stays released
+            self.storage.drop(unit)
+            raise
+        self._gathered.add(unit.index)
+
+    def share_on_device(self, unit: Unit) -> torch.Tensor:
+        out = torch.empty(self.plan.home_numel(unit), dtype=self.dtype, device=self.device)
+        self._stream(
+            unit, lambda a, b, buf: [(out[self.plan.home_slice(unit, a, b)], buf[: b - a])]
+        )
+        return out
+
+    def _stream(self, unit: Unit, pairs) -> None:
+        """Copies every piece of the home to the device through ``pairs(lo, hi, buffer)``
+        (``(device destination, host source)`` pairs of the piece in its pool buffer)."""
         pieces = self.plan.pieces(unit)
         fetching: deque = deque()  # (lo, hi) of the pieces fetched, not copied yet
         copying: deque = deque()  # (key, event): a pool buffer whose copy up is in flight
         try:
-            self._stream_in(unit, pieces, fetching, copying)
-        except BaseException:  # a failed read: let go of every piece, the unit stays released
+            self._stream_in(unit, pieces, fetching, copying, pairs)
+        except BaseException:  # a failed read: let go of every piece
             keys = [self.key(unit, a) for a, _ in fetching]
             steps = [lambda k=k: self.store.release(k, self.tier) for k in keys]
             steps += [lambda c=c: self._give_back(*c) for c in copying]
             for step in steps:
                 with contextlib.suppress(Exception):  # the read's own error is the one raised
                     step()
-            self.storage.drop(unit)
             raise
-        self._gathered.add(unit.index)
 
-    def _stream_in(self, unit: Unit, pieces, fetching: deque, copying: deque) -> None:
+    def _stream_in(self, unit: Unit, pieces, fetching: deque, copying: deque, pairs) -> None:
         """The gather's loop (see the module Note on its window); what it holds is in
         ``fetching`` and ``copying`` at any moment."""
         futures: deque = deque()  # the fetches of ``fetching``, once made
@@ -263,9 +440,7 @@ class NvmeParams(_Released):
                 copying.popleft()
                 continue
             a, b = fetching[0]
-            event = self.transfers.to_device(
-                unit.layout.pairs(a, b, futures[0].wait(), _param_view)
-            )
+            event = self.transfers.to_device(pairs(a, b, futures[0].wait()))
             fetching.popleft()
             futures.popleft()
             copying.append((self.key(unit, a), event))
@@ -286,6 +461,7 @@ class NvmeParams(_Released):
 
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
         self.store.release(self.key(unit, lo), self.tier, dirty=True)
+        self._written(unit, lo)
 
     def give_up_out(self, unit: Unit, lo: int, hi: int) -> None:
         self.store.release(self.key(unit, lo), self.tier, discard=True)
@@ -297,3 +473,154 @@ class NvmeParams(_Released):
 
     def load_shard(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
         self.store.write_from(self.key(unit, lo), values.to(self.dtype).contiguous())
+        self._written(unit, lo)
+
+    def _start_refresh(self, unit: Unit) -> Handle:
+        """One broadcast per rank and piece (the pool holds one piece at a time; module Note):
+        piece ``j`` of every rank's share has the same length (``Plan``'s Note)."""
+        piece, world, me = self.plan.placement.piece_numel, self.plan.shard.world, self.comm.rank
+        shares = [ShardSpec(r, world).share(0, unit.layout.trainable) for r in range(world)]
+        for j in range(len(split(*shares[0], piece))):
+            for r, share in enumerate(shares):
+                lo, hi = split(*share, piece)[j]
+                key = self.key(unit, lo)
+                buf = self.store.fetch(key, self.tier, read=r == me).wait()
+                try:
+                    self.comm.broadcast(buf[: hi - lo], r, what=f"{unit.label} params").wait()
+                except BaseException:
+                    self.store.release(key, self.tier, discard=r != me)
+                    raise
+                self.store.release(key, self.tier, dirty=r != me)
+        return completed(self.comm, "broadcast")
+
+    def held(self) -> dict[str, int]:
+        item = self.dtype.itemsize
+        return {
+            "nvme": sum((b - a) * item for u in self.plan.units for a, b in self.plan.pieces(u))
+        }
+
+
+class ShardedParams(_Released):
+    """Stage 3: ``inner`` holds this rank's share; a unit is all-gathered into its storage for
+    use, with the next unit's gather in flight (module Note on ranks)."""
+
+    def __init__(self, plan: Plan, transfers: Transfers, memory: HostMemory, inner, comm):
+        super().__init__(plan, transfers, memory, comm)
+        self.inner = inner
+        self._inflight: dict[int, _Gather] = {}
+
+    # the share itself is the inner home's
+    def create(self, unit: Unit, values: PieceValues) -> None:
+        self.inner.create(unit, values)
+
+    def load_shard(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
+        self.inner.load_shard(unit, lo, hi, values)
+
+    def out_buffer(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
+        return self.inner.out_buffer(unit, lo, hi)
+
+    def commit(self, unit: Unit, lo: int, hi: int) -> None:
+        self.inner.commit(unit, lo, hi)
+
+    def give_up_out(self, unit: Unit, lo: int, hi: int) -> None:
+        self.inner.give_up_out(unit, lo, hi)
+
+    def read(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
+        return self.inner.read(unit, lo, hi)
+
+    def master_view(self, unit: Unit) -> torch.Tensor:
+        return self.inner.master_view(unit)
+
+    def held(self) -> dict[str, int]:
+        return self.inner.held()
+
+    # the gather
+    def unshard(self, unit: Unit) -> None:
+        if unit.index in self._gathered:
+            return
+        nxt = self.order.record(unit.index)
+        gather = self._inflight.pop(unit.index, None) or self._start(unit)
+        try:
+            gather.finish()
+        except BaseException:
+            self.storage.drop(unit)
+            raise
+        self._gathered.add(unit.index)
+        if nxt is not None and nxt not in self._gathered and nxt not in self._inflight:
+            ahead = self.plan.units[nxt]
+            self.gate(ahead)
+            self._inflight[nxt] = self._start(ahead)
+
+    def _start(self, unit: Unit) -> _Gather:
+        """Issues the unit's all-gathers: its trainable prefix and its frozen suffix, each
+        from this rank's share (packed in that order, ``Plan.home_slice``)."""
+        layout = unit.layout
+        self.storage.make_room(unit)
+        send = self.inner.share_on_device(unit)
+        flat = self.storage.flat(unit)
+        out = (
+            flat
+            if flat is not None
+            else torch.empty(layout.total, dtype=self.dtype, device=self.device)
+        )
+        n = layout.local_trainable[1] - layout.local_trainable[0]
+        what = f"{unit.label} params"
+        handles = []
+        if layout.trainable:
+            handles.append(self.comm.all_gather(out[: layout.trainable], send[:n], what))
+        if layout.total > layout.trainable:
+            handles.append(
+                self.comm.all_gather(out[layout.trainable : layout.total], send[n:], what)
+            )
+        copy_out = None
+        if flat is None:  # each parameter has storage of its own: copy the gathered unit in
+
+            def copy_out() -> None:
+                for dst, src in layout.pairs(0, layout.total, out, _param_view):
+                    dst.copy_(src)
+
+        return _Gather(handles, send, copy_out)
+
+    def reshard(self, unit: Unit) -> None:
+        gather = self._inflight.pop(unit.index, None)
+        if gather is not None:  # a gather ahead that was not used: let it land, then drop
+            gather.finish()
+            self.storage.drop(unit)
+        super().reshard(unit)
+
+    def settle(self) -> None:
+        for index in list(self._inflight):
+            self.reshard(self.plan.units[index])
+
+    def quiesce(self) -> None:
+        self.settle()
+        self.inner.quiesce()
+
+    def close(self) -> None:
+        try:
+            for gather in self._inflight.values():
+                with contextlib.suppress(Exception):
+                    gather.finish()
+            self._inflight.clear()
+            self.inner.close()
+        finally:
+            super().close()
+
+
+class _Gather:
+    """One unit's all-gathers in flight: their handles, the share they read (kept alive until
+    they complete) and the copy into the parameters' own storages, if any."""
+
+    __slots__ = ("handles", "send", "copy_out")
+
+    def __init__(self, handles: list[Handle], send: torch.Tensor, copy_out) -> None:
+        self.handles, self.send, self.copy_out = handles, send, copy_out
+
+    def finish(self) -> None:
+        handles, self.handles = self.handles, []
+        for h in handles:
+            h.wait()
+        self.send = None
+        copy_out, self.copy_out = self.copy_out, None
+        if copy_out is not None:
+            copy_out()

@@ -7,7 +7,7 @@ Nothing here allocates or moves data; the runtime and the homes are built from a
 """
 
 from offload.plan.layout import ALIGN, PAGE_ELEMS, FlatLayout, Segment, ShardSpec
-from offload.plan.ownership import GradOwner, MasterOwner
+from offload.plan.ownership import GradOwner, GradReduce, MasterOwner
 from offload.plan.placement import (
     DTYPES,
     NVME_OPT_BUFFERS,
@@ -27,6 +27,7 @@ __all__ = [
     "PAGE_ELEMS",
     "FlatLayout",
     "GradOwner",
+    "GradReduce",
     "MasterOwner",
     "Placement",
     "Plan",

@@ -35,6 +35,15 @@ Note: one owner per byte
 
     Adam moments: always the optimizer state's home (host buffers or NVMe shards), next to the
     master they update.
+
+Note: across ranks (``ShardSpec``)
+    With more than one rank every owner above holds this rank's share only: the fp32 master,
+    the moments and the fp32 gradients cover ``local_trainable`` (ZeRO stage 1 and up); the
+    param home holds the whole unit (stages 1 and 2; each rank's share is fresh after the
+    update and the rest is all-gathered before the unit is used again) or its share (stage 3;
+    ``unshard`` all-gathers). ``AUTOGRAD`` never owns gradients across ranks: ``p.grad`` holds
+    this rank's own, unreduced gradients, so the reduced share goes to a ``HOST`` or ``NVME``
+    owner (:class:`GradReduce` says when the reduction happens).
 """
 
 from __future__ import annotations
@@ -62,3 +71,17 @@ class GradOwner(enum.Enum):
     """A flat fp32 host buffer per unit."""
     NVME = "nvme"
     """fp32 NVMe shards in the optimizer store (handed over in their buffers in backward)."""
+
+
+class GradReduce(enum.Enum):
+    """When a unit's gradients are reduced across ranks into their owner's share."""
+
+    NONE = "none"
+    """One rank: the owner takes them as they are."""
+    PER_UNIT = "per_unit"
+    """Stages 2 and 3: reduce-scattered as each unit's backward ends, every micro-step, so no
+    rank holds more than its share in fp32 (the reduction overlaps the next unit's backward)."""
+    AT_STEP = "at_step"
+    """Stage 1: autograd accumulates every micro-step's gradients in ``p.grad`` (the compute
+    dtype, the whole model, as data parallel does) and each unit is reduce-scattered once, at
+    the step: one reduction per step whatever the accumulation."""

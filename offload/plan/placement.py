@@ -25,7 +25,7 @@ import torch
 
 from offload.config import ConfigError, OffloadConfig, resolve_auto_buffer_size
 from offload.plan.layout import PAGE_ELEMS
-from offload.plan.ownership import GradOwner, MasterOwner
+from offload.plan.ownership import GradOwner, GradReduce, MasterOwner
 
 NVME_OPT_BUFFERS = 4  # master, exp_avg, exp_avg_sq and grad of one piece in flight
 UNLIMITED = 1 << 62  # piece size when no swap buffer bounds it
@@ -71,6 +71,20 @@ class Placement:
     """Config section -> bytes per swap buffer (``"auto"`` resolved for the model)."""
     pin: dict[str, bool]
     """Config section -> whether its host memory should be page-locked (CUDA applies it)."""
+    world: int = 1
+    """Ranks the state is sharded over (count)."""
+    stage: int = 1
+    """The ZeRO stage run across ranks (``distributed.stage`` resolved; moot with one rank)."""
+    grad_reduce: GradReduce = GradReduce.NONE
+    """When gradients are reduced across ranks (``ownership.py``)."""
+    shard_params: bool = False
+    """Stage 3 across ranks: each rank's param home holds its share of the compute params."""
+
+    @property
+    def params_move(self) -> bool:
+        """Whether a unit's compute params are gathered for use and released after (they are
+        offloaded, or sharded across ranks)."""
+        return self.param_home != "none" or self.shard_params
 
 
 def resolve_device(name: str) -> torch.device:
@@ -132,7 +146,11 @@ def nvme_step_buffers(count: int, in_backward: bool) -> tuple[int, int]:
 
 
 def _owners(
-    cfg: OffloadConfig, device: torch.device, dtype: torch.dtype, keep_grads: bool | None
+    cfg: OffloadConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    keep_grads: bool | None,
+    world: int = 1,
 ) -> tuple[MasterOwner, GradOwner]:
     """The byte owners of ``ownership.py``'s Note."""
     if cfg.offload_optimizer.device == "nvme":
@@ -141,9 +159,19 @@ def _owners(
         cfg.offload_param.device == "none" and device.type == "cpu"
     )
     master = MasterOwner.PARAMS if host_params and dtype == torch.float32 else MasterOwner.HOST
-    in_place = device.type == "cpu" and master is MasterOwner.PARAMS
-    keep = in_place if keep_grads is None else keep_grads
+    in_place = device.type == "cpu" and master is MasterOwner.PARAMS and world == 1
+    keep = in_place if keep_grads is None else keep_grads and world == 1
     return master, GradOwner.AUTOGRAD if keep else GradOwner.HOST
+
+
+def _grad_reduce(world: int, stage: int, schedule: Schedule) -> GradReduce:
+    """``ownership.GradReduce``: the step in backward updates each unit as its backward ends,
+    so its gradients are reduced then, whatever the stage."""
+    if world == 1:
+        return GradReduce.NONE
+    if stage == 1 and schedule is not Schedule.IN_BACKWARD:
+        return GradReduce.AT_STEP
+    return GradReduce.PER_UNIT
 
 
 def make_placement(
@@ -152,15 +180,21 @@ def make_placement(
     *,
     largest_unit: int = 0,
     keep_grads: bool | None = None,
+    world: int = 1,
+    sharded: bool | None = None,
 ) -> Placement:
-    """Every placement decision for ``cfg`` on ``device``, for a model whose largest unit has
+    """Every placement decision for ``cfg`` on ``device`` over ``world`` ranks, for a model
+    whose largest piece region (a unit with one rank, a rank's share of one with more) has
     ``largest_unit`` elements (what ``"auto"`` buffers are sized for). ``keep_grads``
     overrides whether gradients stay in ``p.grad`` (tests run the flat-gradient path on the CPU
-    with False)."""
+    with False). ``sharded`` (default: ``world > 1``): the state is sharded and reduced with
+    collectives (with one rank only to test that path)."""
+    sharded = world > 1 if sharded is None else sharded
     dtype = DTYPES[cfg.dtype]
     sizes = buffer_sizes(cfg, dtype, largest_unit)
     opt = cfg.offload_optimizer
-    master, grads = _owners(cfg, device, dtype, keep_grads)
+    stage = cfg.distributed.resolve_stage(cfg.offload_param.device)
+    master, grads = _owners(cfg, device, dtype, keep_grads, 2 if sharded else 1)
     lookahead = hold = 0
     schedule = Schedule.IMMEDIATE
     if opt.device == "nvme":
@@ -189,6 +223,10 @@ def make_placement(
             "offload_param": cfg.offload_param.pin_memory,
             "offload_optimizer": opt.pin_memory,
         },
+        world=world,
+        stage=stage,
+        grad_reduce=_grad_reduce(2 if sharded else 1, stage, schedule),
+        shard_params=sharded and stage == 3,
     )
 
 

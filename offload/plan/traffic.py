@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from offload.plan.ownership import GradOwner, MasterOwner
+from offload.plan.ownership import GradOwner, GradReduce, MasterOwner
 from offload.plan.placement import Schedule
 from offload.plan.plan import Plan
 from offload.plan.units import Residency, Unit
@@ -93,4 +93,32 @@ def predict_iteration(plan: Plan) -> Traffic:
                 if pl.schedule is not Schedule.IN_BACKWARD:  # accumulated, then read by the update
                     opt_store.fetched += io
                     opt_store.written += io
+    return out
+
+
+def predict_collectives(plan: Plan, micro_steps: int = 1) -> dict[str, int]:
+    """Bytes of each kind of collective one optimizer step of ``micro_steps`` forwards and
+    backwards issues on every rank, as ``offload.dist`` counts them (the gathered or reduced
+    tensor), for the model the module docstring assumes; the norm's all-reduce aside.
+
+    Stage 1: each unit's gradients reduce-scattered once, its updated params all-gathered once
+    (before the next forward, so a step's record holds the previous update's). Stage 2:
+    reduce-scattered every micro-step. Stage 3: every
+    unit's params all-gathered for each use (``GATHERS``) every micro-step, its gradients
+    reduce-scattered every micro-step. The params all-gather of stages 1 and 2 over NVMe is one
+    broadcast per rank and piece (the same bytes)."""
+    pl = plan.placement
+    out = {"all_gather": 0, "reduce_scatter": 0, "broadcast": 0}
+    if pl.world == 1:
+        return out
+    item = pl.dtype.itemsize
+    for unit in plan.units:
+        trainable, total = unit.layout.trainable * item, unit.layout.total * item
+        steps = 1 if pl.grad_reduce is GradReduce.AT_STEP else micro_steps
+        out["reduce_scatter"] += steps * trainable
+        if pl.shard_params:  # a persistent unit stays gathered until the step
+            uses = 1 if unit.residency is Residency.PERSISTENT else micro_steps
+            out["all_gather"] += GATHERS[unit.residency] * uses * total
+        elif trainable:
+            out["broadcast" if pl.param_home == "nvme" else "all_gather"] += trainable
     return out

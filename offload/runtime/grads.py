@@ -1,9 +1,33 @@
 """Gradients from autograd to their owner: the one place a unit's gradients pass through when its
-backward ends (where a reduce-scatter across ranks goes).
+backward ends, and where they are reduced across ranks.
 
-The owner (``offload.homes.grads``) is the plan's choice; this takes a unit's device gradients
-through the device's staging (``offload.device.GradStaging``) and hands them over, tracking
-the first micro-step after ``zero_grad`` (whose gradients overwrite instead of adding).
+The owner (``offload.homes.grads``) is the plan's choice; so is when the reduction happens
+(``offload.plan.GradReduce``), as one of the objects below:
+
+- :class:`Grads` (one rank): the unit's device gradients go through the device's staging
+  (``offload.device.GradStaging``) to their owner as its backward ends.
+- :class:`ScatteredGrads` (stages 2 and 3): as a unit's backward ends its gradients are
+  flattened on the device and reduce-scattered asynchronously; this rank's reduced share goes
+  to the owner when the reduction has landed, which is waited for only at the next unit's end
+  (or the end of the backward), so it overlaps the next unit's backward.
+- :class:`StepScatteredGrads` (stage 1): autograd accumulates every micro-step in ``p.grad``;
+  each unit is reduce-scattered once, when the step needs the gradients (:meth:`Grads.settle`),
+  the next unit's flattening overlapping the previous one's reduction.
+
+Each tracks the first micro-step after ``zero_grad`` (whose gradients overwrite instead of
+adding).
+
+Note: the mean over ranks
+    The reductions sum. The mean of data parallel (each rank's loss is the mean over its own
+    micro-batch) is applied as a factor ``mean_scale = 1 / world`` where the gradients are used:
+    inside the Adam kernel's gradient scale, and on the norm (:meth:`Grads.stats` returns the
+    sum of squares of the mean). In fp32 the factor is exact for a power-of-two world.
+
+Note: the norm and the overflow flag
+    Each rank's owner knows the sum of squares and the inf/NaN flag of its own share. Shares do
+    not overlap, so the global values are one all-reduce (sum) of ``[flag, sum of squares]``;
+    every rank gets the same numbers, clips with the same coefficient and skips the same fp16
+    steps.
 """
 
 from __future__ import annotations
@@ -11,29 +35,160 @@ from __future__ import annotations
 import torch
 
 from offload.device import GradStaging
+from offload.dist import Comm, Handle, LocalComm
 from offload.homes.grads import GradHome
 from offload.plan import Unit
 
 
 class Grads:
-    def __init__(self, owner: GradHome, staging: GradStaging, units: list[Unit]) -> None:
+    def __init__(
+        self,
+        owner: GradHome,
+        staging: GradStaging,
+        units: list[Unit],
+        comm: Comm | None = None,
+    ) -> None:
         self.owner, self.staging, self.units = owner, staging, units
+        self.comm = comm or LocalComm()
+        self.mean_scale = 1.0 / self.comm.world
         self.first_micro_step = True  # the next gradients overwrite instead of adding
+        self._taken: list[Unit] = []  # units whose gradients the owner took, not yet told
 
     def unit_done(self, unit: Unit) -> None:
         """``unit``'s gradients of this backward are final: its owner takes them."""
         with torch.profiler.record_function("offload::grads"):
             self.owner.absorb(unit, lambda: self.staging.host_parts(unit), self.first_micro_step)
+        self._taken.append(unit)
+
+    def taken(self) -> list[Unit]:
+        """The units whose gradients their owner took since the last call (in that order)."""
+        out, self._taken = self._taken, []
+        return out
 
     def backward_done(self) -> None:
+        """The backward ended (every unit's gradients were handed in)."""
         self.first_micro_step = False
 
+    def settle(self) -> None:
+        """Every gradient of this step is with its owner (before the norm or the update)."""
+
     def stats(self) -> tuple[bool, float]:
-        """(any inf/NaN, sum of squares) of the accumulated gradients (still loss-scaled)."""
-        return self.owner.stats()
+        """(any inf/NaN, sum of squares) of the mean gradient over ranks (still loss-scaled),
+        the same on every rank (module Note)."""
+        self.settle()
+        found, ss = self.owner.stats()
+        if self.comm.world > 1:
+            both = torch.tensor([float(found), ss], dtype=torch.float64)
+            self.comm.all_reduce(both, what="the gradient norm").wait()
+            found, ss = bool(both[0] > 0), float(both[1])
+        return found, ss * self.mean_scale**2
+
+    def step_ended(self) -> None:
+        """A step (or a skipped one) ended: the next gradients start a new accumulation."""
+        self.first_micro_step = True
 
     def zero(self) -> None:
         self.first_micro_step = True
         for unit in self.units:
             for p in unit.trainable_params:
                 p.grad = None
+
+
+class _Flight:
+    """One unit's reduce-scatter in flight: what the owner takes when it lands."""
+
+    __slots__ = ("unit", "handle", "share", "first", "slot")
+
+    def __init__(self, unit: Unit, handle: Handle, share: torch.Tensor, first: bool, slot: int):
+        self.unit, self.handle, self.share, self.first, self.slot = unit, handle, share, first, slot
+
+
+class ScatteredGrads(Grads):
+    """Stages 2 and 3 (see the module docstring): one reduce-scatter per unit and micro-step,
+    the previous unit's in flight while the next one's backward runs. Two device slots of the
+    largest unit's gradients (one being reduced, one being filled)."""
+
+    def __init__(self, owner, staging, units, comm, device, dtype) -> None:
+        super().__init__(owner, staging, units, comm)
+        largest = max((u.layout.trainable for u in units), default=0)
+        self._send = [torch.empty(largest, dtype=dtype, device=device) for _ in range(2)]
+        self._recv = [
+            torch.empty(largest // comm.world, dtype=dtype, device=device) for _ in range(2)
+        ]
+        self._flight: _Flight | None = None
+        self._next_slot = 0
+
+    def unit_done(self, unit: Unit) -> None:
+        with torch.profiler.record_function("offload::grads"):
+            self._reduce(unit, self.first_micro_step)
+
+    def _reduce(self, unit: Unit, first: bool) -> None:
+        """Flattens the unit's gradients, starts their reduce-scatter, then hands the previous
+        unit's reduced share to the owner (its reduction overlapped this unit's backward)."""
+        n = unit.layout.trainable
+        if n == 0:
+            return
+        slot = self._next_slot
+        self._next_slot = 1 - slot
+        send = self._send[slot][:n]
+        self.staging.flatten(unit, send)
+        for p in unit.trainable_params:
+            p.grad = None  # flattened: the device copy is not needed any more
+        share = self._recv[slot][: n // self.comm.world]
+        handle = self.comm.reduce_scatter(share, send, what=f"{unit.label} gradients")
+        previous, self._flight = self._flight, _Flight(unit, handle, share, first, slot)
+        if previous is not None:
+            self._land(previous)
+
+    def _land(self, flight: _Flight) -> None:
+        flight.handle.wait()
+        host = self.staging.share_to_host(flight.share)
+        lo, hi = flight.unit.layout.local_trainable
+        self.owner.absorb(flight.unit, lambda: [(lo, hi, host)], flight.first)
+        self._taken.append(flight.unit)
+
+    def drain(self) -> None:
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            self._land(flight)
+
+    def backward_done(self) -> None:
+        self.drain()
+        super().backward_done()
+
+    def settle(self) -> None:
+        self.drain()
+
+
+class StepScatteredGrads(ScatteredGrads):
+    """Stage 1 (see the module docstring): gradients stay in ``p.grad`` across micro-steps
+    and are reduce-scattered once per step."""
+
+    def __init__(self, owner, staging, units, comm, device, dtype) -> None:
+        super().__init__(owner, staging, units, comm, device, dtype)
+        self._settled = True  # nothing in p.grad that the owner has not taken
+        self._fresh = True  # the owner's next reduced gradients overwrite
+
+    def unit_done(self, unit: Unit) -> None:
+        self._settled = False  # autograd accumulated this backward's gradients in p.grad
+
+    def backward_done(self) -> None:
+        Grads.backward_done(self)
+
+    def settle(self) -> None:
+        if self._settled:
+            return
+        with torch.profiler.record_function("offload::grads"):
+            for unit in self.units:
+                if unit.trainable_params:
+                    self._reduce(unit, first=self._fresh)
+            self.drain()
+        self._settled, self._fresh = True, False
+
+    def step_ended(self) -> None:
+        super().step_ended()
+        self._fresh = True
+
+    def zero(self) -> None:
+        super().zero()
+        self._settled, self._fresh = True, True

@@ -175,8 +175,11 @@ class StepSchedule:
         self.flush()  # the gradients about to be accumulated are what an update reads
 
     def unit_backward_done(self, run) -> None:
-        """A unit's gradients were taken by their owner."""
+        """A unit's backward ended (its gradients are with their owner, or on their way)."""
         run.residency.after_backward(run)
+
+    def grads_taken(self, unit: Unit) -> None:
+        """The unit's gradients of this backward are with their owner."""
 
     def backward_ends(self, runs: list) -> None:
         for run in runs:
@@ -262,7 +265,10 @@ class InBackward(Background):
 
     def unit_backward_done(self, run) -> None:
         run.release()  # persistent too: its copy is stale from now on
-        self._give(run.unit)
+
+    def grads_taken(self, unit: Unit) -> None:
+        if not unit.is_root:  # the root is still gathered: it goes in at the backward's end
+            self._give(unit)
 
     def backward_ends(self, runs: list) -> None:
         for run in runs:

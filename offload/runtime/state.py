@@ -74,7 +74,9 @@ class Runtime:
         # phase name -> stores whose access trace starts there (the param store's with the
         # first forward of a step, the optimizer store's with its first backward)
         self._trace_starts = trace_starts
-        self.values = Values(plan, params, optim)
+        self.comm = grads.comm  # the model's process group (offload.dist)
+        self.values = Values(plan, params, optim, self.comm)
+        params.gate = self._gate
         self.timers = timers  # seconds of the current step (the schedule's worker adds too)
         self.runs = [UnitRun(u, params, timers) for u in self.units]
         self._hyper = hyper  # the optimizer's param group values now
@@ -167,7 +169,14 @@ class Runtime:
         """Gathers a unit for its forward (or its recomputation inside a backward)."""
         if self.phase.phase is not Phase.BACKWARD:  # an update starts only after the backward
             self.schedule.wait_unit(run.unit)
+            self.params.refresh(run.unit)  # stages 1-2: the other ranks' updated shares
         run.gather(self.phase.phase.value)
+
+    def _gate(self, unit) -> None:
+        """Before a collective reads ``unit``'s home ahead of its use: its own pending update
+        must be done (not in a backward: the update of a unit starts after its backward)."""
+        if self.phase.phase is not Phase.BACKWARD:
+            self.schedule.wait_unit(unit)
 
     def _post_forward(self, run: UnitRun, output):
         if self.phase.phase is Phase.BACKWARD:
@@ -220,20 +229,27 @@ class Runtime:
             run.residency.countdown_done(self, run)
 
     def finish_unit_backward(self, run: UnitRun) -> None:
-        """The unit's gradients are final: their owner takes them, then the residency and the
-        schedule say what happens to the unit."""
+        """The unit's gradients are final: their owner takes them (now, or once their
+        reduction across ranks lands), then the residency and the schedule say what happens to
+        the unit, and the schedule hears of the units whose gradients were taken."""
         run.backward_done = True
         self.grads.unit_done(run.unit)
         run.residency.backward_done(run, self.schedule)
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        for unit in self.grads.taken():
+            self.schedule.grads_taken(unit)
 
     def _end_backward(self) -> None:
         for run in reversed(self.runs):
             if not run.backward_done:
                 self.finish_unit_backward(run)
+        self.grads.backward_done()  # the last reductions land
+        self._hand_over()
         self.schedule.backward_ends(self.runs)
         self._callback_queued = False
         self.backwards_since_step += 1
-        self.grads.backward_done()
         self._stop_timer("_bwd_start", "backward_seconds")
         self.phase.to(Phase.IDLE)
 
@@ -290,10 +306,14 @@ class Runtime:
             )
 
     def _step_hyper(self, grad_scale: float = 1.0) -> Hyper:
-        return Hyper(step=self.step_count + 1, grad_scale=grad_scale, **self._hyper())
+        """This step's hyperparameters; ``grad_scale`` (loss scale and clipping) times the mean
+        over ranks (``offload.runtime.grads``' Note)."""
+        scale = grad_scale * self.grads.mean_scale
+        return Hyper(step=self.step_count + 1, grad_scale=scale, **self._hyper())
 
     def step(self, grad_scale: float) -> None:
         self.check_can_step()
+        self.grads.settle()  # stage 1: the step's reduction
         hyper = self._step_hyper(grad_scale)
         t0 = time.perf_counter()
         self.phase.to(Phase.STEP)
@@ -326,19 +346,35 @@ class Runtime:
         self.timers["step_seconds"] = now - self._step_started
         self._step_started = now
         self.backwards_since_step = 0
-        self.grads.first_micro_step = True
-        self.telemetry.end_step(self.timers, self.counted(), self.step_count, skipped)
+        self.grads.step_ended()
+        self.params.end_iteration()
+        self.telemetry.end_step(self.timers, self._counters(), self.step_count, skipped)
         self.timers.clear()
 
     def counted(self) -> list:
-        """Everything that counts moved bytes: the stores and the host <-> device transfers."""
+        """Everything that counts bytes moved between tiers: the stores and the host <-> device
+        transfers."""
         return [*self.stores.values(), self.transfers]
+
+    def _counters(self) -> list:
+        """What telemetry reads: :meth:`counted` and the collectives."""
+        return [*self.counted(), self.comm]
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of training state this rank holds, by where (``device``, ``host``, ``nvme``):
+        compute params, fp32 master, fp32 gradients and moments, as their owners hold them
+        (padding included; the swap pools and gradients in ``p.grad`` are not state)."""
+        out = {"device": 0, "host": 0, "nvme": 0}
+        for owner in (self.params, self.optim, self.grads.owner):
+            for where, n in owner.held().items():
+                out[where] += n
+        return out
 
     def restart_step_counters(self) -> None:
         """Whatever ran since the last step (an evaluation, say) is not counted in the next one."""
         self.timers.clear()
         self._step_started = time.perf_counter()
-        self.telemetry.rebase(self.counted())
+        self.telemetry.rebase(self._counters())
 
     def zero_grad(self) -> None:
         self.grads.zero()

@@ -1,7 +1,12 @@
 """Per-step telemetry of a wrapped model: one plain dict per optimizer step, built from counters
-that already exist (the runtime's phase timers, the stores' per-tier byte counters and the
-host <-> device transfers' counters); nothing is measured twice. Optionally each step's dict is appended to a JSON-lines file
+that already exist (the runtime's phase timers, the stores' per-tier byte counters, the
+host <-> device transfers' counters and the collectives' counters, ``offload.dist``); nothing
+is measured twice. Optionally each step's dict is appended to a JSON-lines file
 (``telemetry.jsonl_path``).
+
+Collectives: ``collectives`` holds this step's ``{op: {bytes, calls, wait_seconds}}`` on this
+rank (bytes as ``offload.dist`` counts them: the textbook volume), ``collective_bytes`` and
+``collective_wait_seconds`` their sums.
 """
 
 from __future__ import annotations
@@ -22,6 +27,23 @@ TIMERS = (
     # the forward of the step it is counted in
     "step_wait_seconds",  # waiting for the background NVMe update (inside forward_seconds)
 )
+
+
+def collective_totals(counted) -> dict[str, dict]:
+    """``{op: {bytes, calls, wait_seconds}}`` summed over everything counted, cumulative."""
+    out: dict[str, dict] = {}
+    for obj in counted:
+        for op, rec in obj.stats().get("collectives", {}).items():
+            acc = out.setdefault(op, {"bytes": 0, "calls": 0, "wait_seconds": 0.0})
+            for k in acc:
+                acc[k] += rec.get(k, 0)
+    return out
+
+
+def _minus(now: dict[str, dict], before: dict[str, dict]) -> dict[str, dict]:
+    return {
+        op: {k: v - before.get(op, {}).get(k, 0) for k, v in rec.items()} for op, rec in now.items()
+    }
 
 
 def store_totals(counted) -> tuple[dict[str, int], int, int, int, dict]:
@@ -48,6 +70,7 @@ class Telemetry:
     def __init__(self, jsonl_path: str | None = None) -> None:
         self.jsonl_path = jsonl_path
         self._prev = ({}, 0, 0)  # cumulative bytes, hits, misses at the previous step's end
+        self._prev_coll: dict[str, dict] = {}  # cumulative collectives at the previous step's end
         self._last: dict = {}
         self._totals: dict[str, float] = {k: 0.0 for k in TIMERS}
 
@@ -59,6 +82,11 @@ class Telemetry:
             self._totals[k] += timers.get(k, 0.0)
         rec: dict = {k: float(timers.get(k, 0.0)) for k in TIMERS}
         rec["bytes"] = {k: v - prev_moved.get(k, 0) for k, v in moved.items()}
+        coll = collective_totals(counted)
+        rec["collectives"] = _minus(coll, self._prev_coll)
+        self._prev_coll = coll
+        rec["collective_bytes"] = sum(r["bytes"] for r in rec["collectives"].values())
+        rec["collective_wait_seconds"] = sum(r["wait_seconds"] for r in rec["collectives"].values())
         rec["prefetch_hits"] = hits - prev_hits
         rec["prefetch_misses"] = misses - prev_misses
         rec["host_peak_bytes"] = peak  # used by shards at the peak, summed over the pools
@@ -83,12 +111,16 @@ class Telemetry:
         """The next step's byte and prefetch counts start from here."""
         moved, hits, misses, _, _ = store_totals(counted)
         self._prev = (moved, hits, misses)
+        self._prev_coll = collective_totals(counted)
 
     def stats(self) -> dict:
         """The last step's record (all zeros before the first step)."""
         if not self._last:
             return {k: 0.0 for k in TIMERS} | {
                 "bytes": {},
+                "collectives": {},
+                "collective_bytes": 0,
+                "collective_wait_seconds": 0.0,
                 "prefetch_hits": 0,
                 "prefetch_misses": 0,
                 "steps": 0,

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from offload.dist import LocalComm
 from offload.homes.optim import KINDS, OptimHome
 from offload.homes.params import ParamHome
 from offload.plan import FlatLayout, Plan, Segment, Unit
@@ -114,13 +115,39 @@ class ParamTensors(ValueSource):
 
 
 class Values:
-    """Reads and loads one wrapped model's state (its plan and homes)."""
+    """Reads and loads one wrapped model's state (its plan and homes).
 
-    def __init__(self, plan: Plan, params: ParamHome, optim: OptimHome) -> None:
+    Note: across ranks
+        Each rank's owners hold its share (``offload.plan.ownership``). :meth:`flat` and
+        :meth:`pieces` are this rank's share (what a checkpoint file of this rank holds);
+        :meth:`read` and :meth:`full` give whole parameters, all-gathering the shares (a
+        collective: every rank calls it for the same units in the same order); :meth:`load`
+        writes this rank's share of each kind, and every frozen piece the param home holds
+        (stages 1 and 2 keep the whole frozen suffix on every rank).
+    """
+
+    def __init__(self, plan: Plan, params: ParamHome, optim: OptimHome, comm=None) -> None:
         self.plan, self.params, self.optim = plan, params, optim
+        self.comm = comm or LocalComm()
 
     def pieces(self, unit: Unit, kind: str) -> list[tuple[int, int]]:
+        """This rank's share of ``kind`` over the unit, in pieces."""
         return self.plan.frozen_pieces(unit) if kind == FROZEN else self.plan.trainable_pieces(unit)
+
+    def _load_pieces(self, unit: Unit, kind: str) -> list[tuple[int, int]]:
+        if kind != FROZEN:
+            return self.plan.trainable_pieces(unit)
+        return [(a, b) for a, b in self.plan.pieces(unit) if a >= unit.layout.trainable]
+
+    def _gathered(self, unit: Unit, kind: str) -> tuple[int, torch.Tensor] | None:
+        """``(begin, every rank's share of kind back to back)`` (a collective)."""
+        pieces = self.pieces(unit, kind)
+        if not pieces:
+            return None
+        local = torch.cat([self.flat(unit, kind, lo, hi) for lo, hi in pieces])
+        out = torch.empty(local.numel() * self.comm.world, dtype=local.dtype)
+        self.comm.all_gather(out, local, what=f"{unit.label} {kind}").wait()
+        return (unit.layout.trainable if kind == FROZEN else 0), out
 
     def flat(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
         """A new host tensor with ``kind`` over a piece, from its owner."""
@@ -133,10 +160,14 @@ class Values:
         segs = [s for s in unit.layout.segments if s.trainable != (kind == FROZEN)]
         dtype = self.params.dtype if kind == FROZEN else torch.float32
         out = {s.param: torch.empty(s.numel, dtype=dtype) for s in segs}
-        for lo, hi in self.pieces(unit, kind):
-            flat = self.flat(unit, kind, lo, hi)
+        if self.comm.world == 1:
+            flats = [(lo, self.flat(unit, kind, lo, hi)) for lo, hi in self.pieces(unit, kind)]
+        else:
+            got = self._gathered(unit, kind)
+            flats = [got] if got is not None else []
+        for lo, flat in flats:
             for param_side, flat_side in unit.layout.pairs(
-                lo, hi, flat, lambda s: out.get(s.param)
+                lo, lo + flat.numel(), flat, lambda s: out.get(s.param)
             ):
                 param_side.copy_(flat_side)
         return out
@@ -151,7 +182,7 @@ class Values:
         """Writes every kind ``source`` has into the unit's homes, piece by piece (a gathered
         copy of the unit is stale afterwards: the caller releases it)."""
         for kind in (*KINDS, FROZEN):
-            for lo, hi in self.pieces(unit, kind):
+            for lo, hi in self._load_pieces(unit, kind):
                 values = source.piece(unit, kind, lo, hi)
                 if values is None:
                     continue

@@ -1,0 +1,236 @@
+"""One rank of a multi-rank test (started by ``dist_harness``, or by torchrun): runs a list of
+jobs in one process group.
+
+Environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (``env://``, what
+torchrun sets). Argument: a JSON file ``{"out": DIR, "timeout": seconds, "jobs": [...]}``;
+each job wraps ``engine_models.make_model()`` (or ``StackLM`` with ``"model": "stack"``) with
+``placement_config(param, optim, ...)`` and ``distributed.stage``, trains its slice of every
+global batch (``GLOBAL_BATCH`` rows split evenly over the ranks) and writes ``<name>.<rank>.json``
+(the mean loss over ranks per step, this rank's stats per step, its NVMe directories) and
+``<name>.pt`` (rank 0: ``model.state_dict()``, gathered; the optimizer's state_dict if asked).
+
+Job keys: ``name``, ``param``, ``optim``, ``dtype`` (fp32), ``stage``, ``steps``, ``start``
+(0), ``accum`` (2), ``clip`` (1.0), ``config`` (extra top-level config keys), ``load`` /
+``save`` (checkpoint directories; the scheduler and the step go in its extra values),
+``fail_at`` ({"rank": r, "step": s, "hang": bool}: that rank raises there, or sleeps),
+``optimizer_state`` (keep the gathered optimizer state_dict), ``export`` (a path),
+``pairs`` (wrap over a process group of ranks {0,1} / {2,3}; only the first pair reports),
+``load_state`` (an optimizer state_dict file to load, the scheduler advanced to ``start``),
+``restore`` (close with ``restore=True`` and compare the plain model's values),
+``block`` (checkpoint block checksum size), ``log`` (record when collectives are issued and
+waited and when units compute, on rank 0), ``count_reads`` (bytes read from checkpoint files).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from engine_models import StackLM, batches, lm_loss, make_model, placement_config
+
+import offload
+from offload.api import checkpoint_files
+from offload.api.wrap import engine_of
+
+GLOBAL_BATCH = 8
+STEPS_DATA = 16
+ORIGINAL = (
+    checkpoint_files.BLOCK,
+    checkpoint_files.VerifiedCheckpoint.read,
+    checkpoint_files._sha256_of,
+)
+
+
+def slice_of(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    per = batch.shape[0] // world
+    return batch[rank * per : (rank + 1) * per]
+
+
+def _model(job: dict):
+    if job.get("model") == "stack":
+        torch.manual_seed(0)
+        return StackLM(n=4), {"module_classes": ["StackBlock"]}
+    return make_model(), None
+
+
+class _Logged:
+    """A collective's handle whose first wait is recorded."""
+
+    def __init__(self, handle, events: list, event: list) -> None:
+        self.handle, self.events, self.event = handle, events, event
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.events.append(self.event)
+            self.event = None
+        self.handle.wait()
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+
+class _Log:
+    """Records collectives issued / waited and units computing (``log`` jobs)."""
+
+    def __init__(self, model, runtime) -> None:
+        self.events: list[list] = []
+        comm = runtime.comm
+        for name in ("all_gather", "reduce_scatter"):
+            real = getattr(comm, name)
+
+            def issue(out, inp, what="", real=real, name=name):
+                self.events.append(["issue", name, what])
+                return _Logged(real(out, inp, what), self.events, ["wait", name, what])
+
+            setattr(comm, name, issue)
+        for run in runtime.runs[1:]:
+            label = run.unit.label
+            run.unit.module.register_forward_pre_hook(
+                lambda m, a, label=label: self.events.append(["forward", label])
+            )
+            run.unit.module.register_full_backward_pre_hook(
+                lambda m, g, label=label: self.events.append(["backward", label])
+            )
+
+
+def run_job(job: dict, out: Path, rank: int, world: int) -> None:
+    group, report = None, True
+    if job.get("pairs"):
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        group, report = pairs[rank // 2], rank < 2
+        rank, world = rank % 2, 2
+    if job.get("block"):
+        checkpoint_files.BLOCK = job["block"]
+    read = {"data": 0, "verified": 0}
+    if job.get("count_reads"):
+        real_read, real_sha = checkpoint_files.VerifiedCheckpoint.read, checkpoint_files._sha256_of
+
+        def counted_read(self, name, tensor, lo, hi):
+            got = real_read(self, name, tensor, lo, hi)
+            read["data"] += got.numel() * got.element_size()
+            return got
+
+        def counted_sha(fd, size, begin=0):
+            read["verified"] += size - begin
+            return real_sha(fd, size, begin)
+
+        checkpoint_files.VerifiedCheckpoint.read = counted_read
+        checkpoint_files._sha256_of = counted_sha
+    tmp = out / "nvme" / job["name"]
+    cfg = placement_config(job["param"], job["optim"], tmp, dtype=job.get("dtype", "fp32"))
+    cfg["distributed"] = {"stage": job["stage"], "timeout": job.get("timeout", 60)}
+    model, wrap_classes = _model(job)
+    if wrap_classes:
+        cfg["wrap"] = wrap_classes
+    cfg.update(job.get("config", {}))
+    model, opt = offload.wrap(model, cfg, process_group=group)
+    runtime = engine_of(model)
+    log = _Log(model, runtime) if job.get("log") else None
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    start = job.get("start", 0)
+    if job.get("load_state"):  # an optimizer state_dict saved by another job (any world size)
+        opt.load_state_dict(torch.load(job["load_state"])["optimizer"])
+        for _ in range(start):
+            sched.step()
+    if job.get("load"):
+        extra = offload.load_checkpoint(job["load"], model, opt)
+        sched.load_state_dict(extra["scheduler"])
+        start = extra["step"]
+    data = batches(STEPS_DATA, batch=GLOBAL_BATCH)
+    accum, clip = job.get("accum", 2), job.get("clip", 1.0)
+    losses, stats, norms = [], [], []
+    fail = job.get("fail_at") or {}
+    for s in range(start, job["steps"]):
+        total = 0.0
+        for m in range(accum):
+            if fail.get("rank") == rank and fail.get("step") == s:
+                if fail.get("hang"):
+                    time.sleep(600)
+                raise RuntimeError(f"injected failure on rank {rank} at step {s}")
+            batch = slice_of(data[(s * accum + m) % len(data)], rank, world)
+            loss = lm_loss(model, batch) / accum
+            loss.backward()
+            total += float(loss.detach())
+        if clip:
+            norms.append(float(opt.clip_grad_norm_(clip)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(total)
+        st = opt.stats()
+        keep = ("collectives", "collective_bytes", "collective_wait_seconds", "bytes")
+        stats.append({k: st[k] for k in keep} | {"state_bytes": st["state_bytes"]})
+    mean = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(mean, group=group)
+    mean /= world
+    if job.get("save"):
+        offload.save_checkpoint(
+            job["save"], model, opt, scheduler=sched.state_dict(), step=job["steps"]
+        )
+    save_error = None
+    if job.get("failed_save"):  # {"dir", "rank"}: that rank's writes fail part way
+        from offload.api import checkpoint as ckpt_mod  # noqa: PLC0415
+
+        real_entries = ckpt_mod._unit_entries
+        if rank == job["failed_save"]["rank"]:
+
+            def failing(engine, unit):
+                if unit.index == 2:
+                    raise OSError(28, "No space left on device (injected)")
+                return real_entries(engine, unit)
+
+            ckpt_mod._unit_entries = failing
+        try:
+            offload.save_checkpoint(job["failed_save"]["dir"], model, opt, step=job["steps"])
+        except Exception as exc:  # noqa: BLE001 - recorded for the test
+            save_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            ckpt_mod._unit_entries = real_entries
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_state = opt.state_dict() if job.get("optimizer_state") else None
+    if job.get("export"):
+        offload.export(model, job["export"], dtype=torch.float32)
+    result = {
+        "losses": mean.tolist(),
+        "norms": norms,
+        "save_error": save_error,
+        "stats": stats,
+        "rank": rank,
+        "world": world,
+        "nvme_dirs": sorted(s._nvme.directory for s in runtime.stores.values()),
+        "pools": sum(s.stats().get("host_reserved_bytes", 0) for s in runtime.stores.values()),
+        "read_bytes": read,
+        "log": log.events if log is not None else None,
+    }
+    if job.get("restore"):  # back to a plain model (collective): the same values
+        opt.close(restore=True)
+        plain = model.state_dict()
+        result["restored_equal"] = all(torch.equal(plain[k], state[k]) for k in state)
+    if report:
+        if rank == 0:
+            torch.save({"state": state, "optimizer": opt_state}, out / f"{job['name']}.pt")
+        (out / f"{job['name']}.{rank}.json").write_text(json.dumps(result))
+    opt.close()
+    checkpoint_files.BLOCK, checkpoint_files.VerifiedCheckpoint.read = ORIGINAL[:2]
+    checkpoint_files._sha256_of = ORIGINAL[2]
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("timeout", 60)))
+    try:
+        for job in spec["jobs"]:
+            run_job(job, Path(spec["out"]), rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

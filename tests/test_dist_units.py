@@ -1,0 +1,307 @@
+"""The pieces of ZeRO across ranks that need no second process: what the plan decides for a
+world size and stage, which ranges each home holds, the learned order of gathers, the ranged
+checkpoint verification, the DeepSpeed stage, the collectives' prediction and the estimate."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from engine_models import StackLM, make_model, placement_config
+
+import offload
+from offload import estimate as est
+from offload.api import checkpoint_files as cf
+from offload.api.wrap import engine_of, rank_path
+from offload.config import ConfigError, load_config
+from offload.dist import CollectiveError, LocalComm, comm_for
+from offload.homes.params import Lookahead
+from offload.plan import GradOwner, GradReduce, ShardSpec, make_plan, split
+from offload.plan.traffic import predict_collectives
+
+
+def _plan(stage, world=2, rank=0, param="cpu", optim="cpu", model=None, **over):
+    cfg = placement_config(param, optim, Path("/tmp/unused"), **over)
+    cfg["distributed"] = {"stage": stage}
+    return make_plan(model or make_model(), load_config(cfg), shard=ShardSpec(rank, world))
+
+
+# ------------------------------------------------------------------------------ the plan
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [2, 4])
+def test_homes_hold_what_the_stage_says(stage, world):
+    for rank in range(world):
+        plan = _plan(stage, world, rank)
+        for unit in plan.units:
+            lay = unit.layout
+            held = sum(b - a for a, b in plan.home_regions(unit))
+            assert held == (lay.total // world if stage == 3 else lay.total)
+            assert plan.home_numel(unit) == held
+            # the optimizer and the gradients: this rank's share of the trainable prefix only
+            lo, hi = lay.local_trainable
+            assert [p for p in plan.trainable_pieces(unit)] == split(
+                lo, hi, plan.placement.piece_numel
+            )
+            # packed home: piece after piece, nothing overlapping, every piece inside
+            slices = [plan.home_slice(unit, a, b) for a, b in plan.pieces(unit)]
+            assert [s.start for s in slices] == [0] + [s.stop for s in slices[:-1]]
+            # a piece never straddles two ranks' shares
+            shares = [ShardSpec(r, world) for r in range(world)]
+            bounds = {
+                x
+                for s in shares
+                for x in (*s.share(0, lay.trainable), *s.share(lay.trainable, lay.total))
+            }
+            for a, b in plan.pieces(unit):
+                assert not any(a < x < b for x in bounds)
+
+
+def test_piece_j_of_every_share_has_the_same_length():
+    """What the stage-1/2 all-gather of an NVMe home relies on (one broadcast per piece)."""
+    plan = _plan(2, 4, 0, param="nvme", optim="nvme")
+    for unit in plan.units:
+        lengths = [
+            [
+                b - a
+                for a, b in split(
+                    *ShardSpec(r, 4).share(0, unit.layout.trainable), plan.placement.piece_numel
+                )
+            ]
+            for r in range(4)
+        ]
+        assert all(x == lengths[0] for x in lengths)
+
+
+def test_one_rank_plan_is_unchanged_by_the_stage():
+    for stage in (1, 2, 3):
+        plan = _plan(stage, world=1)
+        pl = plan.placement
+        assert (pl.grad_reduce, pl.shard_params, pl.world) == (GradReduce.NONE, False, 1)
+        assert pl.params_move and pl.grads is GradOwner.AUTOGRAD  # params on the host, fp32
+        assert all(
+            plan.home_slice(u, a, b) == slice(a, b) for u in plan.units for a, b in plan.pieces(u)
+        )
+
+
+def test_gradient_reduction_and_owner_across_ranks():
+    assert _plan(1).placement.grad_reduce is GradReduce.AT_STEP
+    assert _plan(2).placement.grad_reduce is GradReduce.PER_UNIT
+    assert _plan(3).placement.grad_reduce is GradReduce.PER_UNIT
+    # the step in backward updates each unit as its backward ends: reduced then, at any stage
+    in_bwd = {
+        "device": "nvme",
+        "buffer_count": 8,
+        "buffer_size": "64KiB",
+        "step_in_backward": True,
+        "nvme_path": "/tmp/x",
+    }
+    assert (
+        _plan(1, optim="nvme", offload_optimizer=in_bwd).placement.grad_reduce
+        is GradReduce.PER_UNIT
+    )
+    # p.grad holds a rank's own, unreduced gradients: never their owner across ranks
+    cfg = load_config(placement_config("none", "cpu", Path("/tmp")))
+    one = make_plan(make_model(), cfg, keep_grads=True)
+    two = make_plan(make_model(), cfg, keep_grads=True, shard=ShardSpec(0, 2))
+    assert one.placement.grads is GradOwner.AUTOGRAD and two.placement.grads is GradOwner.HOST
+
+
+def test_auto_stage_shards_params_only_when_they_are_offloaded():
+    assert _plan("auto", param="none").placement.stage == 2
+    assert _plan("auto", param="cpu").placement.stage == 3
+    assert _plan("auto", param="nvme", optim="nvme").placement.shard_params
+    # params on the device, stage 3: they are gathered and released like offloaded ones
+    assert _plan(3, param="none").placement.params_move
+
+
+def test_auto_buffers_are_sized_for_a_share():
+    cfg = placement_config("nvme", "nvme", Path("/tmp/x"))
+    for section in ("offload_param", "offload_optimizer"):
+        cfg[section]["buffer_size"] = "auto"
+    cfg["aio"] = {"block_size": 4096}
+    one = make_plan(make_model(), load_config(cfg))
+    four = make_plan(make_model(), load_config(cfg), shard=ShardSpec(0, 4))
+    big = max(u.layout.total for u in one.units)
+    assert one.placement.buffer_sizes["offload_optimizer"] == -(-big * 4 // 4096) * 4096
+    assert (
+        four.placement.buffer_sizes["offload_optimizer"]
+        <= one.placement.buffer_sizes["offload_optimizer"] // 4 + 4096 * 4
+    )
+
+
+# ------------------------------------------------------------------------------ the order of gathers
+def test_lookahead_learns_then_replays_the_order():
+    la = Lookahead()
+    trace = [0, 1, 2, 1, 3, 3, 2, 1]
+    assert [la.record(u) for u in trace] == [None] * len(trace)  # learning
+    la.end_iteration()
+    assert [la.record(u) for u in trace] == [1, 2, 1, 3, 3, 2, 1, None]
+    la.end_iteration()
+    assert la.record(2) == 1  # out of order: found further on, the prediction follows it
+    assert la.record(9) is None  # never seen: no prediction
+
+
+# ------------------------------------------------------------------------------ one rank
+def test_without_a_group_nothing_is_collective(tmp_path):
+    assert isinstance(comm_for(None), LocalComm)
+    model, opt = offload.wrap(make_model(), placement_config("cpu", "cpu", tmp_path))
+    try:
+        assert isinstance(engine_of(model).comm, LocalComm)
+        assert rank_path("/x", engine_of(model).comm) == "/x"  # one rank: nvme_path as it is
+    finally:
+        opt.close()
+
+
+def test_process_group_needs_torch_distributed():
+    with pytest.raises(ValueError, match="init_process_group"):
+        offload.wrap(
+            make_model(), placement_config("cpu", "cpu", Path("/tmp")), process_group=object()
+        )
+
+
+def test_collective_failure_names_the_operation_the_rank_and_the_timeout():
+    comm = LocalComm()
+    comm.rank, comm.world, comm.timeout = 1, 4, 7.0
+    err = comm.failure("all_gather", "blocks.3 params", None)
+    assert isinstance(err, CollectiveError)
+    assert "all_gather of blocks.3 params on rank 1 of 4 did not complete within 7 s" in str(err)
+    err = comm.failure("reduce_scatter", "x", RuntimeError("Connection closed by peer"))
+    assert "failed (Connection closed by peer)" in str(err) and "another rank raised" in str(err)
+
+
+# ------------------------------------------------------------------------------ config
+def test_deepspeed_stage_maps_to_distributed_stage(caplog):
+    assert load_config({"zero_optimization": {"stage": 2}}).distributed.stage == 2
+    with caplog.at_level(logging.INFO, logger="offload.config"):
+        cfg = load_config({"zero_optimization": {"stage": 0}})
+    assert cfg.distributed.stage == 1 and "runs as distributed.stage 1" in caplog.text
+    with pytest.raises(ConfigError, match="zero_optimization.stage"):
+        load_config({"zero_optimization": {"stage": 4}})
+    with pytest.raises(ConfigError, match="distributed.timeout"):
+        load_config({"distributed": {"timeout": 0}})
+
+
+# ------------------------------------------------------------------------------ collectives
+def test_predicted_collectives_are_the_textbook_volumes():
+    """Stage 1 and 2: 2 Psi per step; stage 3: 3 Psi (each unit once forward, once backward,
+    its gradients once), Psi the padded elements of the compute dtype, without accumulation."""
+    torch.manual_seed(0)
+    for stage, psi_times in ((1, 2), (2, 2), (3, 3)):
+        plan = _plan(stage, model=StackLM(n=4), wrap={"module_classes": ["StackBlock"]})
+        psi = sum(u.layout.trainable for u in plan.units) * 4
+        total = sum(u.layout.total for u in plan.units) * 4
+        got = predict_collectives(plan, micro_steps=1)
+        assert got["reduce_scatter"] == psi
+        if stage < 3:
+            assert got["all_gather"] == psi
+        else:  # the root stays gathered from its forward to the end of its backward: once
+            root = plan.units[0].layout.total * 4
+            assert got["all_gather"] == 2 * total - root
+        assert sum(got.values()) <= psi_times * total
+    assert predict_collectives(_plan(2, world=1)) == {
+        "all_gather": 0,
+        "reduce_scatter": 0,
+        "broadcast": 0,
+    }
+
+
+def test_estimate_comm_and_pools_per_rank():
+    e = est.estimate(10**9, est.Machine(gpus_per_node=8), unit_params=10**7)
+    rows = {(r.stage, r.placement): r for r in e.rows}
+    assert rows[1, "none"].comm_per_rank == rows[2, "nvme"].comm_per_rank == 2 * 2 * 10**9
+    assert rows[3, "cpu_optimizer"].comm_per_rank == 3 * 2 * 10**9
+    one = est.estimate(10**9, est.Machine(), unit_params=10**7)
+    assert all(r.comm_per_rank == 0 for r in one.rows)
+    pools8 = {p.section: p.size for p in e.staging}
+    assert pools8["offload_optimizer"] == -(-4 * -(-(10**7) // 8) // 4096) * 4096  # one share
+
+
+# ------------------------------------------------------------------------------ checkpoint blocks
+def _write(tmp_path: Path, block: int, monkeypatch) -> Path:
+    monkeypatch.setattr(cf, "BLOCK", block)
+    data = torch.arange(10_000, dtype=torch.float32)
+    with cf.CheckpointWriter(tmp_path, "ckpt-1") as w:
+        w.add_file("a.safetensors", [("x", torch.float32, [10_000], lambda: iter([data]))])
+        return w.commit({"note": 1})
+
+
+def _need(lo: int, hi: int):
+    def ranges(name, tensors):
+        info = tensors["x"]
+        return [(info.begin + 4 * lo, info.begin + 4 * hi)]
+
+    return {"a.safetensors": ranges}
+
+
+def test_a_reader_of_some_ranges_verifies_only_their_blocks(tmp_path, monkeypatch):
+    ckpt = _write(tmp_path, 4096, monkeypatch)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["version"] == 3 and meta["files"]["a.safetensors"]["blocks"]["size"] == 4096
+    path = ckpt / "a.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 1  # a byte in the last block: element ~9975
+    path.write_bytes(bytes(raw))
+    with cf.open_checkpoint(ckpt, need=_need(0, 1000)) as c:  # blocks 0 and 1: fine
+        assert torch.equal(c.read("a.safetensors", "x", 0, 1000).clone(), torch.arange(1000.0))
+    with pytest.raises(cf.CheckpointError, match=r"a.safetensors'.*SHA-256 of bytes \[36864, "):
+        cf.open_checkpoint(ckpt, need=_need(9000, 10_000))
+    with pytest.raises(cf.CheckpointError, match="a.safetensors'.*its SHA-256 is"):
+        cf.open_checkpoint(ckpt)  # a reader of everything verifies the whole file
+
+
+def test_version_2_checkpoints_without_blocks_are_still_read(tmp_path, monkeypatch):
+    ckpt = _write(tmp_path, 4096, monkeypatch)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["meta_sha256"]
+    meta["version"] = 2
+    for rec in meta["files"].values():
+        del rec["blocks"]
+    (ckpt / "meta.json").write_text(json.dumps(cf.seal_meta(meta)))
+    with cf.open_checkpoint(ckpt, need=_need(0, 10)) as c:  # whole-file verification
+        assert c.read("a.safetensors", "x", 0, 3).tolist() == [0.0, 1.0, 2.0]
+
+
+def test_malformed_block_records_are_refused(tmp_path, monkeypatch):
+    ckpt = _write(tmp_path, 4096, monkeypatch)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["meta_sha256"]
+    meta["files"]["a.safetensors"]["blocks"]["sha256"].pop()
+    (ckpt / "meta.json").write_text(json.dumps(cf.seal_meta(meta)))
+    with pytest.raises(cf.CheckpointError, match="blocks is malformed"):
+        cf.open_checkpoint(ckpt)
+
+
+def test_one_rank_loads_a_sharded_checkpoint_layout_check(tmp_path):
+    """A checkpoint whose units differ from the model's is refused before anything changes,
+    whatever world it was saved at (the resharding path checks names, shapes and offsets)."""
+    cfg = placement_config("cpu", "cpu", tmp_path)
+    model, opt = offload.wrap(make_model(), cfg)
+    try:
+        ckpt = offload.save_checkpoint(tmp_path / "c", model, opt)
+        meta = json.loads((ckpt / "meta.json").read_text())
+        del meta["meta_sha256"]
+        meta["world"] = 2  # claims 2 ranks: its files do not follow
+        (ckpt / "meta.json").write_text(json.dumps(cf.seal_meta(meta)))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(cf.CheckpointError):
+            offload.load_checkpoint(tmp_path / "c", model, opt)
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    finally:
+        opt.close()
+
+
+@pytest.mark.slow
+def test_one_rank_group_shards_through_its_collectives(tmp_path):
+    """``benchmarks/gpu_smoke.py``'s part 3 (a one-rank NCCL group when a GPU is lent) over
+    gloo here: stages 1-3 through real collectives of one rank match the fp32 reference."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_smoke
+
+    rows = gpu_smoke.group_parity("cpu", tmp_path)
+    assert len(rows) == 9 and all(r["ok"] for r in rows), rows

@@ -1,0 +1,51 @@
+"""Collectives across ranks: the only place offload talks to other processes.
+
+Owns: the model's :class:`Comm` (a world-1 no-op, or ``torch.distributed`` with gloo or NCCL),
+its asynchronous handles, its timeouts and its counters (bytes and seconds waited per kind of
+collective). Everything is ``torch.distributed``; there is no transport of our own. What is
+gathered or reduced, and when, is the runtime's and the homes' (``offload.plan`` decides the
+stage).
+"""
+
+from __future__ import annotations
+
+from offload.dist.comm import (
+    OPS,
+    CollectiveError,
+    Comm,
+    Handle,
+    LocalComm,
+    TorchComm,
+    completed,
+)
+
+__all__ = [
+    "OPS",
+    "CollectiveError",
+    "Comm",
+    "Handle",
+    "LocalComm",
+    "TorchComm",
+    "comm_for",
+    "completed",
+]
+
+
+def comm_for(process_group=None, timeout: float = 1800.0, *, one_rank: bool = False) -> Comm:
+    """The :class:`Comm` of ``process_group`` (None: the default group when one is
+    initialized); a :class:`LocalComm` when there is no group or it has one rank (unless
+    ``one_rank``: then a group of one rank runs its collectives too, as a GPU smoke test of
+    the NCCL path does with one device)."""
+    try:
+        import torch.distributed as dist  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - torch built without distributed
+        dist = None
+    ready = dist is not None and dist.is_available() and dist.is_initialized()
+    if process_group is not None and not ready:
+        raise ValueError(
+            "offload.wrap: process_group was given but torch.distributed is not initialized; "
+            "call torch.distributed.init_process_group() first"
+        )
+    if not ready or (dist.get_world_size(process_group) == 1 and not one_rank):
+        return LocalComm()
+    return TorchComm(process_group, timeout)

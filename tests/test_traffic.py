@@ -33,8 +33,9 @@ def _config(tmp_path, param_dev, opt_dev, dtype="fp32", step_in_backward=False):
             path = tmp_path / section
             path.mkdir(parents=True, exist_ok=True)
             cfg[section]["nvme_path"] = str(path)
+    cfg["offload_optimizer"]["step_in_backward"] = step_in_backward
     if step_in_backward:  # enough buffers to hold every grad piece (see the test)
-        cfg["offload_optimizer"].update(step_in_backward=True, buffer_count=24)
+        cfg["offload_optimizer"]["buffer_count"] = 24
     return cfg
 
 

@@ -99,9 +99,21 @@ OPTIM_HOMES = {
     MasterOwner.NVME: lambda b, p, g: NvmeOptim(b.plan, p, g, b.stores["offload_optimizer"]),
 }
 SCHEDULES = {
-    Schedule.IMMEDIATE: Immediate,
-    Schedule.BACKGROUND: Background,
-    Schedule.IN_BACKWARD: InBackward,
+    Schedule.IMMEDIATE: lambda b, optim, params, grads, stepped, timers: Immediate(
+        optim, params, stepped, timers
+    ),
+    Schedule.BACKGROUND: lambda b, optim, params, grads, stepped, timers: Background(
+        optim, params, stepped, timers
+    ),
+    Schedule.IN_BACKWARD: lambda b, optim, params, grads, stepped, timers: InBackward(
+        optim,
+        params,
+        stepped,
+        timers,
+        grads=grads,
+        accumulation=b.plan.placement.accumulation,
+        retain=b.plan.placement.retain_grads,
+    ),
 }
 # whose access trace starts with the first forward of a step, and whose with its first backward
 TRACE_STARTS = {"offload_param": "forward", "offload_optimizer": "backward"}
@@ -228,7 +240,7 @@ def _build(
         params=params,
         optim=optim,
         grads=Grads(grad_home, staging(transfers, memory, placement.dtype, largest), plan.units),
-        schedule=SCHEDULES[placement.schedule](optim, params, stepped, timers),
+        schedule=SCHEDULES[placement.schedule](b, optim, params, grad_home, stepped, timers),
         transfers=transfers,
         stores=b.stores,
         trace_starts=trace_starts,
@@ -269,19 +281,6 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
     }
     if cfg.offload_optimizer.threads:
         _native.set_num_threads(cfg.offload_optimizer.threads)
-    buffer_dtypes = _cast_buffers(model, placement.device, placement.dtype)
-    resources: list = []  # pools, NVMe stores and the IO engine, closed with the runtime
-    try:
-        hyper = lambda: OffloadOptimizer.hyper_of(group)  # noqa: E731
-        runtime = _build(model, cfg, plan, hyper, resources, buffer_dtypes)
-    except BaseException:
-        for res in reversed(resources):
-            res.close()
-        raise
-    runtime.install_hooks()
-    _RUNTIMES[model] = runtime
-    atexit.register(_close_at_exit, weakref.ref(runtime))
-    _trim_host_heap()
     scaler = None
     if placement.dtype == torch.float16:
         ls = cfg.loss_scale
@@ -292,6 +291,19 @@ def wrap(model: nn.Module, config=None, *, _keep_grads: bool | None = None):
             growth_interval=ls.growth_interval,
             min_scale=ls.min_scale,
         )
+    buffer_dtypes = _cast_buffers(model, placement.device, placement.dtype)
+    resources: list = []  # pools, NVMe stores and the IO engine, closed with the runtime
+    try:
+        hyper = lambda: OffloadOptimizer.hyper_of(group, scaler)  # noqa: E731
+        runtime = _build(model, cfg, plan, hyper, resources, buffer_dtypes)
+    except BaseException:
+        for res in reversed(resources):
+            res.close()
+        raise
+    runtime.install_hooks()
+    _RUNTIMES[model] = runtime
+    atexit.register(_close_at_exit, weakref.ref(runtime))
+    _trim_host_heap()
     optimizer = OffloadOptimizer(
         runtime, group, gradient_clipping=cfg.gradient_clipping, scaler=scaler
     )

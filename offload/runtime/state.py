@@ -59,7 +59,7 @@ class Runtime:
         transfers: Transfers,
         stores: dict,
         trace_starts: dict[str, list],
-        hyper: Callable[[], dict],
+        hyper: Callable[[], dict],  # param group values now, and "grad_scale": loss unscaling
         timers: dict[str, float],
         telemetry: Telemetry,
         resources: list,
@@ -289,8 +289,16 @@ class Runtime:
                 "call loss.backward() first (gradients would be missing or stale)"
             )
 
-    def _step_hyper(self, grad_scale: float = 1.0) -> Hyper:
-        return Hyper(step=self.step_count + 1, grad_scale=grad_scale, **self._hyper())
+    def _step_hyper(self, grad_scale: float | None = None) -> Hyper:
+        """This step's hyperparameters as they are now; ``grad_scale`` defaults to the loss
+        scale's unscaling alone (what a speculative update assumes: no clipping)."""
+        base = dict(self._hyper())
+        unscale = base.pop("grad_scale")
+        return Hyper(
+            step=self.step_count + 1,
+            grad_scale=unscale if grad_scale is None else grad_scale,
+            **base,
+        )
 
     def step(self, grad_scale: float) -> None:
         self.check_can_step()
@@ -317,6 +325,8 @@ class Runtime:
 
     def skip_step(self) -> None:
         """An fp16 overflow: no update; gradients are discarded."""
+        self.check_can_step()
+        self.schedule.skip()
         for store in self.stores.values():
             store.end_iteration()
         self._end_step(skipped=True)

@@ -236,3 +236,40 @@ def test_a_failed_backward_does_not_hang_close(tmp_path):
     closer = threading.Thread(target=lambda: (opt.close(), done.set()), daemon=True)
     closer.start()
     assert done.wait(60), "close() hung after a failed backward"
+
+
+def test_a_failed_speculative_update_is_undone(tmp_path):
+    """An IO error inside the update that runs in the backward: the error reaches the caller,
+    and the state is exactly that of before the step (no checkpoint to load), so training
+    goes on."""
+    from offload.io import faults
+
+    data = batches(4)
+    model, opt = offload.wrap(
+        make_model(), _config(tmp_path, "none", step_in_backward=True, buffer_count=16)
+    )
+    try:
+        lm_loss(model, data[0]).backward()
+        opt.step()
+        opt.zero_grad()
+        before_model = {k: v.clone() for k, v in model.state_dict().items()}
+        before_opt = opt.state_dict()
+        faults.inject(5, count=2, op="read")  # the update's first reads (master, moments)
+        try:
+            with pytest.raises(RuntimeError, match="undone"):
+                lm_loss(model, data[1]).backward()
+                opt.step()
+        finally:
+            faults.clear()
+        opt.zero_grad()
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before_model[k]), k
+        after_opt = opt.state_dict()
+        for i, entry in before_opt["state"].items():
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(after_opt["state"][i][kind], entry[kind]), (i, kind)
+        lm_loss(model, data[2]).backward()
+        opt.step()  # training goes on
+        assert opt.stats()["steps"] >= 1
+    finally:
+        opt.close()

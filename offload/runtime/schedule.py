@@ -168,12 +168,17 @@ class _Worker:
         err, self._error = self._error, None
         undo, self._undo = self._undo, None
         if err is not None:
-            if undo is not None:
-                undo()
-                raise RuntimeError(
-                    f"offload: the background optimizer step failed: {err} (the update was "
-                    "undone: the state is that of before this step)"
-                ) from err
+            try:
+                if undo is not None:
+                    undo()
+                    raise RuntimeError(
+                        f"offload: the background optimizer step failed: {err} (the update was "
+                        "undone: the state is that of before this step)"
+                    ) from err
+            except RuntimeError:
+                raise
+            except Exception as exc:  # the undo failed too (the same disk): the state is mixed
+                err = exc
             self.failure = f"{type(err).__name__}: {err}"
             raise RuntimeError(
                 f"offload: the background optimizer step failed: {err} (the optimizer state now "
@@ -220,6 +225,13 @@ class StepSchedule:
 
     def flush(self) -> None:
         """Waits until no update is running; re-raises its error."""
+
+    def flush_quietly(self) -> None:
+        """:meth:`flush` where its error was raised already (a backward that failed)."""
+        try:
+            self.flush()
+        except Exception:  # noqa: BLE001 - reported by the call that failed first
+            pass
 
     def check_access(self, what: str, pending_backwards: int) -> None:
         """Raises if state may not be read or written now."""
@@ -396,6 +408,7 @@ class InBackward(Background):
         """Back to the state before the update: master and moments from the version's start,
         the compute params derived from them again."""
         self._spec = None
+        self.grads.abandon()  # pieces handed over for units the update never took
         self.grads.take_back()
         self.optim.rollback_version()
         self.optim.derive_params(self.stepped)

@@ -217,7 +217,21 @@ class Runtime:
         if self.phase.phase is not Phase.BACKWARD:
             self._begin_backward()  # a backward that reached no unit output first
         if run.grad_ready():
-            run.residency.countdown_done(self, run)
+            try:
+                run.residency.countdown_done(self, run)
+            except BaseException:
+                self._abort_backward()
+                raise
+
+    def _abort_backward(self) -> None:
+        """This backward failed in a hook of ours (its update failed, say): back to between
+        steps, as if it had not started (its end-of-backward callback does nothing); the
+        gradients it left are not usable (``zero_grad`` before the next backward)."""
+        self._callback_queued = False
+        self.schedule.flush_quietly()
+        for run in self.runs:
+            run.release()
+        self.phase.to(Phase.IDLE)
 
     def finish_unit_backward(self, run: UnitRun) -> None:
         """The unit's gradients are final: their owner takes them, then the residency and the
@@ -227,6 +241,8 @@ class Runtime:
         run.residency.backward_done(run, self.schedule)
 
     def _end_backward(self) -> None:
+        if not self._callback_queued:
+            return  # the backward was aborted (see _abort_backward)
         for run in reversed(self.runs):
             if not run.backward_done:
                 self.finish_unit_backward(run)

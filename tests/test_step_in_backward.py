@@ -115,8 +115,8 @@ def test_bitwise_with_accumulation_and_clipping_that_triggers(tmp_path, param_de
 
 def test_accumulation_is_learned_from_the_first_step(tmp_path):
     """gradient_accumulation_steps "auto" (the default): the first step's update runs after its
-    two backwards and counts them; from the second step on each unit is updated in the second
-    backward, with the loop's clipping (learned too) redone exactly."""
+    two backwards and counts them; the results are bitwise those of the update after the
+    backward whatever the schedule then chooses."""
     data = batches(8)
     ref = _run(tmp_path / "ref", "nvme", data, step_in_backward=False, accum=2, clip=1.0)
     cfg_accum = dict(accum="auto")
@@ -129,7 +129,9 @@ def test_accumulation_is_learned_from_the_first_step(tmp_path):
         for name, value in ref[1].items():
             assert torch.equal(model.state_dict()[name], value), name
         assert engine_of(model).schedule.accumulation == 2
-        assert opt.stats()["total"]["rollbacks"] > 0  # speculated from step 2, clipped, redone
+        # the loop clips every step here (norms 1.6-3): after the first step shows it, each
+        # update runs after the backward instead of being speculated and redone
+        assert opt.stats()["total"]["rollbacks"] == 0
     finally:
         opt.close()
 

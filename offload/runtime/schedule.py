@@ -285,7 +285,9 @@ class InBackward(Background):
     used, the version is committed; when not (clipping, a changed learning rate), it is rolled
     back and the update redone with the right ones from the state of before and the gradients
     kept for it (``HeldNvmeGrads.retain``); an overflow rolls back and skips. So the result is
-    bitwise that of the update after the backward."""
+    bitwise that of the update after the backward. A step whose update would not have been kept
+    makes the next one update after its backward (no redo to pay while the loop clips every
+    step); one that would have been kept makes the next speculative again."""
 
     def __init__(
         self, optim, params, stepped, timers, *, grads, accumulation: int | None, retain: bool
@@ -301,12 +303,18 @@ class InBackward(Background):
         self._norm_asked = False  # the global norm was asked for (clipping): keep the grads
         self._steps = 0
         self._backwards = 0  # in this step
+        self._hyper_now: Callable[[], Hyper] | None = None  # the values an update would use
+        # whether the last step's update used the values a speculative one would have (no
+        # clipping, no late change): speculate only then; a loop that clips every step updates
+        # after the backward, and pays no redo
+        self._would_keep = True
 
     def backward_begins(self, hyper: Callable[[], Hyper], pending_backwards: int) -> None:
         self.flush()
         self._backwards = pending_backwards + 1
-        if self.accumulation is None:
-            return  # the first step: counting
+        self._hyper_now = hyper
+        if self.accumulation is None or not self._would_keep:
+            return  # counting (the first step), or an update after the backward this time
         if self._spec is not None or pending_backwards >= self.accumulation:
             raise PhaseError(
                 f"offload: backward number {pending_backwards + 1} before optimizer.step(), "
@@ -349,14 +357,16 @@ class InBackward(Background):
         self._steps += 1
         if self.accumulation is None:
             self.accumulation = self._backwards  # learned: the step in backward from now on
-        if self._spec is None:  # fewer backwards than accumulation: update after the backward
+        if self._spec is None:  # no speculative update ran: the update after the backward
             super().step(hyper)
             self._then = ("after",)
+            self._would_keep = self._hyper_now is None or _same(self._hyper_now(), hyper)
             return
         self.flush()  # the speculative update is complete
         used, self._spec = self._spec, None
         self.grads.take_back()
-        if _same(used, hyper):
+        self._would_keep = _same(used, hyper)
+        if self._would_keep:
             self.optim.commit_version()
         elif self.grads.retain:
             self.optim.rollback_version()  # redone in launch() with the right values

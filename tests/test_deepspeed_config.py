@@ -63,7 +63,6 @@ ZERO_INFINITY = {
 }
 UNSUPPORTED = [
     "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
     "steps_per_print",
     "zero_optimization.overlap_comm",
     "zero_optimization.contiguous_gradients",
@@ -92,6 +91,7 @@ def test_zero_infinity_config_maps_and_warns_once(caplog, tmp_path: Path):
         cfg = load_config(path)
     assert isinstance(cfg, OffloadConfig)
     assert cfg.dtype == "bf16" and cfg.gradient_clipping == 1.0
+    assert cfg.gradient_accumulation_steps == 8
     assert cfg.optimizer.type == "adamw" and cfg.optimizer.lr == 2e-4
     assert cfg.optimizer.betas == (0.9, 0.95) and cfg.optimizer.weight_decay == 0.1
     p, o = cfg.offload_param, cfg.offload_optimizer

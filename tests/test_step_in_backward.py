@@ -1,8 +1,10 @@
-"""offload_optimizer.step_in_backward: each unit updated as its backward completes.
+"""offload_optimizer.step_in_backward: each unit updated as the step's last backward completes it.
 
-The update is the same math in the same order within a unit as the step after backward, so
-the results must be bit for bit those of the default step; gradients must never be written to
-disk when the buffers can hold them; what the mode cannot do is refused with a clear error.
+The update is the same math in the same order within a unit as the step after backward, and a
+speculative one is kept only when it used the step's values (else it is redone from the state
+of before), so the results must be bit for bit those of the update after the backward, with
+gradient accumulation, clipping that triggers, fp16 overflows and learning rates changed late;
+gradients must not be written to disk when nothing can need them again; misuse is a clear error.
 """
 
 from __future__ import annotations
@@ -21,39 +23,56 @@ from offload.runtime.phase import PhaseError
 STEPS = 8
 
 
-def _config(tmp_path, param_dev, *, step_in_backward, buffer_count=8, **over):
+def _config(tmp_path, param_dev, *, step_in_backward, buffer_count=8, accum=1, **over):
     cfg = placement_config(param_dev, "nvme", tmp_path / str(step_in_backward), **over)
     cfg["offload_optimizer"]["buffer_count"] = buffer_count
     cfg["offload_optimizer"]["step_in_backward"] = step_in_backward
+    cfg["gradient_accumulation_steps"] = accum
     return cfg
 
 
-def _train(model, opt, data, steps=STEPS):
+def _train(model, opt, data, steps=STEPS, accum=1, clip=0.0):
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     losses = []
     for s in range(steps):
-        loss = lm_loss(model, data[s % len(data)])
-        loss.backward()
+        total = 0.0
+        for m in range(accum):
+            loss = lm_loss(model, data[(s * accum + m) % len(data)]) / accum
+            opt.scale_loss(loss).backward()
+            total += float(loss.detach())
+        if clip:
+            opt.clip_grad_norm_(clip)
         opt.step()
         sched.step()
         opt.zero_grad()
-        losses.append(float(loss.detach()))
+        losses.append(total)
     return losses
 
 
-def _run(tmp_path, param_dev, data, *, step_in_backward, **kw):
+def _run(tmp_path, param_dev, data, *, step_in_backward, clip=0.0, steps=STEPS, **kw):
     model, opt = offload.wrap(
         make_model(), _config(tmp_path, param_dev, step_in_backward=step_in_backward, **kw)
     )
     try:
-        losses = _train(model, opt, data)
+        losses = _train(model, opt, data, steps, kw.get("accum", 1), clip)
         opt.synchronize()
         store = engine_of(model).stores["offload_optimizer"]
         written = store.stats()["tiers"]["host->nvme"]["bytes"]
         grad_bytes = sum(s.io_nbytes for k, s in store._shards.items() if k.startswith("grad."))
-        return losses, model.state_dict(), opt.state_dict(), written, grad_bytes
+        extra = {"rollbacks": opt.stats()["total"]["rollbacks"], "skipped": opt.skipped_steps}
+        return losses, model.state_dict(), opt.state_dict(), written, grad_bytes, extra
     finally:
         opt.close()
+
+
+def _assert_bitwise(got, ref) -> None:
+    assert got[0] == ref[0]  # losses
+    for name, value in ref[1].items():
+        assert torch.equal(got[1][name], value), name
+    for i, entry in ref[2]["state"].items():
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[2]["state"][i][kind], entry[kind]), (i, kind)
+    assert got[2]["offload"] == ref[2]["offload"]  # step count, skipped steps, loss scale
 
 
 # buffer_count 4: no grad piece can be held (all go through the disk); 8: one is held and
@@ -64,44 +83,94 @@ def test_bitwise_equal_to_the_step_after_backward(tmp_path, param_dev, buffer_co
     data = batches(8)
     ref = _run(tmp_path / "ref", param_dev, data, step_in_backward=False)
     got = _run(tmp_path / "sib", param_dev, data, step_in_backward=True, buffer_count=buffer_count)
-    assert got[0] == ref[0]  # losses
+    _assert_bitwise(got, ref)
     assert got[0][-1] < got[0][0]  # it trained
-    for name, value in ref[1].items():
-        assert torch.equal(got[1][name], value), name
-    for i, entry in ref[2]["state"].items():
-        for kind in ("master", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(got[2]["state"][i][kind], entry[kind]), (i, kind)
 
 
 def test_bf16_bitwise_equal_and_gradients_never_written(tmp_path):
     data = batches(8)
     ref = _run(tmp_path / "ref", "nvme", data, step_in_backward=False, dtype="bf16")
     got = _run(tmp_path / "sib", "nvme", data, step_in_backward=True, buffer_count=16, dtype="bf16")
-    assert got[0] == ref[0]
-    for name, value in ref[1].items():
-        assert torch.equal(got[1][name], value), name
+    _assert_bitwise(got, ref)
     # the default step writes every grad piece once per step; with the pieces held for the
-    # update (16 buffers hold every unit's), step_in_backward writes none of them
+    # update (16 buffers hold every unit's), step_in_backward writes none of them, once the
+    # first step has shown that the loop does not clip (until then they are kept for a redo)
     grad_bytes = ref[4]
     assert grad_bytes > 0
-    assert ref[3] - got[3] == STEPS * grad_bytes
+    assert ref[3] - got[3] == (STEPS - 1) * grad_bytes
+    assert got[5]["rollbacks"] == 0
 
 
-def test_refused_with_clipping_fp16_or_optimizer_on_cpu(tmp_path):
-    cfg = _config(tmp_path, "none", step_in_backward=True)
+@pytest.mark.parametrize("param_dev", ["none", "nvme"])
+def test_bitwise_with_accumulation_and_clipping_that_triggers(tmp_path, param_dev):
+    """Accumulation 2 and clipping at 1.0 (the norms here are 1.6-3, so most steps clip): each
+    speculative update is redone from the state of before with the clipped gradients."""
+    data = batches(8)
+    kw = dict(accum=2, clip=1.0)
+    ref = _run(tmp_path / "ref", param_dev, data, step_in_backward=False, **kw)
+    got = _run(tmp_path / "sib", param_dev, data, step_in_backward=True, buffer_count=16, **kw)
+    _assert_bitwise(got, ref)
+    assert 0 < got[5]["rollbacks"] <= STEPS  # clipping triggered, and was redone
+
+
+def test_accumulation_is_learned_from_the_first_step(tmp_path):
+    """gradient_accumulation_steps "auto" (the default): the first step's update runs after its
+    two backwards and counts them; the results are bitwise those of the update after the
+    backward whatever the schedule then chooses."""
+    data = batches(8)
+    ref = _run(tmp_path / "ref", "nvme", data, step_in_backward=False, accum=2, clip=1.0)
+    cfg_accum = dict(accum="auto")
+    model, opt = offload.wrap(
+        make_model(), _config(tmp_path / "auto", "nvme", step_in_backward=True, **cfg_accum)
+    )
+    try:
+        losses = _train(model, opt, data, STEPS, 2, 1.0)
+        assert losses == ref[0]
+        for name, value in ref[1].items():
+            assert torch.equal(model.state_dict()[name], value), name
+        assert engine_of(model).schedule.accumulation == 2
+        # the loop clips every step here (norms 1.6-3): after the first step shows it, each
+        # update runs after the backward instead of being speculated and redone
+        assert opt.stats()["total"]["rollbacks"] == 0
+    finally:
+        opt.close()
+
+
+def test_bitwise_with_config_clipping_that_does_not_trigger(tmp_path):
+    """gradient_clipping in the config, above every norm: the speculative updates are kept."""
+    data = batches(8)
+    ref = _run(tmp_path / "ref", "nvme", data, step_in_backward=False, gradient_clipping=100.0)
+    got = _run(tmp_path / "sib", "nvme", data, step_in_backward=True, gradient_clipping=100.0)
+    _assert_bitwise(got, ref)
+    assert got[5]["rollbacks"] == 0
+
+
+def test_bitwise_with_fp16_overflows(tmp_path):
+    """fp16 with a loss scale that overflows at first: the overflowing steps' speculative updates
+    are rolled back and skipped, the others kept, exactly as the update after the backward."""
+    data = batches(8)
+    over = dict(dtype="fp16", loss_scale={"initial": 2.0**40, "growth_interval": 3})
+    ref = _run(tmp_path / "ref", "nvme", data, step_in_backward=False, **over)
+    got = _run(tmp_path / "sib", "nvme", data, step_in_backward=True, buffer_count=16, **over)
+    _assert_bitwise(got, ref)
+    assert got[5]["skipped"] == ref[5]["skipped"] > 0
+    assert got[5]["rollbacks"] >= got[5]["skipped"]
+
+
+def test_the_default_with_nvme_and_its_config(tmp_path):
+    cfg = placement_config("none", "nvme", tmp_path)
+    assert offload.load_config(cfg).offload_optimizer.step_in_backward  # the default
     cfg["gradient_clipping"] = 1.0
-    with pytest.raises(ConfigError, match=r"offload_optimizer.step_in_backward.*gradient_clipping"):
-        offload.load_config(cfg)
-    cfg = _config(tmp_path, "none", step_in_backward=True, dtype="fp16")
-    with pytest.raises(ConfigError, match=r"offload_optimizer.step_in_backward.*fp16"):
-        offload.load_config(cfg)
+    cfg["dtype"] = "fp16"
+    assert offload.load_config(cfg).offload_optimizer.step_in_backward  # both fine now
     cfg = placement_config("none", "cpu", tmp_path)
-    cfg["offload_optimizer"]["step_in_backward"] = True
-    with pytest.raises(ConfigError, match=r"offload_optimizer.step_in_backward.*'cpu'"):
-        offload.load_config(cfg)
+    cfg["offload_optimizer"]["step_in_backward"] = True  # no effect with the state on the CPU
+    offload.load_config(cfg)
     cfg["offload_optimizer"]["step_in_backward"] = "yes please"
     with pytest.raises(ConfigError, match="offload_optimizer.step_in_backward"):
         offload.load_config(cfg)
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
+        offload.load_config({"gradient_accumulation_steps": 0})
 
 
 def test_misuse_is_an_error_naming_the_option(tmp_path):
@@ -110,20 +179,44 @@ def test_misuse_is_an_error_naming_the_option(tmp_path):
     try:
         lm_loss(model, data[0]).backward()
         with pytest.raises(PhaseError, match="gradient accumulation"):
-            lm_loss(model, data[1]).backward()  # a second backward before step()
-        with pytest.raises(PhaseError, match="step_in_backward"):
-            opt.clip_grad_norm_(1.0)
+            lm_loss(model, data[1]).backward()  # a second backward, accumulation steps 1
         with pytest.raises(PhaseError, match="between loss.backward"):
             opt.state_dict()
+        opt.step()
+        opt.zero_grad()
+        # after the first step the loop is known not to clip: the gradients are not kept, so
+        # values changed between backward and step cannot be honoured and are refused
+        lm_loss(model, data[2]).backward()
         opt.param_groups[0]["lr"] = 5e-3  # changed after the backward started
         with pytest.raises(PhaseError, match=r"lr 0.01 -> 0.005"):
             opt.step()
         # the step itself was taken (with the old lr); training goes on with the new one
-        lm_loss(model, data[2]).backward()
+        lm_loss(model, data[3]).backward()
         opt.step()
-        assert opt.state_dict()["offload"]["step_count"] == 2
+        assert opt.state_dict()["offload"]["step_count"] == 3
     finally:
         opt.close()
+
+
+def test_a_learning_rate_changed_late_is_honoured_when_the_gradients_are_kept(tmp_path):
+    """With clipping configured the gradients are kept until the step commits, so a learning
+    rate changed between backward and step() is redone exactly, as the update after backward."""
+    data = batches(4)
+    results = []
+    for sib in (False, True):
+        cfg = _config(tmp_path / str(sib), "nvme", step_in_backward=sib, gradient_clipping=50.0)
+        model, opt = offload.wrap(make_model(), cfg)
+        try:
+            for s in range(3):
+                lm_loss(model, data[s]).backward()
+                opt.param_groups[0]["lr"] = 1e-2 / (s + 1)  # set after the backward
+                opt.step()
+                opt.zero_grad()
+            results.append(model.state_dict())
+        finally:
+            opt.close()
+    for name, value in results[0].items():
+        assert torch.equal(results[1][name], value), name
 
 
 def test_a_failed_backward_does_not_hang_close(tmp_path):
@@ -145,3 +238,40 @@ def test_a_failed_backward_does_not_hang_close(tmp_path):
     closer = threading.Thread(target=lambda: (opt.close(), done.set()), daemon=True)
     closer.start()
     assert done.wait(60), "close() hung after a failed backward"
+
+
+def test_a_failed_speculative_update_is_undone(tmp_path):
+    """An IO error inside the update that runs in the backward: the error reaches the caller,
+    and the state is exactly that of before the step (no checkpoint to load), so training
+    goes on."""
+    from offload.io import faults
+
+    data = batches(4)
+    model, opt = offload.wrap(
+        make_model(), _config(tmp_path, "none", step_in_backward=True, buffer_count=16)
+    )
+    try:
+        lm_loss(model, data[0]).backward()
+        opt.step()
+        opt.zero_grad()
+        before_model = {k: v.clone() for k, v in model.state_dict().items()}
+        before_opt = opt.state_dict()
+        faults.inject(5, count=2, op="read")  # the update's first reads (master, moments)
+        try:
+            with pytest.raises(RuntimeError, match="undone"):
+                lm_loss(model, data[1]).backward()
+                opt.step()
+        finally:
+            faults.clear()
+        opt.zero_grad()
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before_model[k]), k
+        after_opt = opt.state_dict()
+        for i, entry in before_opt["state"].items():
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(after_opt["state"][i][kind], entry[kind]), (i, kind)
+        lm_loss(model, data[2]).backward()
+        opt.step()  # training goes on
+        assert opt.stats()["steps"] >= 1
+    finally:
+        opt.close()

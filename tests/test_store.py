@@ -422,3 +422,50 @@ def test_a_blocked_wait_does_not_stop_another_thread(tmp_path):
         out = torch.empty(1000)
         store.read_into("b", out)
         assert torch.equal(out, torch.full((1000,), 5.0))
+
+
+def test_versions_commit_or_roll_back_all_that_was_written(tmp_path):
+    """A version's writes go to each versioned shard's other extent: rolling back leaves the
+    committed values (on disk and as read); committing keeps the new ones, and the next version
+    writes the extent that was committed before. An eviction inside a version reads the
+    version's value back."""
+    with make_store(tmp_path, buffers=1) as store:
+        for key in "ab":
+            store.register(key, 1000, torch.float32, Tier.NVME, versioned=True,
+                           init=torch.full((1000,), 1.0))  # fmt: skip
+        store.register("plain", 1000, torch.float32, Tier.NVME)
+
+        def update(key, value):
+            with store.borrow(key) as buf:
+                buf.fill_(value)
+
+        def value(key):
+            out = torch.empty(1000)
+            store.read_into(key, out)
+            return float(out[0])
+
+        store.begin_version()
+        update("a", 2.0)
+        update("b", 3.0)  # one buffer: "a" is written and evicted to make room
+        assert store.state("a") is ShardState.NVME
+        assert value("a") == 2.0 and value("b") == 3.0  # inside it, the version's values
+        with pytest.raises(RuntimeError, match="inside a version"):
+            store.write_from("a", torch.zeros(1000))
+        assert store.rollback_version() == 2
+        assert value("a") == 1.0 and value("b") == 1.0
+        with store.borrow("a", read=True) as buf:
+            assert float(buf[0]) == 1.0  # no copy of the version's survived
+        store.begin_version()
+        update("a", 4.0)
+        assert store.commit_version() == 1
+        assert value("a") == 4.0 and value("b") == 1.0
+        store.begin_version()
+        update("a", 5.0)  # written to the extent committed before the last commit
+        store.rollback_version()
+        assert value("a") == 4.0
+        update("plain", 6.0)  # outside a version, and unversioned: written in place
+        assert value("plain") == 6.0
+        with pytest.raises(RuntimeError, match="without begin_version"):
+            store.commit_version()
+        store.unregister("a")
+        assert "a" not in store

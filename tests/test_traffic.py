@@ -33,8 +33,9 @@ def _config(tmp_path, param_dev, opt_dev, dtype="fp32", step_in_backward=False):
             path = tmp_path / section
             path.mkdir(parents=True, exist_ok=True)
             cfg[section]["nvme_path"] = str(path)
+    cfg["offload_optimizer"]["step_in_backward"] = step_in_backward
     if step_in_backward:  # enough buffers to hold every grad piece (see the test)
-        cfg["offload_optimizer"].update(step_in_backward=True, buffer_count=24)
+        cfg["offload_optimizer"]["buffer_count"] = 24
     return cfg
 
 
@@ -48,12 +49,16 @@ def _counters(runtime) -> dict:
     return out
 
 
-def _iterate(model, opt, n: int) -> None:
+def _iterate(model, opt, n: int, micro: int = 1, clip: float = 0.0) -> None:
     g = torch.Generator().manual_seed(3)
     for _ in range(n):
-        tokens = torch.randint(0, VOCAB, (2, 9), generator=g)
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+        for _ in range(micro):
+            tokens = torch.randint(0, VOCAB, (2, 9), generator=g)
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+            loss.backward()
+        if clip:
+            opt.clip_grad_norm_(clip)
         opt.step()
         opt.zero_grad()
     opt.synchronize()  # the last update's moves are in
@@ -62,21 +67,35 @@ def _iterate(model, opt, n: int) -> None:
 CASES = [(p, o, "fp32", False) for p in ("none", "cpu", "nvme") for o in ("cpu", "nvme")]
 CASES += [("nvme", "nvme", "bf16", False), ("cpu", "cpu", "bf16", False)]
 CASES += [("nvme", "nvme", "fp32", True), ("none", "nvme", "bf16", True)]
+CASES += [("nvme", "nvme", "fp32", m) for m in ("accumulate", "clip-kept", "clip-every-step")]
 
 
 @pytest.mark.parametrize("param_dev,opt_dev,dtype,sib", CASES)
 def test_bytes_moved_match_the_plan(tmp_path, param_dev, opt_dev, dtype, sib):
-    model, opt = offload.wrap(StackLM(), _config(tmp_path, param_dev, opt_dev, dtype, sib))
+    """``sib``: False (the update after the backward), True (the step in backward), or the step
+    in backward with 2 micro-steps ("accumulate"), and with clipping as well: never triggering
+    ("clip-kept": the gradients are kept for a redo that does not happen) or always
+    ("clip-every-step": once a step's clipping has triggered, each update runs after the
+    backward, and no redo is paid)."""
+    micro = 1 if isinstance(sib, bool) else 2
+    clip = {"clip-kept": 1e9, "clip-every-step": 1e-6}.get(sib, 0.0)
+    cfg = _config(tmp_path, param_dev, opt_dev, dtype, bool(sib))
+    model, opt = offload.wrap(StackLM(), cfg)
     runtime = engine_of(model)
     try:
-        predicted = predict_iteration(runtime.plan)
+        predicted = predict_iteration(
+            runtime.plan,
+            micro_steps=micro,
+            retained=sib == "clip-kept",
+            after_backward=sib == "clip-every-step",
+        )
         if sib:  # the prediction holds when every grad piece is handed over in its buffer
             pieces = sum(len(runtime.plan.trainable_pieces(u)) for u in runtime.units)
             assert runtime.plan.placement.grad_hold >= pieces
-        _iterate(model, opt, 2)  # traces recorded, steady state from here
+        _iterate(model, opt, 2, micro, clip)  # traces recorded, steady state from here
         before = _counters(runtime)
         iters = 3
-        _iterate(model, opt, iters)
+        _iterate(model, opt, iters, micro, clip)
         after = _counters(runtime)
         moved = {
             name: {k: after[name][k] - before[name].get(k, 0) for k in after[name]}

@@ -37,8 +37,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
 
     @staticmethod
-    def hyper_of(group: dict) -> dict:
-        """A param group's hyperparameters as the update takes them."""
+    def hyper_of(group: dict, scaler: DynamicLossScaler | None = None) -> dict:
+        """A param group's hyperparameters as the update takes them, and ``grad_scale``: the
+        loss scale's unscaling (1 without fp16), before any clipping."""
         return dict(
             lr=float(group["lr"]),
             betas=tuple(float(b) for b in group["betas"]),
@@ -46,6 +47,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             weight_decay=float(group["weight_decay"]),
             adamw_mode=bool(group["adamw_mode"]),
             bias_correction=bool(group["bias_correction"]),
+            grad_scale=1.0 if scaler is None else 1.0 / scaler.scale,
         )
 
     # ---------------------------------------------------------------- training

@@ -131,9 +131,21 @@ GRAD_PATHS = {  # when gradients are reduced across ranks (plan.GradReduce)
     ),
 }
 SCHEDULES = {
-    Schedule.IMMEDIATE: Immediate,
-    Schedule.BACKGROUND: Background,
-    Schedule.IN_BACKWARD: InBackward,
+    Schedule.IMMEDIATE: lambda b, optim, params, grads, stepped, timers: Immediate(
+        optim, params, stepped, timers
+    ),
+    Schedule.BACKGROUND: lambda b, optim, params, grads, stepped, timers: Background(
+        optim, params, stepped, timers
+    ),
+    Schedule.IN_BACKWARD: lambda b, optim, params, grads, stepped, timers: InBackward(
+        optim,
+        params,
+        stepped,
+        timers,
+        grads=grads,
+        accumulation=b.plan.placement.accumulation,
+        retain=b.plan.placement.retain_grads,
+    ),
 }
 # whose access trace starts with the first forward of a step, and whose with its first backward
 TRACE_STARTS = {"offload_param": "forward", "offload_optimizer": "backward"}
@@ -297,7 +309,7 @@ def _build(
         grads=GRAD_PATHS[placement.grad_reduce](
             b, grad_home, staging(transfers, memory, placement.dtype, largest)
         ),
-        schedule=SCHEDULES[placement.schedule](optim, params, stepped, timers),
+        schedule=SCHEDULES[placement.schedule](b, optim, params, grad_home, stepped, timers),
         transfers=transfers,
         stores=b.stores,
         trace_starts=trace_starts,
@@ -427,6 +439,16 @@ def wrap(
     }
     if cfg.offload_optimizer.threads:
         _native.set_num_threads(cfg.offload_optimizer.threads)
+    scaler = None
+    if placement.dtype == torch.float16:
+        ls = cfg.loss_scale
+        scaler = DynamicLossScaler(
+            initial=ls.initial,
+            growth_factor=ls.growth_factor,
+            backoff_factor=ls.backoff_factor,
+            growth_interval=ls.growth_interval,
+            min_scale=ls.min_scale,
+        )
     if weights is None:
         source: ParamValues = LiveParams(placement.dtype)
     else:  # checked against the model here, before anything is built
@@ -435,7 +457,7 @@ def wrap(
     try:
         source.fill_buffers(model)
         buffer_dtypes = _cast_buffers(model, placement.device, placement.dtype)
-        hyper = lambda: OffloadOptimizer.hyper_of(group)  # noqa: E731
+        hyper = lambda: OffloadOptimizer.hyper_of(group, scaler)  # noqa: E731
         runtime = _build(model, cfg, plan, hyper, resources, buffer_dtypes, source, comm)
     except BaseException:
         for res in reversed(resources):
@@ -447,16 +469,6 @@ def wrap(
     _RUNTIMES[model] = runtime
     atexit.register(_close_at_exit, weakref.ref(runtime))
     _trim_host_heap()
-    scaler = None
-    if placement.dtype == torch.float16:
-        ls = cfg.loss_scale
-        scaler = DynamicLossScaler(
-            initial=ls.initial,
-            growth_factor=ls.growth_factor,
-            backoff_factor=ls.backoff_factor,
-            growth_interval=ls.growth_interval,
-            min_scale=ls.min_scale,
-        )
     optimizer = OffloadOptimizer(
         runtime, group, gradient_clipping=cfg.gradient_clipping, scaler=scaler
     )

@@ -44,7 +44,6 @@ DEEPSPEED_MARKERS = frozenset(
         "zero_optimization",
         "train_batch_size",
         "train_micro_batch_size_per_gpu",
-        "gradient_accumulation_steps",
         "bf16",
         "bfloat16",
         "fp16",
@@ -401,6 +400,7 @@ _MAP: dict[str, _Rule] = {
         "min_loss_scale": "loss_scale.min_scale",
     },
     "gradient_clipping": "gradient_clipping",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
     "aio": {
         "block_size": "aio.block_size",
         "queue_depth": "aio.queue_depth",

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from offload.config._checks import as_choice, as_float
+from offload.config._checks import as_choice, as_float, as_int
 from offload.config.errors import ConfigError, dotted_key
 from offload.config.sections import (
     SECTIONS,
@@ -73,6 +73,10 @@ class OffloadConfig:
     """How far ahead units are fetched."""
     gradient_clipping: float = 0.0
     """Clip gradients to this global L2 norm before the step (>= 0; 0 = off)."""
+    gradient_accumulation_steps: int | str = "auto"
+    """Backwards per optimizer step (count >= 1): the last one is where the step in backward
+    updates each unit; fewer before optimizer.step() is fine, more is an error. "auto": the
+    first step counts them (its update runs after its backwards)."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Dynamic loss scaling, used when dtype is "fp16"."""
     wrap: WrapConfig = field(default_factory=WrapConfig)
@@ -88,6 +92,14 @@ class OffloadConfig:
         self.gradient_clipping = as_float(
             "gradient_clipping", self.gradient_clipping, lo=0.0, what="max global L2 norm; 0 = off"
         )
+        if self.gradient_accumulation_steps != "auto":
+            self.gradient_accumulation_steps = as_int(
+                "gradient_accumulation_steps",
+                self.gradient_accumulation_steps,
+                lo=1,
+                hi=1 << 20,
+                what='backwards per optimizer step, or "auto"',
+            )
         for f in dataclasses.fields(self):
             cls = _SECTION_TYPES.get(f.name)
             if cls is None:
@@ -103,16 +115,6 @@ class OffloadConfig:
                     value,
                     f"a mapping of {f.name} keys "
                     f"({', '.join(_field_names(cls))}) or {cls.__name__}",
-                )
-        if self.offload_optimizer.step_in_backward:
-            why = None
-            if self.gradient_clipping > 0:
-                why = f"gradient_clipping is {self.gradient_clipping} (clipping needs every grad)"
-            elif self.dtype == "fp16":
-                why = "dtype is 'fp16' (an overflow check needs every grad before any update)"
-            if why is not None:
-                raise ConfigError.bad(
-                    "offload_optimizer.step_in_backward", True, f"false when {why}"
                 )
 
     @classmethod

@@ -152,10 +152,12 @@ class OffloadOptimizerConfig(_SwapPool):
     256 MiB; the NVMe step streams fp32 pieces this size."""
     threads: int = 0
     """CPU threads of the optimizer step, caller included (count; 0 = all cores)."""
-    step_in_backward: bool = False
-    """With "nvme": update each unit as soon as backward has produced its gradients, so the
-    step's disk traffic overlaps the backward and gradients never go to disk. One backward per
-    step (no gradient accumulation), no gradient clipping, not with fp16 loss scaling."""
+    step_in_backward: bool = True
+    """With "nvme": update each unit as soon as the last backward of a step (see
+    gradient_accumulation_steps) has produced its gradients, so the update's disk traffic
+    overlaps the backward; the update is speculative and kept or redone exactly at
+    optimizer.step() (clipping, fp16 overflow). False: the update runs after the backward, in
+    the background. No effect with "cpu"."""
 
     def __post_init__(self) -> None:
         self.device = as_choice(self._k("device"), self.device, {"cpu": (), "nvme": ()})
@@ -169,12 +171,6 @@ class OffloadOptimizerConfig(_SwapPool):
             self._k("threads"), self.threads, lo=0, hi=_MAX_COUNT, what="count; 0 = all cores"
         )
         self.step_in_backward = as_bool(self._k("step_in_backward"), self.step_in_backward)
-        if self.step_in_backward and self.device != "nvme":
-            raise ConfigError.bad(
-                self._k("step_in_backward"),
-                True,
-                f"false unless {self._k('device')} is 'nvme' (it is {self.device!r})",
-            )
         _check_nvme_path(self, self.device, self.nvme_path)
 
 

@@ -269,21 +269,37 @@ class NvmeGrads(GradHome):
 
 
 class HeldNvmeGrads(NvmeGrads):
-    """The step in backward's gradients: each unit's are written into its grad pieces once
-    (no accumulation: one backward per step) and up to ``hold`` pieces stay in their buffers
-    for the update, which consumes them without a disk write or read back; the rest are
-    released dirty (written, and read back by the update). The backward waits while the update
-    still holds earlier pieces and this unit's would exceed ``hold``: it then runs at the
-    update's pace instead of taking every buffer."""
+    """The step in backward's gradients. Between :meth:`hand_over` and :meth:`take_back` (the
+    last backward of a step and the update that runs in it) each unit's gradients are
+    accumulated into its grad pieces and up to ``hold`` pieces stay in their buffers for the
+    update, which consumes them without a disk read; the rest are released dirty (written, and
+    read back by the update). The backward waits while the update still holds earlier pieces
+    and this unit's would exceed ``hold``: it then runs at the update's pace instead of taking
+    every buffer. A consumed piece is dropped unwritten, unless ``retain``: then it is written,
+    so that a redo of the update (clipping, a changed learning rate) can read it again.
+    Outside a hand-over they are accumulated on NVMe like :class:`NvmeGrads`'s."""
 
     def __init__(self, plan: Plan, store, hold: int) -> None:
         super().__init__(plan, store)
         self.hold = hold
+        self.handing = False
+        self.retain = False
         self._handed: dict[str, torch.Tensor] = {}
         self._held = 0
         self._cond = threading.Condition()
 
+    def hand_over(self, retain: bool) -> None:
+        """The next units' gradients go to the update running in this backward."""
+        self.handing, self.retain = True, retain
+
+    def take_back(self) -> None:
+        """The update is over: gradients are kept on NVMe again."""
+        self.handing = False
+
     def absorb(self, unit: Unit, parts: PartsSource, first: bool) -> None:
+        if not self.handing:
+            super().absorb(unit, parts, first)
+            return
         pieces = self.plan.trainable_pieces(unit)
         if not pieces:
             return
@@ -294,8 +310,10 @@ class HeldNvmeGrads(NvmeGrads):
         recs = self.records[unit.index]
         for j, (lo, hi) in enumerate(pieces):
             key = self.key(unit, lo)
-            buf = self.store.fetch(key, self.tier, read=False).wait()
-            recs[j] = grad.accumulate(buf[: hi - lo], lo, True)
+            if not first:  # added to what the earlier backwards of this step left on NVMe
+                self.store.use(key, self.tier)
+            buf = self.store.fetch(key, self.tier, read=not first).wait()
+            recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
             with self._cond:
                 keep = self._held < self.hold
                 if keep:
@@ -312,8 +330,13 @@ class HeldNvmeGrads(NvmeGrads):
         return self.store.fetch(key, self.tier) if buf is None else _Ready(buf)
 
     def drop(self, unit: Unit, lo: int, future) -> None:
-        self.store.release(self.key(unit, lo), self.tier, discard=True)  # consumed: not written
-        if isinstance(future, _Ready):  # one of the `hold` buffers the backward filled
+        key = self.key(unit, lo)
+        handed = isinstance(future, _Ready)  # one of the `hold` buffers the backward filled
+        if self.handing and not self.retain:
+            self.store.release(key, self.tier, discard=True)  # consumed: never written
+        else:  # kept for a redo (written, if it was still only in its buffer)
+            self.store.release(key, self.tier, dirty=handed)
+        if handed:
             with self._cond:
                 self._held -= 1
                 self._cond.notify_all()

@@ -197,13 +197,45 @@ class NvmeOptim(OptimHome):
         return f"{kind}.u{unit.index}.{lo}"
 
     def create(self, unit: Unit, master: MasterValues) -> None:
+        versioned = self.plan.placement.versioned_state  # speculative updates
         for lo, hi in self.pieces(unit):
             init = master(lo, hi)
             self.store.register(
-                self.key(unit, "master", lo), hi - lo, torch.float32, self._nvme, init=init
+                self.key(unit, "master", lo),
+                hi - lo,
+                torch.float32,
+                self._nvme,
+                init=init,
+                versioned=versioned,
             )
             for kind in MOMENTS:
-                self.store.register(self.key(unit, kind, lo), hi - lo, torch.float32, self._nvme)
+                self.store.register(
+                    self.key(unit, kind, lo),
+                    hi - lo,
+                    torch.float32,
+                    self._nvme,
+                    versioned=versioned,
+                )
+
+    # -- speculative updates (the step in backward; offload.store's Note on versions) ---------
+    def begin_version(self) -> None:
+        """The next update's writes of master and moments can still be undone."""
+        self.store.begin_version()
+
+    def commit_version(self) -> None:
+        self.store.commit_version()
+
+    def rollback_version(self) -> None:
+        """Undoes the update since :meth:`begin_version`: master and moments are as before (the
+        compute params it wrote are not: :meth:`derive_params` or a new update rewrites them)."""
+        self.store.rollback_version()
+
+    def derive_params(self, units: Iterable[Unit]) -> None:
+        """Writes the compute params of ``units`` from their master (after a rollback)."""
+        for unit in units:
+            for lo, hi in self.pieces(unit):
+                master = self.read(unit, "master", lo, hi)
+                self.params.load_shard(unit, lo, hi, master.to(self.params.dtype))
 
     def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
         out = torch.empty(hi - lo, dtype=torch.float32)

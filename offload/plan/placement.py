@@ -41,7 +41,8 @@ class Schedule(enum.Enum):
     BACKGROUND = "background"
     """From ``optimizer.step()`` on a worker thread into the next forward (NVMe state)."""
     IN_BACKWARD = "in_backward"
-    """Each unit as its backward completes (``offload_optimizer.step_in_backward``)."""
+    """Each unit as the last backward of a step completes it, speculatively: kept or redone at
+    ``optimizer.step()`` (``offload_optimizer.step_in_backward``, the default with NVMe)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +66,15 @@ class Placement:
     """NVMe step: pieces whose reads are issued ahead of the one updated (count)."""
     grad_hold: int
     """Step in backward: grad pieces the update may hold in their swap buffers (count)."""
+    accumulation: int | None
+    """Backwards per optimizer step (``gradient_accumulation_steps``): the step in backward
+    updates in the last one; None: learned from the first step."""
+    versioned_state: bool
+    """NVMe master and moments have two extents each, so a speculative update can be undone
+    (the step in backward; ``offload.store``'s Note on versions)."""
+    retain_grads: bool
+    """Step in backward: keep the gradients the speculative update consumed until the step
+    commits (clipping is configured or the compute is fp16, so a redo may need them)."""
     stores: dict[str, int]
     """Config section of each store to build -> its trace prefetch depth (shards ahead)."""
     buffer_sizes: dict[str, int]
@@ -217,6 +227,11 @@ def make_placement(
         param_window=max(1, cfg.offload_param.buffer_count - 1),
         step_lookahead=lookahead,
         grad_hold=hold,
+        accumulation=(
+            None if cfg.gradient_accumulation_steps == "auto" else cfg.gradient_accumulation_steps
+        ),
+        versioned_state=schedule is Schedule.IN_BACKWARD,
+        retain_grads=cfg.gradient_clipping > 0 or dtype == torch.float16,
         stores=stores,
         buffer_sizes=sizes,
         pin={

@@ -1,18 +1,21 @@
 """The bytes one training iteration moves, predicted from the plan alone.
 
 For a model whose units each run once in the forward and once in the backward (no unit called
-twice, no recomputation) and one micro-step per optimizer step, once the access traces are
-recorded. The runtime's counters (``optimizer.stats()``, ``Runtime.counted()``) must then show:
+twice, no recomputation), ``micro_steps`` backwards per optimizer step, once the access traces
+are recorded and the step in backward has learned how the loop steps. The runtime's counters
+(``optimizer.stats()``, ``Runtime.counted()``) must then show:
 
 - ``host->device``: every gather copies the unit's parameter bytes (a transient unit twice per
-  iteration, a persistent one and the root once), and the update writes new compute values into
-  device-resident parameters unless the master is those parameters;
-- ``device->host``: each trainable parameter's gradient crosses once, unless autograd keeps it;
+  micro-step, the root once per micro-step, a persistent one once per step), and the update
+  writes new compute values into device-resident parameters unless the master is those
+  parameters;
+- ``device->host``: each trainable parameter's gradient crosses once per micro-step, unless
+  autograd keeps it;
 - per store, the bytes written to NVMe (each dirty release is one write of the shard's IO
-  size), and ``fetched``: the IO bytes of every fetch that needs the data. A fetch finds its
-  copy in host memory (the store counts ``cached_bytes``) or reads it, and a read ahead that is
-  evicted unused is read again (``prefetch_wasted_bytes``), so for each store
-  ``nvme->host bytes == fetched - cached_bytes + prefetch_wasted_bytes`` exactly.
+  size, exactly), and ``fetched``: the IO bytes of every fetch that needs the shard's data,
+  found in host memory or read from disk. So ``fetched`` is also what the iteration reads when
+  nothing is found cached: the bytes the placement needs (``benchmarks/bench_e2e.py`` prints it
+  beside what was read); without reads ahead, the store reads at most that.
 """
 
 from __future__ import annotations
@@ -53,31 +56,35 @@ def _param_bytes(unit: Unit, itemsize: int, trainable_only: bool = False) -> int
     )
 
 
-GATHERS = {Residency.TRANSIENT: 2, Residency.PERSISTENT: 1, Residency.ROOT: 1}
+# gathers of a unit: per micro-step (forward and backward; the root once, gathered all along),
+# or per step for a persistent one (kept from its first use until the update)
+GATHERS_PER_MICRO = {Residency.TRANSIENT: 2, Residency.PERSISTENT: 0, Residency.ROOT: 1}
+GATHERS_PER_STEP = {Residency.TRANSIENT: 0, Residency.PERSISTENT: 1, Residency.ROOT: 0}
 
 
-def predict_iteration(plan: Plan) -> Traffic:
-    """What one iteration moves (see the module docstring for the model it assumes)."""
+def predict_iteration(
+    plan: Plan, micro_steps: int = 1, retained: bool = False, after_backward: bool = False
+) -> Traffic:
+    """What one optimizer step of ``micro_steps`` backwards moves (see the module docstring
+    for the model it assumes). ``retained``: the step in backward keeps the gradients its
+    speculative update consumed (clipping or fp16; ``HeldNvmeGrads.retain``), for a redo that
+    does not happen; ``after_backward``: the step in backward updates after the backward, as
+    the background update does (it does so while the loop clips every step: ``InBackward``)."""
     pl = plan.placement
     item = pl.dtype.itemsize
+    m = micro_steps
+    schedule = Schedule.BACKGROUND if after_backward else pl.schedule
     out = Traffic()
     params_move = pl.param_home != "none"
-    param_store = (
-        out.stores.setdefault("offload_param", StoreTraffic())
-        if "offload_param" in pl.stores
-        else None
-    )
-    opt_store = (
-        out.stores.setdefault("offload_optimizer", StoreTraffic())
-        if "offload_optimizer" in pl.stores
-        else None
-    )
+    stores = {name: out.stores.setdefault(name, StoreTraffic()) for name in pl.stores}
+    param_store, opt_store = stores.get("offload_param"), stores.get("offload_optimizer")
     for unit in plan.units:
-        gathers = GATHERS[unit.residency] if params_move else 0
+        r = unit.residency
+        gathers = m * GATHERS_PER_MICRO[r] + GATHERS_PER_STEP[r] if params_move else 0
         out.host_to_device += gathers * _param_bytes(unit, item)
         trainable = plan.trainable_pieces(unit)
         if pl.grads is not GradOwner.AUTOGRAD:
-            out.device_to_host += _param_bytes(unit, item, trainable_only=True)
+            out.device_to_host += m * _param_bytes(unit, item, trainable_only=True)
         if pl.param_home == "none" and pl.master is not MasterOwner.PARAMS:
             out.host_to_device += sum(hi - lo for lo, hi in trainable) * item
         if param_store is not None:
@@ -90,10 +97,22 @@ def predict_iteration(plan: Plan) -> Traffic:
                 io = _io(plan, "offload_optimizer", lo, hi, 4)
                 opt_store.fetched += 3 * io  # master and moments
                 opt_store.written += 3 * io
-                if pl.schedule is not Schedule.IN_BACKWARD:  # accumulated, then read by the update
-                    opt_store.fetched += io
-                    opt_store.written += io
+                fetched, written = _grad_pieces(schedule, m, retained)
+                opt_store.fetched += fetched * io
+                opt_store.written += written * io
     return out
+
+
+def _grad_pieces(schedule: Schedule, m: int, retained: bool) -> tuple[int, int]:
+    """(reads, writes) of one fp32 grad piece per step of ``m`` micro-steps."""
+    if schedule is not Schedule.IN_BACKWARD:
+        # written every micro-step (the first overwrites), read back to add to from the second
+        # on, and read by the update after the backward
+        return m, m
+    # the step in backward: the earlier micro-steps as above; the last adds to what they left
+    # (one read, from the second micro-step on) and hands it to the update in its buffer, where
+    # it is dropped, or written when kept for a redo
+    return max(0, m - 2) + (1 if m > 1 else 0), (m - 1) + (1 if retained else 0)
 
 
 def predict_collectives(plan: Plan, micro_steps: int = 1) -> dict[str, int]:
@@ -104,7 +123,7 @@ def predict_collectives(plan: Plan, micro_steps: int = 1) -> dict[str, int]:
     Stage 1: each unit's gradients reduce-scattered once, its updated params all-gathered once
     (before the next forward, so a step's record holds the previous update's). Stage 2:
     reduce-scattered every micro-step. Stage 3: every
-    unit's params all-gathered for each use (``GATHERS``) every micro-step, its gradients
+    unit's params all-gathered for each use (``GATHERS_PER_MICRO``, ``GATHERS_PER_STEP``) every micro-step, its gradients
     reduce-scattered every micro-step. The params all-gather of stages 1 and 2 over NVMe is one
     broadcast per rank and piece (the same bytes)."""
     pl = plan.placement
@@ -117,8 +136,8 @@ def predict_collectives(plan: Plan, micro_steps: int = 1) -> dict[str, int]:
         steps = 1 if pl.grad_reduce is GradReduce.AT_STEP else micro_steps
         out["reduce_scatter"] += steps * trainable
         if pl.shard_params:  # a persistent unit stays gathered until the step
-            uses = 1 if unit.residency is Residency.PERSISTENT else micro_steps
-            out["all_gather"] += GATHERS[unit.residency] * uses * total
+            r = unit.residency
+            out["all_gather"] += (micro_steps * GATHERS_PER_MICRO[r] + GATHERS_PER_STEP[r]) * total
         elif trainable:
             out["broadcast" if pl.param_home == "nvme" else "all_gather"] += trainable
     return out

@@ -103,16 +103,28 @@ class _Worker:
         self._thread: threading.Thread | None = None
         self._unit_done: dict[int, threading.Event] = {}
         self._error: BaseException | None = None
+        self._undo: Callable[[], None] | None = None
         self.failure: str | None = None  # an update that failed part way, until state is loaded
 
     @property
     def failed(self) -> bool:
         return self._error is not None
 
-    def start(self, units: list[Unit], source: Units, hyper: Hyper) -> None:
-        """Updates ``units`` in the order ``source`` gives them."""
+    def start(
+        self,
+        units: list[Unit],
+        source: Units,
+        hyper: Hyper,
+        *,
+        then: Callable[[], None] | None = None,
+        undo: Callable[[], None] | None = None,
+    ) -> None:
+        """Updates ``units`` in the order ``source`` gives them; ``then`` runs on the worker
+        when the update succeeded, ``undo`` on the main thread when it failed (it restores the
+        state from before the update, which is then not mixed)."""
         self._unit_done = {u.index: threading.Event() for u in units}
         self._error = None
+        self._undo = undo
 
         def run() -> None:
             t0 = time.perf_counter()
@@ -121,6 +133,8 @@ class _Worker:
                     self.optim.step_units(
                         source, hyper, on_unit_done=lambda u: self._unit_done[u.index].set()
                     )
+                    if then is not None:
+                        then()
             except BaseException as exc:  # re-raised by the main thread when it waits
                 self._error = exc
             finally:
@@ -152,7 +166,19 @@ class _Worker:
         self.timers["step_wait_seconds"] += time.perf_counter() - t0
         self._thread = None
         err, self._error = self._error, None
+        undo, self._undo = self._undo, None
         if err is not None:
+            try:
+                if undo is not None:
+                    undo()
+                    raise RuntimeError(
+                        f"offload: the background optimizer step failed: {err} (the update was "
+                        "undone: the state is that of before this step)"
+                    ) from err
+            except RuntimeError:
+                raise
+            except Exception as exc:  # the undo failed too (the same disk): the state is mixed
+                err = exc
             self.failure = f"{type(err).__name__}: {err}"
             raise RuntimeError(
                 f"offload: the background optimizer step failed: {err} (the optimizer state now "
@@ -194,11 +220,21 @@ class StepSchedule:
         """``optimizer.step()``, after the step's record closed (what runs from here on is
         counted in the next step's record, whatever the threads' timing)."""
 
+    def skip(self) -> None:
+        """``optimizer.step()`` skips the update (an fp16 overflow)."""
+
     def wait_unit(self, unit: Unit) -> None:
         """Blocks until ``unit``'s pending update (if any) is complete (before a forward)."""
 
     def flush(self) -> None:
         """Waits until no update is running; re-raises its error."""
+
+    def flush_quietly(self) -> None:
+        """:meth:`flush` where its error was raised already (a backward that failed)."""
+        try:
+            self.flush()
+        except Exception:  # noqa: BLE001 - reported by the call that failed first
+            pass
 
     def check_access(self, what: str, pending_backwards: int) -> None:
         """Raises if state may not be read or written now."""
@@ -245,62 +281,154 @@ class Background(StepSchedule):
 
 
 class InBackward(Background):
-    def __init__(self, optim, params, stepped, timers) -> None:
+    """Note: the step in backward, above. ``accumulation`` backwards make a step; in the last
+    one each unit is updated speculatively as its gradients are final, inside a version of the
+    optimizer store (``offload.store``'s Note on versions). ``optimizer.step()`` then knows the
+    global norm, the overflow flag and its hyperparameters: when they are the ones the update
+    used, the version is committed; when not (clipping, a changed learning rate), it is rolled
+    back and the update redone with the right ones from the state of before and the gradients
+    kept for it (``HeldNvmeGrads.retain``); an overflow rolls back and skips. So the result is
+    bitwise that of the update after the backward. A step whose update would not have been kept
+    makes the next one update after its backward (no redo to pay while the loop clips every
+    step); one that would have been kept makes the next speculative again."""
+
+    def __init__(
+        self, optim, params, stepped, timers, *, grads, accumulation: int | None, retain: bool
+    ):
         super().__init__(optim, params, stepped, timers)
+        self.grads, self.retain_configured = grads, retain
+        # backwards per step; None until the first step has counted them (its update runs
+        # after its backwards, as the background step's)
+        self.accumulation = accumulation
         self.feed: UnitFeed | None = None  # being filled, until the backward ends
-        self._used: Hyper | None = None
+        self._spec: Hyper | None = None  # the speculative update's hyperparameters, until step()
+        self._then: tuple | None = None  # what launch() does: ("redo",), ("refuse", used, hyper)
+        self._norm_asked = False  # the global norm was asked for (clipping): keep the grads
+        self._steps = 0
+        self._backwards = 0  # in this step
+        self._hyper_now: Callable[[], Hyper] | None = None  # the values an update would use
+        # whether the last step's update used the values a speculative one would have (no
+        # clipping, no late change): speculate only then; a loop that clips every step updates
+        # after the backward, and pays no redo
+        self._would_keep = True
 
     def backward_begins(self, hyper: Callable[[], Hyper], pending_backwards: int) -> None:
         self.flush()
-        if pending_backwards:
+        self._backwards = pending_backwards + 1
+        self._hyper_now = hyper
+        if self.accumulation is None or not self._would_keep:
+            return  # counting (the first step), or an update after the backward this time
+        if self._spec is not None or pending_backwards >= self.accumulation:
             raise PhaseError(
-                "offload: a second backward before optimizer.step(); with "
-                "offload_optimizer.step_in_backward the first one already updated the weights, so "
-                "gradient accumulation is not possible (call step() after every backward, or set "
-                "it false)"
+                f"offload: backward number {pending_backwards + 1} before optimizer.step(), "
+                f"but gradient_accumulation_steps is {self.accumulation}: with "
+                "offload_optimizer.step_in_backward the last of them already updated the "
+                "weights (for more gradient accumulation raise gradient_accumulation_steps; or "
+                "call step() sooner, or set step_in_backward false)"
             )
-        self._used = hyper()
+        if pending_backwards + 1 < self.accumulation:
+            return  # an earlier backward of the step: its gradients accumulate on NVMe
+        # until a step has shown whether the loop clips, they are kept too
+        retain = self.retain_configured or self._norm_asked or self._steps == 0
+        self._spec = hyper()
+        self.grads.hand_over(retain)
+        self.optim.begin_version()
         self.feed = UnitFeed(self.stepped)
-        self.worker.start(self.stepped, self.feed, self._used)
+        self.worker.start(self.stepped, self.feed, self._spec, undo=self._undo)
 
     def unit_backward_done(self, run) -> None:
+        if self.feed is None:
+            super().unit_backward_done(run)
+            return
         run.release()  # persistent too: its copy is stale from now on
 
     def grads_taken(self, unit: Unit) -> None:
-        if not unit.is_root:  # the root is still gathered: it goes in at the backward's end
-            self._give(unit)
+        if self.feed is None or unit.is_root:  # the root goes in at the backward's end
+            return
+        if self.worker.failed:
+            self.flush()
+        self.params.quiesce()  # host homes are about to be rewritten
+        self.feed.put(unit)
 
     def backward_ends(self, runs: list) -> None:
+        if self.feed is None:
+            super().backward_ends(runs)
+            return
         for run in runs:
             run.release()  # a persistent root too: its update starts now
         self.params.quiesce()
         self.feed.close(rest=self.stepped, reorder=lambda u: u.index)  # forward order
         self.feed = None
 
-    def _give(self, unit: Unit) -> None:
-        if self.worker.failed:
-            self.flush()
-        self.params.quiesce()  # host homes are about to be rewritten
-        self.feed.put(unit)
-
     def step(self, hyper: Hyper) -> None:
-        pass  # the update is running since the backward started
+        self._steps += 1
+        if self.accumulation is None:
+            self.accumulation = self._backwards  # learned: the step in backward from now on
+        if self._spec is None:  # no speculative update ran: the update after the backward
+            super().step(hyper)
+            self._then = ("after",)
+            self._would_keep = self._hyper_now is None or _same(self._hyper_now(), hyper)
+            return
+        self.flush()  # the speculative update is complete
+        used, self._spec = self._spec, None
+        self.grads.take_back()
+        self._would_keep = _same(used, hyper)
+        if self._would_keep:
+            self.optim.commit_version()
+        elif self.grads.retain:
+            self.optim.rollback_version()  # redone in launch() with the right values
+            self.timers["rollbacks"] += 1
+            self._then = ("redo",)
+        else:
+            self.optim.commit_version()  # taken with the values it used; then refused
+            self._then = ("refuse", used, hyper)
 
     def launch(self, hyper: Hyper) -> None:
-        """Closes the step: its values must be those the update used."""
-        used, self._used = self._used, None
-        base = hyper.kwargs()
-        ran = used.kwargs() if used is not None else base
-        changed = {k: (ran[k], v) for k, v in base.items() if k != "step" and ran[k] != v}
-        if changed:
+        then, self._then = self._then, None
+        if then is None:
+            return
+        if then[0] == "after":
+            super().launch(hyper)
+        elif then[0] == "redo":
+            self.optim.begin_version()
+            self.worker.start(
+                self.stepped,
+                Units(self.stepped),
+                hyper,
+                then=self.optim.commit_version,
+                undo=self._undo,
+            )
+        else:
+            _, used, hyper = then
+            changed = {k: (a, b) for k, a, b in _diff(used, hyper)}
             grad_scale = changed.pop("grad_scale", None)
             what = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
             raise PhaseError(
                 "offload: with offload_optimizer.step_in_backward this step used the values "
                 "param_groups held when loss.backward() started, but they changed before "
-                f"optimizer.step() ({what or f'gradient scale {grad_scale[1]!r}'}); change them "
-                "before the backward (an LR scheduler stepped after optimizer.step() does)"
+                f"optimizer.step() ({what or f'gradient scale {grad_scale[1]!r}'}), and the "
+                "gradients were not kept to redo it; change them before the backward (an LR "
+                "scheduler stepped after optimizer.step() does), or set gradient_clipping"
             )
+
+    def skip(self) -> None:
+        self._steps += 1
+        if self.accumulation is None:
+            self.accumulation = self._backwards
+        if self._spec is None:
+            return
+        self.flush()
+        self._undo()
+        self.timers["rollbacks"] += 1
+
+    def _undo(self) -> None:
+        """Back to the state before the update: master and moments from the version's start,
+        the compute params derived from them again."""
+        self._spec = None
+        self.grads.abandon()  # pieces handed over for units the update never took
+        self.grads.take_back()
+        self.optim.rollback_version()
+        self.optim.derive_params(self.stepped)
 
     def flush(self) -> None:
         if self.feed is not None:  # a backward that failed or was interrupted: no more units
@@ -309,7 +437,7 @@ class InBackward(Background):
         self.worker.join()
 
     def check_access(self, what: str, pending_backwards: int) -> None:
-        if pending_backwards:
+        if self._spec is not None:
             raise PhaseError(
                 f"offload: {what} called between loss.backward() and optimizer.step(); with "
                 "offload_optimizer.step_in_backward the update is already running, so call it "
@@ -317,8 +445,14 @@ class InBackward(Background):
             )
 
     def check_grad_norm(self) -> None:
-        raise PhaseError(
-            "offload: the gradient norm is not available with "
-            "offload_optimizer.step_in_backward: each unit's gradients are consumed by its "
-            "update as the backward produces them (set it false to clip gradients)"
-        )
+        self._norm_asked = True
+
+
+def _diff(a: Hyper, b: Hyper):
+    """``(name, a's value, b's value)`` of every hyperparameter but the step that differs."""
+    ka, kb = a.kwargs(), b.kwargs()
+    return [(k, ka[k], kb[k]) for k in ka if k != "step" and ka[k] != kb[k]]
+
+
+def _same(a: Hyper, b: Hyper) -> bool:
+    return not _diff(a, b)

@@ -59,7 +59,7 @@ class Runtime:
         transfers: Transfers,
         stores: dict,
         trace_starts: dict[str, list],
-        hyper: Callable[[], dict],
+        hyper: Callable[[], dict],  # param group values now, and "grad_scale": loss unscaling
         timers: dict[str, float],
         telemetry: Telemetry,
         resources: list,
@@ -226,7 +226,21 @@ class Runtime:
         if self.phase.phase is not Phase.BACKWARD:
             self._begin_backward()  # a backward that reached no unit output first
         if run.grad_ready():
-            run.residency.countdown_done(self, run)
+            try:
+                run.residency.countdown_done(self, run)
+            except BaseException:
+                self._abort_backward()
+                raise
+
+    def _abort_backward(self) -> None:
+        """This backward failed in a hook of ours (its update failed, say): back to between
+        steps, as if it had not started (its end-of-backward callback does nothing); the
+        gradients it left are not usable (``zero_grad`` before the next backward)."""
+        self._callback_queued = False
+        self.schedule.flush_quietly()
+        for run in self.runs:
+            run.release()
+        self.phase.to(Phase.IDLE)
 
     def finish_unit_backward(self, run: UnitRun) -> None:
         """The unit's gradients are final: their owner takes them (now, or once their
@@ -242,6 +256,8 @@ class Runtime:
             self.schedule.grads_taken(unit)
 
     def _end_backward(self) -> None:
+        if not self._callback_queued:
+            return  # the backward was aborted (see _abort_backward)
         for run in reversed(self.runs):
             if not run.backward_done:
                 self.finish_unit_backward(run)
@@ -305,11 +321,14 @@ class Runtime:
                 "call loss.backward() first (gradients would be missing or stale)"
             )
 
-    def _step_hyper(self, grad_scale: float = 1.0) -> Hyper:
-        """This step's hyperparameters; ``grad_scale`` (loss scale and clipping) times the mean
-        over ranks (``offload.runtime.grads``' Note)."""
-        scale = grad_scale * self.grads.mean_scale
-        return Hyper(step=self.step_count + 1, grad_scale=scale, **self._hyper())
+    def _step_hyper(self, grad_scale: float | None = None) -> Hyper:
+        """This step's hyperparameters as they are now; ``grad_scale`` (loss scale and clipping)
+        defaults to the loss scale's unscaling alone (what a speculative update assumes: no
+        clipping), and is multiplied by the mean over ranks (``offload.runtime.grads``' Note)."""
+        base = dict(self._hyper())
+        unscale = base.pop("grad_scale")
+        scale = unscale if grad_scale is None else grad_scale
+        return Hyper(step=self.step_count + 1, grad_scale=scale * self.grads.mean_scale, **base)
 
     def step(self, grad_scale: float) -> None:
         self.check_can_step()
@@ -337,6 +356,8 @@ class Runtime:
 
     def skip_step(self) -> None:
         """An fp16 overflow: no update; gradients are discarded."""
+        self.check_can_step()
+        self.schedule.skip()
         for store in self.stores.values():
             store.end_iteration()
         self._end_step(skipped=True)

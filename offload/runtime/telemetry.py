@@ -26,6 +26,7 @@ TIMERS = (
     "optimizer_seconds",  # the update; with NVMe state it runs in the background, overlapping
     # the forward of the step it is counted in
     "step_wait_seconds",  # waiting for the background NVMe update (inside forward_seconds)
+    "rollbacks",  # count: speculative updates undone (redone, or skipped on an fp16 overflow)
 )
 
 

@@ -77,9 +77,14 @@ class Shard:
     """The host copy is newer than the home (set on a dirty release or a ``read=False`` fetch)."""
     last_used: int = 0
     """Logical clock of the last use/fetch (LRU before a trace exists)."""
+    extent: str = ""
+    """The NVMe extent (``NvmeStore`` key) holding the shard's committed value."""
+    shadow: str | None = None
+    """A versioned shard's second extent: where a version's writes go (see store.py)."""
 
     def __post_init__(self) -> None:
         self.state = base_state(self.home)
+        self.extent = self.extent or self.key
 
     @property
     def nbytes(self) -> int:

@@ -10,6 +10,15 @@ Note: one shard, two tiers
     write-back home at once, asynchronously. The budget, eviction and the rule that a prefetch
     never starves a demand fetch belong to the store's ``Reclaimer`` (``reclaim.py``).
 
+Note: versions (all or nothing)
+    A shard registered ``versioned`` has two NVMe extents. Between ``begin_version()`` and
+    ``commit_version()`` / ``rollback_version()`` its write-backs go to the extent that does not
+    hold its committed value, and reads of a shard written in the version come from there too;
+    committing makes those extents the committed ones, rolling back drops every copy the
+    version wrote and leaves the committed extents as they were. So a whole update can be
+    computed speculatively and then either kept or undone, with the state before it intact on
+    disk the whole time (``offload.runtime.schedule``, the step in backward).
+
 Note: coherence
     ``fetch(..., read=False)`` marks the shard dirty at once (the caller promised to overwrite
     it, so the old bytes must never be mistaken for valid data). A fetch that hands out a copy
@@ -76,6 +85,7 @@ class TieredStore:
             else None
         )
         self._staging: torch.Tensor | None = None
+        self._version: dict[str, Shard] | None = None  # shards written in the open version
         self._closed = False
 
     # -- registration ----------------------------------------------------------------------------
@@ -86,9 +96,11 @@ class TieredStore:
         dtype: torch.dtype,
         home: Tier,
         init: torch.Tensor | None = None,
+        *,
+        versioned: bool = False,
     ) -> None:
         """Add a shard of ``numel`` elements of ``dtype`` homed at ``home``, filled from ``init``
-        (zeros without).
+        (zeros without). ``versioned`` (NVMe homes): it takes part in versions (module Note).
 
         Raises:
             ValueError: bad key/size/home, or a shard that cannot fit a buffer (names the key
@@ -112,6 +124,9 @@ class TieredStore:
             shard = Shard(key=key, numel=numel, dtype=dtype, home=home, io_nbytes=nbytes)
             if home is Tier.NVME:
                 self._register_nvme(shard, init)
+                if versioned:
+                    shard.shadow = f"{key}#v"
+                    self._nvme.allocate(shard.shadow, shard.io_nbytes)
             else:
                 tensor = torch.empty(numel, dtype=dtype)
                 if init is None:
@@ -156,8 +171,9 @@ class TieredStore:
             self._drop_copies(shard)
             self._wanted.pop(key, None)
             del self._shards[key]
-            if shard.home is Tier.NVME:
-                self._nvme.free(key)
+            for extent in (shard.extent, shard.shadow) if shard.home is Tier.NVME else ():
+                if extent is not None:
+                    self._nvme.free(extent)
 
     # -- fetch / release -------------------------------------------------------------------------
     def fetch(self, key: str, tier: Tier = Tier.HOST, *, read: bool = True) -> Fetch:
@@ -263,6 +279,57 @@ class TieredStore:
             self._counters.rerecords = self._prefetcher.rerecords
             self._want(head)
 
+    # -- versions ------------------------------------------------------------------------------
+    def begin_version(self) -> None:
+        """From now on versioned shards are written to their other extent (module Note)."""
+        with self._lock:
+            if self._version is not None:
+                raise RuntimeError(f"{self.name}: begin_version() inside a version")
+            self._version = {}
+
+    def commit_version(self) -> int:
+        """Keeps what the version wrote: its extents become the committed ones once every write
+        is on disk. Returns the number of shards it wrote."""
+        with self._lock:
+            version = self._collect_version("commit_version")
+            for shard in version:
+                shard.extent, shard.shadow = shard.shadow, shard.extent
+            self._version = None
+            return len(version)
+
+    def rollback_version(self) -> int:
+        """Undoes the version: every copy it wrote is dropped and the committed extents, never
+        written by it, hold the values from before. Returns the number of shards it wrote."""
+        with self._lock:
+            version = self._collect_version("rollback_version")
+            for shard in version:
+                self._drop_copies(shard)
+            self._version = None
+            return len(version)
+
+    def _collect_version(self, what: str) -> list[Shard]:
+        """The shards the open version wrote, every write of theirs settled."""
+        if self._version is None:
+            raise RuntimeError(f"{self.name}: {what}() without begin_version()")
+        for shard in list(self._on_versioned_dirty()):  # released dirty, write not issued yet
+            self._write_back(shard)
+        shards = list(self._version.values())
+        for shard in shards:
+            if shard.pinned():
+                raise RuntimeError(f"{self.name}: {what}() while {shard.key!r} is fetched")
+            self._settle(shard)
+        return shards
+
+    def _on_versioned_dirty(self):
+        cached = self._room.cached.values() if self._room is not None else ()
+        return [s for s in cached if s.shadow is not None and s.dirty and not s.pinned()]
+
+    def _source(self, shard: Shard) -> str:
+        """The extent holding the shard's newest value: the version's, once it wrote it."""
+        if self._version is not None and shard.key in self._version:
+            return shard.shadow
+        return shard.extent
+
     # -- synchronous access (checkpoints) ----------------------------------------------------------
     def read_into(self, key: str, out: torch.Tensor) -> None:
         """Copy the newest data of ``key`` into ``out`` (``numel`` elements), synchronously."""
@@ -274,7 +341,7 @@ class TieredStore:
                 out.copy_(shard.host_view().reshape(out.shape))
                 return
             staging = self._staging_bytes(shard.io_nbytes)
-            self._nvme.read(key, staging).wait()
+            self._nvme.read(self._source(shard), staging).wait()
             self._counters.moved(Tier.NVME, Tier.HOST, shard.io_nbytes)
             out.copy_(staging[: shard.nbytes].view(shard.dtype).reshape(out.shape))
 
@@ -288,6 +355,8 @@ class TieredStore:
             self._check_out(shard, src, "write_from")
             if shard.pinned():
                 raise RuntimeError(f"{self.name}: write_from({key!r}) while it is fetched")
+            if self._version is not None and shard.shadow is not None:
+                raise RuntimeError(f"{self.name}: write_from({key!r}) inside a version")
             self._settle(shard)
             self._drop_copies(shard)
             flat = src.detach().reshape(-1)
@@ -297,7 +366,7 @@ class TieredStore:
             staging = self._staging_bytes(shard.io_nbytes)
             staging.zero_()
             staging[: shard.nbytes].view(shard.dtype).copy_(flat)
-            self._nvme.write(key, staging).wait()
+            self._nvme.write(shard.extent, staging).wait()
             self._counters.moved(Tier.HOST, Tier.NVME, shard.io_nbytes)
 
     # -- housekeeping --------------------------------------------------------------------------------
@@ -388,7 +457,7 @@ class TieredStore:
             transfer = None
             if read:
                 try:
-                    handle = self._nvme.read(shard.key, buf[: shard.io_nbytes])
+                    handle = self._nvme.read(self._source(shard), buf[: shard.io_nbytes])
                 except BaseException:
                     self._room.budget.give(buf)  # refused at submission: the buffer goes back
                     raise
@@ -463,7 +532,11 @@ class TieredStore:
             return
         # refused at submission (an error, or Ctrl-C inside the call): nothing was written, the
         # copy stays dirty and cached, and the error goes up
-        handle = self._nvme.write(shard.key, shard.host_io_view())
+        target = shard.extent
+        if self._version is not None and shard.shadow is not None:
+            target = shard.shadow  # the version's own extent (see the Note)
+            self._version[shard.key] = shard
+        handle = self._nvme.write(target, shard.host_io_view())
         transfer = Transfer(Tier.HOST, Tier.NVME, shard.io_nbytes, handle, keep=shard.host_buf)
         shard.write_back(transfer)
         self._issued(shard, transfer)

@@ -22,7 +22,7 @@ Bar (issue 16): the offload step after backward >= 0.95x DeepSpeedCPUAdam's (tim
 DeepSpeed / offload).
 
 Run: TORCH_EXTENSIONS_DIR=/work/peers-venv/torch_extensions /work/peers-venv/bin/python \\
-         benchmarks/bench_adam_phase.py [--size 50M] [--reps 15]
+         benchmarks/bench_adam_phase.py [--size 50M] [--reps 10]
 """
 
 from __future__ import annotations
@@ -107,10 +107,10 @@ def _step_after_backward(model, opt, x, gap: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", default="50M", help="demo GPT size (offload.demo.model)")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch and offload threads (2)")
-    ap.add_argument("--reps", type=int, default=15, help="timed steps per variant and mode")
+    ap.add_argument("--reps", type=int, default=10, help="timed steps per variant and mode")
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)  # also DeepSpeed's OpenMP: it shares torch's libgomp

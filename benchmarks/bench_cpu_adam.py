@@ -15,13 +15,20 @@ Two tables, for 64M and 256M parameters at 1 and 2 threads:
 
 Method: every variant works on the same buffers (optimizer states are pre-populated with the
 shared ``exp_avg``/``exp_avg_sq``), variants are interleaved (A B C ... A B C ...), each round
-uses a fresh allocation, each timed step starts after a 0.2 s idle gap (libgomp workers of the
-previous variant stop spinning), and the table reports medians over all timed steps of all rounds.
+uses a fresh allocation, and the table reports medians over all timed steps of all rounds.
+Every timed step starts after a 0.2 s idle gap, then, in the ``after torch`` mode (``--lead``),
+a short torch workload on the same threads (elementwise adds over 4M elements and a 512 x 512
+matmul, a few ms: how a training step reaches its optimizer, right after backward's last ops)
+and the step at once; in the ``idle`` mode the step starts after the gap alone. After torch
+work, torch's OpenMP workers keep spinning for ~5 ms (libgomp's default wait policy): an
+optimizer on threads of its own competes with them, DeepSpeedCPUAdam's OpenMP loop reuses them.
 Effective GB/s = 28 bytes x parameters / median time for every row (the bytes the step must
-move), so "% roof" compares each variant with the streaming kernel measured in the same run.
+move), so "% roof" compares each variant with the streaming kernel measured in the same run
+and mode.
 
 Run: TORCH_EXTENSIONS_DIR=/work/peers-venv/torch_extensions /work/peers-venv/bin/python \\
          benchmarks/bench_cpu_adam.py [--sizes 64M,256M] [--threads 1,2] [--rounds 3] [--reps 3]
+         [--lead torch,idle]
 """
 
 from __future__ import annotations
@@ -31,22 +38,41 @@ import gc
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from offload import _native
-from offload.optim import adam_step
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's offload, not another one installed in the venv
+
+from offload import _native  # noqa: E402
+from offload.optim import adam_step  # noqa: E402
 
 BYTES_PER_PARAM = 28
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 SCALE = 1.0 / 1024  # loss-scale unscaling x clipping coefficient, applied to the gradient
-# libgomp (torch, DeepSpeed) keeps its workers spinning for up to ~tens of ms after a parallel
-# region; on 2 cores that steals a core from whichever variant runs next. A short idle gap
-# before every timed step gives each variant the same quiet start.
+# libgomp (torch, DeepSpeed) keeps its workers spinning for ~5 ms after a parallel region. The
+# idle gap before every timed step gives each variant the same start: quiet ("idle"), or quiet
+# and then the same torch work right before the step ("after torch", as in training).
 SETTLE_S = 0.2
+MODES = ("after torch", "idle")
+
+
+class TorchLeadIn:
+    """A few ms of torch work on torch's threads, the way a backward ends before the step."""
+
+    def __init__(self) -> None:
+        self.x, self.y, self.z = torch.randn(4 << 20), torch.randn(4 << 20), torch.empty(4 << 20)
+        self.w = torch.randn(512, 512)
+
+    def __call__(self) -> None:
+        for _ in range(4):
+            torch.add(self.x, self.y, out=self.z)
+        torch.mm(self.w, self.w, out=self.w.new_empty(512, 512))
 
 
 def _deepspeed_adam() -> tuple[type | None, str]:
@@ -156,75 +182,85 @@ def fused_phase_variants(b: Buffers, ds_cls: type | None) -> dict[str, Callable 
 
 
 def measure(
-    n: int, threads: int, rounds: int, reps: int, ds_cls: type | None, foreach: bool
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    n: int,
+    threads: int,
+    rounds: int,
+    reps: int,
+    ds_cls: type | None,
+    foreach: bool,
+    modes: tuple[str, ...],
+) -> dict[str, tuple[dict[str, list[float]], dict[str, list[float]]]]:
+    """mode -> (plain-step times, fused-phase times), each name -> seconds."""
     torch.set_num_threads(threads)  # also DeepSpeed's OpenMP: it shares torch's libgomp
     _native.set_num_threads(threads)
-    plain: dict[str, list[float]] = {}
-    phase: dict[str, list[float]] = {}
+    lead_in = TorchLeadIn()
+    out = {mode: ({}, {}) for mode in modes}
     for _ in range(rounds):
         b = Buffers(n)
-        for table, variants in (
-            (plain, plain_variants(b, ds_cls, foreach)),
-            (phase, fused_phase_variants(b, ds_cls)),
+        for kind, variants in enumerate(
+            (plain_variants(b, ds_cls, foreach), fused_phase_variants(b, ds_cls))
         ):
             for name, fn in variants.items():
-                table.setdefault(name, [])
+                for mode in modes:
+                    out[mode][kind].setdefault(name, [])
                 if fn is not None:
                     fn()  # warm-up: first touch of optimizer internals
-            for _ in range(reps):  # interleaved: A B C ... A B C ...
+            for _ in range(reps):  # interleaved: A B C ... A B C ..., each in every mode
                 for name, fn in variants.items():
                     if fn is None:
                         continue
-                    time.sleep(SETTLE_S)  # let the previous variant's OpenMP threads stop spinning
-                    t0 = time.perf_counter()
-                    fn()
-                    table[name].append(time.perf_counter() - t0)
+                    for mode in modes:
+                        time.sleep(SETTLE_S)  # the previous variant's OpenMP threads stop spinning
+                        if mode == "after torch":
+                            lead_in()
+                        t0 = time.perf_counter()
+                        fn()
+                        out[mode][kind][name].append(time.perf_counter() - t0)
             del variants
             gc.collect()
         del b
         gc.collect()
-    return plain, phase
+    return out
 
 
 def _fmt_size(n: int) -> str:
     return f"{n // 2**20}M" if n % 2**20 == 0 else str(n)
 
 
-def report(n: int, threads: int, plain: dict, phase: dict) -> list[str]:
+def report(n: int, threads: int, mode: str, plain: dict, phase: dict) -> list[str]:
     med = {k: statistics.median(v) for k, v in {**plain, **phase}.items() if v}
     roof = med.get("stream 4r3w (roof)")
     rows = []
     for name in [*plain, *phase]:
         if name not in med:
-            rows.append(f"| {_fmt_size(n)} | {threads} | {name} | unavailable | | | | |")
+            rows.append(f"| {_fmt_size(n)} | {threads} | {mode} | {name} | unavailable | | | | |")
             continue
         t = med[name]
         gbs = BYTES_PER_PARAM * n / t / 1e9
         pct = f"{100 * roof / t:.0f}%" if roof else "-"
         ours = med["offload adam_step"] if name in plain else med["offload adam_step fused"]
         rows.append(
-            f"| {_fmt_size(n)} | {threads} | {name} | {t * 1e3:.1f} | {n / t / 1e9:.2f} | "
+            f"| {_fmt_size(n)} | {threads} | {mode} | {name} | {t * 1e3:.1f} | {n / t / 1e9:.2f} | "
             f"{gbs:.1f} | {pct} | {t / ours:.2f}x |"
         )
     return rows
 
 
-def verdicts(n: int, threads: int, plain: dict, phase: dict) -> list[str]:
+def verdicts(n: int, threads: int, mode: str, plain: dict, phase: dict) -> list[str]:
     med = {k: statistics.median(v) for k, v in {**plain, **phase}.items() if v}
     out = []
     ours, roof = med["offload adam_step"], med["stream 4r3w (roof)"]
     peers = [med[k] for k in ("torch AdamW fused", "DeepSpeedCPUAdam") if k in med]
     best = min(peers)
     out.append(
-        f"{_fmt_size(n)} x{threads}: plain step {best / ours:.2f}x the better of torch fused/"
+        f"{_fmt_size(n)} x{threads} {mode}: plain step {best / ours:.2f}x the better of torch fused/"
         f"DeepSpeed (bar 0.95), {100 * roof / ours:.0f}% of the streaming roof (bar 85%)"
     )
     fused = med["offload adam_step fused"]
     for k in ("DeepSpeed composed", "torch fused composed"):
         if k in med:
             out.append(
-                f"{_fmt_size(n)} x{threads}: fused phase {med[k] / fused:.2f}x {k} (bar 1.3)"
+                f"{_fmt_size(n)} x{threads} {mode}: fused phase {med[k] / fused:.2f}x {k} (bar 1.3)"
             )
     return out
 
@@ -255,7 +291,13 @@ def main() -> None:
     ap.add_argument(
         "--no-foreach", action="store_true", help="skip torch foreach (slow, +4 B/param temp)"
     )
+    ap.add_argument(
+        "--lead", default=",".join(MODES), help="modes: 'after torch' work and/or 'idle'"
+    )
     args = ap.parse_args()
+    modes = tuple(m.strip() for m in args.lead.split(","))
+    if not set(modes) <= set(MODES):
+        ap.error(f"--lead {args.lead!r}; allowed: {', '.join(MODES)}")
     if not _native.available():
         raise SystemExit(f"offload native extension unavailable: {_native.reason()}")
     ds_cls, ds_why = _deepspeed_adam()
@@ -274,16 +316,17 @@ def main() -> None:
         f"load average at start {os.getloadavg()[0]:.1f}\n"
     )
     header = [
-        "| params | threads | variant | median ms | Gparam/s | eff. GB/s (28 B/param) | % roof | time vs offload |",
-        "|---|---|---|---|---|---|---|---|",
+        "| params | threads | mode | variant | median ms | Gparam/s | eff. GB/s (28 B/param) | % roof | time vs offload |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(header), flush=True)
     notes = []
     for n in (_parse_size(s) for s in args.sizes.split(",")):
         for threads in (int(t) for t in args.threads.split(",")):
-            plain, phase = measure(n, threads, args.rounds, args.reps, ds_cls, not args.no_foreach)
-            print("\n".join(report(n, threads, plain, phase)), flush=True)
-            notes += verdicts(n, threads, plain, phase)
+            got = measure(n, threads, args.rounds, args.reps, ds_cls, not args.no_foreach, modes)
+            for mode, (plain, phase) in got.items():
+                print("\n".join(report(n, threads, mode, plain, phase)), flush=True)
+                notes += verdicts(n, threads, mode, plain, phase)
     print(f"\nload average at end {os.getloadavg()[0]:.1f}")
     print("\n".join(notes))
 

@@ -1,12 +1,20 @@
 // CPU Adam/AdamW kernel family: run-time SIMD dispatch, the split over the compute pool, and the
 // Python bindings. The kernels themselves are in cpu_adam_body.h (one source, three levels).
 //
-// Note (threading): a call is cut into one contiguous chunk per pool thread (the caller's thread
-// included), with chunk boundaries on multiples of 64 elements so no two threads write the same
-// cache line of any buffer (fp32, bf16 or fp16). Below 32K elements per thread the call runs on
-// the caller alone: waking a worker costs more than it saves. Adam is element-wise, so results do
-// not depend on the thread count; the sum of squares of accumulate_grad is combined per thread
-// in double and is deterministic for a given thread count.
+// Note (threading): a call is cut into tasks of about kTaskElems elements (more, smaller ones for
+// small calls so that up to kMinTasks threads can share them), boundaries on multiples of 64
+// elements so no two tasks write the same cache line of any buffer (fp32, bf16 or fp16). The
+// pool's threads, the caller's included, take tasks in order from a shared counter until none
+// is left. Why not one contiguous chunk per thread: in training the step runs right after torch
+// work, and torch's OpenMP workers keep spinning ~5 ms on their cores after every parallel
+// region (libgomp's default wait policy); with one chunk per thread, the pool thread that shares
+// a core with a spinner finished ~5 ms late and the whole call waited for it (0.93x
+// DeepSpeedCPUAdam, whose OpenMP loop runs on those same spinning threads, against 1.2x after an
+// idle gap; benchmarks/README.md). With tasks, the threads that have a core take over the rest.
+// The cut depends on n only, never on the thread count, so results - including the per-task
+// double partial sums of accumulate_grad, added in task order - are identical for any number of
+// threads. Calls under 2 x kMinPerTask elements run as one task on the caller alone: waking a
+// worker costs more than it saves.
 #include "cpu_adam.h"
 
 #include <pybind11/pybind11.h>
@@ -32,7 +40,9 @@ namespace {
 namespace ca = cpu_adam;
 
 constexpr size_t kAlignElems = 64;
-constexpr size_t kMinPerThread = size_t{1} << 15;
+constexpr size_t kMinPerTask = size_t{1} << 15;  // 32K elements: below, a worker is not worth it
+constexpr size_t kTaskElems = size_t{1} << 18;   // 256K elements: ~7 MB moved by an fp32 step
+constexpr size_t kMinTasks = 16;                 // small calls still spread over 16 threads
 
 using AdamFn = void (*)(const ca::AdamArgs&, size_t, size_t);
 using AccumFn = double (*)(const ca::AccumArgs&, size_t, size_t);
@@ -47,21 +57,30 @@ Fn pick(Fn scalar_fn, Fn avx2_fn, Fn avx512_fn) {
   }
 }
 
-// Runs f(part, begin, end) over [0, n) cut into contiguous chunks, one per pool thread.
+// How many tasks a call over n elements is cut into (a function of n alone: see the Note).
+size_t num_tasks(size_t n) {
+  if (n < 2 * kMinPerTask) return 1;
+  size_t by_size = (n + kTaskElems - 1) / kTaskElems;
+  return std::max(by_size, std::min(kMinTasks, n / kMinPerTask));
+}
+
+// Runs f(task, begin, end) for every task of [0, n) (num_tasks(n) contiguous pieces) over the
+// pool; returns the number of tasks.
 template <class F>
 size_t split(size_t n, const F& f) {
-  std::shared_ptr<ThreadPool> pool = compute_pool();  // kept alive across a set_num_threads
-  size_t parts = std::min<size_t>(static_cast<size_t>(pool->num_threads()), n / kMinPerThread);
-  if (parts <= 1) {
-    f(0, 0, n);
+  size_t tasks = num_tasks(n);
+  auto run = [&](size_t t) {
+    size_t b, e;
+    chunk_range(n, tasks, t, kAlignElems, &b, &e);
+    if (b < e) f(t, b, e);
+  };
+  if (tasks == 1) {
+    run(0);
     return 1;
   }
-  pool->parallel_for(parts, [&](size_t part) {
-    size_t b, e;
-    chunk_range(n, parts, part, kAlignElems, &b, &e);
-    if (b < e) f(part, b, e);
-  });
-  return parts;
+  std::shared_ptr<ThreadPool> pool = compute_pool();  // kept alive across a set_num_threads
+  pool->parallel_for(tasks, run);
+  return tasks;
 }
 
 void check_dtype(const char* what, int code, bool allow_none) {
@@ -162,9 +181,9 @@ py::tuple accumulate_grad(uintptr_t acc, uintptr_t grad, size_t n, int grad_dtyp
                              ca::avx512::accumulate_range);
   double sumsq = without_gil([&] {
     double sum = 0.0;
-    std::vector<double> partial(static_cast<size_t>(get_num_threads()) + 1, 0.0);
-    size_t parts = split(n, [&](size_t part, size_t b, size_t e) { partial[part] = fn(a, b, e); });
-    for (size_t i = 0; i < parts && i < partial.size(); ++i) sum += partial[i];
+    std::vector<double> partial(num_tasks(n), 0.0);
+    split(n, [&](size_t task, size_t b, size_t e) { partial[task] = fn(a, b, e); });
+    for (double x : partial) sum += x;  // in task order: the same for any thread count
     return sum;
   });
   // A square of a finite float is at most ~1.2e77, so the double sum of squares is finite

@@ -32,8 +32,10 @@ class ThreadPool {
 
   int num_threads() const { return num_threads_; }
 
-  // Runs fn(task) for task in [0, num_tasks), spread over the pool and the calling thread;
-  // returns when all have finished. The first exception thrown by a task is rethrown here.
+  // Runs fn(task) for task in [0, num_tasks), spread over the pool and the calling thread: each
+  // thread takes the next task from a shared counter when it finishes one, so a thread that has
+  // lost its core for a while simply takes fewer. Returns when all have finished; the first
+  // exception thrown by a task is rethrown here.
   void parallel_for(size_t num_tasks, const std::function<void(size_t)>& fn);
 
  private:

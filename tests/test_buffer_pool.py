@@ -1,13 +1,43 @@
 """aligned_empty and BufferPool: alignment, sizes known before allocation, exhaustion."""
 
+import ctypes
+import gc
+import sys
 import threading
 import time
 
 import pytest
 import torch
 
-from offload.io import BufferPool, OffloadIOError, aligned_empty
+from offload.io import BufferPool, OffloadIOError, aligned, aligned_empty
 from offload.io.errors import PoolExhaustedError
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux mappings")
+
+
+def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(resident, total) 4 KiB pages of ``t``'s bytes, by mincore(2)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = t.data_ptr() // 4096 * 4096
+    n = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = (n + 4095) // 4096
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n), vec) == 0
+    return sum(v & 1 for v in vec), pages
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping that holds ``addr`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds 0x{addr:x}")
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 7, 1023, 4096, (1 << 20) + 3])
@@ -29,6 +59,47 @@ def test_aligned_empty_dtypes(dtype):
         aligned_empty(6, dtype=torch.float32)
     with pytest.raises(ValueError, match="nbytes"):
         aligned_empty(-1)
+
+
+@linux_only
+@pytest.mark.parametrize("nbytes", [2 << 20, (2 << 20) + 4, (5 << 20) + 4096 + 12])
+def test_large_buffers_are_populated_huge_page_mappings(nbytes):
+    """See the Note on huge pages in offload/io/aligned.py: 2 MiB-aligned, advised for huge
+    pages over their whole huge pages, every page resident on return, all of it writable."""
+    t = aligned_empty(nbytes, dtype=torch.uint8 if nbytes % 4 else torch.float32)
+    assert t.numel() * t.element_size() == nbytes
+    assert t.data_ptr() % aligned.HUGE_PAGE == 0
+    assert "hg" in _vm_flags(t.data_ptr())  # MADV_HUGEPAGE
+    resident, pages = _resident_pages(t)
+    assert resident == pages
+    t.view(torch.uint8).fill_(7)
+    assert int(t.view(torch.uint8)[-1]) == 7 and int(t.view(torch.uint8)[0]) == 7
+
+
+@linux_only
+def test_huge_page_mapping_lives_as_long_as_any_view():
+    t = aligned_empty(4 << 20)
+    tail = t[3 << 20 :]
+    del t
+    gc.collect()
+    tail.fill_(9)  # still mapped: the view holds the mapping
+    assert int(tail.sum()) == 9 * (1 << 20)
+
+
+def test_small_or_opted_out_buffers_use_torch_memory():
+    for t in (aligned_empty(64 << 10), aligned_empty(4 << 20, huge_pages=False)):
+        assert t.data_ptr() % 4096 == 0
+        assert t.untyped_storage().nbytes() < t.numel() + 4096  # torch's slab, not a mapping
+        t.fill_(1)
+
+
+@linux_only
+def test_huge_page_buffer_without_populate_advice_is_touched_instead(monkeypatch):
+    """Kernels before 5.14 refuse MADV_POPULATE_WRITE with EINVAL: the pages are written."""
+    monkeypatch.setattr(aligned, "_MADV_POPULATE_WRITE", 0x7FFF)  # no such advice: EINVAL
+    t = aligned_empty(4 << 20)
+    assert _resident_pages(t)[0] == _resident_pages(t)[1]
+    assert int(t.sum()) == 0
 
 
 def test_aligned_empty_pins_only_when_asked():

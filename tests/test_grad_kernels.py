@@ -128,6 +128,30 @@ def test_accumulate_rejects_bad_inputs(path):
             accumulate_grad(acc, torch.zeros(5, 2)[:, 1])
 
 
+@pytest.mark.parametrize("n", [70001, (1 << 20) + 3, (5 << 20) + 65])
+def test_accumulate_sum_does_not_depend_on_thread_count(n):
+    """The call is cut into tasks by its size alone and the per-task double sums are added in
+    task order (csrc/cpu_adam.cpp, Note on threading): the same bits for any thread count."""
+    if not _native.available():
+        pytest.skip("native extension unavailable")
+    gen = torch.Generator().manual_seed(n)
+    grad = torch.randn(n, generator=gen).bfloat16()
+    acc0 = torch.randn(n, generator=gen)
+    before = _native.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3, 5):
+            _native.set_num_threads(threads)
+            acc = acc0.clone()
+            found, sumsq = accumulate_grad(acc, grad, scale=0.5)
+            results.append((acc, found, sumsq))
+    finally:
+        _native.set_num_threads(before)
+    for acc, found, sumsq in results[1:]:
+        assert torch.equal(acc, results[0][0])
+        assert (found, sumsq) == results[0][1:]
+
+
 def test_stream_kernel_reads_four_and_writes_three():
     if not _native.available():
         pytest.skip("native extension unavailable")

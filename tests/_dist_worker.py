@@ -13,7 +13,8 @@ Job keys: ``name``, ``param``, ``optim``, ``dtype`` (fp32), ``stage``, ``steps``
 (0), ``accum`` (2), ``clip`` (1.0), ``config`` (extra top-level config keys), ``load`` /
 ``save`` (checkpoint directories; the scheduler and the step go in its extra values),
 ``fail_at`` ({"rank": r, "step": s, "hang": bool}: that rank raises there, or sleeps),
-``optimizer_state`` (keep the gathered optimizer state_dict), ``export`` (a path),
+``optimizer_state`` (keep the gathered optimizer state_dict), ``export`` and
+``save_pretrained`` (paths),
 ``pairs`` (wrap over a process group of ranks {0,1} / {2,3}; only the first pair reports),
 ``load_state`` (an optimizer state_dict file to load, the scheduler advanced to ``start``),
 ``restore`` (close with ``restore=True`` and compare the plain model's values),
@@ -196,6 +197,10 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
     opt_state = opt.state_dict() if job.get("optimizer_state") else None
     if job.get("export"):
         offload.export(model, job["export"], dtype=torch.float32)
+    if job.get("save_pretrained"):  # a Hugging Face directory, in shards
+        offload.save_pretrained(
+            model, job["save_pretrained"], dtype=torch.float32, max_shard_size="64KB"
+        )
     result = {
         "losses": mean.tolist(),
         "norms": norms,

@@ -134,7 +134,7 @@ def two(root) -> Path:
         job("from1", "nvme", "nvme", 3, steps=6, load=str(root / "ck1"), save=str(root / "ck2"))
         | {"block": 4096},  # small checksum blocks: a rank of 4 then needs a few of each file
         job("sd", "cpu", "nvme", 3, steps=3, optimizer_state=True, restore=True)
-        | {"export": str(root / "export.safetensors")},
+        | {"export": str(root / "export.safetensors"), "save_pretrained": str(root / "hf")},
         job("sd-load", "nvme", "cpu", 2, steps=6, start=3, load_state=str(root / "sd.pt")),
         *COLLECTIVES,
         job("log", "cpu", "cpu", 3, steps=2, model="stack", accum=1, log=True),
@@ -335,8 +335,8 @@ def test_each_rank_reads_only_its_byte_ranges(four):
 
 def test_state_dicts_and_export_are_gathered_on_every_rank(two, root):
     """Stage 3 over 2 ranks, after 3 steps: the optimizer's state_dict holds every parameter's
-    whole state (as one rank's does), export writes the whole model from rank 0, and close with
-    restore gives every rank the whole values back."""
+    whole state (as one rank's does), export and save_pretrained write the whole model from
+    rank 0, and close with restore gives every rank the whole values back."""
     from safetensors.torch import load_file
 
     cfg = placement_config("cpu", "nvme", root / "w1-sd")
@@ -357,6 +357,11 @@ def test_state_dicts_and_export_are_gathered_on_every_rank(two, root):
     state = _final(two, "sd")
     assert set(exported) == set(state)
     assert all(torch.equal(exported[k], state[k].float()) for k in state)
+    shards = sorted((root / "hf").glob("model-*.safetensors"))  # save_pretrained: rank 0 writes
+    assert len(shards) > 1 and (root / "hf" / "model.safetensors.index.json").is_file()
+    saved = {k: v for f in shards for k, v in load_file(str(f)).items()}
+    assert saved and set(saved) <= set(state)
+    assert all(torch.equal(saved[k], state[k].float()) for k in saved)
     assert all(result(two, "sd", r)["restored_equal"] for r in range(2))
 
 

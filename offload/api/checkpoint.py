@@ -483,6 +483,53 @@ def _apply_unit(ckpt: files.VerifiedCheckpoint, engine, run) -> None:
     run.release()  # a gathered copy would be stale
 
 
+class UnitValues:
+    """Each unit's whole current values for a file written by rank 0 (``export``,
+    ``save_pretrained`` with ranks), one unit held at a time. With several ranks reading a unit
+    is a collective: every rank reads every unit in unit order (:func:`written_by_rank0`)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._held: dict[int, dict] = {}
+        self._read: list[int] = []  # units read so far, in order
+
+    def of(self, param: nn.Parameter, unit: Unit) -> torch.Tensor:
+        if unit.index not in self._held:
+            if unit.index in self._read and self.engine.comm.world > 1:
+                # the other ranks gather each unit once, in order: a second gather would not
+                # match theirs (a writer must ask for the units' tensors in unit order)
+                raise RuntimeError(f"{unit.label}'s values asked for again, out of unit order")
+            self._held.clear()  # the previous unit goes before the next is gathered
+            self._held[unit.index] = self.engine.full_values(unit)
+            self._read.append(unit.index)
+        return self._held[unit.index][param]
+
+    def read_the_rest(self) -> None:
+        """The reads rank 0 has not asked for (all of them on the other ranks)."""
+        self._held.clear()
+        for unit in self.engine.units:
+            if unit.layout.segments and unit.index not in self._read:
+                self.engine.full_values(unit)
+
+
+def written_by_rank0(engine, what: str, write) -> None:
+    """``write(values)`` on rank 0 with a :class:`UnitValues`; with several ranks the others
+    take part in its gathers, and every rank raises if rank 0 failed."""
+    comm = engine.comm
+    values = UnitValues(engine)
+    error = None
+    if comm.rank == 0:
+        try:
+            write(values)
+        except Exception as exc:  # noqa: BLE001 - with one rank it is raised as it is
+            if comm.world == 1:
+                raise
+            error = exc
+    if comm.world > 1:
+        values.read_the_rest()
+        _agree(comm, error, what)
+
+
 def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Writes one consolidated safetensors file with every parameter (by its qualified name,
     tied ones under each name) and persistent buffer, usable without offload
@@ -494,51 +541,32 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
     once it is in place, or raises if rank 0 failed."""
     engine = _engine(model)
     engine.check_idle("export")
-    comm = engine.comm
     path = Path(path)
     names: dict[nn.Parameter, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, []).append(name)
-    cache: dict = {}  # the one unit whose values are held (units' entries are contiguous)
-    gathered: list[int] = []  # units gathered so far, in order (every rank gathers the same)
 
-    def produce(p, u):
-        if u.index not in cache:
-            cache.clear()
-            cache[u.index] = engine.full_values(u)
-            gathered.append(u.index)
-        yield cache[u.index][p].to(dtype)
+    def write(values: UnitValues) -> None:
+        entries = []
+        for unit in engine.units:
+            for seg in unit.layout.segments:
+                for name in names[seg.param]:
+                    produce = lambda p=seg.param, u=unit: iter([values.of(p, u).to(dtype)])  # noqa: E731
+                    entries.append((name, dtype, list(seg.shape), produce))
+        for mname, module in model.named_modules():
+            for bname, buf in module._buffers.items():
+                if buf is None or bname in module._non_persistent_buffers_set:
+                    continue
+                full = f"{mname}.{bname}" if mname else bname
+                bdt = dtype if buf.is_floating_point() else buf.dtype
+                if bdt in files.ST_DTYPES:
+                    entries.append(
+                        (full, bdt, list(buf.shape), lambda b=buf, d=bdt: iter([b.to(d)]))
+                    )
+        tmp = path.with_name(path.name + ".tmp")
+        files.write_safetensors(tmp, entries, metadata={"format": "pt", "producer": "offload"})
+        os.replace(tmp, path)
+        files.fsync_dir(path.parent if str(path.parent) else Path("."))
 
-    entries = []
-    for unit in engine.units:
-        for seg in unit.layout.segments:
-            for name in names[seg.param]:
-                entries.append(
-                    (name, dtype, list(seg.shape), lambda p=seg.param, u=unit: produce(p, u))
-                )
-    for mname, module in model.named_modules():
-        for bname, buf in module._buffers.items():
-            if buf is None or bname in module._non_persistent_buffers_set:
-                continue
-            full = f"{mname}.{bname}" if mname else bname
-            bdt = dtype if buf.is_floating_point() else buf.dtype
-            if bdt in files.ST_DTYPES:
-                entries.append((full, bdt, list(buf.shape), lambda b=buf, d=bdt: iter([b.to(d)])))
-    error = None
-    if comm.rank == 0:
-        try:
-            tmp = path.with_name(path.name + ".tmp")
-            files.write_safetensors(tmp, entries, metadata={"format": "pt", "producer": "offload"})
-            os.replace(tmp, path)
-            files.fsync_dir(path.parent if str(path.parent) else Path("."))
-        except Exception as exc:  # noqa: BLE001 - with one rank it is raised as it is
-            if comm.world == 1:
-                raise
-            error = exc
-    if comm.world > 1:
-        cache.clear()
-        for unit in engine.units:  # the gathers rank 0 did not make (all of them elsewhere)
-            if unit.layout.segments and unit.index not in gathered:
-                engine.full_values(unit)
-        _agree(comm, error, "export")
+    written_by_rank0(engine, "export", write)
     return path

@@ -14,7 +14,12 @@ Note: streaming out
     holds one piece (at most one swap buffer) and its conversion, whatever the size of the model
     or of its largest tensor (a 128k-token embedding included). Shards are split the way
     ``huggingface_hub`` splits a state dict: in order, a new shard when the next tensor would go
-    over ``max_shard_size``, a larger tensor alone in its shard.
+    over ``max_shard_size``, a larger tensor alone in its shard; unlike it, the shard being
+    filled is closed before such a tensor, so every tensor is written in unit order (each unit
+    is read once, and with ranks every rank gathers the units in the same order).
+
+With several ranks ``save_pretrained`` is collective, as ``export`` is: each unit is gathered
+whole from the ranks' shares and rank 0 writes (host memory then holds one unit).
 
 Note: what is written, and when
     One name per parameter: the first under which ``named_parameters`` finds it, so tied
@@ -37,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from offload.api.checkpoint import UnitValues, written_by_rank0
 from offload.config import parse_size
 from offload.plan import Segment, Unit
 from offload.runtime.safetensors import NAMES, Produce, write_file
@@ -106,9 +112,13 @@ class _PieceReader:
             yield self._flat[a - lo : b - lo]
 
 
-def model_entries(model: nn.Module, dtype: torch.dtype | None = None) -> list[Entry]:
+def model_entries(
+    model: nn.Module, dtype: torch.dtype | None = None, whole: UnitValues | None = None
+) -> list[Entry]:
     """``(name, dtype, shape, producer)`` of every tensor a wrapped model's state dict holds, one
-    name per parameter, in unit order (each unit read once), then the persistent buffers."""
+    name per parameter, in unit order (each unit read once), then the persistent buffers. Each
+    tensor streams piece by piece from its owners, or, with ``whole`` (several ranks), comes
+    from its unit's gathered values."""
     from offload.api.wrap import engine_of  # noqa: PLC0415
 
     engine = engine_of(model)
@@ -119,14 +129,11 @@ def model_entries(model: nn.Module, dtype: torch.dtype | None = None) -> list[En
     for unit in engine.units:
         reader = _PieceReader(engine.values, unit)
         for seg in sorted(unit.layout.segments, key=lambda s: s.offset):
-            entries.append(
-                (
-                    first[seg.param],
-                    dtype or seg.dtype,
-                    list(seg.shape),
-                    lambda s=seg, r=reader: r.chunks(s),
-                )
-            )
+            if whole is None:
+                produce = lambda s=seg, r=reader: r.chunks(s)  # noqa: E731
+            else:
+                produce = lambda s=seg, u=unit: iter([whole.of(s.param, u).reshape(-1)])  # noqa: E731
+            entries.append((first[seg.param], dtype or seg.dtype, list(seg.shape), produce))
     for mname, module in model.named_modules():
         for bname, buf in module._buffers.items():
             if buf is None or bname in module._non_persistent_buffers_set:
@@ -149,7 +156,10 @@ def split_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry]]
     size = 0
     for entry in entries:
         n = _nbytes(entry)
-        if n > max_shard_size:
+        if n > max_shard_size:  # alone, after the shard being filled: tensors stay in order
+            if current:
+                shards.append(current)
+                current, size = [], 0
             shards.append([entry])
             continue
         if current and size + n > max_shard_size:
@@ -217,7 +227,20 @@ def save_pretrained(
     engine = engine_of(model)
     engine.check_idle("save_pretrained")
     directory = Path(directory)
-    write_shards(directory, model_entries(model, dtype), max_shard_size)
+    if engine.comm.world == 1:
+        write_shards(directory, model_entries(model, dtype), max_shard_size)
+        _write_config(model, engine, directory, dtype)
+    else:  # each rank holds a share: whole units are gathered, rank 0 writes (as export does)
+
+        def write(values: UnitValues) -> None:
+            write_shards(directory, model_entries(model, dtype, values), max_shard_size)
+            _write_config(model, engine, directory, dtype)
+
+        written_by_rank0(engine, "save_pretrained", write)
+    return directory
+
+
+def _write_config(model: nn.Module, engine, directory: Path, dtype: torch.dtype | None) -> None:
     hf_config = getattr(model, "config", None)
     if hf_config is not None and hasattr(hf_config, "to_json_file"):
         hf_config = copy.deepcopy(hf_config)
@@ -230,4 +253,3 @@ def save_pretrained(
         generation = getattr(model, "generation_config", None)
         if generation is not None and hasattr(generation, "save_pretrained"):
             generation.save_pretrained(directory)
-    return directory

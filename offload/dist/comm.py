@@ -69,7 +69,7 @@ class Handle:
             try:
                 done = work.wait(timeout=datetime.timedelta(seconds=self._comm.timeout))
             except Exception as exc:  # noqa: BLE001 - every backend error is said the same way
-                raise
+                raise self._comm.failure(self._op, self._what, exc) from exc
             finally:
                 self._comm.waited(self._op, time.perf_counter() - t0)
             if done is False:

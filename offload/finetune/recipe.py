@@ -78,8 +78,8 @@ def cosine_with_warmup(warmup: int, total: int):
 
 
 def offload_config(opts: Options, out: Path) -> dict:
-    """The user's config (or the defaults) with ``--lr``; in offload's format, an NVMe section
-    that names no ``nvme_path`` gets ``OUT/swap``."""
+    """The user's config (or the defaults) with ``--lr`` and ``--accum``; in offload's format,
+    an NVMe section that names no ``nvme_path`` gets ``OUT/swap``."""
     from offload.config import ConfigError, load_config  # noqa: PLC0415
     from offload.config.deepspeed import is_deepspeed_config  # noqa: PLC0415
     from offload.config.loader import read_config_file  # noqa: PLC0415
@@ -97,6 +97,8 @@ def offload_config(opts: Options, out: Path) -> dict:
     except ConfigError as exc:
         raise exc.with_source(opts.config) if opts.config else exc from None
     cfg["optimizer"]["lr"] = opts.lr
+    # the step in backward updates on the last micro-batch of each step: it is --accum's
+    cfg["gradient_accumulation_steps"] = opts.accum
     return cfg
 
 
@@ -138,7 +140,6 @@ def finetune(opts: Options, on_step=None) -> int:
         read_metrics,
         summarize,
     )
-    from offload.plan import Schedule  # noqa: PLC0415
 
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,12 +167,6 @@ def finetune(opts: Options, on_step=None) -> int:
     model, optimizer = offload.from_pretrained(opts.model, cfg)
     writer = None
     try:
-        in_backward = engine_of(model).plan.placement.schedule is Schedule.IN_BACKWARD
-        if in_backward and (opts.accum > 1 or opts.max_grad_norm > 0):
-            raise ValueError(
-                "offload_optimizer.step_in_backward updates each unit during backward: use "
-                "--accum 1 --max-grad-norm 0 with it"
-            )
         if opts.gradient_checkpointing:  # non-reentrant: offload's hooks run in recomputation
             kwargs = {"use_reentrant": False}
             if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
@@ -242,10 +237,9 @@ def finetune(opts: Options, on_step=None) -> int:
                     loss_sum += loss.item()
                     tokens += x.numel()
                 t2 = time.perf_counter()
-                norm = None
                 if opts.max_grad_norm > 0:
                     norm = float(optimizer.clip_grad_norm_(opts.max_grad_norm))
-                elif not in_backward:
+                else:
                     norm = float(optimizer.grad_norm())
                 lr = optimizer.param_groups[0]["lr"]
                 optimizer.step()

@@ -64,6 +64,8 @@ PARITY_2 = [
 ]
 PARITY_4 = [job("w4-s2-nvme-cpu", "nvme", "cpu", 2), job("w4-s3-cpu-nvme", "cpu", "nvme", 3)]
 COLLECTIVES = [job(f"coll-s{s}", "cpu", "cpu", s, steps=3, model="stack") for s in (1, 2, 3)]
+# the step in backward, speculating every step (no clipping, no accumulation)
+COLLECTIVES.append(job("coll-s3-sib", "cpu", "nvme", 3, steps=3, model="stack", accum=1, clip=0))
 
 
 @pytest.fixture(scope="module")
@@ -444,6 +446,19 @@ def test_collective_bytes_match_the_plan(two, stage):
             assert got == want
             assert st["collectives"]["all_reduce"]["calls"] == 1  # the norm and the flag
             assert st["collective_bytes"] == sum(want.values()) + 2 * 16
+
+
+def test_the_step_in_backward_gathers_each_unit_once_per_use(two):
+    """Stage 3 with the optimizer on NVMe, the update running in the backward: feeding a unit
+    to the update leaves the next unit's gather in flight, so the bytes are the plan's (when
+    each update dropped it, the next unit was gathered twice: 15% more, bench_dist.py)."""
+    cfg = placement_config("cpu", "nvme", Path("/tmp"))
+    cfg |= {"distributed": {"stage": 3}, "wrap": {"module_classes": ["StackBlock"]}}
+    plan = make_plan(StackLM(n=4), load_config(cfg), shard=ShardSpec(0, 2))
+    want = predict_collectives(plan, micro_steps=1)
+    for rank in range(2):
+        for st in result(two, "coll-s3-sib", rank)["stats"][1:]:
+            assert {op: st["collectives"][op]["bytes"] for op in want} == want
 
 
 def test_next_gather_and_previous_reduction_overlap_compute(two):

@@ -217,8 +217,9 @@ class ParamHome:
         (``MasterOwner.PARAMS``; only built then)."""
         raise NotImplementedError(f"{type(self).__name__} cannot hold the fp32 master")
 
-    def quiesce(self) -> None:
-        """Waits until no copy out of the home is in flight (before the update rewrites it)."""
+    def quiesce(self, unit: Unit | None = None) -> None:
+        """Waits until no copy out of the home is in flight (before the update rewrites it:
+        ``unit``'s share only, when given; every share otherwise)."""
         self.settle()
         self.transfers.wait(self._pending, "host->device")
         self._pending = COMPLETED
@@ -271,7 +272,7 @@ class DeviceParams(ParamHome):
     def master_view(self, unit: Unit) -> torch.Tensor:
         return self.flat[unit.index][self.plan.home_slice(unit, *unit.layout.local_trainable)]
 
-    def quiesce(self) -> None:
+    def quiesce(self, unit: Unit | None = None) -> None:
         self.settle()
         self.writer.quiesce()
 
@@ -588,12 +589,17 @@ class ShardedParams(_Released):
             self.storage.drop(unit)
         super().reshard(unit)
 
-    def settle(self) -> None:
+    def settle(self, unit: Unit | None = None) -> None:
+        """Drops the gathers in flight: they read shares about to be rewritten. With ``unit``
+        (the step in backward, before that unit's update) only its own: another unit's gather
+        reads a share this update leaves alone, and stays ready for its ``unshard`` (dropping
+        it gathered the next unit twice: 15% more stage-3 traffic, benchmarks/bench_dist.py)."""
         for index in list(self._inflight):
-            self.reshard(self.plan.units[index])
+            if unit is None or index == unit.index:
+                self.reshard(self.plan.units[index])
 
-    def quiesce(self) -> None:
-        self.settle()
+    def quiesce(self, unit: Unit | None = None) -> None:
+        self.settle(unit)
         self.inner.quiesce()
 
     def close(self) -> None:

@@ -347,7 +347,7 @@ class InBackward(Background):
             return
         if self.worker.failed:
             self.flush()
-        self.params.quiesce()  # host homes are about to be rewritten
+        self.params.quiesce(unit)  # the unit's share in its home is about to be rewritten
         self.feed.put(unit)
 
     def backward_ends(self, runs: list) -> None:

@@ -156,8 +156,9 @@ class OffloadOptimizerConfig(_SwapPool):
     """With "nvme": update each unit as soon as the last backward of a step (see
     gradient_accumulation_steps) has produced its gradients, so the update's disk traffic
     overlaps the backward; the update is speculative and kept or redone exactly at
-    optimizer.step() (clipping, fp16 overflow). False: the update runs after the backward, in
-    the background. No effect with "cpu"."""
+    optimizer.step() (clipping, fp16 overflow); it writes to a second NVMe extent of the master
+    and moments (12 more bytes of disk per parameter). False: the update runs after the
+    backward, in the background. No effect with "cpu"."""
 
     def __post_init__(self) -> None:
         self.device = as_choice(self._k("device"), self.device, {"cpu": (), "nvme": ()})

@@ -12,7 +12,9 @@ TFLOPS (6 N + attention, per step), peak GPU memory and peak RSS; with ``$OUT`` 
 figures also go to ``$OUT/gpu_7b.json``.
 
 ``--offload``: ``nvme`` is the recipe (params and optimizer state on NVMe under
-``--nvme-path``: 18 bytes per parameter there, ~121 GB for 7B; host RAM holds the pools);
+``--nvme-path``: 30 bytes per parameter there, ~202 GB for 7B: bf16 params 2, fp32 master,
+moments and gradient 16, the step in backward's second extent of master and moments 12; host
+RAM holds the pools);
 ``cpu`` keeps the params on the GPU and the optimizer state in host RAM (16 bytes per parameter,
 ~108 GB for 7B: for a machine with >= 128 GB of RAM and too little disk); ``auto`` picks
 ``nvme`` when the disk has room, else ``cpu`` when RAM has, else stops and says why.
@@ -64,17 +66,22 @@ def recipe_config(device: str, dtype: str, nvme_path: str, placement: str) -> di
     }
 
 
+# bf16 params 2 + fp32 master, m, v, grad 16 + the step in backward's second extent 12
+NVME_BYTES_PER_PARAM = 30
+
+
 def choose_placement(wanted: str, n_params: int, nvme_path: str) -> str:
     if wanted != "auto":
         return wanted
     disk = shutil.disk_usage(nvme_path).free
     ram = psutil.virtual_memory().available
-    if disk > 18 * n_params * 1.05:
+    if disk > NVME_BYTES_PER_PARAM * n_params * 1.05:
         return "nvme"
     if ram > 16 * n_params * 1.1:
         return "cpu"
     raise SystemExit(
-        f"gpu_7b: {n_params / 1e9:.1f}B parameters need {18 * n_params / 1e9:.0f} GB on NVMe "
+        f"gpu_7b: {n_params / 1e9:.1f}B parameters need "
+        f"{NVME_BYTES_PER_PARAM * n_params / 1e9:.0f} GB on NVMe "
         f"(free at {nvme_path}: {disk / 1e9:.0f} GB) or {16 * n_params / 1e9:.0f} GB of RAM "
         f"(available: {ram / 1e9:.0f} GB); pass --nvme-path on a larger disk"
     )

@@ -103,7 +103,8 @@ def test_estimate_rows_carry_the_paper_figure_and_offload_shrinks_the_device():
         # "auto" buffers hold one rank's share of a unit: 7.5e9 / 32 / 64 params
         unit = -(-psi // 32)
         share = -(-unit // n)
-        assert nvme.nvme_per_rank == both.host_per_rank
+        # on disk as on the host, plus the step in backward's second extent of master, m, v
+        assert nvme.nvme_per_rank == both.host_per_rank + -(-12 * psi // part)
         assert nvme.host_per_rank == 5 * _round4k(2 * share) + 8 * _round4k(4 * share)
         assert none.comm_per_rank == (3 if stage == 3 else 2) * 2 * psi
         assert 0 < opt.device_working <= nvme.device_working
@@ -122,7 +123,7 @@ def test_fits_against_the_machine():
     assert rows[0, "cpu_optimizer"].fits_device is True  # 14 GB of bf16 params on the device
     assert rows[0, "cpu_optimizer"].fits_host is True  # 112 GB of fp32 state on the host
     assert rows[0, "cpu_optimizer_params"].fits
-    assert rows[0, "nvme"].fits and rows[0, "nvme"].nvme_per_node == 18 * 7 * est.GB
+    assert rows[0, "nvme"].fits and rows[0, "nvme"].nvme_per_node == (18 + 12) * 7 * est.GB
     small = est.estimate(7_000_000_000, est.Machine(gpu_mem=80 * est.GB, host_mem=64 * est.GB))
     row = {(r.stage, r.placement): r for r in small.rows}
     assert row[0, "cpu_optimizer"].fits_host is False and not row[0, "cpu_optimizer"].fits

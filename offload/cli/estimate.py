@@ -172,7 +172,8 @@ def format_estimate(result: est.Estimate) -> str:
         f"dtype {result.precision}: "
         f"{prec.params} B params + {prec.grads} B grads + {prec.optimizer} B optimizer per "
         f"parameter on the device (K = {prec.optimizer}); "
-        f"{est.OFFLOADED_OPTIMIZER_BYTES} B (fp32 master, m, v, grad) when offloaded",
+        f"{est.OFFLOADED_OPTIMIZER_BYTES} B (fp32 master, m, v, grad) when offloaded, "
+        f"+{est.VERSIONED_OPTIMIZER_BYTES} B on NVMe for the step in backward's second extent",
         f"machine: {m.ranks} rank{'s' if m.ranks > 1 else ''} ({m.gpus_per_node} per node x "
         f"{m.nodes} node{'s' if m.nodes > 1 else ''}); "
         f"device {fmt_bytes(m.gpu_mem) if m.gpu_mem else 'not given'}, "

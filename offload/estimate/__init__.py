@@ -24,7 +24,10 @@ Note: offload placements
     autograd accumulates it and each unit is reduce-scattered once per step), which stage 2
     streams off unit by unit instead. ``nvme`` (ZeRO-Infinity):
     both live on NVMe and the host holds only the pinned staging pools, sized as ``wrap`` sizes
-    them (see the Note on staging pools). Partitioning follows the stage in every placement
+    them (see the Note on staging pools). The step in backward (the default with NVMe) writes
+    its speculative update to a second extent of the master and moments, so the NVMe figure
+    adds 12 bytes per parameter of the partition for it (``VERSIONED_OPTIMIZER_BYTES``; without
+    ``offload_optimizer.step_in_backward`` they are not reserved). Partitioning follows the stage in every placement
     (optimizer and fp32 grads split at stage >= 1, params at stage 3), so stage 0 with offload
     means every rank keeps a full copy on its host or disk.
 
@@ -118,6 +121,8 @@ PLACEMENT_TITLES: dict[str, str] = {
 
 # Bytes per parameter on the host or NVMe for an offloaded optimizer: fp32 master, m, v, grad.
 OFFLOADED_OPTIMIZER_BYTES = 16
+# The step in backward's second NVMe extent of fp32 master, m and v (the default with NVMe).
+VERSIONED_OPTIMIZER_BYTES = 12
 # The documented host budget (see the module Note): fp32 copies of the largest unit, fixed bytes.
 HOST_UNITS = 4
 HOST_FIXED_BYTES = 48 * 2**20
@@ -440,7 +445,7 @@ def placement_row(
         host = opt_state + param_state
     elif placement == "nvme":
         host = sum(pool.nbytes for pool in staging_pools(machine, unit_params, precision))
-        nvme = opt_state + param_state
+        nvme = opt_state + _split(VERSIONED_OPTIMIZER_BYTES * params, n_opt) + param_state
     total = states + working + activations
     r = machine.gpus_per_node
     fits_device = None if machine.gpu_mem is None else total <= machine.gpu_mem
@@ -493,6 +498,7 @@ class Estimate:
                 "grads": prec.grads,
                 "optimizer": prec.optimizer,
                 "offloaded_optimizer": OFFLOADED_OPTIMIZER_BYTES,
+                "versioned_optimizer_nvme": VERSIONED_OPTIMIZER_BYTES,
             },
             "machine": asdict(self.machine) | {"ranks": self.machine.ranks},
             "unit_params": self.unit_params,

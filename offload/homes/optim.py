@@ -243,8 +243,10 @@ class NvmeOptim(OptimHome):
         return out
 
     def held(self) -> dict[str, int]:
+        """On disk: master and moments, twice with versions (each shard's second extent)."""
         n = sum(b - a for u in self.plan.units for a, b in self.pieces(u))
-        return {"nvme": 4 * len(KINDS) * n}
+        extents = 2 if self.plan.placement.versioned_state else 1
+        return {"nvme": 4 * len(KINDS) * n * extents}
 
     def load(self, unit: Unit, kind: str, lo: int, hi: int, values: torch.Tensor) -> None:
         values = values.to(torch.float32).contiguous()

@@ -386,7 +386,7 @@ def format_summary(
             + " s"
             + (
                 f" ({s['step_background_median']:.3f} s of the CPU step in the background, "
-                "beside the next forward)"
+                "overlapped with the backward or the next forward)"
                 if s.get("step_background_median")
                 else ""
             )

@@ -55,6 +55,7 @@ from offload.api import checkpoint_files as files
 from offload.api.checkpoint_files import CheckpointError
 from offload.homes.optim import KINDS
 from offload.plan import Unit
+from offload.runtime.safetensors import write_file
 from offload.runtime.values import FROZEN, ValueSource
 
 __all__ = ["CheckpointError", "export", "load_checkpoint", "save_checkpoint"]
@@ -563,10 +564,7 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
                     entries.append(
                         (full, bdt, list(buf.shape), lambda b=buf, d=bdt: iter([b.to(d)]))
                     )
-        tmp = path.with_name(path.name + ".tmp")
-        files.write_safetensors(tmp, entries, metadata={"format": "pt", "producer": "offload"})
-        os.replace(tmp, path)
-        files.fsync_dir(path.parent if str(path.parent) else Path("."))
+        write_file(path, entries, metadata={"format": "pt", "producer": "offload"})
 
     written_by_rank0(engine, "export", write)
     return path

@@ -65,6 +65,8 @@ from pathlib import Path
 
 import torch
 
+from offload.runtime.safetensors import fsync_dir, write_stream
+
 FORMAT = "offload-checkpoint"
 VERSION = 3
 READS = (2, 3)  # versions this reader accepts
@@ -158,54 +160,21 @@ class _Hasher:
         return self.whole.hexdigest(), tuple(self.blocks)
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_safetensors(
     path: Path, entries: list[Entry], metadata: dict[str, str] | None = None
 ) -> FileRecord:
     """Writes a safetensors file whose tensors are produced piece by piece (in order), hashing
     the bytes as they go out; fsyncs it. Returns its size, checksum and tensors."""
-    header: dict = {}
-    offset = 0
-    for name, dtype, shape, _ in entries:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {
-            "dtype": ST_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    if metadata:
-        header["__metadata__"] = metadata
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
     digest = _Hasher()
     size = 0
+
+    def sink(data) -> None:
+        nonlocal size
+        digest.update(data)
+        size += len(data)
+
     with open(path, "wb") as f:
-        for head in (struct.pack("<Q", len(raw)), raw):
-            f.write(head)
-            digest.update(head)
-            size += len(head)
-        for name, dtype, _shape, produce in entries:
-            written = 0
-            for piece in produce():
-                piece = piece.detach().to("cpu", dtype).contiguous().reshape(-1)
-                data = memoryview(piece.view(torch.uint8).numpy())
-                f.write(data)
-                digest.update(data)
-                written += len(data)
-            want = header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
-            if written != want:
-                raise RuntimeError(
-                    f"checkpoint: tensor '{name}' produced {written} bytes, expected {want}"
-                )
-            size += written
+        header = write_stream(f, entries, metadata, sink=sink, names=ST_DTYPES, what="checkpoint")
         f.flush()
         os.fsync(f.fileno())
     tensors = {

@@ -25,6 +25,7 @@ import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -146,7 +147,8 @@ Produce = Callable[[], Iterable[torch.Tensor]]
 """Yields a tensor's values in order, in chunks of any size (converted to the entry's dtype)."""
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Makes a rename or a new file in directory ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -154,20 +156,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file(
-    path: str | os.PathLike,
-    entries: list[tuple[str, torch.dtype, list[int], Produce]],
+Entry = tuple[str, torch.dtype, list[int], Produce]
+
+
+def write_stream(
+    f: BinaryIO,
+    entries: list[Entry],
     metadata: dict[str, str] | None = None,
-) -> Path:
-    """Writes ``entries`` (name, dtype, shape, producer) as one safetensors file, streaming
-    (see the module Note); returns its path."""
-    path = Path(path)
+    *,
+    sink: Callable[[memoryview | bytes], None] | None = None,
+    names: dict[torch.dtype, str] = NAMES,
+    what: str = "safetensors",
+) -> dict:
+    """Writes ``entries`` (name, dtype, shape, producer) as a safetensors stream into the open
+    binary file ``f`` (see the module Note); every byte written also goes to ``sink`` (a
+    checksum, say). ``names``: the dtypes allowed and their codes. Returns the header."""
     header: dict = {}
     offset = 0
     for name, dtype, shape, _ in entries:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         header[name] = {
-            "dtype": NAMES[dtype],
+            "dtype": names[dtype],
             "shape": list(shape),
             "data_offsets": [offset, offset + nbytes],
         }
@@ -176,27 +185,42 @@ def write_file(
         header["__metadata__"] = metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    for head in (struct.pack("<Q", len(raw)), raw):
+        f.write(head)
+        if sink is not None:
+            sink(head)
+    for name, dtype, _shape, produce in entries:
+        written = 0
+        for chunk in produce():
+            chunk = chunk.detach().to("cpu", dtype).contiguous().reshape(-1)
+            data = memoryview(chunk.view(torch.uint8).numpy())
+            f.write(data)
+            if sink is not None:
+                sink(data)
+            written += len(data)
+        begin, end = header[name]["data_offsets"]
+        if written != end - begin:
+            raise RuntimeError(
+                f"{what}: tensor '{name}' produced {written} bytes, expected {end - begin}"
+            )
+    return header
+
+
+def write_file(
+    path: str | os.PathLike, entries: list[Entry], metadata: dict[str, str] | None = None
+) -> Path:
+    """Writes ``entries`` (name, dtype, shape, producer) as one safetensors file, streaming
+    (see the module Note); returns its path."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for name, dtype, _shape, produce in entries:
-                written = 0
-                for chunk in produce():
-                    chunk = chunk.detach().to("cpu", dtype).contiguous().reshape(-1)
-                    f.write(memoryview(chunk.view(torch.uint8).numpy()))
-                    written += chunk.numel() * dtype.itemsize
-                begin, end = header[name]["data_offsets"]
-                if written != end - begin:
-                    raise RuntimeError(
-                        f"{path}: tensor '{name}' produced {written} bytes, expected {end - begin}"
-                    )
+            write_stream(f, entries, metadata, what=str(path))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path

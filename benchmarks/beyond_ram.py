@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -39,6 +38,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from _llama import PeakRss, llama_config, meta_model, param_count, random_weights  # noqa: E402
+
+from offload.io._owner import disk_bytes  # noqa: E402
 
 # hidden, intermediate, layers, heads, kv heads, vocab
 SIZES = {
@@ -83,17 +84,6 @@ def write_checkpoint(directory: Path, size: str, shard_size: str) -> dict:
         "seconds": seconds,
         "peak_growth": peak - base,
     }
-
-
-def _du(path: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(root, f)).st_blocks * 512
-            except OSError:
-                pass
-    return total
 
 
 def train_phase(args: argparse.Namespace) -> dict:
@@ -156,7 +146,7 @@ def train_phase(args: argparse.Namespace) -> dict:
         state_bytes=(ITEMSIZE[args.dtype] + 12) * n,
         state_with_grads_bytes=(ITEMSIZE[args.dtype] + 16) * n,
         ram_bytes=psutil.virtual_memory().total,
-        nvme_bytes_after_load=_du(swap),
+        nvme_bytes_after_load=disk_bytes(str(swap)),
     )
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -187,7 +177,7 @@ def train_phase(args: argparse.Namespace) -> dict:
         print(f"beyond_ram: step {len(steps)}: {steps[-1]}", file=sys.stderr, flush=True)
     phase("train", time.perf_counter() - t_train)
     out["steps"] = steps
-    out["nvme_bytes_training"] = _du(swap)
+    out["nvme_bytes_training"] = disk_bytes(str(swap))
     if args.export:
         rss.start()
         t0 = time.perf_counter()

@@ -45,13 +45,11 @@ import torch.nn as nn
 from offload.api.checkpoint import UnitValues, written_by_rank0
 from offload.config import parse_size
 from offload.plan import Segment, Unit
-from offload.runtime.safetensors import NAMES, Produce, write_file
+from offload.runtime.safetensors import NAMES, Entry, write_file
 from offload.runtime.values import FROZEN, Values
 from offload.runtime.weights import INDEX, SINGLE
 
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-
-Entry = tuple[str, torch.dtype, list[int], Produce]
 
 
 def _need_transformers(what: str):

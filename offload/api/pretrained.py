@@ -225,16 +225,15 @@ def save_pretrained(
     engine = engine_of(model)
     engine.check_idle("save_pretrained")
     directory = Path(directory)
-    if engine.comm.world == 1:
-        write_shards(directory, model_entries(model, dtype), max_shard_size)
+
+    def write(values: UnitValues) -> None:
+        # one rank streams each tensor piece by piece; with several each holds a share, so
+        # whole units are gathered (rank 0 writes, as export does)
+        whole = values if engine.comm.world > 1 else None
+        write_shards(directory, model_entries(model, dtype, whole), max_shard_size)
         _write_config(model, engine, directory, dtype)
-    else:  # each rank holds a share: whole units are gathered, rank 0 writes (as export does)
 
-        def write(values: UnitValues) -> None:
-            write_shards(directory, model_entries(model, dtype, values), max_shard_size)
-            _write_config(model, engine, directory, dtype)
-
-        written_by_rank0(engine, "save_pretrained", write)
+    written_by_rank0(engine, "save_pretrained", write)
     return directory
 
 

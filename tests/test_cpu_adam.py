@@ -444,3 +444,26 @@ def test_cpu_adam_deepcopy_and_repr():
     clone = copy.deepcopy(opt)
     assert clone.param_groups[0]["adamw_mode"] is False
     assert "CPUAdam" in repr(opt)
+
+
+@pytest.mark.parametrize("path", ["native", "fallback"])
+def test_cpu_adam_params_of_one_group_at_different_steps_match_torch(path):
+    """A group's tensors go to the kernel together, batched by their own step count: a
+    parameter that missed steps (no gradient) must keep its own bias correction."""
+    model, ref = _model(4), _model(4)
+    opt = CPUAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    gen = torch.Generator().manual_seed(5)
+    with kernel_path(path):
+        for i in range(6):
+            x = torch.randn(8, 33, generator=gen)
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                m(x).pow(2).mean().backward()
+                if i < 3:
+                    m[2].bias.grad = None  # the last layer's bias skips the first three steps
+                o.step()
+    assert opt.state[model[2].bias]["step"].item() == 3
+    assert opt.state[model[0].weight]["step"].item() == 6
+    for a, b in zip(model.parameters(), ref.parameters()):
+        _assert_close(a.detach(), b.detach(), "params whose step counts differ")

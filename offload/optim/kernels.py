@@ -36,7 +36,7 @@ import torch
 
 from offload import _native
 
-__all__ = ["adam_step", "accumulate_grad"]
+__all__ = ["adam_step", "adam_step_many", "accumulate_grad"]
 
 # dtype codes shared with csrc/cpu_adam.h (enum DType)
 _GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -285,6 +285,19 @@ class AdamGroup:
             self._out_code,
             *c.native_args(),
         )
+
+
+def adam_step_many(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    **hyper,
+) -> None:
+    """:func:`adam_step` of every tensor (``grads[i]`` for ``params[i]``, the same step and
+    hyperparameters) in one native call: the pool splits all of them into tasks at once, where
+    a call per tensor would pay a dispatch and a tail each (what :class:`CPUAdam` runs)."""
+    AdamGroup(params, exp_avgs, exp_avg_sqs).step(grads, **hyper)
 
 
 _FALLBACK_CHUNK = 1 << 22  # elements per torch pass: bounds the fallback's temporaries

@@ -101,6 +101,8 @@ class OptimHome:
 class ParamsMaster:
     """The param home's fp32 host buffer is the master: the update writes it in place."""
 
+    writes_out = False  # the update writes no compute copy (HostMaster: piece by piece)
+
     def __init__(self, params: ParamHome) -> None:
         self.params = params
 
@@ -118,7 +120,10 @@ class ParamsMaster:
 
 
 class HostMaster(ParamsMaster):
-    """A flat fp32 host buffer of its own; the update writes the compute params out of it."""
+    """A flat fp32 host buffer of its own; the update writes the compute params out of it,
+    through the param home's buffers (pool buffers with params on NVMe: one piece at a time)."""
+
+    writes_out = True
 
     def create(self, unit: Unit, values: MasterValues) -> torch.Tensor:
         lo, hi = unit.layout.local_trainable
@@ -173,12 +178,27 @@ class HostOptim(OptimHome):
         n = sum(b[k].numel() * b[k].element_size() for b in self.bufs.values() for k in kinds)
         return {"host": n}
 
+    def step_units(self, units: Units, hyper: Hyper, on_unit_done=None) -> None:
+        """The whole update at once when nobody waits for single units (``optimizer.step()``)
+        and no piece holds a buffer of the param home: the gradients' owner may then make it
+        one kernel call."""
+        if on_unit_done is not None or self.master.writes_out:
+            super().step_units(units, hyper, on_unit_done)
+            return
+        pieces = [self._piece(unit, lo, hi) for unit in units for lo, hi in self.pieces(unit)]
+        self.grads.update_many(pieces, hyper)
+        for unit, lo, hi, *_ in pieces:
+            self.master.commit(unit, lo, hi)
+
     def step(self, unit: Unit, hyper: Hyper) -> None:
         for lo, hi in self.pieces(unit):
-            master, exp_avg, exp_avg_sq = (self._view(unit, k, lo, hi) for k in KINDS)
-            out = self.master.out(unit, lo, hi)
-            self.grads.update(unit, lo, hi, master, exp_avg, exp_avg_sq, out, hyper)
+            self.grads.update(*self._piece(unit, lo, hi), hyper)
             self.master.commit(unit, lo, hi)
+
+    def _piece(self, unit: Unit, lo: int, hi: int) -> tuple:
+        """What the gradients' owner's ``update`` takes for a piece, before ``hyper``."""
+        master, exp_avg, exp_avg_sq = (self._view(unit, k, lo, hi) for k in KINDS)
+        return unit, lo, hi, master, exp_avg, exp_avg_sq, self.master.out(unit, lo, hi)
 
 
 # ---------------------------------------------------------------------------- nvme

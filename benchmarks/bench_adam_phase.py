@@ -13,8 +13,9 @@ Variants (interleaved A B C D per rep, both modes in each rep; medians over ``--
 ``--warmup`` steps):
 
 - ``offload wrap``: ``offload.wrap(model, device="cpu", offload_optimizer.device="cpu")``,
-  the engine's host optimizer (one fused ``adam_step`` per unit).
-- ``offload CPUAdam``: ``offload.optim.CPUAdam`` as a drop-in ``torch.optim.Optimizer``.
+  the engine's host optimizer (one native call for the whole step).
+- ``offload CPUAdam``: ``offload.optim.CPUAdam`` as a drop-in ``torch.optim.Optimizer`` (one
+  native call per param group).
 - ``DeepSpeedCPUAdam``: the peer, as a drop-in optimizer (``adamw_mode=True``).
 - ``torch AdamW fused``: ``torch.optim.AdamW(fused=True)``, for orientation.
 

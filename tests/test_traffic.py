@@ -146,3 +146,30 @@ def test_stats_separates_buffer_bytes_used_from_reserved(tmp_path):
         assert 0 < st["host_peak_bytes"] <= (4 + 16) * largest * 4 < reserved
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("clip", [0.0, 1e9], ids=["plain", "clip-kept"])
+def test_accumulating_step_in_backward_reads_no_grad_piece_twice(tmp_path, clip):
+    """With the step in backward and accumulation the optimizer store's buffers belong to the
+    update (its read-ahead and the grad pieces it holds: fewer than the model has here); grad
+    pieces the access trace fetched ahead of the last backward were evicted before their use
+    and read twice. So that store reads ahead nothing, and no more than the plan's fetches."""
+    cfg = _config(tmp_path, "nvme", "nvme", "fp32", step_in_backward=True)
+    cfg["offload_optimizer"]["buffer_count"] = 16
+    cfg["prefetch"] = {"depth": 2}
+    model, opt = offload.wrap(StackLM(), cfg)
+    runtime = engine_of(model)
+    try:
+        pieces = sum(len(runtime.plan.trainable_pieces(u)) for u in runtime.units)
+        assert runtime.plan.placement.grad_hold < pieces  # the buffers are short, as in use
+        predicted = predict_iteration(runtime.plan, micro_steps=2, retained=clip > 0)
+        store = runtime.stores["offload_optimizer"]
+        _iterate(model, opt, 2, 2, clip)  # the trace is recorded (the last backward's uses)
+        before, started = _counters(runtime)["offload_optimizer"], store.stats()
+        _iterate(model, opt, 3, 2, clip)
+        after = _counters(runtime)["offload_optimizer"]
+        assert store.stats()["prefetches_started"] == started["prefetches_started"]
+        reads = after["nvme->host"] - before["nvme->host"]
+        assert reads <= 3 * predicted.stores["offload_optimizer"].fetched
+    finally:
+        opt.close()

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from smaps import mapping_field
 
 from offload.io import BufferPool, OffloadIOError, aligned, aligned_empty
 from offload.io.errors import PoolExhaustedError
@@ -24,20 +25,6 @@ def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
     vec = (ctypes.c_ubyte * pages)()
     assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(n), vec) == 0
     return sum(v & 1 for v in vec), pages
-
-
-def _vm_flags(addr: int) -> list[str]:
-    """The VmFlags of the mapping that holds ``addr`` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds 0x{addr:x}")
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 7, 1023, 4096, (1 << 20) + 3])
@@ -69,7 +56,7 @@ def test_large_buffers_are_populated_huge_page_mappings(nbytes):
     t = aligned_empty(nbytes, dtype=torch.uint8 if nbytes % 4 else torch.float32)
     assert t.numel() * t.element_size() == nbytes
     assert t.data_ptr() % aligned.HUGE_PAGE == 0
-    assert "hg" in _vm_flags(t.data_ptr())  # MADV_HUGEPAGE
+    assert "hg" in mapping_field(t.data_ptr(), "VmFlags:")  # MADV_HUGEPAGE
     resident, pages = _resident_pages(t)
     assert resident == pages
     t.view(torch.uint8).fill_(7)

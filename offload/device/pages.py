@@ -21,8 +21,8 @@ Note: why not free and reallocate
     the block aligned to 2 MiB; its tail stays in 4 KiB pages, so no unit holds more than it
     uses): one fault per 2 MiB instead of 512. Writing a released 19 MiB unit took 6.5 ms with
     4 KiB pages and 2.7 ms with huge pages (1.0-1.2 ms into resident pages); over the ~20
-    gathers of an NVMe iteration of the 50M demo GPT that predicts ~75 ms, but five A/B pairs
-    of that iteration (1.46-1.55 s) could not tell the two apart. Where THP is off
+    gathers of an NVMe iteration of the 50M demo GPT that predicts ~75 ms, but five scratch
+    A/B pairs of that iteration (1.40-1.56 s) could not tell the two apart. Where THP is off
     (``never``) the advice does nothing and the block behaves as before.
 
     Linux only (the ``madvise`` semantics above); elsewhere the storages are freed and

@@ -416,3 +416,14 @@ def test_host_memory_budget_is_the_readme_sum():
     for bad in (-1, 1.5, True):
         with pytest.raises(est.EstimateError, match="largest_unit_params"):
             est.host_memory_budget(0, bad)
+
+
+def test_fp32_on_one_rank_keeps_one_copy_of_the_weights_on_nvme():
+    """The params are the master there: m, v and grad (12), the second extents of m and v (8)
+    and of the params (4), and the params (4); bf16 keeps its own fp32 master."""
+    psi = 10**9
+    one = est.Machine(gpus_per_node=1)
+    row = est.placement_row(psi, 0, "nvme", one, precision="fp32", unit_params=psi // 32)
+    assert row.nvme_per_rank == 28 * psi
+    bf16 = est.placement_row(psi, 0, "nvme", one, precision="bf16", unit_params=psi // 32)
+    assert bf16.nvme_per_rank == (16 + 12 + 2) * psi

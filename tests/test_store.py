@@ -469,3 +469,36 @@ def test_versions_commit_or_roll_back_all_that_was_written(tmp_path):
             store.commit_version()
         store.unregister("a")
         assert "a" not in store
+
+
+def test_a_version_commits_under_a_reader_but_rolls_back_only_without_one(tmp_path):
+    """The worker that redoes an update commits its version while the next forward may be
+    reading a shard it wrote (the param home's shards are the master): the reader keeps the new
+    value, and what it writes afterwards goes to the committed extent. A rollback must drop
+    every copy the version wrote, so it refuses while one is fetched."""
+    with make_store(tmp_path, buffers=2) as store:
+        store.register("a", 1000, torch.float32, Tier.NVME, versioned=True,
+                       init=torch.full((1000,), 1.0))  # fmt: skip
+
+        def value():
+            out = torch.empty(1000)
+            store.read_into("a", out)
+            return float(out[0])
+
+        store.begin_version()
+        with store.borrow("a") as buf:
+            buf.fill_(2.0)
+        reader = store.fetch("a", Tier.HOST).wait()
+        with pytest.raises(RuntimeError, match="while 'a' is fetched"):
+            store.rollback_version()
+        assert store.commit_version() == 1
+        assert float(reader[0]) == 2.0
+        reader.fill_(3.0)
+        store.release("a", Tier.HOST, dirty=True)
+        store.flush()
+        assert value() == 3.0
+        store.begin_version()
+        with store.borrow("a") as buf:
+            buf.fill_(4.0)
+        assert store.rollback_version() == 1
+        assert value() == 3.0  # the committed extent held the reader's write

@@ -43,7 +43,14 @@ from offload.config import ConfigError, OffloadConfig, load_config
 from offload.device import HostMemory, Transfers, for_device
 from offload.dist import Comm, LocalComm, comm_for
 from offload.homes.grads import AutogradGrads, HeldNvmeGrads, HostGrads, NvmeGrads
-from offload.homes.optim import HostMaster, HostOptim, NvmeOptim, ParamsMaster
+from offload.homes.optim import (
+    HostMaster,
+    HostOptim,
+    NvmeMaster,
+    NvmeOptim,
+    ParamShardsMaster,
+    ParamsMaster,
+)
 from offload.homes.params import DeviceParams, HostParams, NvmeParams, ShardedParams
 from offload.plan import (
     GradOwner,
@@ -116,10 +123,19 @@ GRAD_HOMES = {
         b.plan, b.stores["offload_optimizer"], b.plan.placement.grad_hold
     ),
 }
-OPTIM_HOMES = {
-    MasterOwner.PARAMS: lambda b, p, g: HostOptim(b.plan, p, g, ParamsMaster(p)),
-    MasterOwner.HOST: lambda b, p, g: HostOptim(b.plan, p, g, HostMaster(p)),
-    MasterOwner.NVME: lambda b, p, g: NvmeOptim(b.plan, p, g, b.stores["offload_optimizer"]),
+OPTIM_HOMES = {  # (who owns the master, offload_optimizer.device)
+    (MasterOwner.PARAMS, "cpu"): lambda b, p, g: HostOptim(b.plan, p, g, ParamsMaster(p)),
+    (MasterOwner.HOST, "cpu"): lambda b, p, g: HostOptim(b.plan, p, g, HostMaster(p)),
+    (MasterOwner.NVME, "nvme"): lambda b, p, g: NvmeOptim(
+        b.plan, p, g, b.stores["offload_optimizer"], NvmeMaster(p, b.stores["offload_optimizer"])
+    ),
+    (MasterOwner.PARAMS, "nvme"): lambda b, p, g: NvmeOptim(
+        b.plan,
+        p,
+        g,
+        b.stores["offload_optimizer"],
+        ParamShardsMaster(p, b.stores["offload_optimizer"]),
+    ),
 }
 GRAD_PATHS = {  # when gradients are reduced across ranks (plan.GradReduce)
     GradReduce.NONE: lambda b, owner, staging: Grads(owner, staging, b.plan.units, b.comm),
@@ -287,7 +303,7 @@ def _build(
     if placement.shard_params:  # stage 3: the home holds this rank's share; unshard gathers
         params = ShardedParams(plan, transfers, memory, params, comm)
     grad_home = GRAD_HOMES[(placement.grads, placement.schedule)](b)
-    optim = OPTIM_HOMES[placement.master](b, params, grad_home)
+    optim = OPTIM_HOMES[placement.master, placement.optim_home](b, params, grad_home)
     for unit in plan.units:  # piece by piece from the source (see offload.runtime.values)
         params.create(unit, lambda lo, hi, u=unit: source.values(u, lo, hi, placement.dtype))
         grad_home.create(unit)

@@ -27,7 +27,9 @@ Note: offload placements
     them (see the Note on staging pools). The step in backward (the default with NVMe) writes
     its speculative update to a second extent of the master and moments, so the NVMe figure
     adds 12 bytes per parameter of the partition for it (``VERSIONED_OPTIMIZER_BYTES``; without
-    ``offload_optimizer.step_in_backward`` they are not reserved). Partitioning follows the stage in every placement
+    ``offload_optimizer.step_in_backward`` they are not reserved). With fp32 compute on one rank
+    the params on NVMe are the master (``offload.plan.ownership``): 4 + 4 bytes of master fewer,
+    and the params' own second extent (P) more. Partitioning follows the stage in every placement
     (optimizer and fp32 grads split at stage >= 1, params at stage 3), so stage 0 with offload
     means every rank keeps a full copy on its host or disk.
 
@@ -446,6 +448,10 @@ def placement_row(
     elif placement == "nvme":
         host = sum(pool.nbytes for pool in staging_pools(machine, unit_params, precision))
         nvme = opt_state + _split(VERSIONED_OPTIMIZER_BYTES * params, n_opt) + param_state
+        if ranks == 1 and prec.name == "fp32":
+            # the params are the master: no master of its own nor its second extent, the
+            # params' second extent instead (offload.plan.ownership)
+            nvme += param_state - 2 * 4 * params
     total = states + working + activations
     r = machine.gpus_per_node
     fits_device = None if machine.gpu_mem is None else total <= machine.gpu_mem

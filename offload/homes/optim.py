@@ -6,9 +6,11 @@ in the plan's pieces.
   :class:`ParamsMaster` (the param home's own fp32 buffer) or a :class:`HostMaster` (a buffer
   of its own, the compute params derived from it). The update is one native CPU Adam call per
   piece (the kernel's thread pool splits it).
-- :class:`NvmeOptim` (``"nvme"``): one NVMe shard per (unit, piece, kind) for master, exp_avg and
+- :class:`NvmeOptim` (``"nvme"``): one NVMe shard per (unit, piece, kind) for exp_avg and
   exp_avg_sq, streamed through the ``offload_optimizer`` buffer pool; host RAM never holds a
-  model-sized fp32 buffer.
+  model-sized fp32 buffer. The master is an :class:`NvmeMaster` (shards of its own beside the
+  moments, the compute params derived) or a :class:`ParamShardsMaster` (the param home's fp32
+  NVMe shards: one copy of the weights on disk).
 
 Which owns the master and which owns the gradients is the plan's decision
 (``offload.plan.ownership``); the update reads gradients from their owner.
@@ -26,6 +28,7 @@ from offload.homes.grads import GradHome, Hyper
 from offload.homes.params import ParamHome
 from offload.optim import adam_step
 from offload.plan import Plan, Unit
+from offload.store import Tier
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 MOMENTS = KINDS[1:]
@@ -202,77 +205,142 @@ class HostOptim(OptimHome):
 
 
 # ---------------------------------------------------------------------------- nvme
+def _key(unit: Unit, kind: str, lo: int) -> str:
+    return f"{kind}.u{unit.index}.{lo}"
+
+
+class NvmeMaster:
+    """``MasterOwner.NVME``: fp32 master shards ``master.u<unit>.<lo>`` in the optimizer store,
+    fetched with the moments; the update writes the compute params out through the param home,
+    and after a rollback they are derived from the master again."""
+
+    kinds = KINDS  # the optimizer store's shards of a piece
+
+    def __init__(self, params: ParamHome, store) -> None:
+        self.params, self.store = params, store
+
+    def hold(self, unit: Unit, lo: int, hi: int):
+        """What the update holds of the param home from the piece's read-ahead on: nothing."""
+        return None
+
+    def tensors(self, item: _Piece, fetched: list[torch.Tensor]) -> tuple:
+        """``(master, exp_avg, exp_avg_sq, out)`` of a piece whose ``kinds`` are ``fetched``;
+        what the piece holds of the param home is ``item.out`` until it is committed."""
+        item.out = self.params.out_buffer(item.unit, item.lo, item.hi)
+        return (*fetched, item.out)
+
+    def read(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        self.store.read_into(_key(unit, "master", lo), out)
+        return out
+
+    def load(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
+        self.store.write_from(_key(unit, "master", lo), values)
+        self.params.load_shard(unit, lo, hi, values.to(self.params.dtype))
+
+    def stores(self) -> tuple:
+        """Every store whose shards an update writes (its versions are theirs)."""
+        return (self.store,)
+
+    def derive_params(self, unit: Unit, pieces: list[tuple[int, int]]) -> None:
+        """Writes the unit's compute params from the master (after a rollback)."""
+        for lo, hi in pieces:
+            self.params.load_shard(unit, lo, hi, self.read(unit, lo, hi).to(self.params.dtype))
+
+
+class ParamShardsMaster(NvmeMaster):
+    """``MasterOwner.PARAMS`` with fp32 params on NVMe: the param home's shards are the master
+    (one copy of the weights on disk). The update holds a piece's params from its read-ahead
+    on and updates them in place; they take part in the update's versions, so a rollback
+    restores them with the moments and there is nothing to derive."""
+
+    kinds = MOMENTS
+
+    def hold(self, unit: Unit, lo: int, hi: int):
+        return self.params.master_piece(unit, lo, hi)
+
+    def tensors(self, item: _Piece, fetched: list[torch.Tensor]) -> tuple:
+        return (item.out.wait()[: item.hi - item.lo], *fetched, None)
+
+    def read(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
+        return self.params.read(unit, lo, hi)
+
+    def load(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
+        self.params.load_shard(unit, lo, hi, values)
+
+    def stores(self) -> tuple:
+        return (self.store, self.params.store)
+
+    def derive_params(self, unit: Unit, pieces: list[tuple[int, int]]) -> None:
+        pass  # rolled back with the moments
+
+
 class NvmeOptim(OptimHome):
-    """Master and moments as fp32 shards ``<kind>.u<unit>.<lo>`` in the optimizer store."""
+    """The moments (and an :class:`NvmeMaster`'s master) as fp32 shards ``<kind>.u<unit>.<lo>``
+    in the optimizer store."""
 
-    def __init__(self, plan: Plan, params: ParamHome, grads: GradHome, store) -> None:
-        from offload.store import Tier  # noqa: PLC0415
-
+    def __init__(self, plan: Plan, params: ParamHome, grads: GradHome, store, master) -> None:
         super().__init__(plan, params, grads)
-        self.store, self.tier, self._nvme = store, Tier.HOST, Tier.NVME
+        self.store, self.master = store, master
         self.lookahead = plan.placement.step_lookahead
 
-    @staticmethod
-    def key(unit: Unit, kind: str, lo: int) -> str:
-        return f"{kind}.u{unit.index}.{lo}"
+    key = staticmethod(_key)
 
     def create(self, unit: Unit, master: MasterValues) -> None:
         versioned = self.plan.placement.versioned_state  # speculative updates
         for lo, hi in self.pieces(unit):
-            init = master(lo, hi)
-            self.store.register(
-                self.key(unit, "master", lo),
-                hi - lo,
-                torch.float32,
-                self._nvme,
-                init=init,
-                versioned=versioned,
-            )
-            for kind in MOMENTS:
+            for kind in self.master.kinds:
                 self.store.register(
                     self.key(unit, kind, lo),
                     hi - lo,
                     torch.float32,
-                    self._nvme,
+                    Tier.NVME,
+                    init=master(lo, hi) if kind == "master" else None,
                     versioned=versioned,
                 )
 
     # -- speculative updates (the step in backward; offload.store's Note on versions) ---------
     def begin_version(self) -> None:
         """The next update's writes of master and moments can still be undone."""
-        self.store.begin_version()
+        for store in self.master.stores():
+            store.begin_version()
 
     def commit_version(self) -> None:
-        self.store.commit_version()
+        for store in self.master.stores():
+            store.commit_version()
 
     def rollback_version(self) -> None:
-        """Undoes the update since :meth:`begin_version`: master and moments are as before (the
-        compute params it wrote are not: :meth:`derive_params` or a new update rewrites them)."""
-        self.store.rollback_version()
+        """Undoes the update since :meth:`begin_version`: master and moments are as before (with
+        an :class:`NvmeMaster` the compute params it wrote are not: :meth:`derive_params` or a
+        new update rewrites them)."""
+        for store in self.master.stores():
+            store.rollback_version()
 
     def derive_params(self, units: Iterable[Unit]) -> None:
         """Writes the compute params of ``units`` from their master (after a rollback)."""
         for unit in units:
-            for lo, hi in self.pieces(unit):
-                master = self.read(unit, "master", lo, hi)
-                self.params.load_shard(unit, lo, hi, master.to(self.params.dtype))
+            self.master.derive_params(unit, self.pieces(unit))
 
     def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
+        if kind == "master":
+            return self.master.read(unit, lo, hi)
         out = torch.empty(hi - lo, dtype=torch.float32)
         self.store.read_into(self.key(unit, kind, lo), out)
         return out
 
     def held(self) -> dict[str, int]:
-        """On disk: master and moments, twice with versions (each shard's second extent)."""
+        """On disk: the shards of ``master.kinds``, twice with versions (each one's second
+        extent; the param home counts its own)."""
         n = sum(b - a for u in self.plan.units for a, b in self.pieces(u))
         extents = 2 if self.plan.placement.versioned_state else 1
-        return {"nvme": 4 * len(KINDS) * n * extents}
+        return {"nvme": 4 * len(self.master.kinds) * n * extents}
 
     def load(self, unit: Unit, kind: str, lo: int, hi: int, values: torch.Tensor) -> None:
         values = values.to(torch.float32).contiguous()
-        self.store.write_from(self.key(unit, kind, lo), values)
         if kind == "master":
-            self.params.load_shard(unit, lo, hi, values.to(self.params.dtype))
+            self.master.load(unit, lo, hi, values)
+        else:
+            self.store.write_from(self.key(unit, kind, lo), values)
 
     def step_units(self, units: Units, hyper: Hyper, on_unit_done=None) -> None:
         """Streams every piece through the pool: the reads of the next ``lookahead`` pieces are
@@ -302,22 +370,23 @@ class NvmeOptim(OptimHome):
                         unit, lo, hi, last = queued.popleft()
                         item = _Piece(unit, lo, hi, last)
                         ahead.append(item)
-                        for k in KINDS:
+                        for k in self.master.kinds:
                             item.held.append(self.key(unit, k, lo))  # held even if refused
-                            item.futs.append(self.store.fetch(item.held[-1], self.tier))
+                            item.futs.append(self.store.fetch(item.held[-1], Tier.HOST))
+                        item.out = self.master.hold(unit, lo, hi)
                         item.grad = self.grads.fetch(unit, lo)
                 if not ahead:
                     return
                 current = ahead.popleft()
                 unit, lo, hi = current.unit, current.lo, current.hi
-                master, exp_avg, exp_avg_sq = (f.wait() for f in current.futs)
+                fetched = [f.wait() for f in current.futs]
+                master, exp_avg, exp_avg_sq, out = self.master.tensors(current, fetched)
                 grad = current.grad.wait()
-                current.out = self.params.out_buffer(unit, lo, hi)
-                adam_step(master, grad, exp_avg, exp_avg_sq, **hyper.kwargs(), out=current.out)
+                adam_step(master, grad, exp_avg, exp_avg_sq, **hyper.kwargs(), out=out)
                 self.params.commit(unit, lo, hi)
                 current.out = None
                 while current.held:
-                    self.store.release(current.held[0], self.tier, dirty=True)
+                    self.store.release(current.held[0], Tier.HOST, dirty=True)
                     current.held.pop(0)
                 grad, current.grad = current.grad, None
                 self.grads.drop(unit, lo, grad)
@@ -335,7 +404,7 @@ class NvmeOptim(OptimHome):
         """A failed update lets go of what a piece holds; copies it changed are dropped
         unwritten, so the shards keep their values from before (as far as it got, the update
         is then half done: see ``offload.runtime.schedule``'s failure)."""
-        steps = [lambda k=key: self.store.release(k, self.tier, discard=True) for key in item.held]
+        steps = [lambda k=key: self.store.release(k, Tier.HOST, discard=True) for key in item.held]
         if item.out is not None:
             steps.append(lambda: self.params.give_up_out(item.unit, item.lo, item.hi))
         if item.grad is not None:
@@ -355,4 +424,4 @@ class _Piece:
         self.held: list[str] = []  # shard keys fetched and not released yet
         self.futs: list = []
         self.grad = None  # the grad piece's future, until dropped
-        self.out: torch.Tensor | None = None  # the compute params' buffer, until committed
+        self.out = None  # what it holds of the param home (NvmeMaster.hold), until committed

@@ -381,9 +381,15 @@ class NvmeParams(_Released):
         return f"param.u{unit.index}.{lo}"
 
     def create(self, unit: Unit, values: PieceValues) -> None:
+        versioned = self.plan.placement.versioned_params  # the master of speculative updates
         for lo, hi in self.plan.pieces(unit):
             self.store.register(
-                self.key(unit, lo), hi - lo, self.dtype, self._nvme, init=values(lo, hi)
+                self.key(unit, lo),
+                hi - lo,
+                self.dtype,
+                self._nvme,
+                init=values(lo, hi),
+                versioned=versioned,
             )
 
     def unshard(self, unit: Unit) -> None:
@@ -460,6 +466,12 @@ class NvmeParams(_Released):
     def out_buffer(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         return self.store.fetch(self.key(unit, lo), self.tier, read=False).wait()
 
+    def master_piece(self, unit: Unit, lo: int, hi: int):
+        """The piece's current values, fetched for an update in place (the shards are the fp32
+        master: ``homes.optim.ParamShardsMaster``); :meth:`commit` or :meth:`give_up_out`
+        releases it."""
+        return self.store.fetch(self.key(unit, lo), self.tier)
+
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
         self.store.release(self.key(unit, lo), self.tier, dirty=True)
         self._written(unit, lo)
@@ -495,7 +507,8 @@ class NvmeParams(_Released):
         return completed(self.comm, "broadcast")
 
     def held(self) -> dict[str, int]:
-        item = self.dtype.itemsize
+        """On disk: every piece, twice when versioned (each shard's second extent)."""
+        item = self.dtype.itemsize * (2 if self.plan.placement.versioned_params else 1)
         return {
             "nvme": sum((b - a) * item for u in self.plan.units for a, b in self.plan.pieces(u))
         }

@@ -10,12 +10,17 @@ Note: one owner per byte
         working copy the home fills (unshard) and drops (reshard); it owns nothing.
 
     fp32 master (:class:`MasterOwner`)
-        ``PARAMS``: the param home's own buffer, when it is fp32 host memory (compute dtype fp32
-        and the params on the CPU device or in host memory) and the optimizer state is on the
-        CPU. The update writes the parameters' home in place; there is no second copy.
+        ``PARAMS``: the param home's own fp32 values, when the compute dtype is fp32 and either
+        the home is host memory (the params on the CPU device or ``offload_param.device: cpu``)
+        with the optimizer state on the CPU, or the home is NVMe with the optimizer state on
+        NVMe too (one rank). The update writes the parameters' home in place (an NVMe piece is
+        fetched, updated in its buffer and written back, versioned like the moments with the
+        step in backward); there is no second copy, in memory or on disk.
         ``HOST``: a flat fp32 host buffer of the optimizer state; the update writes the new
         compute values into the param home (``out=``), derived, never read back.
-        ``NVME``: fp32 shards in the ``offload_optimizer`` store, the same derivation.
+        ``NVME``: fp32 shards in the ``offload_optimizer`` store, the same derivation (bf16 or
+        fp16 compute, params not on NVMe, or several ranks: not built there yet, the stage 1-2
+        refresh's writes and stage 3's ``ShardedParams`` would have to take part in versions).
         Loading a master value (wrap, checkpoint, ``load_state_dict``) goes through the owner,
         which derives the compute copy itself; nothing else writes both.
 
@@ -55,7 +60,8 @@ class MasterOwner(enum.Enum):
     """Where a unit's fp32 master weights live."""
 
     PARAMS = "params"
-    """The param home's fp32 host buffer is the master (no second copy)."""
+    """The param home's fp32 values are the master (no second copy): its host buffer, or its
+    NVMe shards with the optimizer state on NVMe."""
     HOST = "host"
     """The optimizer state's own fp32 host buffer; compute params derived from it."""
     NVME = "nvme"

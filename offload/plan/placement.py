@@ -91,6 +91,12 @@ class Placement:
     """Stage 3 across ranks: each rank's param home holds its share of the compute params."""
 
     @property
+    def versioned_params(self) -> bool:
+        """The param home's NVMe shards take part in versions: they are the master a
+        speculative update writes (``MasterOwner.PARAMS`` with the optimizer state on NVMe)."""
+        return self.versioned_state and self.master is MasterOwner.PARAMS
+
+    @property
     def params_move(self) -> bool:
         """Whether a unit's compute params are gathered for use and released after (they are
         offloaded, or sharded across ranks)."""
@@ -164,7 +170,10 @@ def _owners(
 ) -> tuple[MasterOwner, GradOwner]:
     """The byte owners of ``ownership.py``'s Note."""
     if cfg.offload_optimizer.device == "nvme":
-        return MasterOwner.NVME, GradOwner.NVME
+        # fp32 params on NVMe are the master themselves: no second copy on disk (one rank
+        # only: ownership.py's Note says what several would need)
+        shards = cfg.offload_param.device == "nvme" and dtype == torch.float32 and world == 1
+        return (MasterOwner.PARAMS if shards else MasterOwner.NVME), GradOwner.NVME
     host_params = cfg.offload_param.device == "cpu" or (
         cfg.offload_param.device == "none" and device.type == "cpu"
     )

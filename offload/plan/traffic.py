@@ -78,6 +78,8 @@ def predict_iteration(
     params_move = pl.param_home != "none"
     stores = {name: out.stores.setdefault(name, StoreTraffic()) for name in pl.stores}
     param_store, opt_store = stores.get("offload_param"), stores.get("offload_optimizer")
+    # the param home's NVMe shards are the master (fp32): the update reads them
+    masters_in_params = param_store is not None and pl.master is MasterOwner.PARAMS
     for unit in plan.units:
         r = unit.residency
         gathers = m * GATHERS_PER_MICRO[r] + GATHERS_PER_STEP[r] if params_move else 0
@@ -90,13 +92,16 @@ def predict_iteration(
         if param_store is not None:
             for lo, hi in plan.pieces(unit):
                 param_store.fetched += gathers * _io(plan, "offload_param", lo, hi, item)
-            for lo, hi in trainable:  # the update's new values
-                param_store.written += _io(plan, "offload_param", lo, hi, item)
+            for lo, hi in trainable:  # the update's new values (read first: the master)
+                io = _io(plan, "offload_param", lo, hi, item)
+                param_store.written += io
+                param_store.fetched += io if masters_in_params else 0
         if opt_store is not None:
             for lo, hi in trainable:
                 io = _io(plan, "offload_optimizer", lo, hi, 4)
-                opt_store.fetched += 3 * io  # master and moments
-                opt_store.written += 3 * io
+                kinds = 2 if masters_in_params else 3  # the moments, and the master
+                opt_store.fetched += kinds * io
+                opt_store.written += kinds * io
                 fetched, written = _grad_pieces(schedule, m, retained)
                 opt_store.fetched += fetched * io
                 opt_store.written += written * io

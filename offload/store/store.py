@@ -291,7 +291,7 @@ class TieredStore:
         """Keeps what the version wrote: its extents become the committed ones once every write
         is on disk. Returns the number of shards it wrote."""
         with self._lock:
-            version = self._collect_version("commit_version")
+            version = self._collect_version("commit_version", fetched_ok=True)
             for shard in version:
                 shard.extent, shard.shadow = shard.shadow, shard.extent
             self._version = None
@@ -307,15 +307,18 @@ class TieredStore:
             self._version = None
             return len(version)
 
-    def _collect_version(self, what: str) -> list[Shard]:
-        """The shards the open version wrote, every write of theirs settled."""
+    def _collect_version(self, what: str, fetched_ok: bool = False) -> list[Shard]:
+        """The shards the open version wrote, every write of theirs settled. ``fetched_ok``:
+        one may be fetched again meanwhile (a reader of the new value: a commit keeps its copy,
+        and a later dirty release writes the committed extent, as any write outside a version);
+        a rollback, which must drop every copy the version wrote, refuses that."""
         if self._version is None:
             raise RuntimeError(f"{self.name}: {what}() without begin_version()")
         for shard in list(self._on_versioned_dirty()):  # released dirty, write not issued yet
             self._write_back(shard)
         shards = list(self._version.values())
         for shard in shards:
-            if shard.pinned():
+            if shard.pinned() and not fetched_ok:
                 raise RuntimeError(f"{self.name}: {what}() while {shard.key!r} is fetched")
             self._settle(shard)
         return shards

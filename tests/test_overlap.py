@@ -151,41 +151,64 @@ def test_reading_ahead_hides_the_disk_waits(tmp_path):
     assert ahead < 0.5 * serial, (ahead, serial)
 
 
-def _update(tmp_path, monkeypatch, lookahead: int | None) -> tuple[list[bool], float]:
+def _update(tmp_path, monkeypatch, lookahead: int | None, dtype: str = "bf16"):
     """One NVMe update over 3 blocks in pieces of 4096 elements, every disk read ``LATENCY``
-    and every piece's Adam ``COMPUTE`` long: for each piece, whether the next piece's reads
-    were in flight while it was updated, and the seconds the update waited for the disk."""
-    model, opt = offload.wrap(StackLM(n=3), _config(tmp_path, 2, opt_buffer="16KiB"))
+    and every piece's Adam ``COMPUTE`` long: for each piece, whether the next piece's master
+    (its own shard in bf16; in fp32 the params, which are the master) was read or on its way
+    while it was updated, and the seconds the update waited for the disk."""
+    # no trace prefetch: the update's own reads ahead are what is looked at
+    cfg = {**_config(tmp_path, 0, opt_buffer="16KiB"), "dtype": dtype}
+    model, opt = offload.wrap(StackLM(n=3), cfg)
     runtime = engine_of(model)
-    store = runtime.stores["offload_optimizer"]
+    stores = [runtime.stores["offload_optimizer"], runtime.stores["offload_param"]]
     order = [(u, lo) for u in runtime.plan.units for lo, _ in runtime.plan.trainable_pieces(u)]
     assert len(order) >= 4 and runtime.optim.lookahead >= 1
+    if dtype == "fp32":
+        assert runtime.optim.param_ahead >= 1
+
+        def master(unit, lo):
+            return stores[1], f"param.u{unit.index}.{lo}"
+    else:
+
+        def master(unit, lo):
+            return stores[0], f"master.u{unit.index}.{lo}"
+
     if lookahead is not None:
         monkeypatch.setattr(runtime.optim, "lookahead", lookahead)
+        monkeypatch.setattr(runtime.optim, "param_ahead", lookahead)
     seen: list[bool] = []
     real = optim_mod.adam_step
 
-    def probe(master, grad, *args, **kwargs):
+    def probe(master_values, grad, *args, **kwargs):
         j = len(seen)
         if j + 1 < len(order):
-            unit, lo = order[j + 1]
-            seen.append(store.state(f"master.u{unit.index}.{lo}") is not ShardState.NVME)
+            store, key = master(*order[j + 1])
+            seen.append(store.state(key) is not ShardState.NVME)
         time.sleep(COMPUTE)
-        return real(master, grad, *args, **kwargs)
+        return real(master_values, grad, *args, **kwargs)
+
+    def waits() -> float:
+        return sum(s.stats()["tiers"]["nvme->host"]["wait_seconds"] for s in stores)
 
     tokens = torch.randint(0, STACK_VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     try:
         _step(model, opt, tokens)
         opt.synchronize()
-        store.flush()
-        _slow_reads(store)
+        for store in stores:
+            store.flush()
+            _slow_reads(store)
         logits = model(tokens[:, :-1])
         F.cross_entropy(logits.reshape(-1, STACK_VOCAB), tokens[:, 1:].reshape(-1)).backward()
+        for store in stores:  # what the backward left cached is not the update's to find
+            store.flush()
+            for key in list(store._room.cached):
+                if not store._shards[key].pinned():
+                    store._drop_copies(store._shards[key])
         monkeypatch.setattr(optim_mod, "adam_step", probe)
-        before = store.stats()["tiers"]["nvme->host"]["wait_seconds"]
+        before = waits()
         opt.step()
         opt.synchronize()
-        waited = store.stats()["tiers"]["nvme->host"]["wait_seconds"] - before
+        waited = waits() - before
         monkeypatch.setattr(optim_mod, "adam_step", real)
         assert len(seen) == len(order) - 1
         return seen, waited
@@ -193,12 +216,59 @@ def _update(tmp_path, monkeypatch, lookahead: int | None) -> tuple[list[bool], f
         opt.close()
 
 
-def test_the_update_reads_ahead_of_the_piece_it_updates(tmp_path, monkeypatch):
-    seen, waited = _update(tmp_path / "ahead", monkeypatch, None)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_update_reads_ahead_of_the_piece_it_updates(tmp_path, monkeypatch, dtype):
+    seen, waited = _update(tmp_path / "ahead", monkeypatch, None, dtype)
     # the next piece's reads were in flight during this update (for nearly every piece: a read
     # ahead waits for a free buffer, and a loaded machine can keep write-backs holding them)
     assert sum(seen) >= 0.75 * len(seen), seen
-    seen_off, waited_off = _update(tmp_path / "off", monkeypatch, 0)
+    seen_off, waited_off = _update(tmp_path / "off", monkeypatch, 0, dtype)
     assert not any(seen_off), seen_off  # the check tells the two apart
     assert waited_off > 3 * LATENCY
     assert waited < 0.5 * waited_off, (waited, waited_off)
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+@pytest.mark.parametrize("param_buffers", [1, 2, 3, 6])
+def test_the_update_and_the_gathers_share_the_param_pool(
+    tmp_path, monkeypatch, param_buffers, step_in_backward
+):
+    """With fp32 params on NVMe as the master, the update holds param pieces while the next
+    forward's (or this backward's) gathers hold theirs: it never holds more than its share,
+    and the two shares fit in the pool (with one buffer, each holds one at a time)."""
+    cfg = _config(tmp_path, 2, opt_buffer="16KiB")
+    cfg["dtype"] = "fp32"
+    cfg["offload_param"]["buffer_count"] = param_buffers
+    cfg["offload_optimizer"].update(buffer_count=16, step_in_backward=step_in_backward)
+    model, opt = offload.wrap(StackLM(n=3), cfg)
+    runtime = engine_of(model)
+    pl = runtime.plan.placement
+    share = pl.param_ahead + 1
+    assert pl.param_window + share <= param_buffers or (pl.param_window, share) == (1, 1)
+    params = runtime.params
+    held, most = set(), [0]
+    real = {name: getattr(params, name) for name in ("master_piece", "commit", "give_up_out")}
+
+    def master_piece(unit, lo, hi):
+        held.add((unit.index, lo))
+        most[0] = max(most[0], len(held))
+        return real["master_piece"](unit, lo, hi)
+
+    def letting_go(name):
+        def call(unit, lo, hi):
+            held.discard((unit.index, lo))
+            return real[name](unit, lo, hi)
+
+        return call
+
+    monkeypatch.setattr(params, "master_piece", master_piece)
+    monkeypatch.setattr(params, "commit", letting_go("commit"))
+    monkeypatch.setattr(params, "give_up_out", letting_go("give_up_out"))
+    tokens = torch.randint(0, STACK_VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    try:
+        for _ in range(3):
+            _step(model, opt, tokens)
+        opt.synchronize()
+    finally:
+        opt.close()
+    assert most[0] == share, (most[0], share)  # reached, never passed

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 from collections.abc import Callable, Iterable
+from itertools import islice
 
 import torch
 
@@ -220,7 +221,8 @@ class NvmeMaster:
         self.params, self.store = params, store
 
     def hold(self, unit: Unit, lo: int, hi: int):
-        """What the update holds of the param home from the piece's read-ahead on: nothing."""
+        """What the update holds of the param home from ``param_ahead`` pieces before the
+        piece's turn: nothing (its out buffer is taken at its turn)."""
         return None
 
     def tensors(self, item: _Piece, fetched: list[torch.Tensor]) -> tuple:
@@ -250,8 +252,9 @@ class NvmeMaster:
 
 class ParamShardsMaster(NvmeMaster):
     """``MasterOwner.PARAMS`` with fp32 params on NVMe: the param home's shards are the master
-    (one copy of the weights on disk). The update holds a piece's params from its read-ahead
-    on and updates them in place; they take part in the update's versions, so a rollback
+    (one copy of the weights on disk). The update fetches a piece's params ``param_ahead``
+    pieces before its turn (``offload.plan.placement``'s Note on the param pool) and updates
+    them in place; they take part in the update's versions, so a rollback
     restores them with the moments and there is nothing to derive."""
 
     kinds = MOMENTS
@@ -283,6 +286,7 @@ class NvmeOptim(OptimHome):
         super().__init__(plan, params, grads)
         self.store, self.master = store, master
         self.lookahead = plan.placement.step_lookahead
+        self.param_ahead = plan.placement.param_ahead
 
     key = staticmethod(_key)
 
@@ -373,10 +377,12 @@ class NvmeOptim(OptimHome):
                         for k in self.master.kinds:
                             item.held.append(self.key(unit, k, lo))  # held even if refused
                             item.futs.append(self.store.fetch(item.held[-1], Tier.HOST))
-                        item.out = self.master.hold(unit, lo, hi)
                         item.grad = self.grads.fetch(unit, lo)
                 if not ahead:
                     return
+                for item in islice(ahead, self.param_ahead + 1):  # placement's Note on the
+                    if item.out is None:  # param pool: the params of fewer pieces ahead
+                        item.out = self.master.hold(item.unit, item.lo, item.hi)
                 current = ahead.popleft()
                 unit, lo, hi = current.unit, current.lo, current.hi
                 fetched = [f.wait() for f in current.futs]

@@ -6,6 +6,15 @@ the runtime gets (as names the builder maps to objects), who owns the master and
 bytes (``ownership.py``), the piece size, and the buffer arithmetic of the NVMe step. Every
 problem found here is a ``ConfigError`` naming the key, the value and what to change.
 
+Note: the param pool's buffers
+    A gather holds at most ``param_window`` pieces of the ``offload_param`` pool (one buffer
+    stays free for the trace prefetcher's demand). When fp32 params on NVMe are the master, the
+    update holds pieces of that pool too, while a gather of the next forward (or of the
+    backward, with the step in backward) runs: ``param_ahead + 1`` of them. Each takes its
+    share of the pool, so together they never hold more than it has and neither can wait for a
+    buffer the other holds while it waits (with one buffer each, neither holds one while it
+    waits for another).
+
 Note: the NVMe step's buffers
     The default step streams each piece's master, exp_avg, exp_avg_sq and grad through the
     ``offload_optimizer`` pool: 4 buffers per piece in flight, and 3 more kept for write-backs
@@ -66,6 +75,9 @@ class Placement:
     """NVMe step: pieces whose reads are issued ahead of the one updated (count)."""
     grad_hold: int
     """Step in backward: grad pieces the update may hold in their swap buffers (count)."""
+    param_ahead: int = 0
+    """NVMe step with the params as the master (``MasterOwner.PARAMS``): pieces whose params
+    the update reads ahead of the one it updates (count; it holds one more)."""
     accumulation: int | None
     """Backwards per optimizer step (``gradient_accumulation_steps``): the step in backward
     updates in the last one; None: learned from the first step."""
@@ -219,6 +231,9 @@ def make_placement(
     if opt.device == "nvme":
         schedule = Schedule.IN_BACKWARD if opt.step_in_backward else Schedule.BACKGROUND
         lookahead, hold = nvme_step_buffers(opt.buffer_count, opt.step_in_backward)
+    update_params = 0  # param pool buffers the update holds (Note: the param pool's buffers)
+    if opt.device == "nvme" and master is MasterOwner.PARAMS:
+        update_params = max(1, min(lookahead + 1, cfg.offload_param.buffer_count - 2))
     stores = {}
     if cfg.offload_param.device == "nvme":
         stores["offload_param"] = cfg.prefetch.depth
@@ -239,7 +254,8 @@ def make_placement(
         master=master,
         grads=grads,
         piece_numel=piece_numel(cfg, dtype, sizes),
-        param_window=max(1, cfg.offload_param.buffer_count - 1),
+        param_window=max(1, cfg.offload_param.buffer_count - 1 - update_params),
+        param_ahead=max(0, update_params - 1),
         step_lookahead=lookahead,
         grad_hold=hold,
         accumulation=(

@@ -9,6 +9,7 @@ gradients must not be written to disk when nothing can need them again; misuse i
 
 from __future__ import annotations
 
+import errno
 import threading
 
 import pytest
@@ -240,15 +241,16 @@ def test_a_failed_backward_does_not_hang_close(tmp_path):
     assert done.wait(60), "close() hung after a failed backward"
 
 
-def test_a_failed_speculative_update_is_undone(tmp_path):
+@pytest.mark.parametrize("param_dev", ["none", "nvme"])
+def test_a_failed_speculative_update_is_undone(tmp_path, param_dev):
     """An IO error inside the update that runs in the backward: the error reaches the caller,
     and the state is exactly that of before the step (no checkpoint to load), so training
-    goes on."""
+    goes on. With the params on NVMe they are the master: their store's version is undone."""
     from offload.io import faults
 
     data = batches(4)
     model, opt = offload.wrap(
-        make_model(), _config(tmp_path, "none", step_in_backward=True, buffer_count=16)
+        make_model(), _config(tmp_path, param_dev, step_in_backward=True, buffer_count=16)
     )
     try:
         lm_loss(model, data[0]).backward()
@@ -256,13 +258,29 @@ def test_a_failed_speculative_update_is_undone(tmp_path):
         opt.zero_grad()
         before_model = {k: v.clone() for k, v in model.state_dict().items()}
         before_opt = opt.state_dict()
-        faults.inject(5, count=1, op="read")  # the update's first read (the undo then reads)
+        store = engine_of(model).stores["offload_optimizer"]
+        real_read = store._nvme.read
+
+        reads = []
+
+        def failing_read(*args):  # the update's 5th read of its own store is refused: some
+            reads.append(args)  # units are updated by then, and must be undone
+            if len(reads) < 5:
+                return real_read(*args)
+            store._nvme.read = real_read
+            raise OSError(errno.EIO, "injected read error")
+
+        if param_dev == "nvme":  # the backward reads params first: target the update's store
+            store._nvme.read = failing_read
+        else:
+            faults.inject(5, count=1, op="read")  # the update's first read (the undo reads)
         try:
             with pytest.raises(RuntimeError, match="undone"):
                 lm_loss(model, data[1]).backward()
                 opt.step()
         finally:
             faults.clear()
+            store._nvme.read = real_read
         opt.zero_grad()
         for k, v in model.state_dict().items():
             assert torch.equal(v, before_model[k]), k

@@ -173,3 +173,44 @@ def test_accumulating_step_in_backward_reads_no_grad_piece_twice(tmp_path, clip)
         assert reads <= 3 * predicted.stores["offload_optimizer"].fetched
     finally:
         opt.close()
+
+
+class _ReversedStack(StackLM):
+    """The blocks run in the reverse of their order in the plan."""
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in reversed(self.blocks):
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("model_cls", [StackLM, _ReversedStack])
+def test_the_forwards_last_unit_is_kept_for_its_backward(tmp_path, model_cls):
+    """The unit a forward ran last is the one its backward starts with: it stays gathered
+    between the two, so the backward does not read it again; which unit that is, is learned
+    from the last forward (the plan's last unit before one ran). It is released after its
+    backward like any other."""
+    model, opt = offload.wrap(model_cls(n=3), _config(tmp_path, "nvme", "nvme"))
+    runtime = engine_of(model)
+    blocks = [run for run in runtime.runs if run.unit.module in list(model.blocks)]
+    ran_last = blocks[-1] if model_cls is StackLM else blocks[0]
+    gathers: list[tuple[int, str]] = []
+    real = runtime.params.unshard
+
+    def unshard(unit):
+        gathers.append((unit.index, runtime.phase.phase.value))
+        return real(unit)
+
+    runtime.params.unshard = unshard
+    try:
+        _iterate(model, opt, 1)  # learns which unit runs last
+        gathers.clear()
+        _iterate(model, opt, 2)
+        for run in blocks:
+            backward = gathers.count((run.unit.index, "backward"))
+            assert gathers.count((run.unit.index, "forward")) == 2, run.unit.label
+            assert backward == (0 if run is ran_last else 2), (run.unit.label, backward)
+        assert not any(runtime.params.gathered(run.unit) for run in blocks)  # released after
+    finally:
+        opt.close()

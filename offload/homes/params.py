@@ -150,6 +150,9 @@ class ParamHome:
             self._stale.add(unit.index)
 
     _views = False  # whether the parameters view the home (then they are always "gathered")
+    keeps_across_the_turn = True
+    """Whether the forward's last unit may stay gathered into the backward that starts with it
+    (``offload.runtime.state``): not where each gather also starts the next one's."""
 
     def refresh(self, unit: Unit) -> None:
         """Before a use in a forward: the other ranks' shares of the unit's trainable prefix
@@ -518,6 +521,8 @@ class NvmeParams(_Released):
 class ShardedParams(_Released):
     """Stage 3: ``inner`` holds this rank's share; a unit is all-gathered into its storage for
     use, with the next unit's gather in flight (module Note on ranks)."""
+
+    keeps_across_the_turn = False  # the backward's first gather starts the second one's
 
     def __init__(self, plan: Plan, transfers: Transfers, memory: HostMemory, inner, comm):
         super().__init__(plan, transfers, memory, comm)

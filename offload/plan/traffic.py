@@ -6,7 +6,9 @@ are recorded and the step in backward has learned how the loop steps. The runtim
 (``optimizer.stats()``, ``Runtime.counted()``) must then show:
 
 - ``host->device``: every gather copies the unit's parameter bytes (a transient unit twice per
-  micro-step, the root once per micro-step, a persistent one once per step), and the update
+  micro-step, the root once per micro-step, a persistent one once per step; the last unit of
+  the plan, which such a model runs last in its forward and first in its backward, once per
+  micro-step: it stays gathered between the two, but with stage 3's sharded params), and the update
   writes new compute values into device-resident parameters unless the master is those
   parameters;
 - ``device->host``: each trainable parameter's gradient crosses once per micro-step, unless
@@ -83,6 +85,9 @@ def predict_iteration(
     for unit in plan.units:
         r = unit.residency
         gathers = m * GATHERS_PER_MICRO[r] + GATHERS_PER_STEP[r] if params_move else 0
+        last = unit is plan.units[-1] and not pl.shard_params  # (ShardedParams keeps none)
+        if params_move and r is Residency.TRANSIENT and last:
+            gathers = m  # kept from its forward into its backward
         out.host_to_device += gathers * _param_bytes(unit, item)
         trainable = plan.trainable_pieces(unit)
         if pl.grads is not GradOwner.AUTOGRAD:

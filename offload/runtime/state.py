@@ -87,6 +87,12 @@ class Runtime:
         self.phase = PhaseTracker()
         self.step_count = 0  # optimizer steps taken (not counting skipped ones)
         self.backwards_since_step = 0
+        # the unit whose forward ran last (so far, and in the last forward with grad; before
+        # one ran, the plan's last): its backward comes first, so it stays gathered between
+        # the two (see _post_forward)
+        self._keeps = params.keeps_across_the_turn and len(self.runs) > 1
+        self._ran_last: UnitRun | None = None
+        self._backward_first: UnitRun | None = self.runs[-1] if self._keeps else None
         self._callback_queued = False
         self._handles: list = []
         self._step_started = time.perf_counter()
@@ -143,6 +149,8 @@ class Runtime:
         if self.phase.phase is not Phase.FORWARD:
             return output
         self._stop_timer("_fwd_start", "forward_seconds")
+        if torch.is_grad_enabled() and self._keeps:  # learned for the next (_post_forward)
+            self._backward_first = self._ran_last
         if not (torch.is_grad_enabled() and _requires_grad(output)):
             # inference: nothing will come back through backward
             for run in self.runs:
@@ -183,6 +191,12 @@ class Runtime:
             return output  # activation-checkpoint recomputation: keep gathered for its backward
         if torch.is_grad_enabled():
             self._hook_outputs(run, output)
+            self._ran_last = run
+            if run is self._backward_first:
+                # the last forward's last unit is the backward's first: kept gathered for it
+                # (released after its backward, or at the end of the pass), so the backward
+                # does not read it again; the memory budget's next-unit slot holds it
+                return output
         run.residency.after_forward(run)
         return output
 

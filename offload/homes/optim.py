@@ -254,8 +254,8 @@ class ParamShardsMaster(NvmeMaster):
     """``MasterOwner.PARAMS`` with fp32 params on NVMe: the param home's shards are the master
     (one copy of the weights on disk). The update fetches a piece's params ``param_ahead``
     pieces before its turn (``offload.plan.placement``'s Note on the param pool) and updates
-    them in place; they take part in the update's versions, so a rollback
-    restores them with the moments and there is nothing to derive."""
+    them in place; they take part in the update's versions, so a rollback restores them with
+    the moments and there is nothing to derive."""
 
     kinds = MOMENTS
 

@@ -25,8 +25,9 @@ Note: gather and release keep the Parameter objects
 Note: the gather's window
     An NVMe gather keeps at most ``param_window`` pieces in flight (the pool must keep a buffer
     free for the trace prefetcher's demand, and the update's share when these shards are the
-    master: ``offload.plan.placement``'s Note on the param pool). A pool buffer goes back to the store once its copy
-    to the device has completed; the host waits for those copies once per unit, not per piece.
+    master: ``offload.plan.placement``'s Note on the param pool). A pool buffer goes back to
+    the store once its copy to the device has completed; the host waits for those copies once
+    per unit, not per piece.
 
 Note: across ranks
     Stages 1 and 2 (:class:`DeviceParams`, :class:`HostParams`, :class:`NvmeParams` with more

@@ -6,11 +6,11 @@ are recorded and the step in backward has learned how the loop steps. The runtim
 (``optimizer.stats()``, ``Runtime.counted()``) must then show:
 
 - ``host->device``: every gather copies the unit's parameter bytes (a transient unit twice per
-  micro-step, the root once per micro-step, a persistent one once per step; the last unit of
-  the plan, which such a model runs last in its forward and first in its backward, once per
-  micro-step: it stays gathered between the two, but with stage 3's sharded params), and the update
-  writes new compute values into device-resident parameters unless the master is those
-  parameters;
+  micro-step, the root once per micro-step, a persistent one once per step; the plan's last
+  unit, which such a model runs last in its forward and first in its backward, once per
+  micro-step: it stays gathered between the two, except with stage 3's sharded params), and
+  the update writes new compute values into device-resident parameters unless the master is
+  those parameters;
 - ``device->host``: each trainable parameter's gradient crosses once per micro-step, unless
   autograd keeps it;
 - per store, the bytes written to NVMe (each dirty release is one write of the shard's IO

@@ -30,11 +30,11 @@ Note: the step in backward
     forward order), its grad pieces still in their buffers (``HeldNvmeGrads``), and consumed
     there: the gradient bytes never touch the disk. A backward that raises leaves the units
     already handed in updated (teardown is fine; going on training after catching it is not).
-    The hyperparameters are those in ``param_groups`` when the backward starts (an LR scheduler
-    stepped after ``optimizer.step()`` gives the same values), and ``optimizer.step()`` only
-    checks them and closes the step. So each backward must be followed by ``step()`` (no
-    gradient accumulation), and nothing may need every gradient before the update: no clipping,
-    no fp16 overflow check (refused by the config).
+    The hyperparameters are those in ``param_groups`` when the last backward of the step
+    starts (an LR scheduler stepped after ``optimizer.step()`` gives the same values). What
+    needs every gradient before the update (clipping, the fp16 overflow check, a value changed
+    late) is settled at ``optimizer.step()``, which keeps the speculative update or undoes and
+    redoes it (:class:`InBackward`).
 """
 
 from __future__ import annotations

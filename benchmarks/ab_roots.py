@@ -1,0 +1,99 @@
+"""A/B of two checkouts of offload on the same NVMe iterations (a diagnostic for a change).
+
+    git worktree add --detach /work/wt-before <commit>   # and give it the built extension:
+    cp offload/_C*.so /work/wt-before/offload/           # (when csrc/ did not change)
+    python benchmarks/ab_roots.py /work/wt-before . [--pairs 5]
+
+Alternates one process per checkout (before, after, before, ...), each training bench_e2e's
+50M demo GPT with params and optimizer state on NVMe: the default step (the step in backward)
+and the recipe (accumulation 2, clipping 1.0, which triggers here), 3 untimed iterations and
+then 6 timed; prints each process's median seconds per iteration and, per mode, the medians
+over the pairs. Alternating processes is what makes the two comparable on a noisy machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODES = ("step_in_backward", "recipe")
+
+
+def one(root: str) -> dict[str, float]:
+    """In this process: median seconds per iteration of each mode with the code at ``root``."""
+    sys.path[:0] = [str(Path(root) / "benchmarks"), root]
+    import bench_e2e  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    import offload  # noqa: PLC0415
+    from offload.config import parse_size  # noqa: PLC0415
+
+    if not offload.__file__.startswith(str(Path(root).resolve())):
+        raise SystemExit(f"offload was imported from {offload.__file__}, not from {root}")
+    torch.manual_seed(0)
+    base = bench_e2e.GPT(bench_e2e.config_for_size("50M", seq_len=128))
+    x = torch.randint(0, 256, (4, 129))
+    aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2}
+    out = {}
+    for mode in MODES:
+        work = Path(tempfile.mkdtemp(prefix="ab-", dir="/work"))
+        cfg = bench_e2e.nvme_config(work, parse_size("8MiB"), aio, step_in_backward=True)
+        step = bench_e2e.train_step
+        if mode == "recipe":
+            cfg["gradient_clipping"] = 1.0
+            step = bench_e2e.recipe_step
+        model, opt = offload.wrap(copy.deepcopy(base), cfg)
+        try:
+            for _ in range(3):
+                step(model, opt, x)
+            times = []
+            for _ in range(6):
+                t0 = time.perf_counter()
+                step(model, opt, x)
+                times.append(time.perf_counter() - t0)
+        finally:
+            opt.close()
+            shutil.rmtree(work, ignore_errors=True)
+        out[mode] = statistics.median(times)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("before")
+    ap.add_argument("after")
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one is not None:
+        print(" ".join(f"{m}={s:.3f}" for m, s in one(args.one).items()))
+        return 0
+    got: dict[str, dict[str, list[float]]] = {
+        r: {m: [] for m in MODES} for r in ("before", "after")
+    }
+    for pair in range(args.pairs):
+        for name in ("before", "after"):
+            root = str(Path(getattr(args, name)).resolve())
+            line = subprocess.run(
+                [sys.executable, __file__, "x", "x", "--one", root],
+                check=True, capture_output=True, text=True,
+            ).stdout.strip().splitlines()[-1]  # fmt: skip
+            print(f"pair {pair + 1} {name}: {line}", flush=True)
+            for item in line.split():
+                mode, seconds = item.split("=")
+                got[name][mode].append(float(seconds))
+    for mode in MODES:
+        b, a = (statistics.median(got[n][mode]) for n in ("before", "after"))
+        print(f"{mode}: before {b:.3f} s, after {a:.3f} s (median of {args.pairs}; {a / b:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -36,12 +36,14 @@ void register_aio(py::module_& m) {
       .def(
           "submit",
           [](Engine& e, bool is_write, const std::string& path, uintptr_t addr, size_t nbytes,
-             off_t offset) {
-            return without_gil([&] { return e.submit(is_write, path, addr, nbytes, offset); });
+             off_t offset, bool urgent) {
+            return without_gil(
+                [&] { return e.submit(is_write, path, addr, nbytes, offset, urgent); });
           },
           py::arg("is_write"), py::arg("path"), py::arg("addr"), py::arg("nbytes"),
-          py::arg("offset"),
-          "Queue a read/write of nbytes at addr <-> path[offset:]; IO errors land on the request.")
+          py::arg("offset"), py::arg("urgent") = false,
+          "Queue a read/write of nbytes at addr <-> path[offset:] (urgent: ahead of every queued "
+          "request that is not); IO errors land on the request.")
       .def("stats",
            [](Engine& e) {
              aio::Stats s = e.stats();

@@ -134,9 +134,10 @@ Engine::Engine(size_t block_size, int queue_depth, int thread_count, bool direct
 Engine::~Engine() { close(); }
 
 std::shared_ptr<Request> Engine::submit(bool is_write, const std::string& path, uintptr_t addr,
-                                        size_t nbytes, off_t offset) {
+                                        size_t nbytes, off_t offset, bool urgent) {
   auto r = std::make_shared<Request>();
   r->is_write = is_write;
+  r->urgent = urgent;
   r->path = path;
   r->buf = reinterpret_cast<char*>(addr);
   r->nbytes = nbytes;
@@ -197,7 +198,8 @@ std::shared_ptr<Request> Engine::submit(bool is_write, const std::string& path, 
   r->remaining.store(pieces.size());
   {
     std::lock_guard<std::mutex> lk(mu_);
-    for (auto& p : pieces) queue_.push_back(std::move(p));
+    auto& q = urgent ? urgent_ : queue_;
+    for (auto& p : pieces) q.push_back(std::move(p));
   }
   cv_work_.notify_all();
   return r;
@@ -205,10 +207,11 @@ std::shared_ptr<Request> Engine::submit(bool is_write, const std::string& path, 
 
 bool Engine::pop(Piece* out, bool block) {
   std::unique_lock<std::mutex> lk(mu_);
-  if (block) cv_work_.wait(lk, [this] { return stop_ || !queue_.empty(); });
-  if (queue_.empty()) return false;
-  *out = std::move(queue_.front());
-  queue_.pop_front();
+  if (block) cv_work_.wait(lk, [this] { return stop_ || !urgent_.empty() || !queue_.empty(); });
+  auto& q = urgent_.empty() ? queue_ : urgent_;
+  if (q.empty()) return false;
+  *out = std::move(q.front());
+  q.pop_front();
   return true;
 }
 
@@ -303,7 +306,7 @@ void Engine::worker(int depth) {
       Piece p;
       if (!pop(&p, inflight == 0 && batch.empty())) {
         std::lock_guard<std::mutex> lk(mu_);
-        stop_now = stop_ && queue_.empty() && inflight == 0 && batch.empty();
+        stop_now = stop_ && urgent_.empty() && queue_.empty() && inflight == 0 && batch.empty();
         break;
       }
       Request& r = *p.req;

@@ -44,6 +44,7 @@ class Engine;
 
 struct Request {
   bool is_write = false;
+  bool urgent = false;  // queued ahead of every request that is not (see Engine::submit)
   std::string path;
   char* buf = nullptr;
   size_t nbytes = 0;
@@ -106,9 +107,11 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Never throws for IO errors: a failed open is recorded on the returned request.
+  // Never throws for IO errors: a failed open is recorded on the returned request. An urgent
+  // request's pieces go ahead of every queued piece of a request that is not (first in, first
+  // out within each class); pieces already handed to the kernel are not overtaken.
   std::shared_ptr<Request> submit(bool is_write, const std::string& path, uintptr_t addr,
-                                  size_t nbytes, off_t offset);
+                                  size_t nbytes, off_t offset, bool urgent = false);
   Stats stats();
   void close();  // waits for every submitted request, then joins the threads
   bool uses_kernel_aio() const { return kernel_aio_; }
@@ -129,7 +132,7 @@ class Engine {
   std::vector<std::thread> threads_;
   std::mutex mu_;
   std::condition_variable cv_work_, cv_idle_;
-  std::deque<Piece> queue_;
+  std::deque<Piece> urgent_, queue_;  // pieces not yet taken by a thread, by class
   size_t outstanding_ = 0;
   bool stop_ = false;
   bool closed_ = false;

@@ -236,6 +236,27 @@ def test_wait_timeout_and_close_waits_for_in_flight(backend, tmp_path):
         aio.write(src, tmp_path / "x.bin")
 
 
+def test_an_urgent_read_goes_ahead_of_queued_writes(backend, tmp_path):
+    """One thread, one request in flight: a read marked urgent is served before the writes
+    queued ahead of it (all of them would be done first in submission order); a plain read
+    queues behind them."""
+    block = 1 << 20
+    src = aligned_empty(block, pin=False)
+    src.fill_(5)
+    aio = AsyncIO(block_size=block, queue_depth=1, thread_count=1)
+    aio.write(src, tmp_path / "r.bin").wait()
+    writes = [aio.write(src, tmp_path / "w.bin", offset=i * block) for i in range(64)]
+    out = aligned_empty(block, pin=False)
+    aio.read(out, tmp_path / "r.bin", urgent=True).wait()
+    done_before_urgent = sum(h.done() for h in writes)
+    assert torch.equal(out, src)
+    aio.read(out, tmp_path / "r.bin").wait()
+    done_before_plain = sum(h.done() for h in writes)
+    aio.close()
+    assert done_before_urgent < len(writes) // 2, done_before_urgent
+    assert done_before_plain == len(writes)
+
+
 def test_waiting_releases_the_gil(backend, tmp_path):
     n = 32 << 20
     buf = aligned_empty(n, pin=False)

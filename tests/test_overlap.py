@@ -117,6 +117,34 @@ def test_the_next_unit_is_read_while_this_one_computes(tmp_path, depth):
         opt.close()
 
 
+def test_the_gathers_reads_go_ahead_of_the_updates_io(tmp_path):
+    """Both stores share one IO engine; the param store's reads (a gather waits on them) are
+    the urgent ones, the update's reads and every write queue behind them (the engine's order
+    is tested in test_aio)."""
+    model, opt = offload.wrap(StackLM(n=2, block=TimedBlock), _config(tmp_path, 2))
+    stores = engine_of(model).stores
+    try:
+        params, optim = stores["offload_param"]._nvme, stores["offload_optimizer"]._nvme
+        assert params._aio is optim._aio
+        assert params.urgent_reads and not optim.urgent_reads
+        seen = []  # (the param store's, urgent) of every read
+        real = params._aio.read
+
+        def read(tensor, path, *a, **k):
+            seen.append((str(path).startswith(params.directory), k.get("urgent", False)))
+            return real(tensor, path, *a, **k)
+
+        params._aio.read = read
+        tokens = torch.randint(0, STACK_VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            _step(model, opt, tokens)
+        opt.synchronize()
+        assert {False, True} <= {mine for mine, _ in seen}  # both stores read
+        assert all(mine == urgent for mine, urgent in seen), seen
+    finally:
+        opt.close()
+
+
 def _forward_disk_waits(tmp_path, depth: int) -> float:
     """Seconds the forward waited for disk reads: forwards with no update running through 7
     units and a pool of 4 buffers, every disk read ``LATENCY`` and every block's compute

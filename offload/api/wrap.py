@@ -53,6 +53,7 @@ from offload.homes.optim import (
 )
 from offload.homes.params import DeviceParams, HostParams, NvmeParams, ShardedParams
 from offload.plan import (
+    URGENT_READS,
     GradOwner,
     GradReduce,
     MasterOwner,
@@ -249,7 +250,12 @@ def _make_store(cfg: OffloadConfig, section: str, depth: int, b: _Parts, aio, re
     size = b.plan.placement.buffer_sizes[section]
     check_host_buffers(section, sec.buffer_count, size, psutil.virtual_memory().available)
     try:
-        nvme = NvmeStore(rank_path(sec.nvme_path, b.comm), aio=aio, checksum=cfg.aio.checksum)
+        nvme = NvmeStore(
+            rank_path(sec.nvme_path, b.comm),
+            aio=aio,
+            checksum=cfg.aio.checksum,
+            urgent_reads=section in URGENT_READS,
+        )
     except OSError as exc:
         raise ConfigError(f"{section}.nvme_path={sec.nvme_path!r}: {exc}") from exc
     resources.append(nvme)

@@ -211,14 +211,17 @@ class OffloadParamConfig(_SwapPool):
 
 @dataclass(kw_only=True, slots=True)
 class AioConfig(_Section):
-    """The asynchronous file IO engine (``offload.io.AsyncIO``) used for NVMe shards."""
+    """The asynchronous file IO engine (``offload.io.AsyncIO``) used for NVMe shards. Every
+    store shares one engine; the parameter store's reads, which a forward or backward waits
+    on, go ahead of the optimizer's queued reads and of every write."""
 
     KEY: ClassVar[str] = "aio"
 
     block_size: int = 1 * MiB
     """Bytes per IO request (rounded up to 4096); a transfer is split into such blocks."""
     queue_depth: int = 8
-    """IO requests in flight per thread (count)."""
+    """IO blocks in flight at most, shared over the threads (count; each thread gets one
+    at least)."""
     thread_count: int = 2
     """IO worker threads (count)."""
     direct_io: bool = True

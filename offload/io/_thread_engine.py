@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import errno as errno_mod
+import itertools
 import os
 import queue
 import threading
@@ -135,7 +136,9 @@ class ThreadEngine:
         self.queue_depth = queue_depth
         self.thread_count = thread_count
         self.direct_io = direct_io
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        # (class, order, piece): urgent requests' pieces first, each class first in, first out
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._outstanding = 0
@@ -151,7 +154,9 @@ class ThreadEngine:
             t.start()
 
     # ---- submission -------------------------------------------------------------------
-    def submit(self, is_write: bool, path: str, addr: int, nbytes: int, offset: int) -> _Request:
+    def submit(
+        self, is_write: bool, path: str, addr: int, nbytes: int, offset: int, urgent: bool = False
+    ) -> _Request:
         with self._lock:
             if self._closed:
                 raise RuntimeError("AsyncIO engine is closed")
@@ -171,7 +176,7 @@ class ThreadEngine:
             return req
         req.remaining = len(pieces)
         for p in pieces:
-            self._queue.put((req, p))
+            self._queue.put((0 if urgent else 1, next(self._order), (req, p)))
         return req
 
     def _open(self, req: _Request, pieces: list[tuple[int, int, int, int]]) -> None:
@@ -195,7 +200,7 @@ class ThreadEngine:
     def _worker(self) -> None:
         bounce: memoryview | None = None  # this thread's staging buffer, made on first use
         while True:
-            item = self._queue.get()
+            *_, item = self._queue.get()
             if item is None:
                 return
             req, (boff, foff, length, mode) = item
@@ -307,6 +312,6 @@ class ThreadEngine:
                 self._idle.wait()
             self._closed = True
         for _ in self._threads:
-            self._queue.put(None)
+            self._queue.put((2, next(self._order), None))
         for t in self._threads:
             t.join()

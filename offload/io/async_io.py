@@ -207,11 +207,19 @@ class AsyncIO:
 
     # ---- requests ---------------------------------------------------------------------
     def read(
-        self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0, label: str = ""
+        self,
+        tensor: torch.Tensor,
+        path: str | os.PathLike,
+        offset: int = 0,
+        label: str = "",
+        urgent: bool = False,
     ) -> IOHandle:
         """Fill ``tensor``'s bytes from ``path[offset : offset + tensor.nbytes]``; ``label``
-        (e.g. a shard key) names the data in error messages."""
-        return self._submit(False, tensor, path, offset, label)
+        (e.g. a shard key) names the data in error messages. An ``urgent`` read goes ahead of
+        every queued request that is not (first in, first out within each class; pieces the
+        threads already took are not overtaken): a read the compute will wait on should not
+        queue behind background writes."""
+        return self._submit(False, tensor, path, offset, label, urgent)
 
     def write(
         self, tensor: torch.Tensor, path: str | os.PathLike, offset: int = 0, label: str = ""
@@ -220,7 +228,13 @@ class AsyncIO:
         return self._submit(True, tensor, path, offset, label)
 
     def _submit(
-        self, is_write: bool, tensor: torch.Tensor, path: Any, offset: int, label: str
+        self,
+        is_write: bool,
+        tensor: torch.Tensor,
+        path: Any,
+        offset: int,
+        label: str,
+        urgent: bool = False,
     ) -> IOHandle:
         if self._closed:
             raise RuntimeError("AsyncIO is closed")
@@ -236,7 +250,7 @@ class AsyncIO:
         if not isinstance(offset, int) or offset < 0:
             raise ValueError(f"AsyncIO.{what} {path!r}: offset={offset!r}; allowed: an int >= 0")
         nbytes = tensor.numel() * tensor.element_size()
-        req = self._engine.submit(is_write, path, tensor.data_ptr(), nbytes, offset)
+        req = self._engine.submit(is_write, path, tensor.data_ptr(), nbytes, offset, urgent)
         if req.direct_refused:
             self._note_refused(path)
         of = f" of {label}" if label else ""

@@ -106,6 +106,8 @@ class NvmeStore:
         checksum: record a CRC-32 per write and verify it on read.
         keep: leave the directory and files in place on :meth:`close`.
         file_bytes: bytes per data file before a new one is started.
+        urgent_reads: its reads go ahead of the queued requests of other stores sharing ``aio``
+            (``AsyncIO.read``'s ``urgent``): the store whose reads the compute waits on.
     """
 
     def __init__(
@@ -116,6 +118,7 @@ class NvmeStore:
         checksum: bool = False,
         keep: bool = False,
         file_bytes: int = 64 << 30,
+        urgent_reads: bool = False,
     ) -> None:
         path = os.fspath(path)
         _make_path(path)
@@ -141,6 +144,7 @@ class NvmeStore:
         self._aio = aio if aio is not None else AsyncIO()
         self.checksum = bool(checksum)
         self.keep = bool(keep)
+        self.urgent_reads = bool(urgent_reads)
         self.file_bytes = max(round_up(int(file_bytes)), ALIGN)
         self._files: list[str] = []
         self._file_end: list[int] = []
@@ -282,7 +286,9 @@ class NvmeStore:
                 if crc is not None and a >= offset and b <= offset + n
             ]
         name = self._files[shard.file]
-        handle = self._aio.read(tensor, name, shard.offset + offset, label=f"shard {key!r}")
+        handle = self._aio.read(
+            tensor, name, shard.offset + offset, label=f"shard {key!r}", urgent=self.urgent_reads
+        )
 
         def completed() -> None:
             if self.checksum and checks:

@@ -11,6 +11,7 @@ from offload.plan.ownership import GradOwner, GradReduce, MasterOwner
 from offload.plan.placement import (
     DTYPES,
     NVME_OPT_BUFFERS,
+    URGENT_READS,
     Placement,
     Schedule,
     check_host_buffers,
@@ -35,6 +36,7 @@ __all__ = [
     "Schedule",
     "Segment",
     "ShardSpec",
+    "URGENT_READS",
     "Unit",
     "build_units",
     "check_host_buffers",

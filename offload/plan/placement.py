@@ -38,6 +38,12 @@ from offload.plan.ownership import GradOwner, GradReduce, MasterOwner
 
 NVME_OPT_BUFFERS = 4  # master, exp_avg, exp_avg_sq and grad of one piece in flight
 UNLIMITED = 1 << 62  # piece size when no swap buffer bounds it
+URGENT_READS = frozenset({"offload_param"})
+"""Stores whose reads go ahead of the other stores' queued IO in the shared engine
+(``NvmeStore``'s ``urgent_reads``): the compute waits on a gather's reads, while the update's
+reads and every write run beside it. On the 50M demo GPT's step in backward (bench_e2e's NVMe
+configuration, 2 cores) the backward's gathers had queued behind the update's IO: with their
+reads urgent they waited 0.12-0.14 s per iteration instead of 0.18-0.19 s (benchmarks/README.md)."""
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -1,6 +1,7 @@
 // The module offload._C: thin bindings only. Each kernel family registers its own functions
-// (register_cpu_adam in cpu_adam.cpp, register_aio in aio.cpp); this file adds the shared
-// runtime controls. No torch headers anywhere: Python passes data_ptr(), counts, dtype codes.
+// (register_cpu_adam in cpu_adam.cpp, register_aio in aio.cpp, register_pages in pages.cpp);
+// this file adds the shared runtime controls. No torch headers anywhere: Python passes
+// data_ptr(), counts, dtype codes.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -12,6 +13,7 @@ namespace py = pybind11;
 namespace offload {
 void register_cpu_adam(py::module_& m);
 void register_aio(py::module_& m);
+void register_pages(py::module_& m);
 }  // namespace offload
 
 PYBIND11_MODULE(_C, m) {
@@ -38,6 +40,7 @@ PYBIND11_MODULE(_C, m) {
         "Stop and join the compute pool's threads (a later kernel call makes a new pool).");
   offload::register_cpu_adam(m);
   offload::register_aio(m);
+  offload::register_pages(m);
   // the compute pool's workers are joined before the interpreter tears down (thread_pool.h)
   py::module_::import("atexit").attr("register")(m.attr("shutdown_compute_pool"));
 }

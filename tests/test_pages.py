@@ -26,11 +26,13 @@ def test_released_pages_leave_the_process_and_storage_stays():
     module = nn.Linear(4096, 4096, bias=True)  # 64 MiB of fp32
     unit = _unit(module)
     blocks = pages.PageBlocks(torch.float32)
+    blocks.spares = None  # every release gives its pages back (see the next test for spares)
     blocks.attach(unit)
     blocks.drop(unit)
     proc = psutil.Process()
     storage = module.weight.untyped_storage().data_ptr()
     before = proc.memory_info().rss
+    blocks.make_room(unit)
     module.weight.data.fill_(1.5)  # gather: pages come back as they are written
     module.bias.data.fill_(2.0)
     filled = proc.memory_info().rss
@@ -60,3 +62,43 @@ def test_blocks_start_on_a_huge_page_and_ask_for_huge_pages():
     module.weight.data.fill_(1.0)
     blocks.drop(unit)
     blocks.close()
+
+
+@pytest.mark.skipif(pages.Spares.make() is None, reason="moving pages needs the native extension")
+def test_a_release_keeps_its_pages_for_the_next_gather():
+    """A released unit's whole 2 MiB spans wait as spares (it reads zeros meanwhile); the next
+    gather of another unit writes into them, so the process does not grow; beyond the largest
+    unit's spans, and when the blocks close, the pages leave the process."""
+    a, b = nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False)  # 16 MiB each
+    small = nn.Linear(1024, 1024, bias=False)  # 4 MiB: two spans
+    units = [
+        Unit(i, f"m{i}", m, FlatLayout.build(list(m.named_parameters())))
+        for i, m in enumerate((a, b, small))
+    ]
+    blocks = pages.PageBlocks(torch.float32)
+    for u in units:
+        blocks.attach(u)
+        blocks.drop(u)
+    assert blocks.spares.capacity == 8 and blocks.spares.held == 0  # attached: nothing held
+    proc = psutil.Process()
+    storage = a.weight.untyped_storage().data_ptr()
+    blocks.make_room(units[0])
+    a.weight.data.fill_(1.5)
+    filled = proc.memory_info().rss
+    blocks.drop(units[0])
+    assert blocks.spares.held == 8
+    assert torch.count_nonzero(a.weight) == 0  # released: zeros, not the old values
+    assert a.weight.untyped_storage().data_ptr() == storage
+    blocks.make_room(units[1])
+    assert blocks.spares.held == 0
+    b.weight.data.fill_(2.5)
+    assert proc.memory_info().rss - filled < 4 * 2**20  # b took a's pages
+    assert torch.all(b.weight == 2.5) and torch.count_nonzero(a.weight) == 0
+    blocks.make_room(units[2])  # no spares left: this one faults its pages in
+    small.weight.data.fill_(1.0)
+    blocks.drop(units[2])  # two spans kept
+    blocks.drop(units[1])  # six of its eight kept: the rest leaves the process
+    assert blocks.spares.held == 8
+    held = proc.memory_info().rss
+    blocks.close()
+    assert held - proc.memory_info().rss > 14 * 2**20

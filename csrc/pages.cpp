@@ -1,0 +1,61 @@
+// Moving anonymous pages to another address, for offload/device/pages.py's recycled pages (its
+// Note): a released unit's resident huge pages are moved aside and later moved under the next
+// unit's storage, so the next gather writes into pages that are already there instead of
+// faulting fresh zeroed ones in. Python's mmap module cannot move pages to a chosen address, and
+// mremap is variadic (a ctypes call of it is not portable), hence this one function.
+#include <pybind11/pybind11.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+namespace py = pybind11;
+
+namespace offload {
+
+namespace {
+
+[[noreturn]] void raise_errno(int err, const std::string& what) {
+  PyErr_SetObject(PyExc_OSError,
+                  py::make_tuple(err, what + ": " + std::strerror(err)).ptr());
+  throw py::error_already_set();
+}
+
+// Moves the pages of [src, src + nbytes) to [dst, dst + nbytes) (whatever was mapped there is
+// replaced), then maps fresh anonymous read-write memory at src (it reads as zeros, holds no
+// pages until written; asked for as huge pages). Both ranges must lie in mappings of their
+// own kind: anonymous, private, page aligned.
+void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes) {
+#ifdef __linux__
+  void* s = reinterpret_cast<void*>(src);
+  void* d = reinterpret_cast<void*>(dst);
+  if (::mremap(s, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, d) == MAP_FAILED)
+    raise_errno(errno, "move_pages: mremap of " + std::to_string(nbytes) + " bytes");
+  if (::mmap(s, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) ==
+      MAP_FAILED)
+    raise_errno(errno, "move_pages: mapping the source range again");
+#ifdef MADV_HUGEPAGE
+  ::madvise(s, nbytes, MADV_HUGEPAGE);  // advice only: where THP is off it does nothing
+#endif
+#else
+  (void)src;
+  (void)dst;
+  (void)nbytes;
+  raise_errno(ENOSYS, "move_pages: Linux only");
+#endif
+}
+
+}  // namespace
+
+void register_pages(py::module_& m) {
+  m.def("move_pages", &move_pages, py::arg("src"), py::arg("dst"), py::arg("nbytes"),
+        "Move the anonymous pages at src to dst (nbytes, page aligned; dst's old mapping is "
+        "replaced) and map fresh zero memory at src (Linux mremap).");
+}
+
+}  // namespace offload

@@ -29,7 +29,9 @@ namespace {
 // Moves the pages of [src, src + nbytes) to [dst, dst + nbytes) (whatever was mapped there is
 // replaced), then maps fresh anonymous read-write memory at src (it reads as zeros, holds no
 // pages until written; asked for as huge pages). Both ranges must lie in mappings of their
-// own kind: anonymous, private, page aligned.
+// own kind: anonymous, private, page aligned. When it raises, src still has pages mapped
+// (mremap refused: nothing moved; the new mapping refused: the pages were moved back), and dst
+// may have lost its mapping.
 void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes) {
 #ifdef __linux__
   void* s = reinterpret_cast<void*>(src);
@@ -37,8 +39,12 @@ void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes) {
   if (::mremap(s, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, d) == MAP_FAILED)
     raise_errno(errno, "move_pages: mremap of " + std::to_string(nbytes) + " bytes");
   if (::mmap(s, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) ==
-      MAP_FAILED)
-    raise_errno(errno, "move_pages: mapping the source range again");
+      MAP_FAILED) {
+    int err = errno;
+    // never leave a hole where a tensor may point: the pages go back where they were
+    ::mremap(d, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, s);
+    raise_errno(err, "move_pages: mapping the source range again");
+  }
 #ifdef MADV_HUGEPAGE
   ::madvise(s, nbytes, MADV_HUGEPAGE);  // advice only: where THP is off it does nothing
 #endif

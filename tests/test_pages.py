@@ -102,3 +102,28 @@ def test_a_release_keeps_its_pages_for_the_next_gather():
     held = proc.memory_info().rss
     blocks.close()
     assert held - proc.memory_info().rss > 14 * 2**20
+
+
+@pytest.mark.skipif(pages.Spares.make() is None, reason="moving pages needs the native extension")
+def test_a_refused_move_turns_the_spares_off_and_releases_still_free(caplog):
+    module = nn.Linear(2048, 2048, bias=False)  # 16 MiB: eight spans
+    unit = _unit(module)
+    blocks = pages.PageBlocks(torch.float32)
+    blocks.attach(unit)
+    blocks.drop(unit)
+
+    def refuse(src, dst, nbytes):
+        raise OSError(12, "move_pages: mremap of 2097152 bytes: Cannot allocate memory")
+
+    blocks.spares._move = refuse
+    proc = psutil.Process()
+    blocks.make_room(unit)
+    module.weight.data.fill_(1.5)
+    filled = proc.memory_info().rss
+    with caplog.at_level("WARNING", logger="offload.device"):
+        blocks.drop(unit)
+    assert "recycling released parameter pages is off" in caplog.text
+    assert blocks.spares.capacity == 0
+    assert filled - proc.memory_info().rss > 14 * 2**20  # released the old way
+    assert torch.count_nonzero(module.weight) == 0
+    blocks.close()

@@ -29,10 +29,11 @@ namespace {
 // Moves the pages of [src, src + nbytes) to [dst, dst + nbytes) (whatever was mapped there is
 // replaced), then maps fresh anonymous read-write memory at src (it reads as zeros, holds no
 // pages until written; asked for as huge pages). Both ranges must lie in mappings of their
-// own kind: anonymous, private, page aligned. When it raises, src still has pages mapped
-// (mremap refused: nothing moved; the new mapping refused: the pages were moved back), and dst
-// may have lost its mapping.
-void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes) {
+// own kind: anonymous, private, page aligned. When it raises, nothing moved (mremap refused),
+// or the new mapping at src was refused: then, with back_on_failure, the pages are moved back
+// to src (dst loses its mapping), else they stay at dst (src loses its mapping). The caller
+// says which range a tensor may point into, and never uses the other one again.
+void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes, bool back_on_failure) {
 #ifdef __linux__
   void* s = reinterpret_cast<void*>(src);
   void* d = reinterpret_cast<void*>(dst);
@@ -41,8 +42,7 @@ void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes) {
   if (::mmap(s, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) ==
       MAP_FAILED) {
     int err = errno;
-    // never leave a hole where a tensor may point: the pages go back where they were
-    ::mremap(d, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, s);
+    if (back_on_failure) ::mremap(d, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, s);
     raise_errno(err, "move_pages: mapping the source range again");
   }
 #ifdef MADV_HUGEPAGE
@@ -52,6 +52,7 @@ void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes) {
   (void)src;
   (void)dst;
   (void)nbytes;
+  (void)back_on_failure;
   raise_errno(ENOSYS, "move_pages: Linux only");
 #endif
 }
@@ -60,8 +61,10 @@ void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes) {
 
 void register_pages(py::module_& m) {
   m.def("move_pages", &move_pages, py::arg("src"), py::arg("dst"), py::arg("nbytes"),
+        py::arg("back_on_failure"),
         "Move the anonymous pages at src to dst (nbytes, page aligned; dst's old mapping is "
-        "replaced) and map fresh zero memory at src (Linux mremap).");
+        "replaced) and map fresh zero memory at src (Linux mremap); see csrc/pages.cpp for "
+        "what a failure leaves.");
 }
 
 }  // namespace offload

@@ -40,9 +40,10 @@ Note: recycled pages
     pages. Spares hold at most the largest unit's whole spans (one unit more resident than
     what is gathered, at most, until the blocks are closed); a release beyond that, and each
     block's tail, go back to the OS as above. Without the native extension every release is a
-    ``madvise``, and after a move the kernel refuses too (one warning; training goes on). Profiled over four iterations of the 50M demo GPT's step in backward
-    (bench_e2e's NVMe configuration), the gathers' copies took 170 ms against 467-573 ms,
-    their waits for reads 10-20 ms more per iteration (what the copies had hidden).
+    ``madvise``, and after a move the kernel refuses too (one warning; training goes on).
+    Profiled over four iterations of the 50M demo GPT's step in backward (bench_e2e's NVMe
+    configuration), the gathers' copies took 170 ms against 467-573 ms, their waits for reads
+    10-20 ms more per iteration (what the copies had hidden).
 """
 
 from __future__ import annotations
@@ -108,24 +109,25 @@ class Spares:
 
     def keep(self, addr: int) -> bool:
         """Moves the span at ``addr`` into a slot (False: none is free, nothing moved)."""
-        if not self._empty or not self._moved(addr, self._empty[-1]):
+        if not self._empty or not self._moved(addr, self._empty[-1], back=True):
             return False
         self._full.append(self._empty.pop())
         return True
 
     def give(self, addr: int) -> bool:
         """Moves a kept span's pages under ``addr`` (False: there is none)."""
-        if not self._full or not self._moved(self._full[-1], addr):
+        if not self._full or not self._moved(self._full[-1], addr, back=False):
             return False
         self._empty.append(self._full.pop())
         return True
 
-    def _moved(self, src: int, dst: int) -> bool:
-        """A move the kernel refuses (``mremap`` fails before it moves anything, e.g. at the
-        process's mapping count limit) turns the spares off: every release is a ``madvise``
-        from then on, and training goes on."""
+    def _moved(self, src: int, dst: int, back: bool) -> bool:
+        """Moves one span. A move the kernel refuses (e.g. at the process's mapping count
+        limit) turns the spares off: every release is a ``madvise`` from then on, and training
+        goes on. The block's side always stays mapped (``back``: the block is ``src``); a slot
+        left without a mapping is never used again."""
         try:
-            self._move(src, dst, HUGE)
+            self._move(src, dst, HUGE, back)
         except OSError as exc:
             logger.warning("offload: recycling released parameter pages is off (%s)", exc)
             self._empty, self._full = [], []

@@ -26,33 +26,46 @@ namespace {
   throw py::error_already_set();
 }
 
+#ifdef __linux__
+// Fresh anonymous read-write memory at [at, at + nbytes), asked for as huge pages.
+bool map_fresh(void* at, size_t nbytes) {
+  if (::mmap(at, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) ==
+      MAP_FAILED)
+    return false;
+#ifdef MADV_HUGEPAGE
+  ::madvise(at, nbytes, MADV_HUGEPAGE);  // advice only: where THP is off it does nothing
+#endif
+  return true;
+}
+#endif
+
 // Moves the pages of [src, src + nbytes) to [dst, dst + nbytes) (whatever was mapped there is
 // replaced), then maps fresh anonymous read-write memory at src (it reads as zeros, holds no
 // pages until written; asked for as huge pages). Both ranges must lie in mappings of their
-// own kind: anonymous, private, page aligned. When it raises, nothing moved (mremap refused),
-// or the new mapping at src was refused: then, with back_on_failure, the pages are moved back
-// to src (dst loses its mapping), else they stay at dst (src loses its mapping). The caller
-// says which range a tensor may point into, and never uses the other one again.
-void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes, bool back_on_failure) {
+// own kind: anonymous, private, page aligned. Tensors point into one of the two ranges (src
+// when src_is_viewed); whatever fails, that one stays mapped: a refused mremap may already
+// have unmapped dst (fresh memory is mapped there again when it is the viewed one), and when
+// the new mapping at src is refused the pages are moved back to a viewed src. The other range
+// may be left unmapped: the caller never uses it again.
+void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes, bool src_is_viewed) {
 #ifdef __linux__
   void* s = reinterpret_cast<void*>(src);
   void* d = reinterpret_cast<void*>(dst);
-  if (::mremap(s, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, d) == MAP_FAILED)
-    raise_errno(errno, "move_pages: mremap of " + std::to_string(nbytes) + " bytes");
-  if (::mmap(s, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) ==
-      MAP_FAILED) {
+  if (::mremap(s, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, d) == MAP_FAILED) {
     int err = errno;
-    if (back_on_failure) ::mremap(d, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, s);
+    if (!src_is_viewed) map_fresh(d, nbytes);
+    raise_errno(err, "move_pages: mremap of " + std::to_string(nbytes) + " bytes");
+  }
+  if (!map_fresh(s, nbytes)) {
+    int err = errno;
+    if (src_is_viewed) ::mremap(d, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, s);
     raise_errno(err, "move_pages: mapping the source range again");
   }
-#ifdef MADV_HUGEPAGE
-  ::madvise(s, nbytes, MADV_HUGEPAGE);  // advice only: where THP is off it does nothing
-#endif
 #else
   (void)src;
   (void)dst;
   (void)nbytes;
-  (void)back_on_failure;
+  (void)src_is_viewed;
   raise_errno(ENOSYS, "move_pages: Linux only");
 #endif
 }
@@ -61,7 +74,7 @@ void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes, bool back_on_failur
 
 void register_pages(py::module_& m) {
   m.def("move_pages", &move_pages, py::arg("src"), py::arg("dst"), py::arg("nbytes"),
-        py::arg("back_on_failure"),
+        py::arg("src_is_viewed"),
         "Move the anonymous pages at src to dst (nbytes, page aligned; dst's old mapping is "
         "replaced) and map fresh zero memory at src (Linux mremap); see csrc/pages.cpp for "
         "what a failure leaves.");

@@ -80,7 +80,7 @@ def test_a_release_keeps_its_pages_for_the_next_gather():
         blocks.attach(u)
         blocks.drop(u)
     assert blocks.spares.capacity == 8 and blocks.spares.held == 0  # attached: nothing held
-    moves = []  # (src, dst, back_on_failure): the block's side is the one kept mapped
+    moves = []  # (src, dst, src_is_viewed): the block's side is the one kept mapped
     real = blocks.spares._move
     blocks.spares._move = lambda *args: moves.append(args) or real(*args)
     in_blocks = [(blocks.flat(u).data_ptr(), blocks.flat(u).data_ptr() + 16 * 2**20) for u in units]
@@ -110,7 +110,9 @@ def test_a_release_keeps_its_pages_for_the_next_gather():
     held = proc.memory_info().rss
     blocks.close()
     assert held - proc.memory_info().rss > 14 * 2**20
-    assert moves and all(back == in_a_block(src) != in_a_block(dst) for src, dst, _, back in moves)
+    assert moves and all(
+        viewed == in_a_block(src) != in_a_block(dst) for src, dst, _, viewed in moves
+    )
 
 
 @pytest.mark.skipif(pages.Spares.make() is None, reason="moving pages needs the native extension")
@@ -121,7 +123,7 @@ def test_a_refused_move_turns_the_spares_off_and_releases_still_free(caplog):
     blocks.attach(unit)
     blocks.drop(unit)
 
-    def refuse(src, dst, nbytes, back_on_failure):
+    def refuse(src, dst, nbytes, src_is_viewed):
         raise OSError(12, "move_pages: mremap of 2097152 bytes: Cannot allocate memory")
 
     blocks.spares._move = refuse

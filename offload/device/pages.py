@@ -109,25 +109,25 @@ class Spares:
 
     def keep(self, addr: int) -> bool:
         """Moves the span at ``addr`` into a slot (False: none is free, nothing moved)."""
-        if not self._empty or not self._moved(addr, self._empty[-1], back=True):
+        if not self._empty or not self._moved(addr, self._empty[-1], src_is_viewed=True):
             return False
         self._full.append(self._empty.pop())
         return True
 
     def give(self, addr: int) -> bool:
         """Moves a kept span's pages under ``addr`` (False: there is none)."""
-        if not self._full or not self._moved(self._full[-1], addr, back=False):
+        if not self._full or not self._moved(self._full[-1], addr, src_is_viewed=False):
             return False
         self._empty.append(self._full.pop())
         return True
 
-    def _moved(self, src: int, dst: int, back: bool) -> bool:
+    def _moved(self, src: int, dst: int, src_is_viewed: bool) -> bool:
         """Moves one span. A move the kernel refuses (e.g. at the process's mapping count
         limit) turns the spares off: every release is a ``madvise`` from then on, and training
-        goes on. The block's side always stays mapped (``back``: the block is ``src``); a slot
-        left without a mapping is never used again."""
+        goes on. The block's side (``src`` when ``src_is_viewed``) stays mapped whatever
+        fails (``csrc/pages.cpp``); a slot left without a mapping is never used again."""
         try:
-            self._move(src, dst, HUGE, back)
+            self._move(src, dst, HUGE, src_is_viewed)
         except OSError as exc:
             logger.warning("offload: recycling released parameter pages is off (%s)", exc)
             self._empty, self._full = [], []

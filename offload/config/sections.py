@@ -250,10 +250,12 @@ class PrefetchConfig(_Section):
     KEY: ClassVar[str] = "prefetch"
 
     depth: int = 2
-    """Units fetched ahead of the one in use (count; 0 = fetch on demand only)."""
+    """Pieces each NVMe store fetches ahead of the one in use, in the order the first
+    iteration recorded (count; a piece is what one swap buffer holds, a whole unit of params
+    with buffer_size "auto"; 0 = fetch on demand only)."""
 
     def __post_init__(self) -> None:
-        self.depth = as_int(self._k("depth"), self.depth, lo=0, hi=_MAX_COUNT, what="units ahead")
+        self.depth = as_int(self._k("depth"), self.depth, lo=0, hi=_MAX_COUNT, what="pieces ahead")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -30,9 +30,10 @@ Note: why not free and reallocate
 
 Note: recycled pages
     A fault is not only a kernel entry: the kernel finds a free huge page and zeroes it, and
-    with another thread busy on the second core that made writing a released 20 MiB block
-    take 7.9 ms against 0.8 ms into resident pages (scratch measurement on the 2-core machine
-    of benchmarks/README.md; 1.8 against 0.8 ms idle). So a release does not give the
+    with another process busy on the second core that made writing a released 20 MiB block
+    take 5.7-7.7 ms against 1.1 ms into recycled pages (``benchmarks/bench_pages.py`` on the
+    2-core machine of benchmarks/README.md; 1.7-1.9 against 1.0 ms idle; the moves cost 0.5
+    ms per release and gather). So a release does not give the
     block's whole 2 MiB spans back to the OS at once: it moves their pages aside
     (:class:`Spares`, ``mremap`` through ``offload._C.move_pages``; the block's range gets
     fresh zero memory, so a released parameter still reads zeros), and the next gather's
@@ -130,7 +131,7 @@ class Spares:
             self._move(src, dst, HUGE, src_is_viewed)
         except OSError as exc:
             logger.warning("offload: recycling released parameter pages is off (%s)", exc)
-            self._empty, self._full = [], []
+            self.close()  # the kept pages go back to the OS now; no slot is used again
             return False
         return True
 

@@ -83,7 +83,10 @@ def test_a_release_keeps_its_pages_for_the_next_gather():
     moves = []  # (src, dst, src_is_viewed): the block's side is the one kept mapped
     real = blocks.spares._move
     blocks.spares._move = lambda *args: moves.append(args) or real(*args)
-    in_blocks = [(blocks.flat(u).data_ptr(), blocks.flat(u).data_ptr() + 16 * 2**20) for u in units]
+    in_blocks = [
+        (blocks.flat(u).data_ptr(), blocks.flat(u).data_ptr() + blocks.flat(u).nbytes)
+        for u in units
+    ]
 
     def in_a_block(addr) -> bool:
         return any(lo <= addr < hi for lo, hi in in_blocks)

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.connection
 import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,14 +37,25 @@ def _forkserver():
     return ctx
 
 
+# Two threads start and join workers. multiprocessing's start() polls every child it has
+# started (``multiprocessing.process._cleanup``), and a forkserver child's poll reads its exit
+# status from a pipe the server writes once: a thread joining its worker while another starts
+# one could both read it, and the loser took EOF for exit code 255 (a CI failure). Every start
+# and join holds this lock; waiting for a worker to end does not.
+_PROCESSES = threading.Lock()
+
+
 def _worker(*args) -> int:
     """Runs ``_save_worker.run(args)`` in a new process; returns its exit code (-9: SIGKILL)."""
     proc = _forkserver().Process(target=_save_worker.run, args=([str(a) for a in args],))
-    proc.start()
-    proc.join(300)
-    if proc.exitcode is None:
-        proc.kill()
+    with _PROCESSES:
+        proc.start()
+    ended = multiprocessing.connection.wait([proc.sentinel], 300)
+    with _PROCESSES:
+        if not ended:
+            proc.kill()
         proc.join()
+    if not ended:
         pytest.fail(f"_save_worker {args} did not finish in 300 s")
     return proc.exitcode
 

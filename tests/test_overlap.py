@@ -5,6 +5,7 @@ disk latency and compute made large by the test (each fails when that read-ahead
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -14,7 +15,10 @@ from engine_models import STACK_VOCAB, StackBlock, StackLM
 
 import offload
 from offload.api.wrap import engine_of
+from offload.config import OffloadConfig
 from offload.homes import optim as optim_mod
+from offload.homes.params import NvmeParams
+from offload.plan.placement import make_placement
 from offload.store import ShardState
 
 LATENCY = 0.04  # seconds each disk read takes, added by the test
@@ -115,6 +119,63 @@ def test_the_next_unit_is_read_while_this_one_computes(tmp_path, depth):
     finally:
         TimedBlock.probe = None
         opt.close()
+
+
+def test_the_depth_counts_units_whatever_their_pieces(tmp_path):
+    """With buffers a quarter of a block, one unit ahead is all of the next unit's pieces on
+    their way while this one computes (counting pieces, depth 1 read one of them)."""
+    cfg = _config(tmp_path, 1)
+    cfg["offload_param"].update(buffer_count=16, buffer_size="8KiB")
+    model, opt = offload.wrap(StackLM(n=6, block=TimedBlock), cfg)
+    runtime = engine_of(model)
+    store = runtime.stores["offload_param"]
+    units = {run.unit.module: run.unit for run in runtime.runs}
+    following = {u.index: n for u, n in zip(runtime.plan.units, runtime.plan.units[1:])}
+    keys = {
+        u.index: [NvmeParams.key(u, lo) for lo, _ in runtime.plan.pieces(u)]
+        for u in runtime.plan.units
+    }
+    blocks = [u for m, u in units.items() if isinstance(m, TimedBlock)]
+    assert all(len(keys[u.index]) >= 3 for u in blocks)  # a block is pieces, not one
+
+    def next_unit_on_its_way(block) -> list[bool]:
+        nxt = following.get(units[block].index)
+        return [store.state(k) is not ShardState.NVME for k in keys[nxt.index]] if nxt else []
+
+    tokens = torch.randint(0, STACK_VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    try:
+        for _ in range(2):  # the first iteration records the trace
+            _step(model, opt, tokens)
+        opt.synchronize()
+        TimedBlock.seen, TimedBlock.probe = [], next_unit_on_its_way
+        with torch.no_grad():
+            model(tokens[:, :-1])
+        assert len(TimedBlock.seen) == 6
+        assert all(all(pieces) for pieces in TimedBlock.seen), TimedBlock.seen
+    finally:
+        TimedBlock.probe = None
+        opt.close()
+
+
+@pytest.mark.parametrize(("count", "warned"), [(6, True), (8, False)])
+def test_a_pool_that_cannot_read_the_next_unit_is_named(tmp_path, caplog, count, warned):
+    """bench_e2e's split: 8 MiB buffers, a 19 MiB unit (3 pieces) and an update holding 2."""
+    cfg = OffloadConfig.from_dict({**_config(tmp_path, 2), "dtype": "fp32"})  # params: master
+    cfg.offload_param.buffer_count = count
+    cfg.offload_param.buffer_size = 8 * 2**20
+    cfg.offload_optimizer.buffer_count = 16
+    cfg.offload_optimizer.buffer_size = 8 * 2**20
+    cfg.offload_optimizer.step_in_backward = True
+    with caplog.at_level(logging.WARNING, logger="offload.plan"):
+        pl = make_placement(cfg, torch.device("cpu"), largest_unit=19 * 2**18)
+    assert pl.stores["offload_param"] == 2 * 3  # two units of three pieces ahead
+    said = [r.getMessage() for r in caplog.records if r.name == "offload.plan"]
+    if warned:
+        assert len(said) == 1, said
+        assert "offload_param.buffer_count=6" in said[0] and "prefetch.depth=2" in said[0]
+        assert "use offload_param.buffer_count >= 8" in said[0]
+    else:
+        assert said == []
 
 
 def test_the_gathers_reads_go_ahead_of_the_updates_io(tmp_path):

@@ -250,12 +250,12 @@ class PrefetchConfig(_Section):
     KEY: ClassVar[str] = "prefetch"
 
     depth: int = 2
-    """Pieces each NVMe store fetches ahead of the one in use, in the order the first
-    iteration recorded (count; a piece is what one swap buffer holds, a whole unit of params
-    with buffer_size "auto"; 0 = fetch on demand only)."""
+    """Units each NVMe store fetches ahead of the one in use, in the order the first iteration
+    recorded (count: the largest unit's pieces times this, as far as the swap buffers hold
+    them; 0 = fetch on demand only)."""
 
     def __post_init__(self) -> None:
-        self.depth = as_int(self._k("depth"), self.depth, lo=0, hi=_MAX_COUNT, what="pieces ahead")
+        self.depth = as_int(self._k("depth"), self.depth, lo=0, hi=_MAX_COUNT, what="units ahead")
 
 
 @dataclass(kw_only=True, slots=True)

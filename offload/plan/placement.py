@@ -15,6 +15,16 @@ Note: the param pool's buffers
     buffer the other holds while it waits (with one buffer each, neither holds one while it
     waits for another).
 
+Note: reading ahead
+    ``prefetch.depth`` counts units: each NVMe store's trace prefetcher keeps ``depth`` times the
+    largest unit's pieces in flight ahead of the one in use (times 4 shards for the optimizer's
+    pieces). With ``"auto"`` buffers a unit is one piece; with smaller buffers counting pieces
+    had read less than one unit ahead (bench_e2e's 8 MiB buffers: a 19 MiB unit is 3 pieces,
+    and depth 2 read two thirds of the next unit). What the pool holds bounds it: a prefetch
+    takes only a free buffer (``offload.store.reclaim``), so a pool that cannot hold the next
+    unit beside the gathered one and the update's share reads it only as the gather frees
+    buffers, and wrap warns with the count that would.
+
 Note: the NVMe step's buffers
     The default step streams each piece's master, exp_avg, exp_avg_sq and grad through the
     ``offload_optimizer`` pool: 4 buffers per piece in flight, and 3 more kept for write-backs
@@ -28,6 +38,7 @@ Note: the NVMe step's buffers
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +55,8 @@ URGENT_READS = frozenset({"offload_param"})
 reads and every write run beside it. On the 50M demo GPT's step in backward (bench_e2e's NVMe
 configuration, 2 cores) the backward's gathers had queued behind the update's IO: with their
 reads urgent they waited 0.12-0.14 s per iteration instead of 0.18-0.19 s (benchmarks/README.md)."""
+
+logger = logging.getLogger("offload.plan")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -240,17 +253,21 @@ def make_placement(
     update_params = 0  # param pool buffers the update holds (Note: the param pool's buffers)
     if opt.device == "nvme" and master is MasterOwner.PARAMS:
         update_params = max(1, min(lookahead + 1, cfg.offload_param.buffer_count - 2))
+    piece = piece_numel(cfg, dtype, sizes)
+    unit_pieces = max(1, -(-largest_unit // piece))  # the largest unit's pieces (Note: ahead)
     stores = {}
     if cfg.offload_param.device == "nvme":
-        stores["offload_param"] = cfg.prefetch.depth
-    if opt.device == "nvme":  # prefetch.depth counts pieces; an optimizer piece is 4 shards
+        stores["offload_param"] = cfg.prefetch.depth * unit_pieces
+        _check_param_ahead(cfg, unit_pieces, update_params)
+    if opt.device == "nvme":  # an optimizer piece is 4 shards
         # The step in backward gives every buffer to the update's read-ahead and the grad
         # pieces it holds (nvme_step_buffers): grad pieces the trace fetched ahead for an
         # accumulating backward were evicted before their use and read twice (bench_e2e's
         # recipe: 8.1 B/param of grad reads in its last backward instead of 4, iterations
         # ~12% slower). Its uses are still recorded: the eviction planner needs them.
         in_backward = schedule is Schedule.IN_BACKWARD
-        stores["offload_optimizer"] = 0 if in_backward else cfg.prefetch.depth * NVME_OPT_BUFFERS
+        ahead = cfg.prefetch.depth * unit_pieces * NVME_OPT_BUFFERS
+        stores["offload_optimizer"] = 0 if in_backward else ahead
     return Placement(
         device=device,
         dtype=dtype,
@@ -259,7 +276,7 @@ def make_placement(
         schedule=schedule,
         master=master,
         grads=grads,
-        piece_numel=piece_numel(cfg, dtype, sizes),
+        piece_numel=piece,
         param_window=max(1, cfg.offload_param.buffer_count - 1 - update_params),
         param_ahead=max(0, update_params - 1),
         step_lookahead=lookahead,
@@ -279,6 +296,30 @@ def make_placement(
         stage=stage,
         grad_reduce=_grad_reduce(2 if sharded else 1, stage, schedule),
         shard_params=sharded and stage == 3,
+    )
+
+
+def _check_param_ahead(cfg: OffloadConfig, unit_pieces: int, update_params: int) -> None:
+    """Warns when the param pool cannot read the next unit while one is gathered (Note:
+    reading ahead), naming the keys to raise."""
+    count, depth = cfg.offload_param.buffer_count, cfg.prefetch.depth
+    gathered = min(unit_pieces, max(1, count - 1 - update_params))
+    room = count - gathered - update_params
+    if depth == 0 or room >= unit_pieces:
+        return
+    logger.warning(
+        "offload_param.buffer_count=%d: a unit is %d pieces (offload_param.buffer_size=%d bytes) "
+        "and the update holds %d, so %d buffer(s) read ahead while a unit is gathered and "
+        "prefetch.depth=%d cannot bring the next unit in beside it (the forward and backward "
+        "wait for its reads); allowed but slow: use offload_param.buffer_count >= %d or a larger "
+        "offload_param.buffer_size",
+        count,
+        unit_pieces,
+        cfg.offload_param.buffer_size,
+        update_params,
+        room,
+        depth,
+        2 * unit_pieces + update_params,
     )
 
 

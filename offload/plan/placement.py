@@ -21,9 +21,9 @@ Note: reading ahead
     pieces). With ``"auto"`` buffers a unit is one piece; with smaller buffers counting pieces
     had read less than one unit ahead (bench_e2e's 8 MiB buffers: a 19 MiB unit is 3 pieces,
     and depth 2 read two thirds of the next unit). What the pool holds bounds it: a prefetch
-    takes only a free buffer (``offload.store.reclaim``), so a pool that cannot hold the next
-    unit beside the gathered one and the update's share reads it only as the gather frees
-    buffers, and wrap warns with the count that would.
+    never waits for a buffer and never evicts a copy needed sooner (``offload.store.reclaim``),
+    so a pool that cannot hold the next unit beside the gathered one and the update's share
+    reads it only as the gather frees buffers, and wrap warns with the count that would.
 
 Note: the NVMe step's buffers
     The default step streams each piece's master, exp_avg, exp_avg_sq and grad through the

@@ -410,6 +410,17 @@ def test_bad_config_names_key_and_value(config, key, value):
 
 
 @pytest.mark.parametrize(
+    "stage", [10**400, -(10**400), float("nan"), 2.5], ids=["1e400", "-1e400", "nan", "2.5"]
+)
+def test_a_stage_no_float_can_hold_is_refused_by_name(stage):
+    """An int beyond the float range once raised OverflowError (found by test_config_fuzz)."""
+    with pytest.raises(ConfigError) as err:
+        load_config({"distributed": {"stage": stage}})
+    assert err.value.key == "distributed.stage"
+    assert "allowed: 1, 2, 3" in str(err.value) and len(str(err.value)) < 400
+
+
+@pytest.mark.parametrize(
     "config, key, suggestion",
     [
         ({"offload_optimzer": {}}, "offload_optimzer", "offload_optimizer"),

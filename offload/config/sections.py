@@ -349,7 +349,7 @@ class DistributedConfig(_Section):
             allowed = '1, 2, 3 (the ZeRO stage) or "auto"'
             if isinstance(self.stage, bool) or not isinstance(self.stage, (int, float)):
                 raise ConfigError.bad(self._k("stage"), self.stage, allowed)
-            if float(self.stage) not in (1.0, 2.0, 3.0):
+            if self.stage not in (1, 2, 3):  # no float(): an int beyond its range (fuzz)
                 raise ConfigError.bad(self._k("stage"), self.stage, allowed)
             self.stage = int(self.stage)
         self.timeout = as_float(

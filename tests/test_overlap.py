@@ -90,6 +90,22 @@ class TimedBlock(StackBlock):
         return super().forward(x)
 
 
+def _probed_forward(model, opt, probe) -> list:
+    """Two steps (the first records the trace), then a forward of its own (no update in flight
+    to confuse it) with ``probe(block)`` called as each block computes; its results."""
+    tokens = torch.randint(0, STACK_VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        _step(model, opt, tokens)
+    opt.synchronize()
+    TimedBlock.seen, TimedBlock.probe = [], probe
+    try:
+        with torch.no_grad():
+            model(tokens[:, :-1])
+    finally:
+        TimedBlock.probe = None
+    return TimedBlock.seen
+
+
 @pytest.mark.parametrize("depth", [2, 0])
 def test_the_next_unit_is_read_while_this_one_computes(tmp_path, depth):
     model, opt = offload.wrap(StackLM(n=6, block=TimedBlock), _config(tmp_path, depth))
@@ -102,22 +118,14 @@ def test_the_next_unit_is_read_while_this_one_computes(tmp_path, depth):
         k = index[block] + 1
         return k > last or store.state(f"param.u{k}.0") is not ShardState.NVME
 
-    tokens = torch.randint(0, STACK_VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     try:
-        for _ in range(2):  # the first iteration records the trace
-            _step(model, opt, tokens)
-        opt.synchronize()
-        TimedBlock.seen, TimedBlock.probe = [], next_unit_on_its_way
-        with torch.no_grad():
-            model(tokens[:, :-1])  # a forward of its own: no update in flight to confuse it
-        TimedBlock.probe = None
-        prefetched = sum(TimedBlock.seen[:-1])  # the last block has no next unit
+        seen = _probed_forward(model, opt, next_unit_on_its_way)
+        prefetched = sum(seen[:-1])  # the last block has no next unit
         if depth:
-            assert prefetched == len(TimedBlock.seen) - 1, TimedBlock.seen
+            assert prefetched == len(seen) - 1, seen
         else:  # only what the update left cached: the check tells the two apart
-            assert prefetched < len(TimedBlock.seen) - 1, TimedBlock.seen
+            assert prefetched < len(seen) - 1, seen
     finally:
-        TimedBlock.probe = None
         opt.close()
 
 
@@ -142,18 +150,11 @@ def test_the_depth_counts_units_whatever_their_pieces(tmp_path):
         nxt = following.get(units[block].index)
         return [store.state(k) is not ShardState.NVME for k in keys[nxt.index]] if nxt else []
 
-    tokens = torch.randint(0, STACK_VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     try:
-        for _ in range(2):  # the first iteration records the trace
-            _step(model, opt, tokens)
-        opt.synchronize()
-        TimedBlock.seen, TimedBlock.probe = [], next_unit_on_its_way
-        with torch.no_grad():
-            model(tokens[:, :-1])
-        assert len(TimedBlock.seen) == 6
-        assert all(all(pieces) for pieces in TimedBlock.seen), TimedBlock.seen
+        seen = _probed_forward(model, opt, next_unit_on_its_way)
+        assert len(seen) == 6
+        assert all(all(pieces) for pieces in seen), seen
     finally:
-        TimedBlock.probe = None
         opt.close()
 
 

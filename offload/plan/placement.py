@@ -253,12 +253,13 @@ def make_placement(
     update_params = 0  # param pool buffers the update holds (Note: the param pool's buffers)
     if opt.device == "nvme" and master is MasterOwner.PARAMS:
         update_params = max(1, min(lookahead + 1, cfg.offload_param.buffer_count - 2))
+    window = max(1, cfg.offload_param.buffer_count - 1 - update_params)
     piece = piece_numel(cfg, dtype, sizes)
     unit_pieces = max(1, -(-largest_unit // piece))  # the largest unit's pieces (Note: ahead)
     stores = {}
     if cfg.offload_param.device == "nvme":
         stores["offload_param"] = cfg.prefetch.depth * unit_pieces
-        _check_param_ahead(cfg, unit_pieces, update_params)
+        _check_param_ahead(cfg, unit_pieces, min(unit_pieces, window), update_params)
     if opt.device == "nvme":  # an optimizer piece is 4 shards
         # The step in backward gives every buffer to the update's read-ahead and the grad
         # pieces it holds (nvme_step_buffers): grad pieces the trace fetched ahead for an
@@ -277,7 +278,7 @@ def make_placement(
         master=master,
         grads=grads,
         piece_numel=piece,
-        param_window=max(1, cfg.offload_param.buffer_count - 1 - update_params),
+        param_window=window,
         param_ahead=max(0, update_params - 1),
         step_lookahead=lookahead,
         grad_hold=hold,
@@ -299,11 +300,12 @@ def make_placement(
     )
 
 
-def _check_param_ahead(cfg: OffloadConfig, unit_pieces: int, update_params: int) -> None:
-    """Warns when the param pool cannot read the next unit while one is gathered (Note:
-    reading ahead), naming the keys to raise."""
+def _check_param_ahead(
+    cfg: OffloadConfig, unit_pieces: int, gathered: int, update_params: int
+) -> None:
+    """Warns when the param pool cannot read the next unit while ``gathered`` pieces of one
+    are held (Note: reading ahead), naming the keys to raise."""
     count, depth = cfg.offload_param.buffer_count, cfg.prefetch.depth
-    gathered = min(unit_pieces, max(1, count - 1 - update_params))
     room = count - gathered - update_params
     if depth == 0 or room >= unit_pieces:
         return

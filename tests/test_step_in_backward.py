@@ -60,7 +60,9 @@ def _run(tmp_path, param_dev, data, *, step_in_backward, clip=0.0, steps=STEPS, 
         store = engine_of(model).stores["offload_optimizer"]
         written = store.stats()["tiers"]["host->nvme"]["bytes"]
         grad_bytes = sum(s.io_nbytes for k, s in store._shards.items() if k.startswith("grad."))
-        extra = {"rollbacks": opt.stats()["total"]["rollbacks"], "skipped": opt.skipped_steps}
+        total = opt.stats()["total"]
+        extra = {k: total[k] for k in ("rollbacks", "updates_in_backward", "clipped_steps")}
+        extra["skipped"] = opt.skipped_steps
         return losses, model.state_dict(), opt.state_dict(), written, grad_bytes, extra
     finally:
         opt.close()
@@ -86,6 +88,9 @@ def test_bitwise_equal_to_the_step_after_backward(tmp_path, param_dev, buffer_co
     got = _run(tmp_path / "sib", param_dev, data, step_in_backward=True, buffer_count=buffer_count)
     _assert_bitwise(got, ref)
     assert got[0][-1] < got[0][0]  # it trained
+    # telemetry says where each update ran: every one in its backward, none after it
+    assert (got[5]["updates_in_backward"], ref[5]["updates_in_backward"]) == (STEPS, 0)
+    assert got[5]["clipped_steps"] == ref[5]["clipped_steps"] == 0
 
 
 def test_bf16_bitwise_equal_and_gradients_never_written(tmp_path):
@@ -112,6 +117,7 @@ def test_bitwise_with_accumulation_and_clipping_that_triggers(tmp_path, param_de
     got = _run(tmp_path / "sib", param_dev, data, step_in_backward=True, buffer_count=16, **kw)
     _assert_bitwise(got, ref)
     assert 0 < got[5]["rollbacks"] <= STEPS  # clipping triggered, and was redone
+    assert got[5]["clipped_steps"] == ref[5]["clipped_steps"] >= got[5]["rollbacks"]
 
 
 def test_accumulation_is_learned_from_the_first_step(tmp_path):
@@ -132,7 +138,9 @@ def test_accumulation_is_learned_from_the_first_step(tmp_path):
         assert engine_of(model).schedule.accumulation == 2
         # the loop clips every step here (norms 1.6-3): after the first step shows it, each
         # update runs after the backward instead of being speculated and redone
-        assert opt.stats()["total"]["rollbacks"] == 0
+        total = opt.stats()["total"]
+        assert (total["rollbacks"], total["updates_in_backward"]) == (0, 0)
+        assert total["clipped_steps"] == STEPS
     finally:
         opt.close()
 
@@ -143,7 +151,8 @@ def test_bitwise_with_config_clipping_that_does_not_trigger(tmp_path):
     ref = _run(tmp_path / "ref", "nvme", data, step_in_backward=False, gradient_clipping=100.0)
     got = _run(tmp_path / "sib", "nvme", data, step_in_backward=True, gradient_clipping=100.0)
     _assert_bitwise(got, ref)
-    assert got[5]["rollbacks"] == 0
+    assert got[5]["rollbacks"] == got[5]["clipped_steps"] == 0
+    assert got[5]["updates_in_backward"] == STEPS  # all kept
 
 
 def test_bitwise_with_fp16_overflows(tmp_path):
@@ -155,7 +164,7 @@ def test_bitwise_with_fp16_overflows(tmp_path):
     got = _run(tmp_path / "sib", "nvme", data, step_in_backward=True, buffer_count=16, **over)
     _assert_bitwise(got, ref)
     assert got[5]["skipped"] == ref[5]["skipped"] > 0
-    assert got[5]["rollbacks"] >= got[5]["skipped"]
+    assert got[5]["updates_in_backward"] >= got[5]["rollbacks"] >= got[5]["skipped"]
 
 
 def test_the_default_with_nvme_and_its_config(tmp_path):

@@ -104,7 +104,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self.clip_grad_norm_(self.gradient_clipping)
         coef = 1.0 if self._clip_coef is None else self._clip_coef
         try:
-            engine.step(grad_scale=inv_scale * coef)
+            engine.step(grad_scale=inv_scale * coef, clipped=coef < 1.0)
         finally:
             self._clip_coef = None
         if self.scaler is not None:

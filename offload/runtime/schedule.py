@@ -370,6 +370,7 @@ class InBackward(Background):
             self._would_keep = self._hyper_now is None or _same(self._hyper_now(), hyper)
             return
         self.flush()  # the speculative update is complete
+        self.timers["updates_in_backward"] += 1
         used, self._spec = self._spec, None
         self.grads.take_back()
         self._would_keep = _same(used, hyper)
@@ -419,6 +420,7 @@ class InBackward(Background):
             return
         self.flush()
         self._undo()
+        self.timers["updates_in_backward"] += 1
         self.timers["rollbacks"] += 1
 
     def _undo(self) -> None:

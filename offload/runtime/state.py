@@ -344,10 +344,13 @@ class Runtime:
         scale = unscale if grad_scale is None else grad_scale
         return Hyper(step=self.step_count + 1, grad_scale=scale * self.grads.mean_scale, **base)
 
-    def step(self, grad_scale: float) -> None:
+    def step(self, grad_scale: float, clipped: bool = False) -> None:
+        """The update with the gradients times ``grad_scale`` (loss unscaling and clipping
+        together; ``clipped``: clipping made it smaller, counted in telemetry)."""
         self.check_can_step()
         self.grads.settle()  # stage 1: the step's reduction
         hyper = self._step_hyper(grad_scale)
+        self.timers["clipped_steps"] += clipped
         t0 = time.perf_counter()
         self.phase.to(Phase.STEP)
         try:

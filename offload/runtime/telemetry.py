@@ -27,6 +27,9 @@ TIMERS = (
     # the forward of the step it is counted in
     "step_wait_seconds",  # waiting for the background NVMe update (inside forward_seconds)
     "rollbacks",  # count: speculative updates undone (redone, or skipped on an fp16 overflow)
+    "updates_in_backward",  # count: updates that ran speculatively in the step's last backward
+    # (kept or rolled back); a step with none updated after its backward
+    "clipped_steps",  # count: steps whose gradients were clipped (coefficient < 1)
 )
 
 

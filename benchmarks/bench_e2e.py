@@ -64,7 +64,7 @@ RECIPE_DATA = torch.Generator().manual_seed(1)
 """The recipe's batches: a fresh random batch per micro-step, as a training loop's data. On one
 batch used again and again the demo GPT learns it within a few steps (the recipe's gradient norm
 fell from 1.5 to 0.01 in 25 steps), and clipping stopped triggering after the third: the rows
-meant to clip ran the speculative update instead (before 2026-12-01 11:30)."""
+meant to clip ran the speculative update instead (before 2026-12-01 10:45)."""
 
 
 def recipe_step(model, opt, x, scale: float = 3.0) -> None:

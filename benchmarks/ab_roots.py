@@ -5,9 +5,10 @@
     python benchmarks/ab_roots.py /work/wt-before . [--pairs 5]
 
 Alternates one process per checkout (before, after, before, ...), each training bench_e2e's
-50M demo GPT with params and optimizer state on NVMe: the default step (the step in backward)
-and the recipe (accumulation 2, clipping 1.0, which triggers here), 3 untimed iterations and
-then 6 timed; prints each process's median seconds per iteration and, per mode, the medians
+50M demo GPT with params and optimizer state on NVMe: the default step (the step in backward),
+the recipe (accumulation 2, clipping 1.0, which triggers here: the update after the backward)
+and the recipe with norms under the threshold (the update speculative in the last backward,
+kept), 3 untimed iterations and then 6 timed; prints each process's median seconds per iteration and, per mode, the medians
 over the pairs. Alternating processes is what makes the two comparable on a noisy machine.
 """
 
@@ -23,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("step_in_backward", "recipe")
+MODES = ("step_in_backward", "recipe", "recipe_under")
 
 
 def one(root: str) -> dict[str, float]:
@@ -46,9 +47,9 @@ def one(root: str) -> dict[str, float]:
         work = Path(tempfile.mkdtemp(prefix="ab-", dir="/work"))
         cfg = bench_e2e.nvme_config(work, parse_size("8MiB"), aio, step_in_backward=True)
         step = bench_e2e.train_step
-        if mode == "recipe":
+        if mode.startswith("recipe"):
             cfg["gradient_clipping"] = 1.0
-            step = bench_e2e.recipe_step
+            step = bench_e2e.recipe_step if mode == "recipe" else bench_e2e.unclipped_step
         model, opt = offload.wrap(copy.deepcopy(base), cfg)
         try:
             for _ in range(3):

@@ -207,6 +207,63 @@ def test_the_gathers_reads_go_ahead_of_the_updates_io(tmp_path):
         opt.close()
 
 
+def _second_backward_pieces(tmp_path, monkeypatch, hint: bool) -> list[bool]:
+    """Steps 2 and 3 of accumulation 2 with the step in backward, 12 optimizer buffers of 16 KiB
+    (4 grad pieces a block): per piece the second backward adds to, whether it was on its way
+    or in memory as its unit's backward ended (``hint``: with the owner's ``expect``)."""
+    cfg = _config(tmp_path, 2, opt_buffer="16KiB")
+    cfg["gradient_accumulation_steps"] = 2
+    cfg["offload_optimizer"]["step_in_backward"] = True
+    model, opt = offload.wrap(StackLM(n=4, block=TimedBlock), cfg)
+    runtime = engine_of(model)
+    owner, store = runtime.grads.owner, runtime.stores["offload_optimizer"]
+    if not hint:
+        monkeypatch.setattr(owner, "expect", lambda unit, first: None)
+    seen: list[bool] = []
+    real = owner.absorb
+    steps = [0]  # steps done
+
+    def absorb(unit, parts, first):
+        if not first and not unit.is_root and steps[0] > 0:
+            for lo, _ in runtime.plan.trainable_pieces(unit):
+                seen.append(store.state(owner.key(unit, lo)) is not ShardState.NVME)
+        return real(unit, parts, first)
+
+    monkeypatch.setattr(owner, "absorb", absorb)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(3):
+            for _ in range(2):
+                tokens = torch.randint(0, STACK_VOCAB, (2, 9), generator=gen)
+                logits = model(tokens[:, :-1])
+                F.cross_entropy(
+                    logits.reshape(-1, STACK_VOCAB), tokens[:, 1:].reshape(-1)
+                ).backward()
+            opt.step()
+            opt.zero_grad()
+            steps[0] += 1
+        opt.synchronize()
+    finally:
+        opt.close()
+        monkeypatch.undo()
+    assert len(seen) == 2 * 4 * 4  # two steps, four blocks of four pieces
+    return seen
+
+
+def test_the_earlier_micro_steps_gradients_are_read_while_the_unit_runs_backward(
+    tmp_path, monkeypatch
+):
+    """Accumulation 2: the last backward adds each unit's gradients to the sum the earlier one
+    left on NVMe. With the step in backward the optimizer store reads nothing ahead by its trace
+    in the backward; the owner's ``expect`` reads the sum's pieces while the unit's backward
+    runs, into buffers the update is not holding (best effort: a prefetch). Without it only the
+    pieces the first backward wrote last are still in memory."""
+    hinted = _second_backward_pieces(tmp_path / "hint", monkeypatch, hint=True)
+    plain = _second_backward_pieces(tmp_path / "plain", monkeypatch, hint=False)
+    assert sum(plain) <= len(plain) // 2, plain  # 10-15 of 32 in twelve runs
+    assert sum(hinted) >= sum(plain) + len(hinted) // 8, (hinted, plain)  # 21-31 of 32
+
+
 def _forward_disk_waits(tmp_path, depth: int) -> float:
     """Seconds the forward waited for disk reads: forwards with no update running through 7
     units and a pool of 4 buffers, every disk read ``LATENCY`` and every block's compute

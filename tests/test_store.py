@@ -95,6 +95,29 @@ def test_read_false_skips_the_disk_read_and_counts_as_dirty(tmp_path):
         assert torch.equal(out, torch.full((513,), 3.0))
 
 
+def test_read_ahead_reads_into_free_buffers_and_pins_nothing(tmp_path, backend):
+    tier = Tier.HOST
+    with make_store(tmp_path, buffers=3) as store:
+        for i, key in enumerate("abcd"):
+            store.register(key, 1000, torch.float32, Tier.NVME, init=torch.full((1000,), i + 1.0))
+        store.fetch("c", tier).wait().add_(10.0)  # pinned and modified: a hint leaves it alone
+        reads = store.stats()["tiers"]["nvme->host"]["transfers"]
+        store.read_ahead("abc")  # two free buffers: "a" and "b" are read ahead
+        assert store.stats()["prefetches_started"] == 2
+        assert store.stats()["tiers"]["nvme->host"]["transfers"] == reads + 2
+        # a fetch that follows the hint finds the copy in memory: no second read
+        assert torch.equal(store.fetch("a", tier).wait(), torch.full((1000,), 1.0))
+        assert store.stats()["tiers"]["nvme->host"]["transfers"] == reads + 2
+        # nothing was pinned by the hint: a demand fetch takes the buffer "b" was read into
+        assert torch.equal(store.fetch("d", tier).wait(), torch.full((1000,), 4.0))
+        assert store.state("b") is ShardState.NVME
+        store.release("d", tier)
+        store.release("a", tier)
+        store.release("c", tier, dirty=True)
+        assert torch.equal(store.fetch("c", tier).wait(), torch.full((1000,), 13.0))
+        store.release("c", tier)
+
+
 def test_discard_drops_the_copy_without_writing_it(tmp_path):
     tier = Tier.HOST
     with make_store(tmp_path, buffers=2) as store:

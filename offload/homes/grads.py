@@ -118,6 +118,9 @@ class GradHome:
         """The unit's backward ended: take its gradients (overwrite when ``first``)."""
         raise NotImplementedError
 
+    def expect(self, unit: Unit, first: bool) -> None:
+        """The unit's backward began: its gradients come next (``first``: they overwrite)."""
+
     def update_many(self, pieces: list[tuple], hyper: Hyper) -> None:
         """:meth:`update` of every ``(unit, lo, hi, master, exp_avg, exp_avg_sq, out)``; an
         owner that can reach all of them at once makes it one kernel call."""
@@ -265,6 +268,17 @@ class NvmeGrads(GradHome):
         self.records[unit.index] = [GradRecord() for _ in pieces]
         for lo, hi in pieces:
             self.store.register(self.key(unit, lo), hi - lo, torch.float32, self._nvme)
+
+    def expect(self, unit: Unit, first: bool) -> None:
+        """Reads the earlier micro-steps' sum of the unit's pieces while its backward runs, so
+        that ``absorb`` finds it in memory. The reads are prefetches (``TieredStore.read_ahead``):
+        nothing is pinned or counted against the update's buffers. It matters with the step in
+        backward, whose optimizer store reads nothing ahead by its trace in the backward (the
+        background step's does): read at ``absorb`` instead, the sum held the last backward of
+        the 50M demo GPT's recipe (accumulation 2, the update in that backward) ~70 ms an
+        iteration (benchmarks/README.md, bench_e2e)."""
+        if not first:
+            self.store.read_ahead(self.key(unit, lo) for lo, _ in self.plan.trainable_pieces(unit))
 
     def absorb(self, unit: Unit, parts: PartsSource, first: bool) -> None:
         pieces = self.plan.trainable_pieces(unit)

@@ -60,6 +60,10 @@ class Grads:
             self.owner.absorb(unit, lambda: self.staging.host_parts(unit), self.first_micro_step)
         self._taken.append(unit)
 
+    def unit_begins(self, unit: Unit) -> None:
+        """``unit``'s backward began (its gradients come next)."""
+        self.owner.expect(unit, self.first_micro_step)
+
     def taken(self) -> list[Unit]:
         """The units whose gradients their owner took since the last call (in that order)."""
         out, self._taken = self._taken, []
@@ -168,6 +172,9 @@ class StepScatteredGrads(ScatteredGrads):
         super().__init__(owner, staging, units, comm, device, dtype)
         self._settled = True  # nothing in p.grad that the owner has not taken
         self._fresh = True  # the owner's next reduced gradients overwrite
+
+    def unit_begins(self, unit: Unit) -> None:
+        pass  # its gradients go to the owner at the step, not at the end of this backward
 
     def unit_done(self, unit: Unit) -> None:
         self._settled = False  # autograd accumulated this backward's gradients in p.grad

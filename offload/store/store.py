@@ -266,6 +266,22 @@ class TieredStore:
             ahead = self._prefetcher.use((key, Tier.HOST))
             self._want(ahead)
 
+    def read_ahead(self, keys: Iterable[str], tier: Tier = Tier.HOST) -> None:
+        """A hint: ``keys`` will be fetched soon; start reading those that are on NVMe into free
+        buffers now. Nothing is pinned: these reads are prefetches (the reclaimer's Note), a
+        demand fetch may evict them, and a hint nobody follows costs its read only."""
+        with self._lock:
+            self._poll()
+            for key in keys:
+                shard = self._get(key, tier)
+                if shard.home is not Tier.NVME or shard.pinned() or shard.dirty or shard.ready():
+                    continue
+                if shard.pending is not None:
+                    continue  # already on its way
+                before = shard.state
+                self._advance(shard, read=True, blocking=False, prefetch=True)
+                self._counters.prefetch_started(shard.state is not before)
+
     def begin_iteration(self) -> None:
         """Start of an iteration (replays the recorded trace if there is one)."""
         with self._lock:

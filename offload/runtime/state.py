@@ -235,8 +235,7 @@ class Runtime:
             self._begin_backward()
         if not run.backward_done:
             run.gather(Phase.BACKWARD.value)
-            if not run.unit.is_root:  # the root's gradients are final only at the end
-                self.grads.unit_begins(run.unit)
+            run.residency.backward_begins(self.grads, run)
 
     def _grad_ready(self, run: UnitRun) -> None:
         if self.phase.phase is not Phase.BACKWARD:

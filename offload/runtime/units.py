@@ -63,6 +63,10 @@ class Transient:
     def after_forward(self, run: UnitRun) -> None:
         run.release()
 
+    def backward_begins(self, grads, run: UnitRun) -> None:
+        """The backward reached the unit: its gradients come next (``runtime.grads``)."""
+        grads.unit_begins(run.unit)
+
     def countdown_done(self, runtime, run: UnitRun) -> None:
         runtime.finish_unit_backward(run)
 
@@ -101,6 +105,9 @@ class Root(Transient):
 
     def after_forward(self, run: UnitRun) -> None:
         pass
+
+    def backward_begins(self, grads, run: UnitRun) -> None:
+        pass  # its gradients come only at the end of the backward
 
     def countdown_done(self, runtime, run: UnitRun) -> None:
         pass  # finished with the end of the backward

@@ -273,11 +273,9 @@ class TieredStore:
         with self._lock:
             self._poll()
             for key in keys:
-                shard = self._get(key, tier)
-                if shard.home is not Tier.NVME or shard.pinned() or shard.dirty or shard.ready():
-                    continue
-                if shard.pending is not None:
-                    continue  # already on its way
+                shard = self._get(key, tier)  # a host-homed shard is always ready()
+                if shard.pinned() or shard.dirty or shard.ready() or shard.pending is not None:
+                    continue  # in memory, on its way, or in a caller's hands
                 before = shard.state
                 self._advance(shard, read=True, blocking=False, prefetch=True)
                 self._counters.prefetch_started(shard.state is not before)

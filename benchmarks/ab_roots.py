@@ -8,8 +8,9 @@ Alternates one process per checkout (before, after, before, ...), each training 
 50M demo GPT with params and optimizer state on NVMe: the default step (the step in backward),
 the recipe (accumulation 2, clipping 1.0, which triggers here: the update after the backward)
 and the recipe with norms under the threshold (the update speculative in the last backward,
-kept), 3 untimed iterations and then 6 timed; prints each process's median seconds per iteration and, per mode, the medians
-over the pairs. Alternating processes is what makes the two comparable on a noisy machine.
+kept), 3 untimed iterations and then 6 timed; prints each process's median seconds per
+iteration and, per mode, the medians over the pairs. Alternating processes is what makes the
+two comparable on a noisy machine.
 """
 
 from __future__ import annotations

@@ -267,9 +267,10 @@ class TieredStore:
             self._want(ahead)
 
     def read_ahead(self, keys: Iterable[str], tier: Tier = Tier.HOST) -> None:
-        """A hint: ``keys`` will be fetched soon; start reading those that are on NVMe into free
-        buffers now. Nothing is pinned: these reads are prefetches (the reclaimer's Note), a
-        demand fetch may evict them, and a hint nobody follows costs its read only."""
+        """A hint: ``keys`` will be fetched soon; start reading those only on NVMe now. These
+        reads are prefetches (the reclaimer's Note): they take a free buffer or one a prefetch
+        may take, pin nothing, a demand fetch may evict them, and a hint nobody follows costs
+        its read only."""
         with self._lock:
             self._poll()
             for key in keys:

@@ -1,7 +1,7 @@
 """Where an NVMe iteration's time and disk work go, phase by phase (a diagnostic, not a bar).
 
     python benchmarks/nvme_phases.py [--size 50M] [--iters 8] [--path /work] [--device vda]
-                                     [--step-in-backward]
+                                     [--step-in-backward] [--recipe clip|under]
 
 Trains the demo GPT with params and optimizer state on NVMe, with bench_e2e's configuration, and
 prints for each steady-state iteration: the wall time of forward, backward and ``step()``; how
@@ -11,11 +11,20 @@ read and wrote in each phase. The background update of the previous step runs in
 forward, so a disk busy for most of the forward and idle for most of the backward is the
 signature of an update that cannot start before ``step()``. With ``--step-in-backward``
 (``offload_optimizer.step_in_backward``) the update runs inside the backward instead.
+
+``--recipe clip`` / ``--recipe under`` run bench_e2e's recipe instead (the step in backward,
+accumulation 2 on fresh batches, ``gradient_clipping`` 1.0; ``clip``: loss x3, clipping in every
+step, the update after the last backward; ``under``: loss x0.5, the update speculative in the
+last backward, kept): the columns are then each micro-step's forward and backward, and the
+step. Each run also prints a plain model's forward and backward (same data, no offload) as the
+compute reference.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import itertools
 import os
 import shutil
 import statistics
@@ -61,59 +70,92 @@ def main() -> int:
     ap.add_argument("--device", default=None, help="block device name (default: the --path disk)")
     ap.add_argument("--buffer-size", default="8MiB")
     ap.add_argument("--step-in-backward", action="store_true")
+    ap.add_argument("--recipe", choices=("clip", "under"), default=None)
     args = ap.parse_args()
     device = args.device or default_device(args.path)
     disk(device)  # fails early, naming the device, when it is not there
 
     torch.manual_seed(0)
-    model = bench_e2e.GPT(bench_e2e.config_for_size(args.size, seq_len=args.seq))
+    base = bench_e2e.GPT(bench_e2e.config_for_size(args.size, seq_len=args.seq))
+    plain = copy.deepcopy(base)
     x = torch.randint(0, 256, (args.batch, args.seq + 1))
     work = Path(tempfile.mkdtemp(prefix="nvme_phases-", dir=args.path))
     aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2}
-    cfg = bench_e2e.nvme_config(
-        work, parse_size(args.buffer_size), aio, step_in_backward=args.step_in_backward
-    )
-    model, opt = offload.wrap(model, cfg)
+    in_backward = args.step_in_backward or args.recipe is not None
+    cfg = bench_e2e.nvme_config(work, parse_size(args.buffer_size), aio, in_backward)
+    micro_steps, scale = 1, 1.0
+    if args.recipe is not None:
+        cfg["gradient_clipping"] = 1.0
+        micro_steps, scale = 2, {"clip": 3.0, "under": 0.5}[args.recipe]
+    model, opt = offload.wrap(base, cfg)
     rows = []
     try:
         for it in range(args.iters + 2):
-            d0, t0 = disk(device), time.perf_counter()
-            loss = bench_e2e.lm_loss(model(x[:, :-1]), x[:, 1:])
-            d1, t1 = disk(device), time.perf_counter()
-            loss.backward()
-            d2, t2 = disk(device), time.perf_counter()
+            marks = [(disk(device), time.perf_counter())]
+            for _ in range(micro_steps):
+                batch = x
+                if args.recipe is not None:  # bench_e2e.recipe_step's data
+                    batch = torch.randint(0, 256, x.shape, generator=bench_e2e.RECIPE_DATA)
+                loss = bench_e2e.lm_loss(model(batch[:, :-1]), batch[:, 1:]) * (scale / micro_steps)
+                marks.append((disk(device), time.perf_counter()))
+                loss.backward()
+                marks.append((disk(device), time.perf_counter()))
             opt.step()
             opt.zero_grad()
-            t3 = time.perf_counter()
+            marks.append((disk(device), time.perf_counter()))
             if it >= 2:
-                rows.append(
-                    (
-                        t1 - t0,
-                        t2 - t1,
-                        t3 - t2,
-                        d1[0] - d0[0],
-                        d2[0] - d1[0],
-                        (d1[1] - d0[1]) / 1e6,
-                        (d1[2] - d0[2]) / 1e6,
-                        (d2[1] - d1[1]) / 1e6,
-                        (d2[2] - d1[2]) / 1e6,
-                    )
-                )
+                rows.append(phase_row(marks))
     finally:
         opt.close()
         shutil.rmtree(work, ignore_errors=True)
-    head = (
-        "forward_s backward_s step_s | disk_busy_fwd_s disk_busy_bwd_s | "
-        "fwd_read_MB fwd_write_MB | bwd_read_MB bwd_write_MB"
+    reference = plain_passes(plain, x, args.iters)
+    passes = [f"{k}{m}" for m in range(micro_steps) for k in ("fwd", "bwd")] + ["step"]
+    if micro_steps == 1:
+        passes = ["forward", "backward", "step"]
+    mode = (
+        f"recipe {args.recipe}"
+        if args.recipe
+        else "step in backward"
+        if in_backward
+        else "default step"
     )
-    mode = "step in backward" if args.step_in_backward else "default step"
     print(f"# nvme_phases  {time.strftime('%Y-%m-%d %H:%M')}  device {device}  {mode}")
-    print(head)
+    print(
+        f"# plain model (no offload), median of {args.iters}: forward {reference[0]:.3f} s, backward {reference[1]:.3f} s"
+    )
+    print("per pass: seconds, disk busy seconds, read MB, write MB")
+    print(" | ".join(f"{p:>31s}" for p in passes))
     for r in rows:
-        print(" ".join(f"{v:8.3f}" for v in r))
+        print(" | ".join(" ".join(f"{v:7.3f}" for v in r[i : i + 4]) for i in range(0, len(r), 4)))
     med = [statistics.median(col) for col in zip(*rows, strict=True)]
-    print("median " + " ".join(f"{v:8.3f}" for v in med))
+    print("median")
+    print(" | ".join(" ".join(f"{v:7.3f}" for v in med[i : i + 4]) for i in range(0, len(med), 4)))
     return 0
+
+
+def phase_row(marks: list) -> list[float]:
+    """Per pass between consecutive ``(disk, time)`` marks: seconds, disk busy seconds, MB read
+    and MB written."""
+    row = []
+    for (d0, t0), (d1, t1) in itertools.pairwise(marks):
+        row += [t1 - t0, d1[0] - d0[0], (d1[1] - d0[1]) / 1e6, (d1[2] - d0[2]) / 1e6]
+    return row
+
+
+def plain_passes(model, x, iters: int) -> tuple[float, float]:
+    """Median seconds of a plain model's forward and backward (one untimed first)."""
+    fwd, bwd = [], []
+    for it in range(iters + 1):
+        t0 = time.perf_counter()
+        loss = bench_e2e.lm_loss(model(x[:, :-1]), x[:, 1:])
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        if it:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return statistics.median(fwd), statistics.median(bwd)
 
 
 if __name__ == "__main__":

@@ -69,9 +69,13 @@ def _config(tmp_path, depth: int, opt_buffer: str = "64KiB") -> dict:
     }
 
 
-def _step(model, opt, tokens) -> None:
+def _backward(model, tokens) -> None:
     logits = model(tokens[:, :-1])
     F.cross_entropy(logits.reshape(-1, STACK_VOCAB), tokens[:, 1:].reshape(-1)).backward()
+
+
+def _step(model, opt, tokens) -> None:
+    _backward(model, tokens)
     opt.step()
     opt.zero_grad()
 
@@ -234,11 +238,7 @@ def _second_backward_pieces(tmp_path, monkeypatch, hint: bool) -> list[bool]:
     try:
         for _ in range(3):
             for _ in range(2):
-                tokens = torch.randint(0, STACK_VOCAB, (2, 9), generator=gen)
-                logits = model(tokens[:, :-1])
-                F.cross_entropy(
-                    logits.reshape(-1, STACK_VOCAB), tokens[:, 1:].reshape(-1)
-                ).backward()
+                _backward(model, torch.randint(0, STACK_VOCAB, (2, 9), generator=gen))
             opt.step()
             opt.zero_grad()
             steps[0] += 1

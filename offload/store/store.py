@@ -277,9 +277,7 @@ class TieredStore:
                 shard = self._get(key, tier)  # a host-homed shard is always ready()
                 if shard.pinned() or shard.dirty or shard.ready() or shard.pending is not None:
                     continue  # in memory, on its way, or in a caller's hands
-                before = shard.state
-                self._advance(shard, read=True, blocking=False, prefetch=True)
-                self._counters.prefetch_started(shard.state is not before)
+                self._prefetch(shard)
 
     def begin_iteration(self) -> None:
         """Start of an iteration (replays the recorded trace if there is one)."""
@@ -537,9 +535,13 @@ class TieredStore:
             shard = self._shards[key]
             if shard.pinned() or shard.dirty or shard.ready():
                 continue
-            before = shard.state
-            self._advance(shard, read=True, blocking=False, prefetch=True)
-            self._counters.prefetch_started(shard.state is not before)
+            self._prefetch(shard)
+
+    def _prefetch(self, shard: Shard) -> None:
+        """Start reading ``shard`` as a prefetch (never blocks); counted started or deferred."""
+        before = shard.state
+        self._advance(shard, read=True, blocking=False, prefetch=True)
+        self._counters.prefetch_started(shard.state is not before)
 
     # -- write-back ------------------------------------------------------------------------------------
     def _write_back(self, shard: Shard) -> None:

@@ -13,7 +13,10 @@ Variants (interleaved A B C D per rep, both modes in each rep; medians over ``--
 ``--warmup`` steps):
 
 - ``offload wrap``: ``offload.wrap(model, device="cpu", offload_optimizer.device="cpu")``,
-  the engine's host optimizer (one native call for the whole step).
+  the engine's host optimizer (one native call for the whole step), on the default compute
+  threads: torch's OpenMP team when torch runs on libgomp (``csrc/compute_threads.h``).
+- ``offload wrap, own pool``: the same, its kernels on offload's own thread pool (what every
+  step ran on before the team was joined): the in-run reference for the contention fix.
 - ``offload CPUAdam``: ``offload.optim.CPUAdam`` as a drop-in ``torch.optim.Optimizer`` (one
   native call per param group).
 - ``DeepSpeedCPUAdam``: the peer, as a drop-in optimizer (``adamw_mode=True``).
@@ -64,17 +67,18 @@ def _deepspeed_adam() -> tuple[type | None, str]:
 def _variants(base: torch.nn.Module, ds_cls: type | None) -> dict[str, tuple]:
     """name -> (model, optimizer); each model a deep copy of ``base``."""
     out: dict[str, tuple] = {}
-    model, opt = offload.wrap(
-        copy.deepcopy(base),
-        {
-            "device": "cpu",
-            "dtype": "fp32",
-            "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD},
-            "offload_param": {"device": "none"},
-            "offload_optimizer": {"device": "cpu"},
-        },
-    )
+    config = {
+        "device": "cpu",
+        "dtype": "fp32",
+        "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD},
+        "offload_param": {"device": "none"},
+        "offload_optimizer": {"device": "cpu"},
+    }
+    model, opt = offload.wrap(copy.deepcopy(base), config)
     out["offload wrap"] = (model, opt)
+    if _native.compute_backend().startswith("openmp"):  # the same step on offload's own threads
+        model, opt = offload.wrap(copy.deepcopy(base), config)
+        out["offload wrap, own pool"] = (model, _OnPool(opt))
     m = copy.deepcopy(base)
     out["offload CPUAdam"] = (
         m,
@@ -90,6 +94,25 @@ def _variants(base: torch.nn.Module, ds_cls: type | None) -> dict[str, tuple]:
     )
     out["torch AdamW fused"] = (m, fused)
     return out
+
+
+class _OnPool:
+    """An optimizer whose ``step()`` runs the kernels on offload's own thread pool instead of
+    torch's OpenMP team (``offload._native.compute_backend_set``): the contention fix's in-run
+    reference."""
+
+    def __init__(self, opt) -> None:
+        self.opt = opt
+
+    def step(self) -> None:
+        with _native.compute_backend_set("pool"):
+            self.opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def close(self) -> None:
+        self.opt.close()
 
 
 def _step_after_backward(model, opt, x, gap: float) -> float:
@@ -130,7 +153,8 @@ def main() -> None:
     load = [os.getloadavg()[0]]
     print(
         f"# bench_adam_phase {time.strftime('%Y-%m-%d %H:%M %Z')}; {cpu}, {os.cpu_count()} cores, "
-        f"SIMD {_native.simd_level()}; torch {torch.__version__}; threads {args.threads}; "
+        f"SIMD {_native.simd_level()}; torch {torch.__version__}; threads {args.threads} "
+        f"(offload's on {_native.compute_backend()}); "
         f"model {n / 1e6:.1f}M params ({gcfg.n_layer} x d{gcfg.d_model}), batch {args.batch} x "
         f"seq {args.seq}, fp32; DeepSpeed {'available' if ds_cls else 'unavailable: ' + ds_why}"
     )

@@ -1,20 +1,22 @@
-// CPU Adam/AdamW kernel family: run-time SIMD dispatch, the split over the compute pool, and the
-// Python bindings. The kernels themselves are in cpu_adam_body.h (one source, three levels).
+// CPU Adam/AdamW kernel family: run-time SIMD dispatch, the split over the compute threads, and
+// the Python bindings. The kernels themselves are in cpu_adam_body.h (one source, three levels).
 //
 // Note (threading): a call is cut into tasks of about kTaskElems elements (more, smaller ones for
 // small calls so that up to kMinTasks threads can share them), boundaries on multiples of 64
 // elements so no two tasks write the same cache line of any buffer (fp32, bf16 or fp16). The
-// pool's threads, the caller's included, take tasks in order from a shared counter until none
-// is left. Why not one contiguous chunk per thread: in training the step runs right after torch
-// work, and torch's OpenMP workers keep spinning ~5 ms on their cores after every parallel
-// region (libgomp's default wait policy); with one chunk per thread, the pool thread that shares
-// a core with a spinner finished ~5 ms late and the whole call waited for it (0.93x
-// DeepSpeedCPUAdam, whose OpenMP loop runs on those same spinning threads, against 1.2x after an
-// idle gap; benchmarks/README.md). With tasks, the threads that have a core take over the rest.
-// The cut depends on n only, never on the thread count, so results - including the per-task
-// double partial sums of accumulate_grad, added in task order - are identical for any number of
-// threads. Calls under 2 x kMinPerTask elements run as one task on the caller alone: waking a
-// worker costs more than it saves.
+// compute threads (torch's OpenMP team or offload's pool: compute_threads.h), the caller's
+// included, take tasks in order from a shared counter until none is left. Why not one
+// contiguous chunk per thread: in training the step runs right after torch work, and torch's
+// OpenMP workers keep spinning ~5 ms on their cores after every parallel region (libgomp's
+// default wait policy); with one chunk per thread, the pool thread that shares a core with a
+// spinner finished ~5 ms late and the whole call waited for it (0.93x DeepSpeedCPUAdam, whose
+// OpenMP loop runs on those same spinning threads, against 1.2x after an idle gap;
+// benchmarks/README.md). With tasks, the threads that have a core take over the rest; on
+// torch's team the spinners themselves take them. The cut depends on n only, never on the
+// thread count or the backend, so results - including the per-task double partial sums of
+// accumulate_grad, added in task order - are identical for any number of threads. Calls under
+// 2 x kMinPerTask elements run as one task on the caller alone: waking a worker costs more
+// than it saves.
 #include "cpu_adam.h"
 
 #include <pybind11/pybind11.h>
@@ -28,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "compute_threads.h"
 #include "gil.h"
 #include "simd.h"
 #include "thread_pool.h"
@@ -78,8 +81,7 @@ size_t split(size_t n, const F& f) {
     run(0);
     return 1;
   }
-  std::shared_ptr<ThreadPool> pool = compute_pool();  // kept alive across a set_num_threads
-  pool->parallel_for(tasks, run);
+  compute_parallel_for(tasks, run);
   return tasks;
 }
 

@@ -1,8 +1,10 @@
-// A small fixed-size thread pool for data-parallel kernels (CPU Adam, gradient accumulation).
+// A small fixed-size thread pool for data-parallel kernels (CPU Adam, gradient accumulation),
+// used when torch's OpenMP team cannot be (compute_threads.h says when and why).
 //
-// Not OpenMP on purpose: a second OpenMP runtime next to torch's oversubscribes the cores and
-// can crash. The caller's thread takes part in every parallel_for, so a pool of N threads uses
-// N-1 workers plus the caller. Thread count comes from Python (config), never from the machine.
+// Not compiled with OpenMP on purpose: that would load a second OpenMP runtime next to a torch
+// built on another one, which oversubscribes the cores and can crash. The caller's thread takes
+// part in every parallel_for, so a pool of N threads uses N-1 workers plus the caller. The
+// thread count (used by both backends) comes from Python (config), never from the machine.
 //
 // Note (lifetime of the process-wide pool): callers hold the pool through a shared_ptr for the
 // length of a call, so set_num_threads() or shutdown_compute_pool() never frees a pool that a

@@ -109,3 +109,40 @@ def set_num_threads(n: int) -> None:
 def get_num_threads() -> int:
     mod = get() if available() else None
     return mod.get_num_threads() if mod is not None else (os.cpu_count() or 1)
+
+
+def compute_backend() -> str:
+    """The threads the calling thread's native kernels run on: ``"openmp <path>"`` (torch's GNU OpenMP team, the
+    default when torch loaded libgomp), ``"pool"`` (offload's own threads) or ``"none"``
+    (no extension). ``csrc/compute_threads.h`` says why."""
+    mod = get() if available() else None
+    if mod is None:
+        return "none"
+    backend = mod.compute_backend()
+    return f"openmp {mod.compute_backend_library()}" if backend == "openmp" else backend
+
+
+def use_pool_in_this_thread() -> None:
+    """The calling thread's kernels run on offload's own pool from now on: for a background
+    thread that runs beside the training thread's compute (``csrc/compute_threads.h``)."""
+    mod = get() if available() else None
+    if mod is not None:
+        mod.use_pool_in_this_thread()
+
+
+class compute_backend_set:
+    """Context manager (tests, benchmarks): run the kernels on ``"openmp"`` or ``"pool"``
+    threads, then go back to ``"auto"``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> compute_backend_set:
+        mod = get()
+        if mod is None:
+            raise RuntimeError(f"compute backend {self.name!r}: the native extension is not in use")
+        mod.set_compute_backend(self.name)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        get().set_compute_backend("auto")

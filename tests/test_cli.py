@@ -70,6 +70,7 @@ def test_report_json_matches_the_machine(tmp_path: Path):
     assert n["loaded"] is True and n["reason"] == ""
     assert n["simd_level"] in n["supported_simd_levels"] and "scalar" in n["supported_simd_levels"]
     assert n["compute_threads"] == _native.get_num_threads()
+    assert n["compute_backend"] == _native.compute_backend()  # this process has torch loaded too
     assert {"simd_level", "set_num_threads"} <= set(n["entry_points"])
     t = r["torch"]
     assert t["version"] == torch.__version__

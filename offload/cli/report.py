@@ -77,6 +77,8 @@ def _guard(fn: Any, *args: Any) -> Any:
 
 
 def _native_info() -> dict[str, Any]:
+    import torch  # noqa: F401, PLC0415 - loaded first, as in training: the kernels' backend depends on it
+
     from offload import _native
 
     loaded = _native.available()
@@ -88,6 +90,7 @@ def _native_info() -> dict[str, Any]:
         "detected_simd_level": "none",
         "supported_simd_levels": [],
         "compute_threads": _native.get_num_threads(),
+        "compute_backend": _native.compute_backend(),
         "abi_version": None,
         "entry_points": [],
     }
@@ -269,7 +272,7 @@ def render(r: dict[str, Any]) -> str:
         row("simd level", "none (fallback)")
     if n.get("entry_points"):
         row("entry points", ", ".join(n["entry_points"]))
-    row("compute threads", n.get("compute_threads"))
+    row("compute threads", f"{n.get('compute_threads')} on {n.get('compute_backend')}")
     head("cpu")
     row("model", c.get("model"))
     row("cores", f"{c.get('usable_cores')} usable of {c.get('logical_cores')} logical")

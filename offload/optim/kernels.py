@@ -205,7 +205,7 @@ def adam_step(
 class AdamGroup:
     """Several parameter tensors updated together with the same hyperparameters, their fp32
     state prepared once (checked, pointers taken): :meth:`step` then checks only the gradients
-    and makes one native call that spreads all tensors over the thread pool. This is what the
+    and makes one native call that spreads all tensors over the compute threads. This is what the
     engine uses when gradients stay in ``p.grad`` (one call per unit instead of one per tensor).
 
     Args:

@@ -46,6 +46,7 @@ from collections.abc import Callable
 
 import torch
 
+from offload import _native
 from offload.homes.grads import Hyper
 from offload.homes.optim import OptimHome, Units
 from offload.homes.params import ParamHome
@@ -128,6 +129,9 @@ class _Worker:
 
         def run() -> None:
             t0 = time.perf_counter()
+            # beside the training thread's compute, a libgomp team of this thread's own would
+            # spin on its cores: the pool (csrc/compute_threads.h)
+            _native.use_pool_in_this_thread()
             try:
                 with torch.profiler.record_function("offload::update"):
                     self.optim.step_units(

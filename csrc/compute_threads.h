@@ -5,8 +5,10 @@
 // while torch's OpenMP workers still spin on their cores after backward's last parallel region
 // (libgomp's default wait policy). A pool of our own then wakes a worker onto a core a spinner
 // holds, and the call waits for it; a region on torch's team hands the tasks to those spinning
-// workers instead. Measured, same run, engine's step right after backward (bench_adam_phase):
-// 26.4-26.9 ms on torch's team against 27.9-28.7 ms on the pool. DeepSpeedCPUAdam gets the same
+// workers instead. Measured, engine's step right after backward (bench_adam_phase, 30 reps, per
+// rep the pool's time minus the team's): +3.3 and +2.8 ms (team faster in 21 and 25 of 30)
+// where two rows both on the pool differ by +1.2 and -0.5 ms; after an idle gap the two are
+// level (benchmarks/README.md has the five-run table). DeepSpeedCPUAdam gets the same
 // by compiling with -fopenmp. We do not: a -fopenmp build makes libgomp a load-time dependency,
 // which loads a second OpenMP runtime beside a torch built on LLVM or Intel OpenMP (conda) or
 // on a libgomp whose soname the wheel renamed (libgomp-<hash>.so.1) - the oversubscription and

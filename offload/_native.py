@@ -112,9 +112,9 @@ def get_num_threads() -> int:
 
 
 def compute_backend() -> str:
-    """The threads the calling thread's native kernels run on: ``"openmp <path>"`` (torch's GNU OpenMP team, the
-    default when torch loaded libgomp), ``"pool"`` (offload's own threads) or ``"none"``
-    (no extension). ``csrc/compute_threads.h`` says why."""
+    """The threads the calling thread's native kernels run on: ``"openmp <path>"`` (torch's
+    GNU OpenMP team, the default when torch loaded libgomp), ``"pool"`` (offload's own threads)
+    or ``"none"`` (no extension). ``csrc/compute_threads.h`` says why."""
     mod = get() if available() else None
     if mod is None:
         return "none"

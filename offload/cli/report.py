@@ -77,7 +77,8 @@ def _guard(fn: Any, *args: Any) -> Any:
 
 
 def _native_info() -> dict[str, Any]:
-    import torch  # noqa: F401, PLC0415 - loaded first, as in training: the kernels' backend depends on it
+    # torch loaded first, as in training: which threads the kernels run on depends on it
+    import torch  # noqa: F401, PLC0415
 
     from offload import _native
 

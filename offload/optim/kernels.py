@@ -205,8 +205,9 @@ def adam_step(
 class AdamGroup:
     """Several parameter tensors updated together with the same hyperparameters, their fp32
     state prepared once (checked, pointers taken): :meth:`step` then checks only the gradients
-    and makes one native call that spreads all tensors over the compute threads. This is what the
-    engine uses when gradients stay in ``p.grad`` (one call per unit instead of one per tensor).
+    and makes one native call that spreads all tensors over the compute threads. This is what
+    the engine uses when gradients stay in ``p.grad`` (one call per unit instead of one per
+    tensor).
 
     Args:
         params, exp_avgs, exp_avg_sqs: contiguous fp32 CPU tensors, pairwise the same size; they

@@ -30,7 +30,7 @@ extra_compile = ["-O3", "-Wall", "-Wextra", "-fvisibility=hidden", "-std=c++17"]
 extra_link = []
 libraries = []
 if sys.platform.startswith("linux"):
-    libraries.append("pthread")
+    libraries += ["pthread", "dl"]  # dl: dlopen/dlsym before glibc 2.34 (csrc/compute_threads.cpp)
 
 SANITIZE = os.environ.get("OFFLOAD_SANITIZE") == "1"
 if SANITIZE:

@@ -138,11 +138,11 @@ class compute_backend_set:
         self.name = name
 
     def __enter__(self) -> compute_backend_set:
-        mod = get()
-        if mod is None:
+        self.mod = get()
+        if self.mod is None:
             raise RuntimeError(f"compute backend {self.name!r}: the native extension is not in use")
-        mod.set_compute_backend(self.name)
+        self.mod.set_compute_backend(self.name)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        get().set_compute_backend("auto")
+        self.mod.set_compute_backend("auto")

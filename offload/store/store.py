@@ -275,9 +275,8 @@ class TieredStore:
             self._poll()
             for key in keys:
                 shard = self._get(key, tier)  # a host-homed shard is always ready()
-                if shard.pinned() or shard.dirty or shard.ready() or shard.pending is not None:
-                    continue  # in memory, on its way, or in a caller's hands
-                self._prefetch(shard)
+                if self._wants_read(shard) and shard.pending is None:  # not already on its way
+                    self._prefetch(shard)
 
     def begin_iteration(self) -> None:
         """Start of an iteration (replays the recorded trace if there is one)."""
@@ -521,7 +520,7 @@ class TieredStore:
             shard = self._shards[key]
             if shard.ready():
                 del self._wanted[key]
-            elif not shard.pinned() and not shard.dirty:
+            elif self._wants_read(shard):
                 self._advance(shard, read=True, blocking=False, prefetch=True)
 
     def _want(self, items: list) -> None:
@@ -533,9 +532,14 @@ class TieredStore:
         self._wanted = wanted
         for key in wanted:
             shard = self._shards[key]
-            if shard.pinned() or shard.dirty or shard.ready():
-                continue
-            self._prefetch(shard)
+            if self._wants_read(shard):
+                self._prefetch(shard)
+
+    @staticmethod
+    def _wants_read(shard: Shard) -> bool:
+        """Whether a prefetch may read ``shard``: not in memory already, nor in a caller's hands
+        (pinned, or dirty: its host copy is the newest)."""
+        return not (shard.pinned() or shard.dirty or shard.ready())
 
     def _prefetch(self, shard: Shard) -> None:
         """Start reading ``shard`` as a prefetch (never blocks); counted started or deferred."""

@@ -183,6 +183,7 @@ def throughput(device: str, tmp: Path, size: str, steps: int, seconds: float) ->
                         "forward_seconds",
                         "backward_seconds",
                         "io_wait_seconds",
+                        "gather_copy_seconds",
                         "optimizer_seconds",
                     )
                 }

@@ -6,8 +6,10 @@
 Trains the demo GPT with params and optimizer state on NVMe, with bench_e2e's configuration, and
 prints for each steady-state iteration: the wall time of forward, backward and ``step()``; how
 long the disk had IO in flight during forward and backward (``io_ticks`` of
-``/proc/diskstats``, so other processes' IO on that disk counts too); and the bytes the disk
-read and wrote in each phase. The background update of the previous step runs inside the
+``/proc/diskstats``, so other processes' IO on that disk counts too); the bytes the disk
+read and wrote in each phase; and how long the training thread spent in the phase's gathers,
+split as telemetry splits it: waiting for reads (``io_wait_seconds``) and copying to the
+device (``gather_copy_seconds``). The background update of the previous step runs inside the
 forward, so a disk busy for most of the forward and idle for most of the backward is the
 signature of an update that cannot start before ``step()``. With ``--step-in-backward``
 (``offload_optimizer.step_in_backward``) the update runs inside the backward instead.
@@ -40,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_e2e  # noqa: E402
 
 import offload  # noqa: E402
+from offload.api.wrap import engine_of  # noqa: E402
 from offload.config import parse_size  # noqa: E402
 
 
@@ -88,21 +91,27 @@ def main() -> int:
         cfg["gradient_clipping"] = 1.0
         micro_steps, scale = 2, {"clip": 3.0, "under": 0.5}[args.recipe]
     model, opt = offload.wrap(base, cfg)
+    timers = engine_of(model).timers  # this step's seconds so far (cleared by step())
+
+    def mark():
+        gathers = (timers.get("io_wait_seconds", 0.0), timers.get("gather_copy_seconds", 0.0))
+        return disk(device), time.perf_counter(), gathers
+
     rows = []
     try:
         for it in range(args.iters + 2):
-            marks = [(disk(device), time.perf_counter())]
+            marks = [mark()]
             for _ in range(micro_steps):
                 batch = x
                 if args.recipe is not None:  # bench_e2e.recipe_step's data
                     batch = torch.randint(0, 256, x.shape, generator=bench_e2e.RECIPE_DATA)
                 loss = bench_e2e.lm_loss(model(batch[:, :-1]), batch[:, 1:]) * (scale / micro_steps)
-                marks.append((disk(device), time.perf_counter()))
+                marks.append(mark())
                 loss.backward()
-                marks.append((disk(device), time.perf_counter()))
+                marks.append(mark())
             opt.step()
             opt.zero_grad()
-            marks.append((disk(device), time.perf_counter()))
+            marks.append((*mark()[:2], marks[-1][2]))  # step() gathers nothing; it clears them
             if it >= 2:
                 rows.append(phase_row(marks))
     finally:
@@ -123,22 +132,26 @@ def main() -> int:
     print(
         f"# plain model (no offload), median of {args.iters}: forward {reference[0]:.3f} s, backward {reference[1]:.3f} s"
     )
-    print("per pass: seconds, disk busy seconds, read MB, write MB")
-    print(" | ".join(f"{p:>31s}" for p in passes))
+    print(
+        "per pass: seconds, disk busy seconds, read MB, write MB, gathers' read waits and "
+        "copies (seconds)"
+    )
+    print(" | ".join(f"{p:>47s}" for p in passes))
     for r in rows:
-        print(" | ".join(" ".join(f"{v:7.3f}" for v in r[i : i + 4]) for i in range(0, len(r), 4)))
+        print(" | ".join(" ".join(f"{v:7.3f}" for v in r[i : i + 6]) for i in range(0, len(r), 6)))
     med = [statistics.median(col) for col in zip(*rows, strict=True)]
     print("median")
-    print(" | ".join(" ".join(f"{v:7.3f}" for v in med[i : i + 4]) for i in range(0, len(med), 4)))
+    print(" | ".join(" ".join(f"{v:7.3f}" for v in med[i : i + 6]) for i in range(0, len(med), 6)))
     return 0
 
 
 def phase_row(marks: list) -> list[float]:
-    """Per pass between consecutive ``(disk, time)`` marks: seconds, disk busy seconds, MB read
-    and MB written."""
+    """Per pass between consecutive ``(disk, time, gathers)`` marks: seconds, disk busy
+    seconds, MB read, MB written, and the gathers' seconds waiting for reads and copying."""
     row = []
-    for (d0, t0), (d1, t1) in itertools.pairwise(marks):
+    for (d0, t0, g0), (d1, t1, g1) in itertools.pairwise(marks):
         row += [t1 - t0, d1[0] - d0[0], (d1[1] - d0[1]) / 1e6, (d1[2] - d0[2]) / 1e6]
+        row += [g1[0] - g0[0], g1[1] - g0[1]]
     return row
 
 

@@ -170,6 +170,7 @@ def _fake_records(n: int = 6) -> list[dict]:
                 "forward_seconds": 0.2,
                 "backward_seconds": 0.4,
                 "io_wait_seconds": 0.1 * (i % 2),
+                "gather_copy_seconds": 0.05,
                 "optimizer_seconds": 0.3,
                 "bytes": {"nvme->host": 3 * 10**8, "host->nvme": 2 * 10**8, "host->device": 10**8},
                 "prefetch_hits": 9,
@@ -232,6 +233,7 @@ def test_summary_numbers_and_table():
     text = demo_report.format_summary(s, [("model", "fake")])
     for needle in ("model", "train loss", "5.050 -> 3.850", "0.60 GB/s", "90 % hit", "peak RSS"):
         assert needle in text
+    assert "IO wait 0.050 s and gather copies 0.050 s of forward+backward" in text
 
 
 # --- the loop ------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.nn as nn
 from engine_models import batches, lm_loss, make_model, placement_config
 
 import offload
+from offload.api.wrap import engine_of
 from offload.config import ConfigError
 from offload.device import pages
 from offload.runtime.phase import PhaseError
@@ -220,6 +222,74 @@ def test_telemetry_jsonl_and_per_step_counters(tmp_path):
     total = {k: sum(rec["bytes"][k] for rec in lines) for k in lines[0]["bytes"]}
     assert total["nvme->host"] <= per_step[-1]["total"]["bytes"]["nvme->host"]
     assert all(rec["optimizer_seconds"] > 0 for rec in lines)
+
+
+class _LateRead:
+    """A disk read that completes ``delay`` seconds after it was issued."""
+
+    def __init__(self, handle, delay: float) -> None:
+        self.handle, self.at = handle, time.perf_counter() + delay
+
+    def done(self) -> bool:
+        return time.perf_counter() >= self.at and self.handle.done()
+
+    def wait(self, *a):
+        time.sleep(max(0.0, self.at - time.perf_counter()))
+        return self.handle.wait(*a)
+
+
+def _gather_split(tmp_path, monkeypatch, *, copy_delay: float, read_delay: float):
+    """(IO wait, gather copies, copy calls) of one step with params on NVMe, after two steps
+    that record the trace; each host -> device copy ``copy_delay`` long, each param read
+    ``read_delay`` late."""
+    cfg = placement_config("nvme", "cpu", tmp_path)
+    cfg["prefetch"] = {"depth": 0}  # no reads ahead: a late read is waited for
+    model, opt = offload.wrap(make_model(), cfg)
+    runtime = engine_of(model)
+    data = batches(3)
+    try:
+        for s in range(2):
+            lm_loss(model, data[s]).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        copier, calls = runtime.transfers.copier, [0]
+        real_copy = copier.to_device
+
+        def slow_copy(dst, src, after):
+            calls[0] += 1
+            time.sleep(copy_delay)
+            return real_copy(dst, src, after)
+
+        monkeypatch.setattr(copier, "to_device", slow_copy)
+        nvme = runtime.stores["offload_param"]._nvme
+        real_read = nvme.read
+        monkeypatch.setattr(nvme, "read", lambda *a: _LateRead(real_read(*a), read_delay))
+        lm_loss(model, data[2]).backward()
+        opt.step()
+        st = opt.stats()
+        monkeypatch.undo()
+        return st["io_wait_seconds"], st["gather_copy_seconds"], calls[0]
+    finally:
+        monkeypatch.undo()
+        opt.close()
+
+
+def test_gather_time_is_split_into_read_waits_and_copies(tmp_path, monkeypatch):
+    """A gather's time counts as IO wait but for its copies to the device, which count as
+    ``gather_copy_seconds``: slow copies show there and not in the IO wait; late reads show
+    in the IO wait and not there."""
+    waited, copied, calls = _gather_split(
+        tmp_path / "copies", monkeypatch, copy_delay=0.01, read_delay=0.0
+    )
+    assert calls >= 8, calls
+    assert copied >= 0.01 * calls, (copied, calls)
+    assert waited < 0.25 * copied, (waited, copied)
+    waited, copied, calls = _gather_split(
+        tmp_path / "reads", monkeypatch, copy_delay=0.0, read_delay=0.03
+    )
+    assert waited >= 0.03 * 4, waited
+    assert copied < 0.25 * waited, (waited, copied)
 
 
 def test_telemetry_path_must_be_writable(tmp_path):

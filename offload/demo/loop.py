@@ -10,9 +10,9 @@ Note: where the numbers come from
     wall time for a phase the engine does not report (IO wait then counts as 0), so a plain
     ``torch.optim`` optimizer (``--baseline``) yields a meaningful report too. Nothing is
     computed twice: a number is either the engine's or the loop's, never both summed. The
-    engine counts IO wait (blocking on a parameter gather) inside its forward/backward timers,
-    so the three phases add up to the step and the IO wait is a part of them, not a fourth
-    addend.
+    engine counts IO wait (blocking on a parameter gather's reads) and the gathers' copies to
+    the device inside its forward/backward timers, so the three phases add up to the step and
+    those two are parts of them, not more addends.
 
 Note: Ctrl-C
     ``KeyboardInterrupt`` anywhere in a step ends the loop; the result says how many steps
@@ -39,6 +39,7 @@ STAT_KEYS: tuple[str, ...] = (
     "forward_seconds",
     "backward_seconds",
     "io_wait_seconds",
+    "gather_copy_seconds",
     "optimizer_seconds",
     "prefetch_hits",
     "prefetch_misses",

@@ -47,7 +47,8 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("optimizer_seconds", "CPU step"),
 )
 IO_WAIT = ("io_wait_seconds", "IO wait")
-TIME_PARTS: tuple[tuple[str, str], ...] = (*PHASES, IO_WAIT)
+GATHER_COPY = ("gather_copy_seconds", "gather copies")
+TIME_PARTS: tuple[tuple[str, str], ...] = (*PHASES, IO_WAIT, GATHER_COPY)
 TIER_PAIRS: tuple[str, ...] = ("nvme->host", "host->nvme", "host->device", "device->host")
 
 
@@ -390,7 +391,8 @@ def format_summary(
                 if s.get("step_background_median")
                 else ""
             )
-            + f"; IO wait {split[IO_WAIT[1]]:.3f} s of forward+backward",
+            + f"; IO wait {split[IO_WAIT[1]]:.3f} s and gather copies "
+            + f"{split[GATHER_COPY[1]]:.3f} s of forward+backward",
         )
     )
     moved = {k: v for k, v in s["bytes_total"].items() if v}

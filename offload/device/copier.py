@@ -175,6 +175,7 @@ class Transfers:
         self._stream = self.copier.current_stream()
         self._counts = {p: {"bytes": 0, "transfers": 0, "wait_seconds": 0.0} for p in PAIRS}
         self._count_lock = threading.Lock()  # the update's worker thread counts too
+        self._here = threading.local()  # seconds this thread spent in to_device
 
     def capture_stream(self) -> None:
         """The calling thread's current stream becomes the compute stream (hook time)."""
@@ -184,6 +185,7 @@ class Transfers:
         """Copies each host ``src`` into its device ``dst``; the compute stream is ordered
         after them. Returns the event of the last copy (the sources may be reused once it has
         completed)."""
+        start = time.perf_counter()
         fence = self.copier.fence(self._stream)
         event: Event = COMPLETED
         nbytes = copies = 0
@@ -193,7 +195,13 @@ class Transfers:
             copies += 1
         self.copier.order_after(self._stream, event)
         self.count("host->device", nbytes, copies)
+        self._here.seconds = self.copy_seconds_here() + time.perf_counter() - start
         return event
+
+    def copy_seconds_here(self) -> float:
+        """Seconds the calling thread has spent in :meth:`to_device`: the copies themselves on
+        the CPU, queueing them on CUDA (what the host is kept from doing meanwhile)."""
+        return getattr(self._here, "seconds", 0.0)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         """Copies device ``src`` into host ``dst`` after the compute queued so far; returns the

@@ -20,9 +20,12 @@ TIMERS = (
     "step_seconds",
     "forward_seconds",
     "backward_seconds",
-    "io_wait_seconds",  # gathering params; inside forward_seconds and backward_seconds
+    "io_wait_seconds",  # gathering params, but for their copies to the device: waiting for
+    # their reads (and, on the CPU, for their pages); inside forward_seconds and backward_seconds
     "forward_io_wait_seconds",
     "backward_io_wait_seconds",
+    "gather_copy_seconds",  # the gathers' copies to the device (on the CPU the copies
+    # themselves, on CUDA the host's time queueing them); inside forward and backward seconds
     "optimizer_seconds",  # the update; with NVMe state it runs in the background, overlapping
     # the forward of the step it is counted in
     "step_wait_seconds",  # waiting for the background NVMe update (inside forward_seconds)

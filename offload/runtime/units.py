@@ -30,16 +30,27 @@ class UnitRun:
         self.backward_done = False  # grads of this backward are off the device
 
     def gather(self, phase: str) -> None:
-        """Makes the unit's parameters usable (idempotent); the wait counts as IO in ``phase``."""
+        """Makes the unit's parameters usable (idempotent). Its time counts in ``phase`` as IO
+        wait, but for its copies to the device, which count as ``gather_copy_seconds``."""
         if self.home.gathered(self.unit):
             return
-        t0 = time.perf_counter()
+        transfers = self.home.transfers
+        t0, copied = time.perf_counter(), transfers.copy_seconds_here()
         with torch.profiler.record_function("offload::gather"):
             self.home.unshard(self.unit)
-        waited = time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        copied = transfers.copy_seconds_here() - copied
+        waited = took - copied
         self.timers["io_wait_seconds"] += waited  # part of the phase it happens in
         self.timers[f"{phase}_io_wait_seconds"] += waited
-        logger.debug("offload::gather %s (%s, %.1f ms)", self.unit.label, phase, waited * 1e3)
+        self.timers["gather_copy_seconds"] += copied
+        logger.debug(
+            "offload::gather %s (%s, %.1f ms, copies %.1f ms)",
+            self.unit.label,
+            phase,
+            took * 1e3,
+            copied * 1e3,
+        )
 
     def release(self) -> None:
         if self.home.gathered(self.unit):

@@ -20,8 +20,9 @@ TIMERS = (
     "step_seconds",
     "forward_seconds",
     "backward_seconds",
-    "io_wait_seconds",  # gathering params, but for their copies to the device: waiting for
-    # their reads (and, on the CPU, for their pages); inside forward_seconds and backward_seconds
+    "io_wait_seconds",  # gathering params, but for issuing their copies to the device:
+    # waiting for their reads (on the CPU also for their pages, on CUDA for a copy to give a
+    # pool buffer back); inside forward_seconds and backward_seconds
     "forward_io_wait_seconds",
     "backward_io_wait_seconds",
     "gather_copy_seconds",  # the gathers' copies to the device (on the CPU the copies

@@ -20,6 +20,10 @@ step, the update after the last backward; ``under``: loss x0.5, the update specu
 last backward, kept): the columns are then each micro-step's forward and backward, and the
 step. Each run also prints a plain model's forward and backward (same data, no offload) as the
 compute reference.
+
+``--host`` keeps params and optimizer state in host memory instead (the same units gathered and
+released, gradients taken by their owner, the update inside ``step()``; no disk): what the
+hooks and gathers cost without the NVMe moves and an update running beside the compute.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ def main() -> int:
     ap.add_argument("--buffer-size", default="8MiB")
     ap.add_argument("--step-in-backward", action="store_true")
     ap.add_argument("--recipe", choices=("clip", "under"), default=None)
+    ap.add_argument("--host", action="store_true", help="params and optimizer in host memory")
     args = ap.parse_args()
     device = args.device or default_device(args.path)
     disk(device)  # fails early, naming the device, when it is not there
@@ -86,6 +91,9 @@ def main() -> int:
     aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2}
     in_backward = args.step_in_backward or args.recipe is not None
     cfg = bench_e2e.nvme_config(work, parse_size(args.buffer_size), aio, in_backward)
+    if args.host:  # the same units and hooks, no disk (the module docstring)
+        cfg["offload_param"] = {"device": "cpu", "persistence_threshold": 0}
+        cfg["offload_optimizer"] = {"device": "cpu"}
     micro_steps, scale = 1, 1.0
     if args.recipe is not None:
         cfg["gradient_clipping"] = 1.0
@@ -128,6 +136,8 @@ def main() -> int:
         if in_backward
         else "default step"
     )
+    if args.host:
+        mode += ", params and optimizer in host memory"
     print(f"# nvme_phases  {time.strftime('%Y-%m-%d %H:%M')}  device {device}  {mode}")
     print(
         f"# plain model (no offload), median of {args.iters}: forward {reference[0]:.3f} s, backward {reference[1]:.3f} s"

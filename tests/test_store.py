@@ -369,6 +369,21 @@ def test_write_refused_at_submission_keeps_the_copy_dirty(tmp_path, backend, err
         assert torch.equal(out, torch.full((1000,), 5.0))
 
 
+class _HeldWrite:
+    """A write's handle that reports done only once someone waited for it (a write-back that
+    is still in flight when the test looks, however fast the disk)."""
+
+    def __init__(self, handle) -> None:
+        self.handle, self.waited = handle, False
+
+    def done(self) -> bool:
+        return self.waited and self.handle.done()
+
+    def wait(self, *a):
+        self.waited = True
+        return self.handle.wait(*a)
+
+
 def test_interrupt_while_finishing_a_transfer_leaves_the_store_closable(
     tmp_path, backend, monkeypatch
 ):
@@ -379,7 +394,11 @@ def test_interrupt_while_finishing_a_transfer_leaves_the_store_closable(
     with make_store(tmp_path, buffers=2) as store:
         store.register("a", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 2.0))
         store.fetch("a", Tier.HOST).wait().fill_(5.0)
-        store.release("a", Tier.HOST, dirty=True)  # its write-back is in flight
+        real_write = store._nvme.write
+        monkeypatch.setattr(store._nvme, "write", lambda *a: _HeldWrite(real_write(*a)))
+        # its write-back is in flight (on a fast disk it could complete, and be finished by
+        # release's own bookkeeping, before the interrupt below is armed)
+        store.release("a", Tier.HOST, dirty=True)
         real = Shard.finish_pending
 
         def finish_then_interrupt(self):

@@ -47,6 +47,7 @@ bool g_pool_only = false;  // set_compute_backend("pool")
 bool g_forked = false;     // this is a forked child: the pool, always (see the header's Note)
 thread_local bool t_pool_only = false;  // use_pool_in_this_thread()
 Gomp* g_gomp = new Gomp;  // set once, when found
+bool g_searched_for_kernel = false;  // a kernel call looked and found none: the pool for good
 
 // In a forked child g_mu may be held by a parent thread: a new one (the old one leaked).
 void forget_team_in_child() {
@@ -55,13 +56,18 @@ void forget_team_in_child() {
 }
 [[maybe_unused]] const int g_atfork = pthread_atfork(nullptr, nullptr, forget_team_in_child);
 
-// The libgomp to run on, or nullptr for the pool. Looked up until found (a kernel call has
-// torch loaded: its arguments are tensors' pointers; a query before `import torch` finds none),
-// then kept: a loaded library stays loaded.
-const Gomp* gomp_for_this_call() {
+// The libgomp to run on, or nullptr for the pool. Found once and kept (a loaded library stays
+// loaded). A kernel call has torch loaded (its arguments are tensors' pointers), so when one
+// finds none, none is looked for again: a torch on another OpenMP would otherwise walk every
+// loaded object on every call. A query (kernel false) before `import torch` finds none
+// and decides nothing.
+const Gomp* gomp_for_this_call(bool kernel) {
   std::lock_guard<std::mutex> lk(*g_mu);
   if (g_pool_only || g_forked || t_pool_only) return nullptr;
-  if (g_gomp->parallel == nullptr) ::dl_iterate_phdr(find_loaded_gomp, g_gomp);
+  if (g_gomp->parallel == nullptr && !g_searched_for_kernel) {
+    ::dl_iterate_phdr(find_loaded_gomp, g_gomp);
+    g_searched_for_kernel = kernel;
+  }
   return g_gomp->parallel ? g_gomp : nullptr;
 }
 
@@ -96,7 +102,7 @@ void compute_parallel_for(size_t num_tasks, const std::function<void(size_t)>& f
     for (size_t i = 0; i < num_tasks; ++i) fn(i);
     return;
   }
-  if (const Gomp* gomp = gomp_for_this_call()) {
+  if (const Gomp* gomp = gomp_for_this_call(/*kernel=*/true)) {
     TeamJob job;
     job.fn = &fn;
     job.num_tasks = num_tasks;
@@ -117,7 +123,7 @@ void set_compute_backend(const std::string& name) {
     std::lock_guard<std::mutex> lk(*g_mu);
     g_pool_only = name == "pool";
   }
-  if (name == "openmp" && gomp_for_this_call() == nullptr) {
+  if (name == "openmp" && gomp_for_this_call(/*kernel=*/false) == nullptr) {
     throw std::invalid_argument(
         "compute backend 'openmp' needs GNU OpenMP (libgomp) loaded in this process, as torch "
         "built on it loads it (and not in a forked child); none is: use 'auto' or 'pool'");
@@ -126,10 +132,10 @@ void set_compute_backend(const std::string& name) {
 
 void use_pool_in_this_thread() { t_pool_only = true; }
 
-std::string compute_backend() { return gomp_for_this_call() ? "openmp" : "pool"; }
+std::string compute_backend() { return gomp_for_this_call(/*kernel=*/false) ? "openmp" : "pool"; }
 
 std::string compute_backend_library() {
-  const Gomp* gomp = gomp_for_this_call();
+  const Gomp* gomp = gomp_for_this_call(/*kernel=*/false);
   return gomp ? gomp->path : std::string();
 }
 

@@ -78,6 +78,34 @@ def test_without_a_loaded_libgomp_the_pool_runs_and_openmp_is_refused():
     assert "refused: compute backend 'openmp' needs GNU OpenMP (libgomp)" in out.stdout
 
 
+_LATE_GOMP = """
+import ctypes, glob, importlib.util, os
+from offload import _C
+_C.set_num_threads(2)
+n = 1 << 20
+acc, grad = (ctypes.c_float * n)(), (ctypes.c_float * n)(*([1.0] * 8))
+if {kernel_first}:  # a kernel call that finds no libgomp
+    _C.accumulate_grad(ctypes.addressof(acc), ctypes.addressof(grad), n, 0, 1.0, False)
+else:  # a query that finds none
+    assert _C.compute_backend() == "pool"
+torch_dir = importlib.util.find_spec("torch").submodule_search_locations[0]
+ctypes.CDLL(sorted(glob.glob(os.path.join(torch_dir, "lib", "libgomp*.so*")))[0])
+print("after loading libgomp:", _C.compute_backend())
+"""
+
+
+@pytest.mark.skipif(not _loaded_gomps(), reason="this torch does not run on GNU OpenMP")
+@pytest.mark.parametrize(("kernel_first", "then"), [(True, "pool"), (False, "openmp")])
+def test_a_kernel_call_that_finds_no_libgomp_keeps_to_the_pool(kernel_first, then):
+    """A kernel call has torch loaded, so one that finds no libgomp decides for good (a torch on
+    another OpenMP would otherwise walk the loaded objects on every call); a query made before
+    torch is imported decides nothing."""
+    code = _LATE_GOMP.format(kernel_first=kernel_first)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"after loading libgomp: {then}", out.stdout
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_the_same_bits_on_the_team_and_on_the_pool(threads):
     before = _native.get_num_threads()

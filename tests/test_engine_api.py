@@ -3,9 +3,11 @@ telemetry, unwrapping."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
+import weakref
 
 import pytest
 import torch
@@ -66,6 +68,26 @@ def test_wrapping_twice_is_an_error(tmp_path):
     opt.close()
     model2, opt2 = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path))
     opt2.close()
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_model_nobody_holds_is_freed_with_its_engine(tmp_path, closed):
+    """The registry behind ``engine_of`` holds neither the model nor its engine: once the
+    caller lets go of both (closed or not), they are garbage, pools and process group with
+    them (a script wrapping model after model, or a notebook cell run again, kept each one)."""
+    model, opt = offload.wrap(make_model(), placement_config("cpu", "nvme", tmp_path))
+    lm_loss(model, batches(1)[0]).backward()
+    opt.step()
+    assert list((tmp_path / "nvme_o").iterdir())  # its swap directory
+    if closed:
+        opt.close()
+    else:
+        engine_of(model).flush_pending()  # a running update holds its runtime until it ends
+    refs = [weakref.ref(model), weakref.ref(engine_of(model))]
+    del model, opt
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    assert not list((tmp_path / "nvme_o").iterdir())  # an unclosed one's swap space went too
 
 
 def test_buffers_too_small_for_one_piece(tmp_path):

@@ -72,13 +72,22 @@ from offload.runtime.weights import ModelWeights
 
 logger = logging.getLogger("offload.api")
 
-# model -> runtime; the registry (not attributes on the user's objects) detects double wrapping
+# model -> weak reference to its runtime; the registry (not attributes on the user's objects)
+# detects double wrapping. Weak both ways: a runtime refers to its model, so a strong value would
+# keep every wrapped model, its pools and its process group alive until exit. What keeps a
+# runtime alive is its optimizer and the hooks it put on the model.
 _RUNTIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _runtimes() -> list[tuple[nn.Module, Runtime]]:
+    pairs = [(model, ref()) for model, ref in list(_RUNTIMES.items())]
+    return [(model, runtime) for model, runtime in pairs if runtime is not None]
 
 
 def engine_of(model: nn.Module) -> Runtime:
     """The runtime of a wrapped model (raises if the model was not wrapped)."""
-    runtime = _RUNTIMES.get(model)
+    ref = _RUNTIMES.get(model)
+    runtime = ref() if ref is not None else None
     if runtime is None:
         raise ValueError("this model was not wrapped with offload.wrap (or was closed)")
     return runtime
@@ -180,7 +189,7 @@ def _close_at_exit(ref: weakref.ref) -> None:
 def _check_model(model: nn.Module, has_weights: bool) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload.wrap: expected a torch.nn.Module, got {type(model).__name__}")
-    for wrapped, runtime in list(_RUNTIMES.items()):
+    for wrapped, runtime in _runtimes():
         if runtime.closed:
             continue
         if any(m is model for m in wrapped.modules()):
@@ -488,7 +497,7 @@ def wrap(
     finally:
         source.close()
     runtime.install_hooks()
-    _RUNTIMES[model] = runtime
+    _RUNTIMES[model] = weakref.ref(runtime)
     atexit.register(_close_at_exit, weakref.ref(runtime))
     _trim_host_heap()
     optimizer = OffloadOptimizer(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -115,10 +116,14 @@ class Runtime:
             self._handles.append(
                 module.register_forward_hook(lambda m, a, o, r=run: self._post_forward(r, o))
             )
-        for run in self.runs:
+        # A tensor's hooks are held from C++, where the cycle collector cannot see them: one that
+        # held this runtime would keep it and the model alive for good once the caller let go
+        # of both without closing. So it holds the runtime weakly, and the unit by position.
+        me = weakref.ref(self)
+        for i, run in enumerate(self.runs):
             for p in run.unit.trainable_params:
                 self._handles.append(
-                    p.register_post_accumulate_grad_hook(lambda p, r=run: self._grad_ready(r))
+                    p.register_post_accumulate_grad_hook(lambda p, i=i: me()._grad_ready_at(i))
                 )
         self._handles.append(self.model._register_state_dict_hook(self._state_dict_hook))
 
@@ -236,6 +241,9 @@ class Runtime:
         if not run.backward_done:
             run.gather(Phase.BACKWARD.value)
             run.residency.backward_begins(self.grads, run)
+
+    def _grad_ready_at(self, index: int) -> None:
+        self._grad_ready(self.runs[index])
 
     def _grad_ready(self, run: UnitRun) -> None:
         if self.phase.phase is not Phase.BACKWARD:

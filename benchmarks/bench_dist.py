@@ -82,11 +82,12 @@ def rank_main(spec_path: str) -> None:
 
     import offload  # noqa: PLC0415
     from offload.api.wrap import engine_of  # noqa: PLC0415
+    from offload.dist import init_process_group  # noqa: PLC0415
 
     spec = json.loads(Path(spec_path).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world > 1:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+        init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     out = []
     for run in spec["runs"]:
         param, optim, _ = PLACEMENTS[run["placement"]]

@@ -20,6 +20,9 @@ Job keys: ``name``, ``param``, ``optim``, ``dtype`` (fp32), ``stage``, ``steps``
 ``restore`` (close with ``restore=True`` and compare the plain model's values),
 ``block`` (checkpoint block checksum size), ``log`` (record when collectives are issued and
 waited and when units compute, on rank 0), ``count_reads`` (bytes read from checkpoint files).
+
+After the jobs: ``threads.w<world>.<rank>.json``, this process's threads by name before and after
+``destroy_process_group``.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from engine_models import StackLM, batches, lm_loss, make_model, placement_confi
 import offload
 from offload.api import checkpoint_files
 from offload.api.wrap import engine_of
+from offload.dist import init_process_group
 
 GLOBAL_BATCH = 8
 STEPS_DATA = 16
@@ -226,15 +230,29 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
     checkpoint_files._sha256_of = ORIGINAL[2]
 
 
+def _thread_names() -> list[str]:
+    """This process's threads, native ones included, by name (Linux)."""
+    return sorted((t / "comm").read_text().strip() for t in Path("/proc/self/task").iterdir())
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("timeout", 60)))
+    init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("timeout", 60)))
     try:
         for job in spec["jobs"]:
             run_job(job, Path(spec["out"]), rank, world)
+        before = _thread_names()
     finally:
         dist.destroy_process_group()
+    after = _thread_names()
+    for _ in range(100):  # a thread just joined may still be listed for a moment
+        if not any("gloo" in name for name in after):
+            break
+        time.sleep(0.02)
+        after = _thread_names()
+    threads = {"before": before, "after": after}
+    (Path(spec["out"]) / f"threads.w{world}.{rank}.json").write_text(json.dumps(threads))
 
 
 if __name__ == "__main__":

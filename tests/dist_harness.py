@@ -33,6 +33,7 @@ def rank_env(rank: int, world: int, port: int, **extra) -> dict:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
+        PYTHONFAULTHANDLER="1",  # a rank that aborts prints every thread's Python stack
         **extra,
     )
     return env

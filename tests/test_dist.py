@@ -422,6 +422,20 @@ def test_stage2_shards_optimizer_and_gradients_not_params(four, root):
         assert 0 <= mine["nvme"] - single["nvme"] <= 4 * _allowance("nvme", "cpu", "nvme")
 
 
+@pytest.mark.parametrize("group,world", [("two", 2), ("four", 4)])
+def test_destroy_process_group_ends_the_group(request, group, world):
+    """After every job (engines closed, a subgroup per pair of ranks in ``four``),
+    ``destroy_process_group`` leaves no gloo thread: nothing of offload's nor of torch's holds a
+    group, so none is destroyed while the interpreter finalizes (``offload.dist.comm``'s Note
+    on the end of a process: there, a gloo thread freeing a collective's tensors aborted the
+    process, exit status 134)."""
+    out = request.getfixturevalue(group)
+    for rank in range(world):
+        threads = json.loads((out / f"threads.w{world}.{rank}.json").read_text())
+        assert "pt_gloo_runloop" in threads["before"], threads  # what this test looks for exists
+        assert not [t for t in threads["after"] if "gloo" in t], threads
+
+
 def test_each_rank_has_its_own_nvme_directory(two, root):
     for name in ("s1-nvme-nvme", "s2-none-nvme"):
         dirs = [result(two, name, r)["nvme_dirs"] for r in range(2)]

@@ -273,10 +273,12 @@ def _join_group(device: str) -> tuple[int, int]:
     """Under torchrun: joins the process group (gloo on the CPU, NCCL on CUDA)."""
     import torch.distributed as dist  # noqa: PLC0415
 
+    from offload.dist import init_process_group  # noqa: PLC0415
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or dist.is_initialized():
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    init_process_group("nccl" if device.startswith("cuda") else "gloo")
     return dist.get_rank(), world
 
 

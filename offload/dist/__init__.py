@@ -28,7 +28,19 @@ __all__ = [
     "TorchComm",
     "comm_for",
     "completed",
+    "init_process_group",
 ]
+
+
+def init_process_group(*args, **kwargs) -> None:
+    """``torch.distributed.init_process_group(*args, **kwargs)``, with ``torch.distributed.nn``
+    imported first, so that no default argument of torch's holds the default group and
+    ``destroy_process_group`` really ends it (``offload.dist.comm``'s Note on the end of a
+    process). What offload's own launchers call."""
+    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed.nn  # noqa: F401, PLC0415 - for its import-time default arguments
+
+    dist.init_process_group(*args, **kwargs)
 
 
 def comm_for(process_group=None, timeout: float = 1800.0, *, one_rank: bool = False) -> Comm:

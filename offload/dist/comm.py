@@ -34,6 +34,19 @@ Note: failures and timeouts
     connection at once) or that does not complete within ``distributed.timeout`` seconds raises
     :class:`CollectiveError`, naming the operation, what it was for, this rank and the timeout.
     Nothing in offload waits on another rank without a timeout.
+
+Note: the end of a process
+    ``destroy_process_group`` destroys a group only when nothing else holds it; a group still
+    alive when the interpreter finalizes can abort the process (exit status 134, "terminate
+    called without an active exception"): a gloo worker thread that finishes a collective frees
+    its tensors, which needs the GIL, and CPython ends a thread that asks for the GIL while
+    finalizing with a forced unwind that C++ turns into ``std::terminate``. So a closed engine
+    holds no group (:meth:`TorchComm.close`). torch itself can hold the default group:
+    ``torch.distributed.nn.functional`` takes ``group.WORLD`` as a default argument, which is
+    the group itself when that module is first imported after ``init_process_group`` (as the
+    first ``torch.optim.Optimizer`` made does, by importing ``torch._dynamo``). A script
+    imports ``torch.distributed.nn`` before ``init_process_group`` to avoid it, as offload's
+    own launchers do (``offload demo``, the tests' rank worker).
 """
 
 from __future__ import annotations
@@ -155,7 +168,7 @@ class Comm:
         )
 
     def close(self) -> None:
-        pass
+        """The engine closed: lets go of what ties this object to other processes."""
 
 
 class LocalComm(Comm):
@@ -204,7 +217,7 @@ class TorchComm(Comm):
 
         super().__init__()
         self._dist = dist
-        self.group = group
+        self._group, self._closed = group, False
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.global_rank = dist.get_rank()
@@ -215,6 +228,19 @@ class TorchComm(Comm):
         else:
             self.device = torch.device("cpu")
         self._ag, self._rs = _all_gather_fn(), _reduce_scatter_fn()
+
+    @property
+    def group(self):
+        if self._closed:
+            raise RuntimeError(
+                "offload: a collective after the engine was closed (optimizer.close()); its "
+                "process group was let go"
+            )
+        return self._group
+
+    def close(self) -> None:
+        """Drops the reference to a group given to ``wrap`` (module Note on exit)."""
+        self._group, self._closed = None, True
 
     # A tensor elsewhere than the backend's device goes through a staged copy (module Note).
     def _here(self, t: torch.Tensor) -> bool:

@@ -475,6 +475,7 @@ class Runtime:
         first: BaseException | None = None
         steps = [self.flush_pending, self.params.close, self.optim.close, self.grads.owner.close]
         steps += [res.close for res in reversed(self.resources)]  # stores before their pools
+        steps.append(self.comm.close)  # the process group, last: closing may still gather
         for close in steps:
             try:
                 close()

@@ -209,11 +209,13 @@ def group_parity(device: str, tmp: Path) -> list[dict]:
 
     import torch.distributed as dist  # noqa: PLC0415
 
+    from offload.dist import init_process_group  # noqa: PLC0415
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     rows = []
     try:
         data = [d.to(device) for d in batches(16)]

@@ -90,6 +90,20 @@ def test_a_model_nobody_holds_is_freed_with_its_engine(tmp_path, closed):
     assert not list((tmp_path / "nvme_o").iterdir())  # an unclosed one's swap space went too
 
 
+def test_a_gradient_for_a_freed_engine_is_a_clear_error(tmp_path):
+    """A parameter kept after its model and optimizer were let go of unclosed still carries the
+    engine's gradient hook; a backward through it names what happened and how to avoid it."""
+    model, opt = offload.wrap(make_model(), placement_config("cpu", "nvme", tmp_path))
+    lm_loss(model, batches(1)[0]).backward()
+    opt.step()
+    engine_of(model).flush_pending()
+    kept = next(p for p in model.parameters() if p.requires_grad)
+    del model, opt
+    gc.collect()
+    with pytest.raises(RuntimeError, match=r"engine was freed.*close\(restore=True\)"):
+        (kept * 2).sum().backward()
+
+
 def test_buffers_too_small_for_one_piece(tmp_path):
     cfg = placement_config("nvme", "nvme", tmp_path)
     cfg["offload_optimizer"]["buffer_count"] = 2

@@ -47,6 +47,23 @@ from offload.runtime.values import Values
 logger = logging.getLogger("offload.runtime")
 
 
+def _grad_hook(runtime: weakref.ref, index: int):
+    """The gradient hook of unit ``index``'s parameters, holding its runtime weakly
+    (``Runtime.install_hooks``)."""
+
+    def hook(param: torch.Tensor) -> None:
+        me = runtime()
+        if me is None:  # its pools and values went with it: nothing can take this gradient
+            raise RuntimeError(
+                "offload: a gradient reached a parameter of a wrapped model whose engine was "
+                "freed (the model and its optimizer were let go of without close()); optimizer."
+                "close(restore=True) before letting go keeps the parameters usable as plain tensors"
+            )
+        me._grad_ready_at(index)
+
+    return hook
+
+
 class Runtime:
     def __init__(
         self,
@@ -122,9 +139,7 @@ class Runtime:
         me = weakref.ref(self)
         for i, run in enumerate(self.runs):
             for p in run.unit.trainable_params:
-                self._handles.append(
-                    p.register_post_accumulate_grad_hook(lambda p, i=i: me()._grad_ready_at(i))
-                )
+                self._handles.append(p.register_post_accumulate_grad_hook(_grad_hook(me, i)))
         self._handles.append(self.model._register_state_dict_hook(self._state_dict_hook))
 
     def remove_hooks(self) -> None:

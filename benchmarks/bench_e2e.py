@@ -292,8 +292,8 @@ def main() -> int:
     t = {
         k: []
         for k in (
-            "plain", "tier", "compute", "recipe_compute", "nvme", "nvme_drained", "sib", "sib_drained",
-            "recipe", "recipe_drained", "unclipped", "unclipped_drained",
+            "plain", "tier", "compute", "recipe_compute", "nvme", "nvme_drained",
+            "sib", "sib_drained", "recipe", "recipe_drained", "unclipped", "unclipped_drained",
         )
     }  # fmt: skip
     bytes0 = store_bytes(nv_model)
@@ -381,7 +381,7 @@ def main() -> int:
 
     def recipe_row(key: str, b0: dict, b1: dict, counts: dict) -> dict:
         """A recipe row against plain PyTorch's compute of the recipe (recipe_compute_step),
-        with its ratio to twice one fwd+bwd beside it (the ceiling before 2026-12-01 20:30)."""
+        with its ratio to twice one fwd+bwd beside it (the ceiling before 2026-12-01 19:59)."""
         row = nvme_row(key, b0, b1, compute_key="recipe_compute")
         two = max(2 * med["compute"], row["io_s"], adam)
         return {

@@ -138,9 +138,8 @@ def recipe_compute_step(model, x) -> None:
     """Plain PyTorch's forward and backward of :func:`recipe_step`, the recipe's compute ceiling:
     two fresh micro-batches, the second backward accumulating into ``p.grad`` (the add that
     ``AccumulateGrad`` does), the gradients dropped after. Twice :func:`compute_step` leaves that
-    add out: ~75 ms (3.6%) of the 50M GPT's 2.1 s here (scratch, 8 interleaved pairs,
-    2026-12-01). Clipping's norm and scale are left out (in plain PyTorch they belong to the
-    step, not to the model's compute)."""
+    add out (the recipe rows print both; benchmarks/README.md). Clipping's norm and scale are
+    left out (in plain PyTorch they belong to the step, not to the model's compute)."""
     for _ in range(2):
         micro = torch.randint(0, 256, x.shape, generator=PLAIN_RECIPE_DATA)
         (lm_loss(model(micro[:, :-1]), micro[:, 1:]) * 0.5).backward()

@@ -59,7 +59,7 @@ def _grad_hook(runtime: weakref.ref, index: int):
                 "freed (the model and its optimizer were let go of without close()); optimizer."
                 "close(restore=True) before letting go keeps the parameters usable as plain tensors"
             )
-        me._grad_ready_at(index)
+        me._grad_ready(me.runs[index])
 
     return hook
 
@@ -256,9 +256,6 @@ class Runtime:
         if not run.backward_done:
             run.gather(Phase.BACKWARD.value)
             run.residency.backward_begins(self.grads, run)
-
-    def _grad_ready_at(self, index: int) -> None:
-        self._grad_ready(self.runs[index])
 
     def _grad_ready(self, run: UnitRun) -> None:
         if self.phase.phase is not Phase.BACKWARD:

@@ -1,7 +1,8 @@
-// Moving anonymous pages to another address, for offload/device/pages.py's recycled pages (its
-// Note): a released unit's resident huge pages are moved aside and later moved under the next
-// unit's storage, so the next gather writes into pages that are already there instead of
-// faulting fresh zeroed ones in. Python's mmap module cannot move pages to a chosen address, and
+// Moving anonymous pages to another address, for offload/device/pages.py's recycled and lent
+// pages (its Notes): a released unit's resident huge pages are moved aside and later moved under
+// the next unit's storage, so the next gather writes into pages that are already there instead of
+// faulting fresh zeroed ones in; and a swap buffer's pages holding a piece just read are moved
+// under the unit's storage instead of being copied there. Python's mmap module cannot move pages to a chosen address, and
 // mremap is variadic (a ctypes call of it is not portable), hence this one function.
 #include <pybind11/pybind11.h>
 
@@ -42,18 +43,20 @@ bool map_fresh(void* at, size_t nbytes) {
 // Moves the pages of [src, src + nbytes) to [dst, dst + nbytes) (whatever was mapped there is
 // replaced), then maps fresh anonymous read-write memory at src (it reads as zeros, holds no
 // pages until written; asked for as huge pages). Both ranges must lie in mappings of their
-// own kind: anonymous, private, page aligned. Tensors point into one of the two ranges (src
-// when src_is_viewed); whatever fails, that one stays mapped: a refused mremap may already
-// have unmapped dst (fresh memory is mapped there again when it is the viewed one), and when
-// the new mapping at src is refused the pages are moved back to a viewed src. The other range
+// own kind: anonymous, private, page aligned. Tensors point into src when src_is_viewed and
+// into dst when dst_is_viewed (both, for pages lent from a swap buffer to a unit's storage);
+// whatever fails, a viewed range stays mapped: a refused mremap may already have unmapped dst
+// (fresh memory is mapped there again when it is viewed, or when src is not), and when the new
+// mapping at src is refused the pages are moved back to a viewed src. A range nobody views
 // may be left unmapped: the caller never uses it again.
-void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes, bool src_is_viewed) {
+void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes, bool src_is_viewed,
+                bool dst_is_viewed) {
 #ifdef __linux__
   void* s = reinterpret_cast<void*>(src);
   void* d = reinterpret_cast<void*>(dst);
   if (::mremap(s, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, d) == MAP_FAILED) {
     int err = errno;
-    if (!src_is_viewed) map_fresh(d, nbytes);
+    if (!src_is_viewed || dst_is_viewed) map_fresh(d, nbytes);
     raise_errno(err, "move_pages: mremap of " + std::to_string(nbytes) + " bytes");
   }
   if (!map_fresh(s, nbytes)) {
@@ -66,6 +69,7 @@ void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes, bool src_is_viewed)
   (void)dst;
   (void)nbytes;
   (void)src_is_viewed;
+  (void)dst_is_viewed;
   raise_errno(ENOSYS, "move_pages: Linux only");
 #endif
 }
@@ -74,7 +78,7 @@ void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes, bool src_is_viewed)
 
 void register_pages(py::module_& m) {
   m.def("move_pages", &move_pages, py::arg("src"), py::arg("dst"), py::arg("nbytes"),
-        py::arg("src_is_viewed"),
+        py::arg("src_is_viewed"), py::arg("dst_is_viewed") = false,
         "Move the anonymous pages at src to dst (nbytes, page aligned; dst's old mapping is "
         "replaced) and map fresh zero memory at src (Linux mremap); see csrc/pages.cpp for "
         "what a failure leaves.");

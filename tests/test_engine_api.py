@@ -280,6 +280,9 @@ def _gather_split(tmp_path, monkeypatch, *, copy_delay: float, read_delay: float
     ``read_delay`` late."""
     cfg = placement_config("nvme", "cpu", tmp_path)
     cfg["prefetch"] = {"depth": 0}  # no reads ahead: a late read is waited for
+    # every gather copies, through a pool of the configured size (none lends its pages to
+    # the unit: offload/device/pages.py, Note on lent pages)
+    monkeypatch.setattr(pages, "lends", lambda device: False)
     model, opt = offload.wrap(make_model(), cfg)
     runtime = engine_of(model)
     data = batches(3)

@@ -112,7 +112,9 @@ def _probed_forward(model, opt, probe) -> list:
 
 @pytest.mark.parametrize("depth", [2, 0])
 def test_the_next_unit_is_read_while_this_one_computes(tmp_path, depth):
-    model, opt = offload.wrap(StackLM(n=6, block=TimedBlock), _config(tmp_path, depth))
+    # more blocks than the param pool holds (its 6 buffers and the one its gathers lend), so
+    # without reads ahead the update cannot have left every next unit cached
+    model, opt = offload.wrap(StackLM(n=8, block=TimedBlock), _config(tmp_path, depth))
     runtime = engine_of(model)
     store = runtime.stores["offload_param"]
     index = {run.unit.module: run.unit.index for run in runtime.runs}

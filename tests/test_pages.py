@@ -141,3 +141,74 @@ def test_a_refused_move_turns_the_spares_off_and_releases_still_free(caplog):
     assert filled - proc.memory_info().rss > 14 * 2**20  # released the old way
     assert torch.count_nonzero(module.weight) == 0
     blocks.close()
+
+
+def _buffers(n: int, elems: int) -> list[torch.Tensor]:
+    """``n`` swap buffers of ``elems`` fp32 each in one pool mapping (as ``BufferPool`` has)."""
+    from offload.io.aligned import aligned_empty  # noqa: PLC0415
+
+    pool = aligned_empty(n * elems * 4, dtype=torch.float32)
+    return [pool[i * elems : (i + 1) * elems] for i in range(n)]
+
+
+@pytest.mark.skipif(pages.Spares.make() is None, reason="moving pages needs the native extension")
+def test_a_buffers_pages_are_lent_to_the_unit_and_taken_back():
+    """A gather from NVMe moves the pages of each piece's swap buffer under the unit instead of
+    copying them; the buffer reads zeros meanwhile, and the release moves them back (the store
+    keeps the piece cached there). Nothing is copied: the process does not grow."""
+    module = nn.Linear(2048, 2048, bias=False)  # 16 MiB: two 8 MiB pieces
+    unit = _unit(module)
+    blocks = pages.PageBlocks(torch.float32)
+    blocks.attach(unit)
+    blocks.drop(unit)
+    half = 2048 * 1024
+    bufs = _buffers(2, half)
+    bufs[0].fill_(1.5)
+    bufs[1].fill_(2.5)
+    storage = module.weight.untyped_storage().data_ptr()
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    assert blocks.lend(unit, 0, bufs[0]) and blocks.lend(unit, half, bufs[1])
+    w = module.weight.detach().view(-1)
+    assert torch.all(w[:half] == 1.5) and torch.all(w[half:] == 2.5)
+    assert torch.count_nonzero(bufs[0]) == 0 and torch.count_nonzero(bufs[1]) == 0  # moved
+    assert proc.memory_info().rss - before < 2 * 2**20  # not copied
+    assert module.weight.untyped_storage().data_ptr() == storage
+    blocks.drop(unit)  # takes the pages back first
+    assert torch.all(bufs[0] == 1.5) and torch.all(bufs[1] == 2.5)
+    assert torch.count_nonzero(module.weight) == 0
+    assert proc.memory_info().rss - before < 2 * 2**20
+    # what cannot move whole pages is left to a copy
+    assert not blocks.lend(unit, 1, bufs[0][: half - 1])  # 4 bytes into a page
+    assert not blocks.lend(unit, 0, bufs[0][1:])  # a buffer not on a page boundary
+    assert not blocks.lend(unit, 0, bufs[0].view(torch.int32))  # another dtype
+    assert torch.all(bufs[0] == 1.5) and torch.count_nonzero(module.weight) == 0
+    blocks.close()
+
+
+@pytest.mark.skipif(pages.Spares.make() is None, reason="moving pages needs the native extension")
+def test_a_refused_lend_turns_lending_off_and_a_refused_return_copies(caplog):
+    module = nn.Linear(2048, 1024, bias=False)  # 8 MiB: one piece
+    unit = _unit(module)
+    blocks = pages.PageBlocks(torch.float32)
+    blocks.attach(unit)
+    blocks.drop(unit)
+    (buf,) = _buffers(1, 2048 * 1024)
+    buf.fill_(0.5)
+    assert blocks.lend(unit, 0, buf)
+    refused = []
+
+    def refuse(src, dst, nbytes, src_is_viewed, dst_is_viewed):
+        refused.append((src, dst))
+        raise OSError(12, "move_pages: mremap of 8388608 bytes: Cannot allocate memory")
+
+    blocks._move = refuse
+    with caplog.at_level("WARNING", logger="offload.device"):
+        blocks.take_back(unit)  # the move is refused: the pages are copied back
+    assert "lending swap buffer pages to gathered units is off" in caplog.text
+    assert torch.all(buf == 0.5)
+    blocks.drop(unit)
+    assert torch.count_nonzero(module.weight) == 0
+    assert not blocks.lend(unit, 0, buf)  # off from now on, without asking the kernel again
+    assert len(refused) == 1
+    blocks.close()

@@ -129,21 +129,25 @@ def test_stats_reports_the_moves_of_a_cpu_only_placement(tmp_path):
 
 
 def test_stats_separates_buffer_bytes_used_from_reserved(tmp_path):
-    """A small model in big buffers: the pools reserve count x size, but their pages only ever
-    hold the pieces, and stats() says which is which."""
+    """A small model in big buffers: the pools reserve count x size (the param pool also the
+    buffers its gathers lend to units: offload/device/pages.py, Note on lent pages), but their
+    pages only ever hold the pieces, and stats() says which is which."""
+    from offload.homes.params import NvmeParams  # noqa: PLC0415
+
     cfg = _config(tmp_path, "nvme", "nvme")
     cfg["offload_param"]["buffer_size"] = cfg["offload_optimizer"]["buffer_size"] = "1MiB"
     model, opt = offload.wrap(StackLM(), cfg)
     try:
         _iterate(model, opt, 2)
         st = opt.stats()
-        reserved = 4 * 2**20 + 16 * 2**20
-        assert st["host_reserved_bytes"] == reserved
         runtime = engine_of(model)
+        count = 4 + NvmeParams.lend_slots(runtime.plan) + 16
+        reserved = count * 2**20
+        assert st["host_reserved_bytes"] == reserved
         largest = max(
             hi - lo for u in runtime.units for lo, hi in runtime.plan.pieces(u)
         )  # elements; the optimizer's pieces are fp32, 4 bytes
-        assert 0 < st["host_peak_bytes"] <= (4 + 16) * largest * 4 < reserved
+        assert 0 < st["host_peak_bytes"] <= count * largest * 4 < reserved
     finally:
         opt.close()
 
@@ -213,4 +217,49 @@ def test_the_forwards_last_unit_is_kept_for_its_backward(tmp_path, model_cls):
             assert backward == (0 if run is ran_last else 2), (run.unit.label, backward)
         assert not any(runtime.params.gathered(run.unit) for run in blocks)  # released after
     finally:
+        opt.close()
+
+
+def test_a_gather_from_nvme_lends_its_pieces_pages_to_the_unit(tmp_path):
+    """On the CPU a gather moves each piece's swap buffer pages under the unit instead of
+    copying them (offload/device/pages.py, Note on lent pages): while a block runs, every
+    piece of it is held by its gather, in buffers the param store has on top of its configured
+    ones; the release gives them back; nothing reads or writes the home meanwhile."""
+    from offload.device import pages  # noqa: PLC0415
+    from offload.homes.params import NvmeParams  # noqa: PLC0415
+
+    if not pages.supported(torch.device("cpu")) or pages.Spares.make() is None:
+        pytest.skip("lending pages needs Linux and the native extension")
+    model, opt = offload.wrap(StackLM(n=3), _config(tmp_path, "nvme", "nvme"))
+    runtime = engine_of(model)
+    home = runtime.params
+    slots = NvmeParams.lend_slots(runtime.plan)
+    blocks = [run for run in runtime.runs if run.unit.module in list(model.blocks)]
+    assert slots == max(len(runtime.plan.pieces(run.unit)) for run in blocks) > 1
+    assert home.store.stats()["host_buffers"] == 4 + slots
+    seen: dict[int, list[str]] = {}
+    errors: list[str] = []
+
+    def look(run):  # runs after the runtime's pre-hook, which gathered the unit
+        def hook(module, args):
+            seen[run.unit.index] = list(home._lent.get(run.unit.index, ()))
+            try:
+                home.read(run.unit, *runtime.plan.pieces(run.unit)[0])
+            except RuntimeError as exc:
+                errors.append(str(exc))
+
+        return hook
+
+    handles = [run.unit.module.register_forward_pre_hook(look(run)) for run in blocks]
+    try:
+        _iterate(model, opt, 2)
+        for run in blocks:
+            keys = [home.key(run.unit, a) for a, _ in runtime.plan.pieces(run.unit)]
+            assert seen[run.unit.index] == keys, run.unit.label
+        assert len(errors) == 2 * len(blocks)  # one per forward
+        assert all("while the unit is gathered" in e for e in errors)
+        assert home._lent == {} and home._lend_room == slots  # all given back
+    finally:
+        for h in handles:
+            h.remove()
         opt.close()

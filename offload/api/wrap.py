@@ -269,7 +269,11 @@ def _make_store(cfg: OffloadConfig, section: str, depth: int, b: _Parts, aio, re
         raise ConfigError(f"{section}.nvme_path={sec.nvme_path!r}: {exc}") from exc
     resources.append(nvme)
     pin = b.memory.pins(b.plan.placement.pin[section])
-    pool = BufferPool(sec.buffer_count, size, pin=pin)
+    # the param store's gathers lend pieces' pages to the unit they gather: the buffers they
+    # hold meanwhile come on top of the configured ones (the gathered unit's own memory,
+    # which it then does not need: offload/device/pages.py, Note on lent pages)
+    lent = NvmeParams.lend_slots(b.plan) if section == "offload_param" else 0
+    pool = BufferPool(sec.buffer_count + lent, size, pin=pin)
     resources.append(pool)
     return TieredStore(pool=pool, nvme=nvme, prefetch_depth=depth, name=section)
 

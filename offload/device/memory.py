@@ -73,6 +73,14 @@ class ResizedStorage:
         """None: the parameters have no common flat buffer (a gather copies into each)."""
         return None
 
+    lends = False  # a swap buffer's pages cannot become device memory (a gather copies)
+
+    def lend(self, unit: Unit, lo: int, buf: torch.Tensor) -> bool:
+        return False
+
+    def take_back(self, unit: Unit) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -45,6 +45,24 @@ Note: recycled pages
     Profiled over four iterations of the 50M demo GPT's step in backward (bench_e2e's NVMe
     configuration), the gathers' copies took 170 ms against 467-573 ms, their waits for reads
     10-20 ms more per iteration (what the copies had hidden).
+
+Note: lent pages
+    A gather from NVMe reads each piece into a swap buffer and then copied it into the block:
+    at memory speed, ~20 ms for the 50M demo GPT's 200 MB on this project's 2-core machines,
+    four times in each iteration of bench_e2e's recipe, on the thread that runs the model. A
+    swap buffer is anonymous private memory too (``offload.io.aligned``), so instead the
+    buffer's pages are moved under the block (:meth:`PageBlocks.lend`, the same
+    ``move_pages``), the buffer's range gets fresh zero memory, and the release moves them back
+    (:meth:`PageBlocks.take_back`) before the buffer is given back to its store, which still
+    holds the piece there: nothing is copied either way, no page is faulted in, and what the
+    store keeps cached stays cached. The buffer is held (its store's fetch stays pinned) while
+    its pages are lent, so the store that lends gets the room for it in addition to its
+    configured buffers (``offload.homes.params.NvmeParams.lend_slots``). The gathered
+    parameters must not be written in place while lent (the store would then hold the written
+    values as its clean copy); nothing in offload writes them, the optimizer writes the home.
+    Only a whole-page range moves; a piece whose range in the block or in its buffer is not
+    page aligned is copied as before, and a move the kernel refuses turns lending off (one
+    warning; a piece whose pages cannot be moved back is copied back).
 """
 
 from __future__ import annotations
@@ -69,6 +87,13 @@ def supported(device: torch.device) -> bool:
     return (
         device.type == "cpu" and sys.platform.startswith("linux") and hasattr(mmap.mmap, "madvise")
     )
+
+
+def lends(device: torch.device) -> bool:
+    """Whether gathers on ``device`` can lend swap buffer pages to units (the module Note
+    on lent pages): page blocks, and the native extension to move pages."""
+    mod = _native.get()
+    return supported(device) and mod is not None and hasattr(mod, "move_pages")
 
 
 class Spares:
@@ -153,6 +178,11 @@ class PageBlocks:
         self._spans: dict[int, tuple[int, int]] = {}  # unit -> (offset in its map, whole spans)
         self._filled: set[int] = set()  # units made room for since their last release
         self.spares = Spares.make()
+        mod = _native.get()
+        self._move = getattr(mod, "move_pages", None) if mod is not None else None
+        self._raw: dict[int, torch.Tensor] = {}  # unit -> its block's whole pages, as bytes
+        # unit -> pages lent to it: (the block's range holding them, the buffer they came from)
+        self._lent: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def attach(self, unit: Unit) -> None:
         """Points every parameter of ``unit`` at its view of a new block (values undefined:
@@ -171,6 +201,7 @@ class PageBlocks:
             seg.param.data = flat[seg.offset : seg.end].view(seg.shape)
         self._maps[unit.index] = block
         self._flat[unit.index] = flat[: layout.total]
+        self._raw[unit.index] = raw[start : start + nbytes]
         self._spans[unit.index] = (start, spans)
         if self.spares is not None:
             self.spares.grow(spans)  # the largest unit's spans (the module Note)
@@ -179,6 +210,52 @@ class PageBlocks:
         """The unit's whole flat buffer, which its parameters view (a gather can write it in
         one piece)."""
         return self._flat[unit.index]
+
+    def lend(self, unit: Unit, lo: int, buf: torch.Tensor) -> bool:
+        """Moves the pages of ``buf`` (elements ``[lo, lo + len(buf))`` of the unit, in a swap
+        buffer the caller holds) under the unit's block instead of copying them (the module
+        Note on lent pages); False: nothing moved (the caller copies)."""
+        raw = self._raw[unit.index]
+        at = lo * self.dtype.itemsize  # the piece's offset in the block, bytes
+        nbytes = -(-buf.numel() * buf.element_size() // PAGE) * PAGE  # the piece's whole pages
+        if (
+            self._move is None
+            or buf.dtype != self.dtype
+            or at % PAGE
+            or buf.data_ptr() % PAGE
+            or at + nbytes > raw.numel()
+        ):
+            return False
+        block = raw[at : at + nbytes]
+        if not self._moved(buf.data_ptr(), block.data_ptr(), nbytes):
+            return False
+        self._lent.setdefault(unit.index, []).append((block, buf))
+        return True
+
+    def take_back(self, unit: Unit) -> None:
+        """Moves the pages lent to the unit back to their buffers (the block's range reads
+        zeros again); where the kernel refuses the move, they are copied back."""
+        for block, buf in self._lent.pop(unit.index, ()):
+            if not self._moved(block.data_ptr(), buf.data_ptr(), block.numel()):
+                bytes_ = buf.view(-1).view(torch.uint8)
+                bytes_.copy_(block[: bytes_.numel()])  # the pages stayed in the block
+
+    @property
+    def lends(self) -> bool:
+        """Whether :meth:`lend` can move pages (not after the kernel refused a move)."""
+        return self._move is not None
+
+    def _moved(self, src: int, dst: int, nbytes: int) -> bool:
+        """Moves pages between two viewed ranges; a refusal turns lending off (one warning)."""
+        if self._move is None:
+            return False
+        try:
+            self._move(src, dst, nbytes, src_is_viewed=True, dst_is_viewed=True)
+        except OSError as exc:
+            logger.warning("offload: lending swap buffer pages to gathered units is off (%s)", exc)
+            self._move = None
+            return False
+        return True
 
     def make_room(self, unit: Unit) -> None:
         """Moves kept spans' pages under the unit's whole spans (the module Note on recycled
@@ -193,7 +270,9 @@ class PageBlocks:
 
     def drop(self, unit: Unit) -> None:
         """Releases the unit's pages: its whole spans kept for the next gather while spares
-        have room, the rest given back to the OS; its parameters read as zeros until written."""
+        have room, the rest given back to the OS; its parameters read as zeros until written.
+        Pages lent to it go back to their buffers first."""
+        self.take_back(unit)
         block = self._maps[unit.index]
         start, spans = self._spans[unit.index]
         kept = 0
@@ -208,5 +287,7 @@ class PageBlocks:
         """Forgets the blocks; each mapping goes away with the last tensor viewing it."""
         self._maps.clear()
         self._flat.clear()
+        self._raw.clear()
+        self._lent.clear()
         if self.spares is not None:
             self.spares.close()

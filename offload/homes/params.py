@@ -27,7 +27,11 @@ Note: the gather's window
     free for the trace prefetcher's demand, and the update's share when these shards are the
     master: ``offload.plan.placement``'s Note on the param pool). A pool buffer goes back to
     the store once its copy to the device has completed; the host waits for those copies once
-    per unit, not per piece.
+    per unit, not per piece. On the CPU a unit released after each use is not copied into:
+    each piece's buffer lends its pages to the unit's storage until the release
+    (``offload.device.pages``, Note on lent pages), in buffers the pool has on top of
+    ``offload_param.buffer_count`` (:meth:`NvmeParams.lend_slots`: the largest such unit's
+    pieces; a unit that finds them taken, by another one gathered meanwhile, is copied).
 
 Note: across ranks
     Stages 1 and 2 (:class:`DeviceParams`, :class:`HostParams`, :class:`NvmeParams` with more
@@ -55,9 +59,9 @@ from collections.abc import Callable
 
 import torch
 
-from offload.device import COMPLETED, Event, HostMemory, Transfers, storage_for
+from offload.device import COMPLETED, Event, HostMemory, Transfers, pages, storage_for
 from offload.dist import Comm, Handle, LocalComm, completed
-from offload.plan import Plan, ShardSpec, Unit, split
+from offload.plan import Plan, Residency, ShardSpec, Unit, split
 
 PieceValues = Callable[[int, int], torch.Tensor]
 """``(lo, hi) -> values`` of a unit's elements ``[lo, hi)`` in the compute dtype."""
@@ -380,6 +384,18 @@ class NvmeParams(_Released):
         super().__init__(plan, transfers, memory, comm)
         self.store, self.tier, self._nvme = store, Tier.HOST, Tier.NVME
         self.window = plan.placement.param_window
+        self._lend_room = self.lend_slots(plan)  # buffers that may be lent now (module Note)
+        self._lent: dict[int, list[str]] = {}  # unit -> keys of pieces whose pages it holds
+
+    @staticmethod
+    def lend_slots(plan: Plan) -> int:
+        """Buffers the param store needs beyond ``offload_param.buffer_count`` so that a
+        gather can lend its pieces' pages to the unit (module Note on lent pages): the pieces
+        of the largest unit released after each use, where the unit's storage is page blocks."""
+        if plan.placement.shard_params or not pages.lends(plan.placement.device):
+            return 0
+        transient = [u for u in plan.units if u.residency is Residency.TRANSIENT]
+        return max((len(plan.pieces(u)) for u in transient), default=0)
 
     @staticmethod
     def key(unit: Unit, lo: int) -> str:
@@ -400,13 +416,58 @@ class NvmeParams(_Released):
     def unshard(self, unit: Unit) -> None:
         if unit.index in self._gathered:
             return
-        self.storage.make_room(unit)
+        lend = (
+            self.storage.lends
+            and unit.residency is Residency.TRANSIENT
+            and len(self.plan.pieces(unit)) <= self._lend_room
+        )
+        if not lend:
+            self.storage.make_room(unit)  # lent pages need no room made (they replace it)
         try:
-            self._stream(unit, lambda a, b, buf: unit.layout.pairs(a, b, buf, _param_view))
+            self._stream(
+                unit, lambda a, b, buf: unit.layout.pairs(a, b, buf, _param_view), lend=lend
+            )
         except BaseException:  # a failed read: the unit stays released
+            self._take_back(unit)
             self.storage.drop(unit)
             raise
         self._gathered.add(unit.index)
+
+    def reshard(self, unit: Unit) -> None:
+        self._take_back(unit)
+        super().reshard(unit)
+
+    def _lend(self, unit: Unit, a: int, b: int, buf: torch.Tensor, pairs) -> bool:
+        """Lends the pages of the piece ``[a, b)`` in ``buf`` to the unit (module Note on lent
+        pages): True when they are its parameters' now, the piece held until the release.
+        Counted as the copy it replaces (the parameters' bytes, not the padding)."""
+        if not self.storage.lend(unit, a, buf[: b - a]):
+            return False
+        self._lent.setdefault(unit.index, []).append(self.key(unit, a))
+        self._lend_room -= 1
+        nbytes = sum(src.numel() * src.element_size() for _, src in pairs(a, b, buf))
+        self.transfers.count("host->device", nbytes)
+        return True
+
+    def _take_back(self, unit: Unit) -> None:
+        """The pages lent to the unit go back to their buffers, which go back to the store
+        (still holding their pieces)."""
+        keys = self._lent.pop(unit.index, None)
+        if keys is None:
+            return
+        self.storage.take_back(unit)
+        self._lend_room += len(keys)
+        for key in keys:
+            self.store.release(key, self.tier)
+
+    def _not_lent(self, unit: Unit, what: str) -> None:
+        """A piece whose pages are lent must not be fetched elsewhere (its buffer reads zeros):
+        nothing rewrites or reads a unit's home while it is gathered."""
+        if unit.index in self._lent:
+            raise RuntimeError(
+                f"offload: {what} of {unit.label}'s params while the unit is gathered "
+                "(a bug in offload: the home is read or written only while it is released)"
+            )
 
     def share_on_device(self, unit: Unit) -> torch.Tensor:
         out = torch.empty(self.plan.home_numel(unit), dtype=self.dtype, device=self.device)
@@ -415,14 +476,15 @@ class NvmeParams(_Released):
         )
         return out
 
-    def _stream(self, unit: Unit, pairs) -> None:
+    def _stream(self, unit: Unit, pairs, lend: bool = False) -> None:
         """Copies every piece of the home to the device through ``pairs(lo, hi, buffer)``
-        (``(device destination, host source)`` pairs of the piece in its pool buffer)."""
+        (``(device destination, host source)`` pairs of the piece in its pool buffer), or,
+        with ``lend``, lends its pages to the unit where it can (module Note on lent pages)."""
         pieces = self.plan.pieces(unit)
         fetching: deque = deque()  # (lo, hi) of the pieces fetched, not copied yet
         copying: deque = deque()  # (key, event): a pool buffer whose copy up is in flight
         try:
-            self._stream_in(unit, pieces, fetching, copying, pairs)
+            self._stream_in(unit, pieces, fetching, copying, pairs, lend)
         except BaseException:  # a failed read: let go of every piece
             keys = [self.key(unit, a) for a, _ in fetching]
             steps = [lambda k=k: self.store.release(k, self.tier) for k in keys]
@@ -432,9 +494,11 @@ class NvmeParams(_Released):
                     step()
             raise
 
-    def _stream_in(self, unit: Unit, pieces, fetching: deque, copying: deque, pairs) -> None:
+    def _stream_in(
+        self, unit: Unit, pieces, fetching: deque, copying: deque, pairs, lend: bool
+    ) -> None:
         """The gather's loop (see the module Note on its window); what it holds is in
-        ``fetching`` and ``copying`` at any moment."""
+        ``fetching``, ``copying`` and ``_lent`` at any moment."""
         futures: deque = deque()  # the fetches of ``fetching``, once made
         ahead = copied = 0
         while copied < len(pieces):
@@ -452,7 +516,13 @@ class NvmeParams(_Released):
                 copying.popleft()
                 continue
             a, b = fetching[0]
-            event = self.transfers.to_device(pairs(a, b, futures[0].wait()))
+            buf = futures[0].wait()
+            if lend and self._lend(unit, a, b, buf, pairs):
+                fetching.popleft()
+                futures.popleft()
+                copied += 1
+                continue
+            event = self.transfers.to_device(pairs(a, b, buf))
             fetching.popleft()
             futures.popleft()
             copying.append((self.key(unit, a), event))
@@ -469,12 +539,14 @@ class NvmeParams(_Released):
         self.store.release(key, self.tier)
 
     def out_buffer(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
+        self._not_lent(unit, "an update")
         return self.store.fetch(self.key(unit, lo), self.tier, read=False).wait()
 
     def master_piece(self, unit: Unit, lo: int, hi: int):
         """The piece's current values, fetched for an update in place (the shards are the fp32
         master: ``homes.optim.ParamShardsMaster``); :meth:`commit` or :meth:`give_up_out`
         releases it."""
+        self._not_lent(unit, "an update")
         return self.store.fetch(self.key(unit, lo), self.tier)
 
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
@@ -485,17 +557,20 @@ class NvmeParams(_Released):
         self.store.release(self.key(unit, lo), self.tier, discard=True)
 
     def read(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
+        self._not_lent(unit, "a read")
         out = torch.empty(hi - lo, dtype=self.dtype)
         self.store.read_into(self.key(unit, lo), out)
         return out
 
     def load_shard(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
+        self.reshard(unit)  # stale from here on (the caller reshards it too)
         self.store.write_from(self.key(unit, lo), values.to(self.dtype).contiguous())
         self._written(unit, lo)
 
     def _start_refresh(self, unit: Unit) -> Handle:
         """One broadcast per rank and piece (the pool holds one piece at a time; module Note):
         piece ``j`` of every rank's share has the same length (``Plan``'s Note)."""
+        self.reshard(unit)  # its gathered copy is stale once the broadcasts land
         piece, world, me = self.plan.placement.piece_numel, self.plan.shard.world, self.comm.rank
         shares = [ShardSpec(r, world).share(0, unit.layout.trainable) for r in range(world)]
         for j in range(len(split(*shares[0], piece))):
@@ -510,6 +585,14 @@ class NvmeParams(_Released):
                     raise
                 self.store.release(key, self.tier, dirty=r != me)
         return completed(self.comm, "broadcast")
+
+    def close(self) -> None:
+        try:
+            for index in list(self._lent):
+                with contextlib.suppress(Exception):  # closing: the store goes next
+                    self._take_back(self.plan.units[index])
+        finally:
+            super().close()
 
     def held(self) -> dict[str, int]:
         """On disk: every piece, twice when versioned (each shard's second extent)."""

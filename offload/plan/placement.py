@@ -13,7 +13,9 @@ Note: the param pool's buffers
     backward, with the step in backward) runs: ``param_ahead + 1`` of them. Each takes its
     share of the pool, so together they never hold more than it has and neither can wait for a
     buffer the other holds while it waits (with one buffer each, neither holds one while it
-    waits for another).
+    waits for another). The pieces a CPU gather lends to the unit it gathers are held in
+    buffers the pool has beyond ``buffer_count`` (``offload.homes.params``, Note on the
+    gather's window), outside this arithmetic.
 
 Note: reading ahead
     ``prefetch.depth`` counts units: each NVMe store's trace prefetcher keeps ``depth`` times the

@@ -224,7 +224,8 @@ def test_a_gather_from_nvme_lends_its_pieces_pages_to_the_unit(tmp_path):
     """On the CPU a gather moves each piece's swap buffer pages under the unit instead of
     copying them (offload/device/pages.py, Note on lent pages): while a block runs, every
     piece of it is held by its gather, in buffers the param store has on top of its configured
-    ones; the release gives them back; nothing reads or writes the home meanwhile."""
+    ones; the release gives them back; an update of the unit's home meanwhile is an error (a
+    read is served from the unit: the next test)."""
     from offload.device import pages  # noqa: PLC0415
     from offload.homes.params import NvmeParams  # noqa: PLC0415
 
@@ -244,7 +245,7 @@ def test_a_gather_from_nvme_lends_its_pieces_pages_to_the_unit(tmp_path):
         def hook(module, args):
             seen[run.unit.index] = list(home._lent.get(run.unit.index, ()))
             try:
-                home.read(run.unit, *runtime.plan.pieces(run.unit)[0])
+                home.out_buffer(run.unit, *runtime.plan.pieces(run.unit)[0])
             except RuntimeError as exc:
                 errors.append(str(exc))
 
@@ -262,4 +263,26 @@ def test_a_gather_from_nvme_lends_its_pieces_pages_to_the_unit(tmp_path):
     finally:
         for h in handles:
             h.remove()
+        opt.close()
+
+
+def test_state_dict_between_forward_and_backward_reads_the_lent_unit(tmp_path):
+    """The forward's last unit stays gathered for its backward, its pieces' pages lent to it
+    (their buffers read zeros meanwhile): a state_dict taken then reads those pieces from the
+    unit itself, and equals the one taken before the forward."""
+    model, opt = offload.wrap(StackLM(n=3), _config(tmp_path, "nvme", "nvme"))
+    runtime = engine_of(model)
+    try:
+        _iterate(model, opt, 2)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+        logits = model(tokens[:, :-1])
+        assert runtime.params._lent  # the last block, kept for its backward
+        during = model.state_dict()
+        F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+        opt.zero_grad()
+        assert during.keys() == before.keys()
+        for k in before:
+            assert torch.equal(during[k], before[k]), k
+    finally:
         opt.close()

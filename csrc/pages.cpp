@@ -2,8 +2,9 @@
 // pages (its Notes): a released unit's resident huge pages are moved aside and later moved under
 // the next unit's storage, so the next gather writes into pages that are already there instead of
 // faulting fresh zeroed ones in; and a swap buffer's pages holding a piece just read are moved
-// under the unit's storage instead of being copied there. Python's mmap module cannot move pages to a chosen address, and
-// mremap is variadic (a ctypes call of it is not portable), hence this one function.
+// under the unit's storage instead of being copied there. Python's mmap module cannot move
+// pages to a chosen address, and mremap is variadic (a ctypes call of it is not portable),
+// hence this one function.
 #include <pybind11/pybind11.h>
 
 #include <cerrno>
@@ -47,8 +48,9 @@ bool map_fresh(void* at, size_t nbytes) {
 // into dst when dst_is_viewed (both, for pages lent from a swap buffer to a unit's storage);
 // whatever fails, a viewed range stays mapped: a refused mremap may already have unmapped dst
 // (fresh memory is mapped there again when it is viewed, or when src is not), and when the new
-// mapping at src is refused the pages are moved back to a viewed src. A range nobody views
-// may be left unmapped: the caller never uses it again.
+// mapping at src is refused the pages are moved back to a viewed src (and a viewed dst gets
+// fresh memory again). A range nobody views may be left unmapped: the caller never uses it
+// again.
 void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes, bool src_is_viewed,
                 bool dst_is_viewed) {
 #ifdef __linux__
@@ -61,7 +63,10 @@ void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes, bool src_is_viewed,
   }
   if (!map_fresh(s, nbytes)) {
     int err = errno;
-    if (src_is_viewed) ::mremap(d, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, s);
+    if (src_is_viewed &&
+        ::mremap(d, nbytes, nbytes, MREMAP_MAYMOVE | MREMAP_FIXED, s) != MAP_FAILED &&
+        dst_is_viewed)
+      map_fresh(d, nbytes);
     raise_errno(err, "move_pages: mapping the source range again");
   }
 #else

@@ -47,17 +47,18 @@ Note: recycled pages
     10-20 ms more per iteration (what the copies had hidden).
 
 Note: lent pages
-    A gather from NVMe reads each piece into a swap buffer and then copied it into the block:
-    at memory speed, ~20 ms for the 50M demo GPT's 200 MB on this project's 2-core machines,
-    four times in each iteration of bench_e2e's recipe, on the thread that runs the model. A
-    swap buffer is anonymous private memory too (``offload.io.aligned``), so instead the
-    buffer's pages are moved under the block (:meth:`PageBlocks.lend`, the same
-    ``move_pages``), the buffer's range gets fresh zero memory, and the release moves them back
-    (:meth:`PageBlocks.take_back`) before the buffer is given back to its store, which still
-    holds the piece there: nothing is copied either way, no page is faulted in, and what the
-    store keeps cached stays cached. The buffer is held (its store's fetch stays pinned) while
-    its pages are lent, so the store that lends gets the room for it in addition to its
-    configured buffers (``offload.homes.params.NvmeParams.lend_slots``). The gathered
+    A gather from NVMe reads each piece into a swap buffer, and it used to copy the piece from
+    there into the block: at memory speed, ~20 ms for the 50M demo GPT's 200 MB on this
+    project's 2-core machines, four times in each iteration of bench_e2e's recipe, on the
+    thread that runs the model. A swap buffer is anonymous private memory too
+    (``offload.io.aligned``), so instead the buffer's pages are moved under the block
+    (:meth:`PageBlocks.lend`, the same ``move_pages``), the buffer's range gets fresh zero
+    memory, and the release moves them back (:meth:`PageBlocks.take_back`) before the buffer
+    is given back to its store, which still holds the piece there: nothing is copied either
+    way, no page is faulted in, and what the store keeps cached stays cached. The buffer is
+    held (its store's fetch stays pinned) while its pages are lent, so the store that lends
+    gets the room for it in addition to its configured buffers
+    (``offload.homes.params.NvmeParams.lend_slots``). The gathered
     parameters must not be written in place while lent (the store would then hold the written
     values as its clean copy); nothing in offload writes them, the optimizer writes the home.
     Only a whole-page range moves; a piece whose range in the block or in its buffer is not

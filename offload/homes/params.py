@@ -466,7 +466,7 @@ class NvmeParams(_Released):
         if unit.index in self._lent:
             raise RuntimeError(
                 f"offload: {what} of {unit.label}'s params while the unit is gathered "
-                "(a bug in offload: the home is read or written only while it is released)"
+                "(a bug in offload: the home is rewritten only while the unit is released)"
             )
 
     def share_on_device(self, unit: Unit) -> torch.Tensor:

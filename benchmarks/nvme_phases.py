@@ -1,7 +1,8 @@
 """Where an NVMe iteration's time and disk work go, phase by phase (a diagnostic, not a bar).
 
     python benchmarks/nvme_phases.py [--size 50M] [--iters 8] [--path /work] [--device vda]
-                                     [--step-in-backward] [--recipe clip|under]
+                                     [--step-in-backward] [--recipe clip|under] [--host]
+                                     [--copy-gathers]
 
 Trains the demo GPT with params and optimizer state on NVMe, with bench_e2e's configuration, and
 prints for each steady-state iteration: the wall time of forward, backward and ``step()``; how
@@ -24,6 +25,10 @@ compute reference.
 ``--host`` keeps params and optimizer state in host memory instead (the same units gathered and
 released, gradients taken by their owner, the update inside ``step()``; no disk): what the
 hooks and gathers cost without the NVMe moves and an update running beside the compute.
+
+``--copy-gathers`` makes the CPU gathers copy each piece out of its swap buffer, as they did
+before they lent the buffers' pages to the unit (``offload/device/pages.py``, Note on lent
+pages), with the param pool as large as lending makes it: what the copies alone cost.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import bench_e2e  # noqa: E402
 import offload  # noqa: E402
 from offload.api.wrap import engine_of  # noqa: E402
 from offload.config import parse_size  # noqa: E402
+from offload.device import pages  # noqa: E402
 
 
 def default_device(path: str) -> str:
@@ -79,6 +85,11 @@ def main() -> int:
     ap.add_argument("--step-in-backward", action="store_true")
     ap.add_argument("--recipe", choices=("clip", "under"), default=None)
     ap.add_argument("--host", action="store_true", help="params and optimizer in host memory")
+    ap.add_argument(
+        "--copy-gathers",
+        action="store_true",
+        help="gathers copy each piece instead of lending its pages (the pool keeps its size)",
+    )
     args = ap.parse_args()
     device = args.device or default_device(args.path)
     disk(device)  # fails early, naming the device, when it is not there
@@ -94,6 +105,8 @@ def main() -> int:
     if args.host:  # the same units and hooks, no disk (the module docstring)
         cfg["offload_param"] = {"device": "cpu", "persistence_threshold": 0}
         cfg["offload_optimizer"] = {"device": "cpu"}
+    if args.copy_gathers:  # what the copies cost (the module docstring)
+        pages.PageBlocks.lends = property(lambda blocks: False)
     micro_steps, scale = 1, 1.0
     if args.recipe is not None:
         cfg["gradient_clipping"] = 1.0
@@ -138,6 +151,8 @@ def main() -> int:
     )
     if args.host:
         mode += ", params and optimizer in host memory"
+    if args.copy_gathers:
+        mode += ", gathers copying"
     print(f"# nvme_phases  {time.strftime('%Y-%m-%d %H:%M')}  device {device}  {mode}")
     print(
         f"# plain model (no offload), median of {args.iters}: forward {reference[0]:.3f} s, backward {reference[1]:.3f} s"

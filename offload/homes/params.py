@@ -384,7 +384,7 @@ class NvmeParams(_Released):
         super().__init__(plan, transfers, memory, comm)
         self.store, self.tier, self._nvme = store, Tier.HOST, Tier.NVME
         self.window = plan.placement.param_window
-        self._lend_room = self.lend_slots(plan)  # buffers that may be lent now (module Note)
+        self._lend_slots = self.lend_slots(plan)  # buffers lent pages may hold (module Note)
         self._lent: dict[int, list[str]] = {}  # unit -> keys of pieces whose pages it holds
 
     @staticmethod
@@ -396,6 +396,11 @@ class NvmeParams(_Released):
             return 0
         transient = [u for u in plan.units if u.residency is Residency.TRANSIENT]
         return max((len(plan.pieces(u)) for u in transient), default=0)
+
+    @property
+    def _lend_room(self) -> int:
+        """Buffers that may be lent now."""
+        return self._lend_slots - sum(len(keys) for keys in self._lent.values())
 
     @staticmethod
     def key(unit: Unit, lo: int) -> str:
@@ -444,7 +449,6 @@ class NvmeParams(_Released):
         if not self.storage.lend(unit, a, buf[: b - a]):
             return False
         self._lent.setdefault(unit.index, []).append(self.key(unit, a))
-        self._lend_room -= 1
         nbytes = sum(src.numel() * src.element_size() for _, src in pairs(a, b, buf))
         self.transfers.count("host->device", nbytes)
         return True
@@ -456,16 +460,16 @@ class NvmeParams(_Released):
         if keys is None:
             return
         self.storage.take_back(unit)
-        self._lend_room += len(keys)
         for key in keys:
             self.store.release(key, self.tier)
 
-    def _not_lent(self, unit: Unit, what: str) -> None:
-        """A piece whose pages are lent must not be fetched elsewhere (its buffer reads zeros):
-        nothing rewrites a unit's home while it is gathered (:meth:`read` reads the unit)."""
+    def _not_lent(self, unit: Unit) -> None:
+        """A piece whose pages are lent must not be fetched for an update (its buffer reads
+        zeros): nothing rewrites a unit's home while it is gathered (:meth:`read` reads the
+        unit)."""
         if unit.index in self._lent:
             raise RuntimeError(
-                f"offload: {what} of {unit.label}'s params while the unit is gathered "
+                f"offload: an update of {unit.label}'s params while the unit is gathered "
                 "(a bug in offload: the home is rewritten only while the unit is released)"
             )
 
@@ -517,15 +521,12 @@ class NvmeParams(_Released):
                 continue
             a, b = fetching[0]
             buf = futures[0].wait()
-            if lend and self._lend(unit, a, b, buf, pairs):
-                fetching.popleft()
-                futures.popleft()
-                copied += 1
-                continue
-            event = self.transfers.to_device(pairs(a, b, buf))
+            lent = lend and self._lend(unit, a, b, buf, pairs)
+            event = None if lent else self.transfers.to_device(pairs(a, b, buf))
             fetching.popleft()
             futures.popleft()
-            copying.append((self.key(unit, a), event))
+            if event is not None:
+                copying.append((self.key(unit, a), event))
             copied += 1
             while copying and copying[0][1].done():
                 self.store.release(copying[0][0], self.tier)
@@ -539,14 +540,14 @@ class NvmeParams(_Released):
         self.store.release(key, self.tier)
 
     def out_buffer(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
-        self._not_lent(unit, "an update")
+        self._not_lent(unit)
         return self.store.fetch(self.key(unit, lo), self.tier, read=False).wait()
 
     def master_piece(self, unit: Unit, lo: int, hi: int):
         """The piece's current values, fetched for an update in place (the shards are the fp32
         master: ``homes.optim.ParamShardsMaster``); :meth:`commit` or :meth:`give_up_out`
         releases it."""
-        self._not_lent(unit, "an update")
+        self._not_lent(unit)
         return self.store.fetch(self.key(unit, lo), self.tier)
 
     def commit(self, unit: Unit, lo: int, hi: int) -> None:

@@ -120,9 +120,13 @@ def store_bytes(model) -> dict[str, int]:
 
 
 def step_counts(opt) -> dict[str, float]:
-    """Cumulative counts of where the updates ran (telemetry's totals)."""
+    """Cumulative counts of where the updates ran, and the seconds the training thread spent
+    in offload's hooks (telemetry's totals)."""
     total = opt.stats()["total"]
-    return {k: total.get(k, 0) for k in ("clipped_steps", "updates_in_backward", "rollbacks")}
+    return {
+        k: total.get(k, 0)
+        for k in ("clipped_steps", "updates_in_backward", "rollbacks", "hook_seconds")
+    }
 
 
 def compute_step(model, x) -> None:
@@ -296,7 +300,9 @@ def main() -> int:
         )
     }  # fmt: skip
     bytes0 = store_bytes(nv_model)
+    nv_counts0 = step_counts(nv_opt)
     sib_bytes0 = store_bytes(sib_model)
+    sib_counts0 = step_counts(sib_opt)
     rc_bytes0 = store_bytes(rc_model)
     rc_counts0 = step_counts(rc_opt)
     un_bytes0 = store_bytes(un_model)
@@ -321,7 +327,9 @@ def main() -> int:
         t["unclipped_drained"].append(drained)
         bw.append(disk_bandwidth(work, 256 << 20, aio))
     bytes1 = store_bytes(nv_model)
+    nv_counts = {k: v - nv_counts0[k] for k, v in step_counts(nv_opt).items()}
     sib_bytes1 = store_bytes(sib_model)
+    sib_counts = {k: v - sib_counts0[k] for k, v in step_counts(sib_opt).items()}
     rc_bytes1 = store_bytes(rc_model)
     rc_counts = {k: v - rc_counts0[k] for k, v in step_counts(rc_opt).items()}
     un_bytes1 = store_bytes(un_model)
@@ -349,7 +357,7 @@ def main() -> int:
     med = {k: statistics.median(vs) for k, vs in t.items()}
     iters = args.reps * (NVME_RUN + 1)  # every update completed (synchronize ends each sample)
 
-    def nvme_row(key: str, b0: dict, b1: dict, compute_key: str = "compute") -> dict:
+    def nvme_row(key: str, b0: dict, b1: dict, counts: dict, compute_key: str = "compute") -> dict:
         """``compute_key``: the plain model's fwd+bwd of this row's iteration."""
         rd, wr = ((b1.get(k, 0) - b0.get(k, 0)) / iters for k in ("nvme->host", "host->nvme"))
         plan = planned[key]
@@ -375,17 +383,19 @@ def main() -> int:
             "max_s": ceiling,
             "ratio_to_max": med[key] / ceiling,
             "serial_sum_s": compute + io_time + adam,
+            # offload's work on the training thread (mean over every iteration of the samples)
+            "hook_s": counts["hook_seconds"] / iters,
             "bar": "<= 1.25",
         }
 
     def recipe_row(key: str, b0: dict, b1: dict, counts: dict) -> dict:
         """A recipe row against plain PyTorch's compute of the recipe (recipe_compute_step),
         with its ratio to twice one fwd+bwd beside it (the ceiling before 2026-12-01 19:59)."""
-        row = nvme_row(key, b0, b1, compute_key="recipe_compute")
+        row = nvme_row(key, b0, b1, counts, compute_key="recipe_compute")
         two = max(2 * med["compute"], row["io_s"], adam)
         return {
             **row,
-            **{f"{k}_per_step": v / iters for k, v in counts.items()},
+            **{f"{k}_per_step": v / iters for k, v in counts.items() if k != "hook_seconds"},
             "two_fwd_bwd_s": 2 * med["compute"],
             "ratio_to_max_two_fwd_bwd": med[key] / two,
             "bar": "<= 1.10",
@@ -400,8 +410,8 @@ def main() -> int:
             "ratio": med["tier"] / med["plain"],
             "bar": "<= 1.0",
         },
-        "nvme": nvme_row("nvme", bytes0, bytes1),
-        "nvme_step_in_backward": nvme_row("sib", sib_bytes0, sib_bytes1),
+        "nvme": nvme_row("nvme", bytes0, bytes1, nv_counts),
+        "nvme_step_in_backward": nvme_row("sib", sib_bytes0, sib_bytes1, sib_counts),
         "nvme_recipe": recipe_row("recipe", rc_bytes0, rc_bytes1, rc_counts),
         "nvme_recipe_unclipped": recipe_row("unclipped", un_bytes0, un_bytes1, un_counts),
         "memory": mem,  # a fresh process of its own (memory_only)
@@ -445,6 +455,10 @@ def main() -> int:
         )
         print(
             f"| {label}: bytes per parameter | read {nv['read_B_per_param']:.1f}, write {nv['write_B_per_param']:.1f} | the plan's (no cache hits): read {nv['planned_read_B_per_param']:.1f}, write {nv['planned_write_B_per_param']:.1f} | | |"
+        )
+        rest = nv["step_s"] - nv["compute_only_s"] - nv["hook_s"]
+        print(
+            f"| {label}: offload's hooks on the training thread | {nv['hook_s']:.3f} s per iteration | compute + hooks {nv['compute_only_s'] + nv['hook_s']:.3f} s; the rest {rest:.3f} s (step(), offload's threads beside the compute) | {(nv['compute_only_s'] + nv['hook_s']) / nv['max_s']:.2f}x | |"
         )
         if "two_fwd_bwd_s" in nv:
             print(

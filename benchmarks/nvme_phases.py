@@ -10,7 +10,8 @@ long the disk had IO in flight during forward and backward (``io_ticks`` of
 ``/proc/diskstats``, so other processes' IO on that disk counts too); the bytes the disk
 read and wrote in each phase; and how long the training thread spent in the phase's gathers,
 split as telemetry splits it: waiting for reads (``io_wait_seconds``) and copying to the
-device (``gather_copy_seconds``). The background update of the previous step runs inside the
+device (``gather_copy_seconds``); and all the time it spent in offload's hooks, those two
+included (``hook_seconds``: gathers, releases, taking the gradients). The background update of the previous step runs inside the
 forward, so a disk busy for most of the forward and idle for most of the backward is the
 signature of an update that cannot start before ``step()``. With ``--step-in-backward``
 (``offload_optimizer.step_in_backward``) the update runs inside the backward instead.
@@ -54,6 +55,10 @@ import offload  # noqa: E402
 from offload.api.wrap import engine_of  # noqa: E402
 from offload.config import parse_size  # noqa: E402
 from offload.device import pages  # noqa: E402
+
+# telemetry's timers shown per pass: the gathers' waits for reads and their copies, and all
+# the time in offload's hooks (those two included): what offload does on the training thread
+SPENT = ("io_wait_seconds", "gather_copy_seconds", "hook_seconds")
 
 
 def default_device(path: str) -> str:
@@ -115,8 +120,8 @@ def main() -> int:
     timers = engine_of(model).timers  # this step's seconds so far (cleared by step())
 
     def mark():
-        gathers = (timers.get("io_wait_seconds", 0.0), timers.get("gather_copy_seconds", 0.0))
-        return disk(device), time.perf_counter(), gathers
+        spent = tuple(timers.get(k, 0.0) for k in SPENT)
+        return disk(device), time.perf_counter(), spent
 
     rows = []
     try:
@@ -132,7 +137,7 @@ def main() -> int:
                 marks.append(mark())
             opt.step()
             opt.zero_grad()
-            marks.append((*mark()[:2], marks[-1][2]))  # step() gathers nothing; it clears them
+            marks.append((*mark()[:2], marks[-1][2]))  # step() runs no hook; it clears them
             if it >= 2:
                 rows.append(phase_row(marks))
     finally:
@@ -159,24 +164,33 @@ def main() -> int:
     )
     print(
         "per pass: seconds, disk busy seconds, read MB, write MB, gathers' read waits and "
-        "copies (seconds)"
+        "copies, all of offload's hooks (seconds)"
     )
-    print(" | ".join(f"{p:>47s}" for p in passes))
+    width = len(SPENT) + 4
+    print(" | ".join(f"{p:>{8 * width - 1}s}" for p in passes))
     for r in rows:
-        print(" | ".join(" ".join(f"{v:7.3f}" for v in r[i : i + 6]) for i in range(0, len(r), 6)))
+        print(
+            " | ".join(
+                " ".join(f"{v:7.3f}" for v in r[i : i + width]) for i in range(0, len(r), width)
+            )
+        )
     med = [statistics.median(col) for col in zip(*rows, strict=True)]
     print("median")
-    print(" | ".join(" ".join(f"{v:7.3f}" for v in med[i : i + 6]) for i in range(0, len(med), 6)))
+    print(
+        " | ".join(
+            " ".join(f"{v:7.3f}" for v in med[i : i + width]) for i in range(0, len(med), width)
+        )
+    )
     return 0
 
 
 def phase_row(marks: list) -> list[float]:
-    """Per pass between consecutive ``(disk, time, gathers)`` marks: seconds, disk busy
-    seconds, MB read, MB written, and the gathers' seconds waiting for reads and copying."""
+    """Per pass between consecutive ``(disk, time, spent)`` marks: seconds, disk busy
+    seconds, MB read, MB written, and the ``SPENT`` timers' seconds."""
     row = []
-    for (d0, t0, g0), (d1, t1, g1) in itertools.pairwise(marks):
+    for (d0, t0, s0), (d1, t1, s1) in itertools.pairwise(marks):
         row += [t1 - t0, d1[0] - d0[0], (d1[1] - d0[1]) / 1e6, (d1[2] - d0[2]) / 1e6]
-        row += [g1[0] - g0[0], g1[1] - g0[1]]
+        row += [b - a for a, b in zip(s0, s1, strict=True)]
     return row
 
 

@@ -260,6 +260,48 @@ def test_telemetry_jsonl_and_per_step_counters(tmp_path):
     assert all(rec["optimizer_seconds"] > 0 for rec in lines)
 
 
+def test_hook_seconds_count_offloads_work_on_the_training_thread(tmp_path, monkeypatch):
+    """``hook_seconds`` is the time inside offload's hooks: slow work there (taking the
+    gradients) shows in it, a slow model (a user's hook sleeping in its forward) does not;
+    it lies inside forward + backward and holds the gathers' read waits and copies."""
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
+    runtime = engine_of(model)
+    data = batches(4)
+
+    def step(i):
+        lm_loss(model, data[i]).backward()
+        opt.step()
+        opt.zero_grad()
+        st = opt.stats()
+        assert st["hook_seconds"] <= st["forward_seconds"] + st["backward_seconds"], st
+        assert st["hook_seconds"] >= st["io_wait_seconds"] + st["gather_copy_seconds"], st
+        return st
+
+    try:
+        step(0)
+        base = step(1)
+        assert base["hook_seconds"] > 0
+        sleeper = model.norm.register_forward_pre_hook(lambda m, a: time.sleep(0.2))
+        slow_model = step(2)
+        sleeper.remove()
+        assert slow_model["forward_seconds"] >= base["forward_seconds"] + 0.18, slow_model
+        assert slow_model["hook_seconds"] < base["hook_seconds"] + 0.1, (slow_model, base)
+        calls, real = [0], runtime.grads.unit_done
+
+        def slow_take(unit):
+            calls[0] += 1
+            time.sleep(0.02)
+            real(unit)
+
+        monkeypatch.setattr(runtime.grads, "unit_done", slow_take)
+        slow_hooks = step(3)
+        assert calls[0] >= 4, calls
+        assert slow_hooks["hook_seconds"] >= 0.02 * calls[0], (slow_hooks, calls)
+    finally:
+        monkeypatch.undo()
+        opt.close()
+
+
 class _LateRead:
     """A disk read that completes ``delay`` seconds after it was issued."""
 

@@ -19,10 +19,17 @@ Note: the hooks (what FSDP2 does, in words)
     - one callback queued on the autograd engine at the first pre-backward hook finishes every
       unit that did not complete (unused params, frozen units, the root) and returns to IDLE.
     - during backward a forward hook means activation-checkpoint recomputation: gather, keep.
+
+    The time inside these hooks (all that offload does on the thread that runs the model,
+    its waits for reads and for updates included) is the step's ``hook_seconds`` (``_hook``).
+    What a step takes beyond the model's own compute, that and ``optimizer.step()`` is
+    offload's other threads (the update, the IO) taking cores or memory bandwidth from the
+    compute.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -45,6 +52,20 @@ from offload.runtime.units import UnitRun
 from offload.runtime.values import Values
 
 logger = logging.getLogger("offload.runtime")
+
+
+def _hook(method):
+    """A hook of the runtime: its time counts as ``hook_seconds`` (the module Note)."""
+
+    @functools.wraps(method)
+    def timed(self, *args):
+        start = time.perf_counter()
+        try:
+            return method(self, *args)
+        finally:
+            self.timers["hook_seconds"] += time.perf_counter() - start
+
+    return timed
 
 
 def _grad_hook(runtime: weakref.ref, index: int):
@@ -155,6 +176,7 @@ class Runtime:
                 x = x.to(self.device)
         return x
 
+    @_hook
     def _root_pre_forward(self, module, args, kwargs):
         self._check_open()
         if self.phase.phase is Phase.BACKWARD:
@@ -165,6 +187,7 @@ class Runtime:
         self._use(self.runs[0])
         return tree_map(self._cast_input, args), tree_map(self._cast_input, kwargs)
 
+    @_hook
     def _root_post_forward(self, module, args, output):
         if self.phase.phase is not Phase.FORWARD:
             return output
@@ -187,6 +210,7 @@ class Runtime:
             for store in self._trace_starts.get("forward", ()):
                 store.begin_iteration()
 
+    @_hook
     def _pre_forward(self, run: UnitRun) -> None:
         if self.phase.phase is Phase.IDLE:  # a unit called directly, outside the model
             self._begin_micro_step()
@@ -206,6 +230,7 @@ class Runtime:
         if self.phase.phase is not Phase.BACKWARD:
             self.schedule.wait_unit(unit)
 
+    @_hook
     def _post_forward(self, run: UnitRun, output):
         if self.phase.phase is Phase.BACKWARD:
             return output  # activation-checkpoint recomputation: keep gathered for its backward
@@ -250,6 +275,7 @@ class Runtime:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(lambda g, r=run: self._pre_backward(r))
 
+    @_hook
     def _pre_backward(self, run: UnitRun) -> None:
         if self.phase.phase is not Phase.BACKWARD:
             self._begin_backward()
@@ -257,6 +283,7 @@ class Runtime:
             run.gather(Phase.BACKWARD.value)
             run.residency.backward_begins(self.grads, run)
 
+    @_hook
     def _grad_ready(self, run: UnitRun) -> None:
         if self.phase.phase is not Phase.BACKWARD:
             self._begin_backward()  # a backward that reached no unit output first
@@ -290,6 +317,7 @@ class Runtime:
         for unit in self.grads.taken():
             self.schedule.grads_taken(unit)
 
+    @_hook
     def _end_backward(self) -> None:
         if not self._callback_queued:
             return  # the backward was aborted (see _abort_backward)

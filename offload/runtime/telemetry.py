@@ -27,6 +27,9 @@ TIMERS = (
     "backward_io_wait_seconds",
     "gather_copy_seconds",  # the gathers' copies to the device (on the CPU the copies
     # themselves, on CUDA the host's time queueing them); inside forward and backward seconds
+    "hook_seconds",  # offload's forward and backward hooks on the thread that runs the model
+    # (gathers, releases, taking the gradients, and the waits in them, io_wait_seconds and
+    # gather_copy_seconds included); inside forward_seconds and backward_seconds
     "optimizer_seconds",  # the update; with NVMe state it runs in the background, overlapping
     # the forward of the step it is counted in
     "step_wait_seconds",  # waiting for the background NVMe update (inside forward_seconds)

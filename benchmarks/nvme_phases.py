@@ -10,11 +10,12 @@ long the disk had IO in flight during forward and backward (``io_ticks`` of
 ``/proc/diskstats``, so other processes' IO on that disk counts too); the bytes the disk
 read and wrote in each phase; and how long the training thread spent in the phase's gathers,
 split as telemetry splits it: waiting for reads (``io_wait_seconds``) and copying to the
-device (``gather_copy_seconds``); and all the time it spent in offload's hooks, those two
-included (``hook_seconds``: gathers, releases, taking the gradients). The background update of the previous step runs inside the
-forward, so a disk busy for most of the forward and idle for most of the backward is the
-signature of an update that cannot start before ``step()``. With ``--step-in-backward``
-(``offload_optimizer.step_in_backward``) the update runs inside the backward instead.
+device (``gather_copy_seconds``), and in all of offload's hooks, those two included
+(``hook_seconds``: gathers, releases, taking the gradients). The background update of the
+previous step runs inside the forward, so a disk busy for most of the forward and idle for
+most of the backward is the signature of an update that cannot start before ``step()``. With
+``--step-in-backward`` (``offload_optimizer.step_in_backward``) the update runs inside the
+backward instead.
 
 ``--recipe clip`` / ``--recipe under`` run bench_e2e's recipe instead (the step in backward,
 accumulation 2 on fresh batches, ``gradient_clipping`` 1.0; ``clip``: loss x3, clipping in every

@@ -22,9 +22,9 @@ Note: the hooks (what FSDP2 does, in words)
 
     The time inside these hooks (all that offload does on the thread that runs the model,
     its waits for reads and for updates included) is the step's ``hook_seconds`` (``_hook``).
-    What a step takes beyond the model's own compute, that and ``optimizer.step()`` is
-    offload's other threads (the update, the IO) taking cores or memory bandwidth from the
-    compute.
+    What a step takes beyond the model's own compute, ``hook_seconds`` and
+    ``optimizer.step()`` is offload's other threads (the update, the IO) taking cores or memory
+    bandwidth from the compute.
 """
 
 from __future__ import annotations

@@ -51,8 +51,15 @@ bool map_fresh(void* at, size_t nbytes) {
 // mapping at src is refused the pages are moved back to a viewed src (and a viewed dst gets
 // fresh memory again). A range nobody views may be left unmapped: the caller never uses it
 // again.
+//
+// `where` (a list, or None): once the pages are at dst, where[0] = dst, before this returns.
+// Python raises a KeyboardInterrupt that arrived during the call as soon as it returns, before
+// the caller's next statement; a record the caller keeps in Python after the call can then miss
+// a move that happened, and a record kept before it can claim one that did not. Written here,
+// the record and the move cannot be told apart by an interrupt (offload/device/pages.py,
+// Note on lent pages).
 void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes, bool src_is_viewed,
-                bool dst_is_viewed) {
+                bool dst_is_viewed, const py::object& where) {
 #ifdef __linux__
   void* s = reinterpret_cast<void*>(src);
   void* d = reinterpret_cast<void*>(dst);
@@ -69,12 +76,14 @@ void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes, bool src_is_viewed,
       map_fresh(d, nbytes);
     raise_errno(err, "move_pages: mapping the source range again");
   }
+  if (!where.is_none()) where[py::int_(0)] = py::int_(dst);
 #else
   (void)src;
   (void)dst;
   (void)nbytes;
   (void)src_is_viewed;
   (void)dst_is_viewed;
+  (void)where;
   raise_errno(ENOSYS, "move_pages: Linux only");
 #endif
 }
@@ -83,10 +92,10 @@ void move_pages(uintptr_t src, uintptr_t dst, size_t nbytes, bool src_is_viewed,
 
 void register_pages(py::module_& m) {
   m.def("move_pages", &move_pages, py::arg("src"), py::arg("dst"), py::arg("nbytes"),
-        py::arg("src_is_viewed"), py::arg("dst_is_viewed") = false,
+        py::arg("src_is_viewed"), py::arg("dst_is_viewed") = false, py::arg("where") = py::none(),
         "Move the anonymous pages at src to dst (nbytes, page aligned; dst's old mapping is "
-        "replaced) and map fresh zero memory at src (Linux mremap); see csrc/pages.cpp for "
-        "what a failure leaves.");
+        "replaced) and map fresh zero memory at src (Linux mremap); then where[0] = dst when "
+        "where is a list. See csrc/pages.cpp for what a failure leaves.");
 }
 
 }  // namespace offload

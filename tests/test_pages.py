@@ -201,7 +201,7 @@ def test_a_refused_lend_turns_lending_off_and_a_refused_return_copies(caplog):
     assert blocks.lend(unit, 0, buf)
     refused = []
 
-    def refuse(src, dst, nbytes, src_is_viewed, dst_is_viewed):
+    def refuse(src, dst, nbytes, src_is_viewed, dst_is_viewed, where):
         refused.append((src, dst))
         raise OSError(12, "move_pages: mremap of 8388608 bytes: Cannot allocate memory")
 

@@ -266,6 +266,86 @@ def test_a_gather_from_nvme_lends_its_pieces_pages_to_the_unit(tmp_path):
         opt.close()
 
 
+def _pieces(runtime) -> dict[str, torch.Tensor]:
+    """Every param piece's value as the store serves it (its cached copy when it has one)."""
+    home, out = runtime.params, {}
+    for unit in runtime.plan.units:
+        for lo, hi in runtime.plan.pieces(unit):
+            key = home.key(unit, lo)
+            out[key] = torch.empty(hi - lo, dtype=home.dtype)
+            home.store.read_into(key, out[key])
+    return out
+
+
+@pytest.mark.parametrize("where", ["after a lend's record", "after a lend", "after a move back"])
+def test_an_interrupt_in_a_lending_gather_or_release_leaves_every_piece_whole(
+    tmp_path, monkeypatch, where
+):
+    """A KeyboardInterrupt can land right after any statement, and Python raises one that
+    arrived during a native call as soon as it returns: after the pages moved, before the
+    move is recorded (offload/device/pages.py, Note on lent pages). Wherever it lands in a
+    gather that lends or in the release that takes the pages back, the interrupt is what
+    comes out (not an error of the cleanup: ``offload demo`` must exit 130), no piece the store
+    serves reads anything but its value, and close() works."""
+    from offload.device import pages  # noqa: PLC0415
+
+    if not pages.supported(torch.device("cpu")) or pages.Spares.make() is None:
+        pytest.skip("lending pages needs Linux and the native extension")
+    model, opt = offload.wrap(StackLM(n=3), _config(tmp_path, "nvme", "nvme"))
+    runtime = engine_of(model)
+    home = runtime.params
+    blocks = home.storage
+    try:
+        _iterate(model, opt, 2)
+        opt.synchronize()
+        before = _pieces(runtime)
+        fired = []
+
+        def in_a_block(address: int) -> bool:
+            return any(
+                r.data_ptr() <= address < r.data_ptr() + r.numel() for r in blocks._raw.values()
+            )
+
+        if where == "after a lend's record":  # the piece is the unit's and still the loop's
+            real_lend = home._lend
+
+            def lend(*args):
+                lent = real_lend(*args)
+                if lent and not fired:
+                    fired.append(args[1])
+                    raise KeyboardInterrupt
+                return lent
+
+            monkeypatch.setattr(home, "_lend", lend)
+        else:
+            real_move = blocks._move
+            lending = where == "after a lend"
+
+            def move(src, dst, nbytes, **kw):
+                real_move(src, dst, nbytes, **kw)
+                if not fired and in_a_block(dst if lending else src):
+                    fired.append(src)
+                    raise KeyboardInterrupt  # as Python raises it after the native call
+
+            monkeypatch.setattr(blocks, "_move", move)
+        tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+        with pytest.raises(KeyboardInterrupt):
+            model(tokens[:, :-1])
+        assert fired
+        monkeypatch.undo()
+        after = _pieces(runtime)
+        for key, value in before.items():
+            assert torch.equal(after[key], value), key
+        pinned = {k for k, shard in home.store._shards.items() if shard.pins}
+        # a failed gather gives every piece back; an interrupted release keeps the unit's
+        # pieces held (recorded) until its next release or close
+        assert pinned == {k for keys in home._lent.values() for k in keys}, pinned
+        assert bool(pinned) == (where == "after a move back"), pinned
+    finally:
+        monkeypatch.undo()
+        opt.close()
+
+
 def test_state_dict_between_forward_and_backward_reads_the_lent_unit(tmp_path):
     """The forward's last unit stays gathered for its backward, its pieces' pages lent to it
     (their buffers read zeros meanwhile): a state_dict taken then reads those pieces from the

@@ -81,6 +81,9 @@ class ResizedStorage:
     def take_back(self, unit: Unit) -> None:
         pass
 
+    def holds_lent(self, unit: Unit, lo: int | None = None) -> bool:
+        return False
+
     def close(self) -> None:
         pass
 

@@ -63,7 +63,15 @@ Note: lent pages
     values as its clean copy); nothing in offload writes them, the optimizer writes the home.
     Only a whole-page range moves; a piece whose range in the block or in its buffer is not
     page aligned is copied as before, and a move the kernel refuses turns lending off (one
-    warning; a piece whose pages cannot be moved back is copied back). Measured on the 50M
+    warning; a piece whose pages cannot be moved back is copied back). Ctrl-C: Python raises
+    a KeyboardInterrupt that arrived during a native call as soon as it returns, so a record
+    kept in Python after a move could miss it (the buffer would go back to its store reading
+    zeros, a cached copy the next gather trusts); ``move_pages`` therefore writes where the
+    pages are into the lend's record before it returns, :meth:`PageBlocks.take_back` moves only
+    what that record places in the block (it can be called again after an interrupted call),
+    and a buffer goes back to its store only once its pages are home: an interrupted gather or
+    release leaves it held until the unit's next release or ``close``
+    (``tests/test_traffic.py``, the interrupt test). Measured on the 50M
     demo GPT (``benchmarks/README.md``, ab_roots and nvme_phases sections): the gathers' copies
     fell from 19-23 ms a pass to 0-1 ms; against the same pool copying, bench_e2e's recipe took
     0.93x / 0.95x (clipping that triggers / norms under), the default step 1.00x (its ~40 ms
@@ -186,8 +194,10 @@ class PageBlocks:
         mod = _native.get()
         self._move = getattr(mod, "move_pages", None) if mod is not None else None
         self._raw: dict[int, torch.Tensor] = {}  # unit -> its block's whole pages, as bytes
-        # unit -> pages lent to it: (the block's range holding them, the buffer they came from)
-        self._lent: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # unit -> pages lent to it: (the piece's first element, the block's range, the buffer
+        # they came from, [the address they are at]: move_pages writes it, the module Note on
+        # lent pages)
+        self._lent: dict[int, list[tuple[int, torch.Tensor, torch.Tensor, list[int]]]] = {}
 
     def attach(self, unit: Unit) -> None:
         """Points every parameter of ``unit`` at its view of a new block (values undefined:
@@ -232,30 +242,44 @@ class PageBlocks:
         ):
             return False
         block = raw[at : at + nbytes]
-        if not self._moved(buf.data_ptr(), block.data_ptr(), nbytes):
-            return False
-        self._lent.setdefault(unit.index, []).append((block, buf))
-        return True
+        where = [buf.data_ptr()]
+        self._lent.setdefault(unit.index, []).append((lo, block, buf, where))  # recorded first
+        return self._moved(buf.data_ptr(), block.data_ptr(), nbytes, where)
 
     def take_back(self, unit: Unit) -> None:
         """Moves the pages lent to the unit back to their buffers (the block's range reads
-        zeros again); where the kernel refuses the move, they are copied back."""
-        for block, buf in self._lent.pop(unit.index, ()):
-            if not self._moved(block.data_ptr(), buf.data_ptr(), block.numel()):
+        zeros again); where the kernel refuses the move, they are copied back. Only pages
+        that are in the block move (their record says where they are), so after an
+        interrupted call it can be called again."""
+        for _, block, buf, where in self._lent.get(unit.index, ()):
+            if where[0] != block.data_ptr():
+                continue  # never moved, or back already
+            if not self._moved(block.data_ptr(), buf.data_ptr(), block.numel(), where):
                 bytes_ = buf.view(-1).view(torch.uint8)
                 bytes_.copy_(block[: bytes_.numel()])  # the pages stayed in the block
+                where[0] = buf.data_ptr()
+        self._lent.pop(unit.index, None)
+
+    def holds_lent(self, unit: Unit, lo: int | None = None) -> bool:
+        """Whether pages lent to the unit (those of the piece from element ``lo``, or any) are
+        in its block now."""
+        return any(
+            where[0] == block.data_ptr() and lo in (None, at)
+            for at, block, _, where in self._lent.get(unit.index, ())
+        )
 
     @property
     def lends(self) -> bool:
         """Whether :meth:`lend` can move pages (not after the kernel refused a move)."""
         return self._move is not None
 
-    def _moved(self, src: int, dst: int, nbytes: int) -> bool:
-        """Moves pages between two viewed ranges; a refusal turns lending off (one warning)."""
+    def _moved(self, src: int, dst: int, nbytes: int, where: list[int]) -> bool:
+        """Moves pages between two viewed ranges (``where[0] = dst`` once moved); a refusal
+        turns lending off (one warning)."""
         if self._move is None:
             return False
         try:
-            self._move(src, dst, nbytes, src_is_viewed=True, dst_is_viewed=True)
+            self._move(src, dst, nbytes, src_is_viewed=True, dst_is_viewed=True, where=where)
         except OSError as exc:
             logger.warning("offload: lending swap buffer pages to gathered units is off (%s)", exc)
             self._move = None

@@ -385,7 +385,9 @@ class NvmeParams(_Released):
         self.store, self.tier, self._nvme = store, Tier.HOST, Tier.NVME
         self.window = plan.placement.param_window
         self._lend_slots = self.lend_slots(plan)  # buffers lent pages may hold (module Note)
-        self._lent: dict[int, list[str]] = {}  # unit -> keys of pieces whose pages it holds
+        # unit -> keys of the pieces whose pages it holds (or may, after an interrupted gather),
+        # held until their pages are home (_take_back)
+        self._lent: dict[int, list[str]] = {}
 
     @staticmethod
     def lend_slots(plan: Plan) -> int:
@@ -439,8 +441,10 @@ class NvmeParams(_Released):
         self._gathered.add(unit.index)
 
     def reshard(self, unit: Unit) -> None:
-        self._take_back(unit)
-        super().reshard(unit)
+        try:
+            self._take_back(unit)
+        finally:  # interrupted: the drop moves what is still lent back first
+            super().reshard(unit)
 
     def _lend(self, unit: Unit, a: int, b: int, buf: torch.Tensor, pairs) -> bool:
         """Lends the pages of the piece ``[a, b)`` in ``buf`` to the unit (module Note on lent
@@ -455,11 +459,13 @@ class NvmeParams(_Released):
 
     def _take_back(self, unit: Unit) -> None:
         """The pages lent to the unit go back to their buffers, which go back to the store
-        (still holding their pieces)."""
-        keys = self._lent.pop(unit.index, None)
+        (still holding their pieces). Interrupted, a buffer whose pages may still be the
+        unit's stays held (recorded here) rather than go back reading zeros."""
+        keys = self._lent.get(unit.index)
         if keys is None:
             return
         self.storage.take_back(unit)
+        del self._lent[unit.index]
         for key in keys:
             self.store.release(key, self.tier)
 
@@ -467,7 +473,7 @@ class NvmeParams(_Released):
         """A piece whose pages are lent must not be fetched for an update (its buffer reads
         zeros): nothing rewrites a unit's home while it is gathered (:meth:`read` reads the
         unit)."""
-        if unit.index in self._lent:
+        if self.storage.holds_lent(unit):
             raise RuntimeError(
                 f"offload: an update of {unit.label}'s params while the unit is gathered "
                 "(a bug in offload: the home is rewritten only while the unit is released)"
@@ -489,8 +495,12 @@ class NvmeParams(_Released):
         copying: deque = deque()  # (key, event): a pool buffer whose copy up is in flight
         try:
             self._stream_in(unit, pieces, fetching, copying, pairs, lend)
-        except BaseException:  # a failed read: let go of every piece
+        except BaseException:  # a failed read (or an interrupt): let go of every piece
             keys = [self.key(unit, a) for a, _ in fetching]
+            if lend:  # any may be lent already: given back with the unit's, pages home first
+                held = self._lent.setdefault(unit.index, [])  # (unshard's _take_back)
+                held += [k for k in keys if k not in held]
+                keys = []
             steps = [lambda k=k: self.store.release(k, self.tier) for k in keys]
             steps += [lambda c=c: self._give_back(*c) for c in copying]
             for step in steps:
@@ -558,7 +568,7 @@ class NvmeParams(_Released):
         self.store.release(self.key(unit, lo), self.tier, discard=True)
 
     def read(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
-        if self.key(unit, lo) in self._lent.get(unit.index, ()):  # its pages are the unit's
+        if self.storage.holds_lent(unit, lo):  # its pages are the unit's
             return self.storage.flat(unit)[lo:hi].clone()  # (a state_dict before a backward)
         out = torch.empty(hi - lo, dtype=self.dtype)
         self.store.read_into(self.key(unit, lo), out)

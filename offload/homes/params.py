@@ -435,8 +435,10 @@ class NvmeParams(_Released):
                 unit, lambda a, b, buf: unit.layout.pairs(a, b, buf, _param_view), lend=lend
             )
         except BaseException:  # a failed read: the unit stays released
-            self._take_back(unit)
-            self.storage.drop(unit)
+            try:
+                self._take_back(unit)
+            finally:  # interrupted again: the drop moves what is still lent back first
+                self.storage.drop(unit)
             raise
         self._gathered.add(unit.index)
 

@@ -284,8 +284,9 @@ def test_hook_seconds_count_offloads_work_on_the_training_thread(tmp_path, monke
         sleeper = model.norm.register_forward_pre_hook(lambda m, a: time.sleep(0.2))
         slow_model = step(2)
         sleeper.remove()
-        assert slow_model["forward_seconds"] >= base["forward_seconds"] + 0.18, slow_model
-        assert slow_model["hook_seconds"] < base["hook_seconds"] + 0.1, (slow_model, base)
+        assert slow_model["forward_seconds"] >= 0.2, slow_model
+        outside = slow_model["forward_seconds"] + slow_model["backward_seconds"] - 0.18
+        assert slow_model["hook_seconds"] <= outside, slow_model  # the sleep is not a hook's
         calls, real = [0], runtime.grads.unit_done
 
         def slow_take(unit):

@@ -367,14 +367,27 @@ def _update(tmp_path, monkeypatch, lookahead: int | None, dtype: str = "bf16"):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_the_update_reads_ahead_of_the_piece_it_updates(tmp_path, monkeypatch, dtype):
-    seen, waited = _update(tmp_path / "ahead", monkeypatch, None, dtype)
-    # the next piece's reads were in flight during this update (for nearly every piece: a read
-    # ahead waits for a free buffer, and a loaded machine can keep write-backs holding them)
-    assert sum(seen) >= 0.75 * len(seen), seen
-    seen_off, waited_off = _update(tmp_path / "off", monkeypatch, 0, dtype)
-    assert not any(seen_off), seen_off  # the check tells the two apart
-    assert waited_off > 3 * LATENCY
-    assert waited < 0.5 * waited_off, (waited, waited_off)
+    """The next piece's reads are in flight while a piece is updated, and the update waits
+    for the disk less than half as long as without reading ahead. The waits include the real
+    disk's, which the machine shares: in 2 of about 10 full-suite runs on the 2-core machine
+    (2026-12-01 and -02; never alone) a run reading ahead waited longer than one without (1.23
+    s against 0.56 s in the second). So the waits are compared in up to three rounds, each against a
+    run without reading ahead made right after it; an update that does not read ahead fails
+    every round (its waits are those of the run without)."""
+    rounds = []
+    for r in range(3):
+        seen, waited = _update(tmp_path / f"ahead{r}", monkeypatch, None, dtype)
+        # the next piece's reads were in flight during this update (for nearly every piece: a
+        # read ahead waits for a free buffer, and a loaded machine can keep write-backs
+        # holding them)
+        assert sum(seen) >= 0.75 * len(seen), seen
+        seen_off, waited_off = _update(tmp_path / f"off{r}", monkeypatch, 0, dtype)
+        assert not any(seen_off), seen_off  # the check tells the two apart
+        assert waited_off > 3 * LATENCY
+        rounds.append((waited, waited_off))
+        if waited < 0.5 * waited_off:
+            return
+    raise AssertionError(f"the update waited as long reading ahead as without: {rounds}")
 
 
 @pytest.mark.parametrize("step_in_backward", [False, True])

@@ -60,6 +60,7 @@ from offload.device import pages  # noqa: E402
 # telemetry's timers shown per pass: the gathers' waits for reads and their copies, and all
 # the time in offload's hooks (those two included): what offload does on the training thread
 SPENT = ("io_wait_seconds", "gather_copy_seconds", "hook_seconds")
+PER_PASS = 4 + len(SPENT)  # figures per pass: seconds, disk busy, MB read, MB written, SPENT
 
 
 def default_device(path: str) -> str:
@@ -167,22 +168,18 @@ def main() -> int:
         "per pass: seconds, disk busy seconds, read MB, write MB, gathers' read waits and "
         "copies, all of offload's hooks (seconds)"
     )
-    width = len(SPENT) + 4
-    print(" | ".join(f"{p:>{8 * width - 1}s}" for p in passes))
+    print(" | ".join(f"{p:>{8 * PER_PASS - 1}s}" for p in passes))
     for r in rows:
-        print(
-            " | ".join(
-                " ".join(f"{v:7.3f}" for v in r[i : i + width]) for i in range(0, len(r), width)
-            )
-        )
-    med = [statistics.median(col) for col in zip(*rows, strict=True)]
+        print(row_line(r))
     print("median")
-    print(
-        " | ".join(
-            " ".join(f"{v:7.3f}" for v in med[i : i + width]) for i in range(0, len(med), width)
-        )
-    )
+    print(row_line([statistics.median(col) for col in zip(*rows, strict=True)]))
     return 0
+
+
+def row_line(row: list[float]) -> str:
+    """One iteration's (or the medians') figures, a column group per pass."""
+    groups = (row[i : i + PER_PASS] for i in range(0, len(row), PER_PASS))
+    return " | ".join(" ".join(f"{v:7.3f}" for v in group) for group in groups)
 
 
 def phase_row(marks: list) -> list[float]:

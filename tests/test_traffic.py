@@ -3,6 +3,9 @@ the accesses each store serves, and what it writes to NVMe, for every placement.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -341,6 +344,57 @@ def test_an_interrupt_in_a_lending_gather_or_release_leaves_every_piece_whole(
         # pieces held (recorded) until its next release or close
         assert pinned == {k for keys in home._lent.values() for k in keys}, pinned
         assert bool(pinned) == (where == "after a move back"), pinned
+    finally:
+        monkeypatch.undo()
+        opt.close()
+
+
+def test_ctrl_c_twice_in_a_release_leaves_the_pages_home_and_the_unit_released(
+    tmp_path, monkeypatch
+):
+    """Ctrl-C pressed twice while a release moves a unit's lent pages back, the second landing
+    in the cleanup of the first: the release completes before the interrupt comes out
+    (offload/_interrupts.py), so the interrupt still stops the forward, no piece stays held,
+    and the next forward computes with every value (not with pieces that read zeros in a unit
+    left marked gathered)."""
+    from offload.device import pages  # noqa: PLC0415
+
+    if not pages.supported(torch.device("cpu")) or pages.Spares.make() is None:
+        pytest.skip("lending pages needs Linux and the native extension")
+    model, opt = offload.wrap(StackLM(n=3), _config(tmp_path, "nvme", "nvme"))
+    runtime = engine_of(model)
+    home = runtime.params
+    blocks = home.storage
+    try:
+        _iterate(model, opt, 2)
+        opt.synchronize()
+        tokens = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            expected = model(tokens[:, :-1])
+        before = _pieces(runtime)
+        real_move = blocks._move
+        sent = []
+
+        def move(src, dst, nbytes, **kw):
+            real_move(src, dst, nbytes, **kw)
+            back = any(r.data_ptr() <= src < r.data_ptr() + r.numel() for r in blocks._raw.values())
+            if back and len(sent) < 2:
+                sent.append(src)
+                os.kill(os.getpid(), signal.SIGINT)  # its handler runs at the next line
+
+        monkeypatch.setattr(blocks, "_move", move)
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model(tokens[:, :-1])
+        assert len(sent) == 2
+        monkeypatch.undo()
+        after = _pieces(runtime)
+        for key, value in before.items():
+            assert torch.equal(after[key], value), key
+        assert home._lent == {}
+        assert not [k for k, shard in home.store._shards.items() if shard.pins]
+        with torch.no_grad():
+            again = model(tokens[:, :-1])
+        assert torch.equal(again, expected)
     finally:
         monkeypatch.undo()
         opt.close()

@@ -69,9 +69,12 @@ Note: lent pages
     zeros, a cached copy the next gather trusts); ``move_pages`` therefore writes where the
     pages are into the lend's record before it returns, :meth:`PageBlocks.take_back` moves only
     what that record places in the block (it can be called again after an interrupted call),
-    and a buffer goes back to its store only once its pages are home: an interrupted gather or
-    release leaves it held until the unit's next release or ``close``
-    (``tests/test_traffic.py``, the interrupt test). Measured on the 50M
+    and a buffer goes back to its store only once its pages are home: a gather or release that
+    fails part way leaves it held until the unit's next release or ``close``
+    (``tests/test_traffic.py``, the interrupt test). A release, and the cleanup of a failed
+    gather, hold Ctrl-C back until they end (``offload._interrupts``): a second Ctrl-C landing
+    in the cleanup of the first would otherwise leave a unit marked gathered with pieces that
+    read zeros (``tests/test_traffic.py``, the Ctrl-C-twice test). Measured on the 50M
     demo GPT (``benchmarks/README.md``, ab_roots and nvme_phases sections): the gathers' copies
     fell from 19-23 ms a pass to 0-1 ms; against the same pool copying, bench_e2e's recipe took
     0.93x / 0.95x (clipping that triggers / norms under), the default step 1.00x (its ~40 ms

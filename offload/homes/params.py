@@ -59,6 +59,7 @@ from collections.abc import Callable
 
 import torch
 
+from offload._interrupts import interrupts_deferred
 from offload.device import COMPLETED, Event, HostMemory, Transfers, pages, storage_for
 from offload.dist import Comm, Handle, LocalComm, completed
 from offload.plan import Plan, Residency, ShardSpec, Unit, split
@@ -435,18 +436,20 @@ class NvmeParams(_Released):
                 unit, lambda a, b, buf: unit.layout.pairs(a, b, buf, _param_view), lend=lend
             )
         except BaseException:  # a failed read: the unit stays released
-            try:
-                self._take_back(unit)
-            finally:  # interrupted again: the drop moves what is still lent back first
-                self.storage.drop(unit)
+            with interrupts_deferred():  # a second Ctrl-C waits for the pages to be home
+                try:
+                    self._take_back(unit)
+                finally:  # failed: the drop moves what is still lent back first
+                    self.storage.drop(unit)
             raise
         self._gathered.add(unit.index)
 
     def reshard(self, unit: Unit) -> None:
-        try:
-            self._take_back(unit)
-        finally:  # interrupted: the drop moves what is still lent back first
-            super().reshard(unit)
+        with interrupts_deferred():  # the pages go home whole (offload._interrupts' Note)
+            try:
+                self._take_back(unit)
+            finally:  # failed: the drop moves what is still lent back first
+                super().reshard(unit)
 
     def _lend(self, unit: Unit, a: int, b: int, buf: torch.Tensor, pairs) -> bool:
         """Lends the pages of the piece ``[a, b)`` in ``buf`` to the unit (module Note on lent
@@ -498,17 +501,24 @@ class NvmeParams(_Released):
         try:
             self._stream_in(unit, pieces, fetching, copying, pairs, lend)
         except BaseException:  # a failed read (or an interrupt): let go of every piece
-            keys = [self.key(unit, a) for a, _ in fetching]
-            if lend:  # any may be lent already: given back with the unit's, pages home first
-                held = self._lent.setdefault(unit.index, [])  # (unshard's _take_back)
-                held += [k for k in keys if k not in held]
-                keys = []
-            steps = [lambda k=k: self.store.release(k, self.tier) for k in keys]
-            steps += [lambda c=c: self._give_back(*c) for c in copying]
-            for step in steps:
-                with contextlib.suppress(Exception):  # the read's own error is the one raised
-                    step()
+            with interrupts_deferred():  # a second Ctrl-C once all are let go of
+                self._let_go(unit, fetching, copying, lend)
             raise
+
+    def _let_go(self, unit: Unit, fetching: deque, copying: deque, lend: bool) -> None:
+        """A failed gather's pieces: those fetched are released (with ``lend``, any may be
+        lent already: they are given back with the unit's, pages home first, by unshard's
+        ``_take_back``), the copies in flight waited for and released."""
+        keys = [self.key(unit, a) for a, _ in fetching]
+        if lend:
+            held = self._lent.setdefault(unit.index, [])
+            held += [k for k in keys if k not in held]
+            keys = []
+        steps = [lambda k=k: self.store.release(k, self.tier) for k in keys]
+        steps += [lambda c=c: self._give_back(*c) for c in copying]
+        for step in steps:
+            with contextlib.suppress(Exception):  # the read's own error is the one raised
+                step()
 
     def _stream_in(
         self, unit: Unit, pieces, fetching: deque, copying: deque, pairs, lend: bool

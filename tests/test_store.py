@@ -466,6 +466,61 @@ def test_a_blocked_wait_does_not_stop_another_thread(tmp_path):
         assert torch.equal(out, torch.full((1000,), 5.0))
 
 
+def test_a_readonly_fetch_reads_a_copy_while_its_write_back_runs(tmp_path):
+    """The Note on coherence: a reader (``readonly``) gets a copy whose write-back is still in
+    flight at once, with its new value, and ``writing`` says the write is in flight; a fetch
+    that may modify the copy waits for the write first. The write completes under the reader
+    and lands on disk whole."""
+    import threading
+
+    gate = threading.Event()
+
+    class Gated:  # a write that completes only when the test opens the gate
+        def __init__(self, handle):
+            self.handle = handle
+
+        def done(self):
+            return gate.is_set() and self.handle.done()
+
+        def wait(self):
+            gate.wait()
+            return self.handle.wait()
+
+    with make_store(tmp_path, buffers=2) as store:
+        store.register("a", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 1.0))
+        real_write = store._nvme.write
+        store._nvme.write = lambda key, buf: Gated(real_write(key, buf))
+        try:
+            store.fetch("a", Tier.HOST).wait().fill_(2.0)
+            store.release("a", Tier.HOST, dirty=True)  # the write-back starts, held by the gate
+            assert store.writing("a")
+            threading.Timer(5.0, gate.set).start()  # a reader that waits fails, not hangs
+            reader = store.fetch("a", Tier.HOST, readonly=True)
+            assert reader.done()  # nothing to wait for
+            assert torch.equal(reader.wait(), torch.full((1000,), 2.0))
+            got = {}
+            writer = threading.Thread(
+                target=lambda: got.update(a=store.fetch("a", Tier.HOST).wait().clone())
+            )
+            writer.start()
+            writer.join(0.3)
+            assert writer.is_alive() and not got  # a fetch that may write waits for the write
+            store.release("a", Tier.HOST)  # the reader's: clean, starts nothing
+            assert store.writing("a")
+        finally:
+            gate.set()
+        writer.join(10)
+        assert torch.equal(got["a"], torch.full((1000,), 2.0))
+        store.release("a", Tier.HOST)
+        assert not store.writing("a")
+        store._nvme.write = real_write
+        out = torch.empty(1000)
+        store.read_into("a", out)
+        assert torch.equal(out, torch.full((1000,), 2.0))
+        with pytest.raises(ValueError, match="read=False and readonly"):
+            store.fetch("a", Tier.HOST, read=False, readonly=True)
+
+
 def test_versions_commit_or_roll_back_all_that_was_written(tmp_path):
     """A version's writes go to each versioned shard's other extent: rolling back leaves the
     committed values (on disk and as read); committing keeps the new ones, and the next version

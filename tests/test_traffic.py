@@ -227,8 +227,9 @@ def test_a_gather_from_nvme_lends_its_pieces_pages_to_the_unit(tmp_path):
     """On the CPU a gather moves each piece's swap buffer pages under the unit instead of
     copying them (offload/device/pages.py, Note on lent pages): while a block runs, every
     piece of it is held by its gather, in buffers the param store has on top of its configured
-    ones; the release gives them back; an update of the unit's home meanwhile is an error (a
-    read is served from the unit: the next test)."""
+    ones (but one whose write-back is in flight, copied: the test after the next); the release
+    gives them back; an update of the unit's home meanwhile is an error (a read is served from
+    the unit: the next test)."""
     from offload.device import pages  # noqa: PLC0415
     from offload.homes.params import NvmeParams  # noqa: PLC0415
 
@@ -241,12 +242,23 @@ def test_a_gather_from_nvme_lends_its_pieces_pages_to_the_unit(tmp_path):
     blocks = [run for run in runtime.runs if run.unit.module in list(model.blocks)]
     assert slots == max(len(runtime.plan.pieces(run.unit)) for run in blocks) > 1
     assert home.store.stats()["host_buffers"] == 4 + slots
-    seen: dict[int, list[str]] = {}
+    seen: dict[int, list[list[str]]] = {}
     errors: list[str] = []
+    writing: dict[str, bool] = {}  # what the gather found, piece by piece
+    real_writing = home.store.writing
+
+    def asked(key):
+        writing[key] = real_writing(key)
+        return writing[key]
+
+    home.store.writing = asked
 
     def look(run):  # runs after the runtime's pre-hook, which gathered the unit
         def hook(module, args):
-            seen[run.unit.index] = list(home._lent.get(run.unit.index, ()))
+            keys = [home.key(run.unit, a) for a, _ in runtime.plan.pieces(run.unit)]
+            lent = list(home._lent.get(run.unit.index, ()))
+            assert lent == [k for k in keys if not writing.pop(k)], run.unit.label
+            seen.setdefault(run.unit.index, []).append(lent)
             try:
                 home.out_buffer(run.unit, *runtime.plan.pieces(run.unit)[0])
             except RuntimeError as exc:
@@ -257,13 +269,15 @@ def test_a_gather_from_nvme_lends_its_pieces_pages_to_the_unit(tmp_path):
     handles = [run.unit.module.register_forward_pre_hook(look(run)) for run in blocks]
     try:
         _iterate(model, opt, 2)
-        for run in blocks:
+        for run in blocks:  # the first forward follows no update: every piece is lent
             keys = [home.key(run.unit, a) for a, _ in runtime.plan.pieces(run.unit)]
-            assert seen[run.unit.index] == keys, run.unit.label
+            assert seen[run.unit.index][0] == keys, run.unit.label
+            assert len(seen[run.unit.index]) == 2
         assert len(errors) == 2 * len(blocks)  # one per forward
         assert all("while the unit is gathered" in e for e in errors)
         assert home._lent == {} and home._lend_room == slots  # all given back
     finally:
+        home.store.writing = real_writing
         for h in handles:
             h.remove()
         opt.close()
@@ -397,6 +411,69 @@ def test_ctrl_c_twice_in_a_release_leaves_the_pages_home_and_the_unit_released(
         assert torch.equal(again, expected)
     finally:
         monkeypatch.undo()
+        opt.close()
+
+
+def test_a_gather_copies_a_piece_whose_write_back_is_in_flight(tmp_path):
+    """A forward right behind the update gathers pieces whose new values are still being
+    written home: it reads them at once (offload/store/store.py, Note on coherence) and copies
+    them rather than lend their pages, which the write reads (offload/device/pages.py, Note on
+    lent pages); the other pieces are lent. The unit holds the new values, and so does the
+    disk once the write is through."""
+    import threading  # noqa: PLC0415
+
+    from offload.device import pages  # noqa: PLC0415
+
+    if not pages.supported(torch.device("cpu")) or pages.Spares.make() is None:
+        pytest.skip("lending pages needs Linux and the native extension")
+    model, opt = offload.wrap(StackLM(n=3), _config(tmp_path, "nvme", "nvme"))
+    runtime = engine_of(model)
+    home, store = runtime.params, runtime.params.store
+    gate = threading.Event()
+
+    class Gated:  # a write that completes only when the test opens the gate
+        def __init__(self, handle):
+            self.handle = handle
+
+        def done(self):
+            return gate.is_set() and self.handle.done()
+
+        def wait(self):
+            gate.wait()
+            return self.handle.wait()
+
+    try:
+        _iterate(model, opt, 2)
+        opt.synchronize()
+        unit = runtime.plan.units[1]
+        pieces = runtime.plan.pieces(unit)
+        assert len(pieces) > 1
+        lo, hi = pieces[0]
+        key = home.key(unit, lo)
+        new = torch.randn(hi - lo, generator=torch.Generator().manual_seed(9))
+        real_write = store._nvme.write
+        store._nvme.write = lambda k, buf: Gated(real_write(k, buf))
+        try:
+            store.fetch(key).wait().copy_(new)
+            store.release(key, dirty=True)  # what the update does; the write is held
+            assert store.writing(key)
+            threading.Timer(5.0, gate.set).start()  # a gather that waits fails, not hangs
+            home.unshard(unit)
+            assert store.writing(key)  # the gather did not wait for it
+            lent = home._lent.get(unit.index, [])
+            assert key not in lent
+            assert lent == [home.key(unit, a) for a, _ in pieces[1:]]
+            assert torch.equal(home.storage.flat(unit)[lo:hi], new)
+        finally:
+            gate.set()
+            store._nvme.write = real_write
+        home.reshard(unit)
+        store.flush()
+        out = torch.empty(hi - lo)
+        store.read_into(key, out)
+        assert torch.equal(out, new)
+    finally:
+        gate.set()
         opt.close()
 
 

@@ -451,14 +451,14 @@ class NvmeParams(_Released):
             finally:  # failed: the drop moves what is still lent back first
                 super().reshard(unit)
 
-    def _lend(self, unit: Unit, a: int, b: int, buf: torch.Tensor, pairs) -> bool:
+    def _lend(self, unit: Unit, a: int, b: int, buf: torch.Tensor) -> bool:
         """Lends the pages of the piece ``[a, b)`` in ``buf`` to the unit (module Note on lent
         pages): True when they are its parameters' now, the piece held until the release.
         Counted as the copy it replaces (the parameters' bytes, not the padding)."""
         if not self.storage.lend(unit, a, buf[: b - a]):
             return False
         self._lent.setdefault(unit.index, []).append(self.key(unit, a))
-        nbytes = sum(src.numel() * src.element_size() for _, src in pairs(a, b, buf))
+        nbytes = sum(hi - lo for _, lo, hi in unit.layout.overlaps(a, b)) * buf.element_size()
         self.transfers.count("host->device", nbytes)
         return True
 
@@ -535,7 +535,8 @@ class NvmeParams(_Released):
                 # look used already to the eviction planner and be the first given up
                 self.store.use(key, self.tier)
                 fetching.append((a, b))  # held from here, even if the fetch is refused
-                futures.append(self.store.fetch(key, self.tier))
+                # read only: a piece the update just wrote is copied while its write-back runs
+                futures.append(self.store.fetch(key, self.tier, readonly=True))
                 ahead += 1
             if not fetching:  # the window is full of copies: the oldest gives its buffer back
                 self._give_back(*copying[0])
@@ -543,7 +544,8 @@ class NvmeParams(_Released):
                 continue
             a, b = fetching[0]
             buf = futures[0].wait()
-            lent = lend and self._lend(unit, a, b, buf, pairs)
+            # a copy being written home keeps its pages (the write reads them): it is copied
+            lent = lend and not self.store.writing(futures[0].key) and self._lend(unit, a, b, buf)
             event = None if lent else self.transfers.to_device(pairs(a, b, buf))
             fetching.popleft()
             futures.popleft()

@@ -13,7 +13,7 @@ from offload.store.state import Tier
 class Driver(Protocol):
     """The store's side of a fetch (``TieredStore``)."""
 
-    def drive(self, shard: Shard, read: bool, blocking: bool) -> bool:
+    def drive(self, shard: Shard, read: bool, blocking: bool, readonly: bool = False) -> bool:
         """Takes every step toward a usable host copy; True once there."""
 
     def view(self, shard: Shard) -> torch.Tensor:
@@ -23,14 +23,15 @@ class Driver(Protocol):
 class Fetch:
     """A future for one ``fetch``: ``wait()`` is the only way to reach the data."""
 
-    __slots__ = ("_driver", "_shard", "_read")
+    __slots__ = ("_driver", "_shard", "_read", "_readonly")
 
     tier = Tier.HOST
 
-    def __init__(self, driver: Driver, shard: Shard, read: bool) -> None:
+    def __init__(self, driver: Driver, shard: Shard, read: bool, readonly: bool = False) -> None:
         self._driver = driver
         self._shard = shard
         self._read = read
+        self._readonly = readonly
 
     @property
     def key(self) -> str:
@@ -38,12 +39,12 @@ class Fetch:
 
     def wait(self) -> torch.Tensor:
         """Block until resident in host memory; returns exactly ``numel`` elements of ``dtype``."""
-        self._driver.drive(self._shard, self._read, blocking=True)
+        self._driver.drive(self._shard, self._read, blocking=True, readonly=self._readonly)
         return self._driver.view(self._shard)
 
     def done(self) -> bool:
         """Whether ``wait()`` would return without blocking on a transfer."""
-        return self._driver.drive(self._shard, self._read, blocking=False)
+        return self._driver.drive(self._shard, self._read, blocking=False, readonly=self._readonly)
 
     def __repr__(self) -> str:
         return f"Fetch({self.key!r}, state={self._shard.state.name})"

@@ -9,7 +9,8 @@ Note: two tiers
     ``offload.device`` out of the host copies the store hands out.
 
     During ``WRITING_BACK`` the host copy stays valid and readable; a fetch that hands the data
-    to a caller (who may modify it) first waits for the write-back to finish (see ``store.py``).
+    to a caller who may modify it first waits for the write-back to finish, a ``readonly`` one
+    does not (see ``store.py``, Note on coherence).
 """
 
 from __future__ import annotations

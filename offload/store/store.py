@@ -22,7 +22,12 @@ Note: versions (all or nothing)
 Note: coherence
     ``fetch(..., read=False)`` marks the shard dirty at once (the caller promised to overwrite
     it, so the old bytes must never be mistaken for valid data). A fetch that hands out a copy
-    while its write-back is in flight first waits for the write-back. Every move is counted
+    while its write-back is in flight first waits for the write-back, unless it is
+    ``readonly``: its caller only reads the copy (and does not move its pages,
+    ``offload.device.pages``), which the write reads too, so it gets it at once (a forward's
+    gather right behind the update that wrote the unit's params; ``writing(key)`` says
+    whether the write is still in flight). A pinned copy is never written back (the last
+    release starts that), so none starts under a reader. Every move is counted
     where it is issued (``stats.py``); moves to and from the compute device are not the store's
     (``offload.device``).
 """
@@ -176,13 +181,18 @@ class TieredStore:
                     self._nvme.free(extent)
 
     # -- fetch / release -------------------------------------------------------------------------
-    def fetch(self, key: str, tier: Tier = Tier.HOST, *, read: bool = True) -> Fetch:
+    def fetch(
+        self, key: str, tier: Tier = Tier.HOST, *, read: bool = True, readonly: bool = False
+    ) -> Fetch:
         """Pin ``key`` in host memory and start moving it there; ``wait()`` the result to use it.
 
         Each ``fetch`` must be matched by one ``release``, also when it (or the ``wait``)
         raised. ``read=False``: the caller overwrites the whole copy (no disk read; the shard
-        counts as dirty from now on).
+        counts as dirty from now on). ``readonly``: the caller only reads the copy, so it need
+        not wait for a write-back in flight (the Note on coherence); released clean.
         """
+        if readonly and not read:
+            raise ValueError(f"{self.name}: fetch({key!r}) with both read=False and readonly")
         with self._lock:
             shard = self._get(key, tier)
             self._poll()
@@ -193,8 +203,8 @@ class TieredStore:
             elif shard.home is Tier.NVME:
                 self._counters.fetched_bytes += shard.io_nbytes
             shard.pins += 1  # held even when the read is refused below: release() it
-            self._advance(shard, read=read, blocking=False)
-            return Fetch(self, shard, read)
+            self._advance(shard, read=read, blocking=False, readonly=readonly)
+            return Fetch(self, shard, read, readonly)
 
     def release(
         self, key: str, tier: Tier = Tier.HOST, *, dirty: bool = False, discard: bool = False
@@ -239,7 +249,7 @@ class TieredStore:
         self.release(key, Tier.HOST, dirty=True)
 
     # the Fetch's side (see fetch.Driver)
-    def drive(self, shard: Shard, read: bool, blocking: bool) -> bool:
+    def drive(self, shard: Shard, read: bool, blocking: bool, readonly: bool = False) -> bool:
         with self._lock:
             if blocking:
                 self._check_open()
@@ -247,7 +257,7 @@ class TieredStore:
                     raise RuntimeError(f"{self.name}: wait on {shard.key!r} after it was released")
             else:
                 self._poll()
-            return self._advance(shard, read=read, blocking=blocking)
+            return self._advance(shard, read=read, blocking=blocking, readonly=readonly)
 
     def view(self, shard: Shard) -> torch.Tensor:
         return shard.host_view()
@@ -404,6 +414,12 @@ class TieredStore:
         while self._inflight:
             self.finish(next(iter(self._inflight.values())))
 
+    def writing(self, key: str) -> bool:
+        """Whether ``key``'s copy is being written home now (a ``readonly`` fetch may hold it
+        meanwhile; its pages must then stay where they are)."""
+        with self._lock:
+            return self._get(key).state is ShardState.WRITING_BACK
+
     def state(self, key: str) -> ShardState:
         """The shard's current state (for tests and telemetry)."""
         with self._lock:
@@ -446,12 +462,23 @@ class TieredStore:
         self.close()
 
     # -- the state machine driver --------------------------------------------------------------------
-    def _advance(self, shard: Shard, *, read: bool, blocking: bool, prefetch: bool = False) -> bool:
-        """Take every step toward a usable host copy; True once there.
+    def _advance(
+        self,
+        shard: Shard,
+        *,
+        read: bool,
+        blocking: bool,
+        prefetch: bool = False,
+        readonly: bool = False,
+    ) -> bool:
+        """Take every step toward a usable host copy; True once there (for a ``readonly``
+        fetch, a copy being written back is one: the Note on coherence).
 
         Non-blocking calls stop at the first transfer in flight or missing buffer.
         """
         while True:
+            if readonly and shard.state is ShardState.WRITING_BACK:
+                return True
             if shard.pending is not None:
                 if not shard.pending.done():
                     if not blocking:

@@ -64,8 +64,9 @@ Note: lent pages
     Only a whole-page range moves; a piece whose range in the block or in its buffer is not
     page aligned is copied as before, and so is a piece whose buffer is still being written
     home (the update just wrote it; the write reads those pages, so they stay put, and the
-    gather need not wait for it: ``offload.store.store``, Note on coherence), and a move the kernel refuses turns lending off (one
-    warning; a piece whose pages cannot be moved back is copied back). Ctrl-C: Python raises
+    gather need not wait for it: ``offload.store.store``, Note on coherence); a move the
+    kernel refuses turns lending off (one warning; a piece whose pages cannot be moved back is
+    copied back). Ctrl-C: Python raises
     a KeyboardInterrupt that arrived during a native call as soon as it returns, so a record
     kept in Python after a move could miss it (the buffer would go back to its store reading
     zeros, a cached copy the next gather trusts); ``move_pages`` therefore writes where the

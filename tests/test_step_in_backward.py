@@ -250,6 +250,57 @@ def test_a_failed_backward_does_not_hang_close(tmp_path):
     assert done.wait(60), "close() hung after a failed backward"
 
 
+def test_an_update_that_fails_in_the_backward_does_not_stop_it(tmp_path, monkeypatch):
+    """The update running in the backward fails while the backward still has units to hand
+    it, and its thread records the error only a moment after it let go of the held gradient
+    pieces: the backward must not wait for the dead update to consume more pieces (it hung
+    there once in CI, one run in ~25), it takes the rest of the gradients on NVMe and
+    ``optimizer.step()`` raises the update's error, the step undone."""
+    from offload.homes.grads import HeldNvmeGrads
+    from offload.io import faults
+
+    data = batches(4)
+    # 8 buffers: the backward may hold one piece for the update (the parametrized test's Note)
+    model, opt = offload.wrap(
+        make_model(), _config(tmp_path, "cpu", step_in_backward=True, buffer_count=8)
+    )
+    real_abandon = HeldNvmeGrads.abandon
+
+    def abandon_slowly(self):  # widens the window between letting go and the error's record
+        real_abandon(self)
+        if threading.current_thread() is not threading.main_thread():
+            threading.Event().wait(0.5)
+
+    monkeypatch.setattr(HeldNvmeGrads, "abandon", abandon_slowly)
+    outcome = []
+
+    def step():
+        try:
+            lm_loss(model, data[1]).backward()
+            opt.step()
+            outcome.append("no error")
+        except Exception as exc:  # noqa: BLE001 - the test checks it
+            outcome.append(exc)
+
+    try:
+        lm_loss(model, data[0]).backward()
+        opt.step()
+        opt.zero_grad()
+        faults.inject(5, count=1, op="read")  # the update's first read
+        try:
+            runner = threading.Thread(target=step, daemon=True)
+            runner.start()
+            runner.join(30)
+            assert not runner.is_alive(), "the backward hung on the failed update"
+        finally:
+            faults.clear()
+        assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+        assert "undone" in str(outcome[0])
+    finally:
+        if outcome:  # else hung: close() would wait on it too
+            opt.close()
+
+
 @pytest.mark.parametrize("param_dev", ["none", "nvme"])
 def test_a_failed_speculative_update_is_undone(tmp_path, param_dev):
     """An IO error inside the update that runs in the backward: the error reaches the caller,

@@ -341,16 +341,17 @@ class HeldNvmeGrads(NvmeGrads):
         self.handing = False
 
     def absorb(self, unit: Unit, parts: PartsSource, first: bool) -> None:
-        if not self.handing:
+        pieces = self.plan.trainable_pieces(unit)
+        with self._cond:
+            while self.handing and self._held and self._held + len(pieces) > self.hold:
+                self._cond.wait()
+            handing = self.handing  # an update that failed meanwhile ended the hand-over
+        if not handing:
             super().absorb(unit, parts, first)
             return
-        pieces = self.plan.trainable_pieces(unit)
         if not pieces:
             return
         grad = GradParts(parts())
-        with self._cond:
-            while self._held and self._held + len(pieces) > self.hold:
-                self._cond.wait()
         recs = self.records[unit.index]
         for j, (lo, hi) in enumerate(pieces):
             key = self.key(unit, lo)
@@ -359,7 +360,7 @@ class HeldNvmeGrads(NvmeGrads):
             buf = self.store.fetch(key, self.tier, read=not first).wait()
             recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
             with self._cond:
-                keep = self._held < self.hold
+                keep = self.handing and self._held < self.hold
                 if keep:
                     self._held += 1
                     self._handed[key] = buf
@@ -386,10 +387,13 @@ class HeldNvmeGrads(NvmeGrads):
                 self._cond.notify_all()
 
     def abandon(self) -> None:
-        """A failed update: the backward must not wait on it any more."""
+        """The update stopped (failed, or went over every unit): the backward must not wait
+        on it, nor hand it more pieces; the rest of a backward accumulates on NVMe (its error
+        is raised once the worker has recorded it, at the next unit or the backward's end)."""
         with self._cond:
             left, self._handed = list(self._handed), {}
             self._held = 0
+            self.handing = False
             self._cond.notify_all()
         for key in left:
             self.store.release(key, self.tier, discard=True)

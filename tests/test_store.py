@@ -6,6 +6,7 @@ import contextlib
 
 import pytest
 import torch
+from gates import Gated
 
 from offload import _native
 from offload.io import AsyncIO, BufferPool, NvmeStore
@@ -422,24 +423,13 @@ def test_a_blocked_wait_does_not_stop_another_thread(tmp_path):
 
     gate = threading.Event()
 
-    class Gated:  # a read that completes only when the test opens the gate
-        def __init__(self, handle):
-            self.handle = handle
-
-        def done(self):
-            return gate.is_set() and self.handle.done()
-
-        def wait(self):
-            gate.wait()
-            return self.handle.wait()
-
     with make_store(tmp_path, buffers=3) as store:
         store.register("a", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 3.0))
         store.register("b", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 4.0))
         store.fetch("b", Tier.HOST).wait()
         store.release("b", Tier.HOST)  # cached
         real_read = store._nvme.read
-        store._nvme.read = lambda key, buf: Gated(real_read(key, buf))
+        store._nvme.read = lambda key, buf: Gated(real_read(key, buf), gate)
         got = {}
         reader = threading.Thread(target=lambda: got.update(a=store.fetch("a", Tier.HOST).wait()))
         reader.start()
@@ -475,21 +465,10 @@ def test_a_readonly_fetch_reads_a_copy_while_its_write_back_runs(tmp_path):
 
     gate = threading.Event()
 
-    class Gated:  # a write that completes only when the test opens the gate
-        def __init__(self, handle):
-            self.handle = handle
-
-        def done(self):
-            return gate.is_set() and self.handle.done()
-
-        def wait(self):
-            gate.wait()
-            return self.handle.wait()
-
     with make_store(tmp_path, buffers=2) as store:
         store.register("a", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 1.0))
         real_write = store._nvme.write
-        store._nvme.write = lambda key, buf: Gated(real_write(key, buf))
+        store._nvme.write = lambda key, buf: Gated(real_write(key, buf), gate)
         try:
             store.fetch("a", Tier.HOST).wait().fill_(2.0)
             store.release("a", Tier.HOST, dirty=True)  # the write-back starts, held by the gate

@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
 from engine_models import STACK_VOCAB as VOCAB
 from engine_models import StackLM
+from gates import Gated
 
 import offload
 from offload.api.wrap import engine_of
+from offload.device import pages
 from offload.plan.traffic import predict_iteration
+
+needs_lending = pytest.mark.skipif(
+    not pages.supported(torch.device("cpu")) or pages.Spares.make() is None,
+    reason="lending pages needs Linux and the native extension",
+)
 
 
 def _config(tmp_path, param_dev, opt_dev, dtype="fp32", step_in_backward=False):
@@ -223,6 +231,7 @@ def test_the_forwards_last_unit_is_kept_for_its_backward(tmp_path, model_cls):
         opt.close()
 
 
+@needs_lending
 def test_a_gather_from_nvme_lends_its_pieces_pages_to_the_unit(tmp_path):
     """On the CPU a gather moves each piece's swap buffer pages under the unit instead of
     copying them (offload/device/pages.py, Note on lent pages): while a block runs, every
@@ -230,11 +239,8 @@ def test_a_gather_from_nvme_lends_its_pieces_pages_to_the_unit(tmp_path):
     ones (but one whose write-back is in flight, copied: the test after the next); the release
     gives them back; an update of the unit's home meanwhile is an error (a read is served from
     the unit: the next test)."""
-    from offload.device import pages  # noqa: PLC0415
     from offload.homes.params import NvmeParams  # noqa: PLC0415
 
-    if not pages.supported(torch.device("cpu")) or pages.Spares.make() is None:
-        pytest.skip("lending pages needs Linux and the native extension")
     model, opt = offload.wrap(StackLM(n=3), _config(tmp_path, "nvme", "nvme"))
     runtime = engine_of(model)
     home = runtime.params
@@ -259,6 +265,8 @@ def test_a_gather_from_nvme_lends_its_pieces_pages_to_the_unit(tmp_path):
             lent = list(home._lent.get(run.unit.index, ()))
             assert lent == [k for k in keys if not writing.pop(k)], run.unit.label
             seen.setdefault(run.unit.index, []).append(lent)
+            if not lent:  # every piece copied (written meanwhile): nothing for the guard
+                return
             try:
                 home.out_buffer(run.unit, *runtime.plan.pieces(run.unit)[0])
             except RuntimeError as exc:
@@ -273,7 +281,9 @@ def test_a_gather_from_nvme_lends_its_pieces_pages_to_the_unit(tmp_path):
             keys = [home.key(run.unit, a) for a, _ in runtime.plan.pieces(run.unit)]
             assert seen[run.unit.index][0] == keys, run.unit.label
             assert len(seen[run.unit.index]) == 2
-        assert len(errors) == 2 * len(blocks)  # one per forward
+        # one per gather that lent pages: every block in the first forward
+        assert len(errors) == sum(1 for lents in seen.values() for lent in lents if lent)
+        assert len(errors) >= len(blocks)
         assert all("while the unit is gathered" in e for e in errors)
         assert home._lent == {} and home._lend_room == slots  # all given back
     finally:
@@ -294,6 +304,7 @@ def _pieces(runtime) -> dict[str, torch.Tensor]:
     return out
 
 
+@needs_lending
 @pytest.mark.parametrize("where", ["after a lend's record", "after a lend", "after a move back"])
 def test_an_interrupt_in_a_lending_gather_or_release_leaves_every_piece_whole(
     tmp_path, monkeypatch, where
@@ -304,10 +315,6 @@ def test_an_interrupt_in_a_lending_gather_or_release_leaves_every_piece_whole(
     gather that lends or in the release that takes the pages back, the interrupt is what
     comes out (not an error of the cleanup: ``offload demo`` must exit 130), no piece the store
     serves reads anything but its value, and close() works."""
-    from offload.device import pages  # noqa: PLC0415
-
-    if not pages.supported(torch.device("cpu")) or pages.Spares.make() is None:
-        pytest.skip("lending pages needs Linux and the native extension")
     model, opt = offload.wrap(StackLM(n=3), _config(tmp_path, "nvme", "nvme"))
     runtime = engine_of(model)
     home = runtime.params
@@ -363,6 +370,7 @@ def test_an_interrupt_in_a_lending_gather_or_release_leaves_every_piece_whole(
         opt.close()
 
 
+@needs_lending
 def test_ctrl_c_twice_in_a_release_leaves_the_pages_home_and_the_unit_released(
     tmp_path, monkeypatch
 ):
@@ -371,10 +379,6 @@ def test_ctrl_c_twice_in_a_release_leaves_the_pages_home_and_the_unit_released(
     (offload/_interrupts.py), so the interrupt still stops the forward, no piece stays held,
     and the next forward computes with every value (not with pieces that read zeros in a unit
     left marked gathered)."""
-    from offload.device import pages  # noqa: PLC0415
-
-    if not pages.supported(torch.device("cpu")) or pages.Spares.make() is None:
-        pytest.skip("lending pages needs Linux and the native extension")
     model, opt = offload.wrap(StackLM(n=3), _config(tmp_path, "nvme", "nvme"))
     runtime = engine_of(model)
     home = runtime.params
@@ -414,33 +418,18 @@ def test_ctrl_c_twice_in_a_release_leaves_the_pages_home_and_the_unit_released(
         opt.close()
 
 
+@needs_lending
 def test_a_gather_copies_a_piece_whose_write_back_is_in_flight(tmp_path):
     """A forward right behind the update gathers pieces whose new values are still being
     written home: it reads them at once (offload/store/store.py, Note on coherence) and copies
     them rather than lend their pages, which the write reads (offload/device/pages.py, Note on
     lent pages); the other pieces are lent. The unit holds the new values, and so does the
     disk once the write is through."""
-    import threading  # noqa: PLC0415
 
-    from offload.device import pages  # noqa: PLC0415
-
-    if not pages.supported(torch.device("cpu")) or pages.Spares.make() is None:
-        pytest.skip("lending pages needs Linux and the native extension")
     model, opt = offload.wrap(StackLM(n=3), _config(tmp_path, "nvme", "nvme"))
     runtime = engine_of(model)
     home, store = runtime.params, runtime.params.store
     gate = threading.Event()
-
-    class Gated:  # a write that completes only when the test opens the gate
-        def __init__(self, handle):
-            self.handle = handle
-
-        def done(self):
-            return gate.is_set() and self.handle.done()
-
-        def wait(self):
-            gate.wait()
-            return self.handle.wait()
 
     try:
         _iterate(model, opt, 2)
@@ -452,7 +441,7 @@ def test_a_gather_copies_a_piece_whose_write_back_is_in_flight(tmp_path):
         key = home.key(unit, lo)
         new = torch.randn(hi - lo, generator=torch.Generator().manual_seed(9))
         real_write = store._nvme.write
-        store._nvme.write = lambda k, buf: Gated(real_write(k, buf))
+        store._nvme.write = lambda k, buf: Gated(real_write(k, buf), gate)
         try:
             store.fetch(key).wait().copy_(new)
             store.release(key, dirty=True)  # what the update does; the write is held

@@ -353,3 +353,80 @@ def test_a_failed_speculative_update_is_undone(tmp_path, param_dev):
         assert opt.stats()["steps"] >= 1
     finally:
         opt.close()
+
+
+def _held_state(model) -> list[str]:
+    """The optimizer store's shards someone holds (fetched and not released)."""
+    store = engine_of(model).stores["offload_optimizer"]
+    return sorted(k for k, s in store._shards.items() if s.pins)
+
+
+@pytest.mark.parametrize("param_dev", ["none", "nvme"])
+def test_an_update_after_the_backward_reads_its_first_pieces_in_it(tmp_path, param_dev):
+    """A loop that clips every step updates after the backward (no speculative update to
+    redo). The step's last backward reads the update's first pieces (the head start), held
+    for it, not the earlier backward; the update takes them; a state_dict between backward
+    and step lets them go unused, and so does a skipped fp16 step; the results are bitwise
+    those of the update after the backward all the same."""
+    data = batches(8)
+    kw = dict(accum=2, clip=1.0, steps=6)
+    ref = _run(tmp_path / "ref", param_dev, data, step_in_backward=False, **kw)
+    model, opt = offload.wrap(
+        make_model(),
+        _config(tmp_path / "sib", param_dev, step_in_backward=True, buffer_count=16, accum=2),
+    )
+    engine = engine_of(model)
+    optim, placement = engine.optim, engine.plan.placement
+    first = optim.pieces(engine.plan.units[0])[0][0]
+    kinds = optim.master.kinds
+    head = [f"{k}.u0.{first}" for k in kinds]  # the root's first piece is the update's first
+    try:
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        losses = []
+        for s in range(6):
+            total = 0.0
+            for m in range(2):
+                loss = lm_loss(model, data[(s * 2 + m) % len(data)]) / 2
+                opt.scale_loss(loss).backward()
+                total += float(loss.detach())
+                held = [k for k in _held_state(model) if not k.startswith("grad.")]
+                if s == 0:  # the first step speculates: its update runs in the backward
+                    continue
+                if m == 0:  # not the step's last backward
+                    assert held == [], (s, held)
+                else:
+                    assert set(head) <= set(held), (s, held)
+                    assert len(held) == placement.head_start // len(kinds) * len(kinds)
+            if s == 3:
+                opt.state_dict()  # reads the state: nothing may stay held for the update
+                assert _held_state(model) == []
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(total)
+        opt.synchronize()
+        assert _held_state(model) == []  # the updates took them
+        got = (losses, model.state_dict(), opt.state_dict())
+        _assert_bitwise(got, ref)
+        total = opt.stats()["total"]
+        assert (total["rollbacks"], total["updates_in_backward"]) == (1, 1)  # then after
+    finally:
+        opt.close()
+
+
+def test_a_skipped_fp16_step_lets_the_head_start_go(tmp_path):
+    """fp16 with clipping and a loss scale that overflows again after it grows: steps skipped
+    after clipped ones (whose updates run after the backward) had their head start read in
+    the last backward; it is let go, and the results are bitwise the update after backward's."""
+    data = batches(8)
+    over = dict(
+        dtype="fp16", loss_scale={"initial": 2.0**18, "growth_interval": 2}, accum=2, clip=1.0
+    )
+    ref = _run(tmp_path / "ref", "nvme", data, step_in_backward=False, steps=10, **over)
+    got = _run(
+        tmp_path / "sib", "nvme", data, step_in_backward=True, buffer_count=16, steps=10, **over
+    )
+    _assert_bitwise(got, ref)
+    assert got[5]["skipped"] == ref[5]["skipped"] > 0
+    assert got[5]["clipped_steps"] > 0

@@ -287,6 +287,7 @@ class NvmeOptim(OptimHome):
         self.store, self.master = store, master
         self.lookahead = plan.placement.step_lookahead
         self.param_ahead = plan.placement.param_ahead
+        self._head: deque[_Piece] = deque()  # read_head's pieces, until an update takes them
 
     key = staticmethod(_key)
 
@@ -346,13 +347,59 @@ class NvmeOptim(OptimHome):
         else:
             self.store.write_from(self.key(unit, kind, lo), values)
 
+    # -- the head start (offload.plan.placement, Note: the NVMe step's buffers) --------------
+    def read_head(self, units: list[Unit], buffers: int) -> None:
+        """Starts reading the optimizer store's shards of the first pieces of ``units`` (the
+        next update's order) into at most ``buffers`` buffers, held for that update: it takes
+        them if it starts with those pieces; :meth:`drop_head` lets them go otherwise."""
+        self.drop_head()
+        room = buffers // len(self.master.kinds)
+        for unit in units:
+            pieces = self.pieces(unit)
+            for j, (lo, hi) in enumerate(pieces):
+                if len(self._head) >= room:
+                    return
+                self._head.append(_Piece(unit, lo, hi, j + 1 == len(pieces)))
+                self._fetch(self._head[-1])
+
+    def head_units(self, units: list[Unit], buffers: int) -> set[int]:
+        """Indices of the units :meth:`read_head` reads pieces of (all or some)."""
+        room, covered = buffers // len(self.master.kinds), set()
+        for unit in units:
+            if room <= 0:
+                break
+            covered.add(unit.index)
+            room -= len(self.pieces(unit))
+        return covered
+
+    def drop_head(self) -> None:
+        """Lets go of what :meth:`read_head` read (clean: it is what the store holds)."""
+        head, self._head = self._head, deque()
+        for key in (key for item in head for key in item.held):
+            self.store.release(key, Tier.HOST)
+
+    def _fetch(self, item: _Piece) -> None:
+        """Fetches the piece's shards (whoever holds ``item`` releases what it fetched, also
+        when a fetch raised)."""
+        for k in self.master.kinds:
+            item.held.append(self.key(item.unit, k, item.lo))  # held even if refused
+            item.futs.append(self.store.fetch(item.held[-1], Tier.HOST))
+
+    def _from_head(self, unit: Unit, lo: int) -> _Piece | None:
+        """The head start's piece when it is the next one there (any other order drops the
+        head start)."""
+        if self._head and (self._head[0].unit is not unit or self._head[0].lo != lo):
+            self.drop_head()
+        return self._head.popleft() if self._head else None
+
     def step_units(self, units: Units, hyper: Hyper, on_unit_done=None) -> None:
         """Streams every piece through the pool: the reads of the next ``lookahead`` pieces are
         in flight while piece ``j`` is updated and piece ``j - 1`` is written back (the store
         writes released dirty shards asynchronously). The update's order is known exactly, so it
         issues its own fetches instead of going through the store's trace prefetcher. ``units``
         may be a feed still being filled: it looks ahead only over units already handed in
-        (``poll`` never blocks; ``take`` waits for the next unit or the feed's end)."""
+        (``poll`` never blocks; ``take`` waits for the next unit or the feed's end). Its first
+        pieces may have been read already (:meth:`read_head`)."""
         queued: deque = deque()  # (unit, lo, hi, last piece of its unit), not fetched yet
         ahead: deque = deque()  # the same with the futures of its fetches
 
@@ -372,13 +419,13 @@ class NvmeOptim(OptimHome):
                         break
                     if queued:
                         unit, lo, hi, last = queued.popleft()
-                        item = _Piece(unit, lo, hi, last)
+                        item = self._from_head(unit, lo) or _Piece(unit, lo, hi, last)
                         ahead.append(item)
-                        for k in self.master.kinds:
-                            item.held.append(self.key(unit, k, lo))  # held even if refused
-                            item.futs.append(self.store.fetch(item.held[-1], Tier.HOST))
+                        if not item.futs:
+                            self._fetch(item)
                         item.grad = self.grads.fetch(unit, lo)
                 if not ahead:
+                    self.drop_head()  # an update over fewer units than were read
                     return
                 for item in islice(ahead, self.param_ahead + 1):  # placement's Note on the
                     if item.out is None:  # param pool: the params of fewer pieces ahead
@@ -402,6 +449,8 @@ class NvmeOptim(OptimHome):
         except BaseException:
             for item in [current, *ahead] if current is not None else ahead:
                 self._give_up(item)
+            with contextlib.suppress(Exception):  # the error raised is the update's
+                self.drop_head()
             raise
         finally:
             self.grads.abandon()

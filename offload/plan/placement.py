@@ -34,7 +34,10 @@ Note: the NVMe step's buffers
     backward, 3 buffers are kept for write-backs and 1 for the backward's next grad piece; the
     step takes 3 per piece in flight (its grad comes in its own buffer); what is left holds
     grads handed over by the backward (``grad_hold``), and one piece is read ahead when that
-    still leaves 2 to hold.
+    still leaves 2 to hold. When the update runs after the backward instead (the loop clips, so
+    no speculative one ran), those buffers are idle in its last backward: the first pieces'
+    master and moments are read into them there (``head_start``), less one buffer for each grad
+    the update's first pieces in flight fetch when it starts.
 """
 
 from __future__ import annotations
@@ -96,6 +99,9 @@ class Placement:
     """NVMe step: pieces whose reads are issued ahead of the one updated (count)."""
     grad_hold: int
     """Step in backward: grad pieces the update may hold in their swap buffers (count)."""
+    head_start: int = 0
+    """Step in backward, an update after the backward: ``offload_optimizer`` buffers its first
+    pieces' reads may fill in the step's last backward (count; Note: the NVMe step's buffers)."""
     param_ahead: int = 0
     """NVMe step with the params as the master (``MasterOwner.PARAMS``): pieces whose params
     the update reads ahead of the one it updates (count; it holds one more)."""
@@ -178,9 +184,9 @@ def piece_numel(cfg: OffloadConfig, dtype: torch.dtype, sizes: dict[str, int]) -
     return piece
 
 
-def nvme_step_buffers(count: int, in_backward: bool) -> tuple[int, int]:
-    """(pieces read ahead, grad pieces held) for an ``offload_optimizer`` pool of ``count``
-    buffers (see the module Note)."""
+def nvme_step_buffers(count: int, in_backward: bool) -> tuple[int, int, int]:
+    """(pieces read ahead, grad pieces held, buffers of the head start) for an
+    ``offload_optimizer`` pool of ``count`` buffers (see the module Note)."""
     if count < NVME_OPT_BUFFERS:
         raise ConfigError(
             f"offload_optimizer.buffer_count={count}: the NVMe optimizer step needs at least "
@@ -188,10 +194,10 @@ def nvme_step_buffers(count: int, in_backward: bool) -> tuple[int, int]:
             "piece); use 8 or more so the next piece can be prefetched"
         )
     if not in_backward:
-        return max(0, (count - NVME_OPT_BUFFERS - 3) // 4), 0
+        return max(0, (count - NVME_OPT_BUFFERS - 3) // 4), 0, 0
     spare = count - 3 - 1
     ahead = 1 if spare - 3 * 2 >= 2 else 0
-    return ahead, max(0, spare - 3 * (ahead + 1))
+    return ahead, max(0, spare - 3 * (ahead + 1)), max(0, spare - (ahead + 1))
 
 
 def _owners(
@@ -247,11 +253,11 @@ def make_placement(
     opt = cfg.offload_optimizer
     stage = cfg.distributed.resolve_stage(cfg.offload_param.device)
     master, grads = _owners(cfg, device, dtype, keep_grads, 2 if sharded else 1)
-    lookahead = hold = 0
+    lookahead = hold = head_start = 0
     schedule = Schedule.IMMEDIATE
     if opt.device == "nvme":
         schedule = Schedule.IN_BACKWARD if opt.step_in_backward else Schedule.BACKGROUND
-        lookahead, hold = nvme_step_buffers(opt.buffer_count, opt.step_in_backward)
+        lookahead, hold, head_start = nvme_step_buffers(opt.buffer_count, opt.step_in_backward)
     update_params = 0  # param pool buffers the update holds (Note: the param pool's buffers)
     if opt.device == "nvme" and master is MasterOwner.PARAMS:
         update_params = max(1, min(lookahead + 1, cfg.offload_param.buffer_count - 2))
@@ -284,6 +290,7 @@ def make_placement(
         param_ahead=max(0, update_params - 1),
         step_lookahead=lookahead,
         grad_hold=hold,
+        head_start=head_start,
         accumulation=(
             None if cfg.gradient_accumulation_steps == "auto" else cfg.gradient_accumulation_steps
         ),

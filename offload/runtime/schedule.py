@@ -35,6 +35,20 @@ Note: the step in backward
     needs every gradient before the update (clipping, the fp16 overflow check, a value changed
     late) is settled at ``optimizer.step()``, which keeps the speculative update or undoes and
     redoes it (:class:`InBackward`).
+
+Note: the head start
+    A loop that clips every step updates after its backward (the step in backward speculates
+    only when the last step's update would have been kept), and the next forward then waits
+    for that update's first units: on the 50M demo GPT's recipe (accumulation 2, clipping
+    that triggers) ~45-80 ms an iteration before its second unit could start, the update
+    reading that unit's master and moments from a disk that sat mostly idle in the backward
+    just before. So in the step's last backward, once only the units whose pieces come first
+    in the update's order are left to take, their master and moments are read into the
+    buffers the speculative update would have used (``NvmeOptim.read_head``; how many:
+    ``offload.plan.placement``'s Note on the NVMe step's buffers) and held for the update,
+    which takes them when it starts in that order. Whatever else comes first (a ``flush``: a
+    state access, a new backward, a skipped step, ``close``) lets them go unused. They are
+    reads of values the update has not changed yet, so nothing about the result changes.
 """
 
 from __future__ import annotations
@@ -315,12 +329,17 @@ class InBackward(Background):
         # clipping, no late change): speculate only then; a loop that clips every step updates
         # after the backward, and pays no redo
         self._would_keep = True
+        # an update after the backward: units whose gradients this backward must take before
+        # its first pieces are read (Note: the head start), until then
+        self._head_after: set[int] | None = None
 
     def backward_begins(self, hyper: Callable[[], Hyper], pending_backwards: int) -> None:
         self.flush()
         self._backwards = pending_backwards + 1
         self._hyper_now = hyper
         if self.accumulation is None or not self._would_keep:
+            if self._backwards == self.accumulation:
+                self._arm_head_start()
             return  # counting (the first step), or an update after the backward this time
         if self._spec is not None or pending_backwards >= self.accumulation:
             raise PhaseError(
@@ -346,7 +365,22 @@ class InBackward(Background):
             return
         run.release()  # persistent too: its copy is stale from now on
 
+    def _arm_head_start(self) -> None:
+        buffers = self.optim.plan.placement.head_start
+        if buffers > 0:
+            head = self.optim.head_units(self.stepped, buffers)
+            self._head_after = {u.index for u in self.stepped if u.index not in head}
+            self._head_start()
+
+    def _head_start(self) -> None:
+        if self._head_after is not None and not self._head_after:
+            self._head_after = None
+            self.optim.read_head(self.stepped, self.optim.plan.placement.head_start)
+
     def grads_taken(self, unit: Unit) -> None:
+        if self._head_after is not None:
+            self._head_after.discard(unit.index)
+            self._head_start()
         if self.feed is None or unit.is_root:  # the root goes in at the backward's end
             return
         if self.worker.failed:
@@ -369,7 +403,9 @@ class InBackward(Background):
         if self.accumulation is None:
             self.accumulation = self._backwards  # learned: the step in backward from now on
         if self._spec is None:  # no speculative update ran: the update after the backward
-            super().step(hyper)
+            self.params.quiesce()
+            self.worker.join()  # (not flush(): launch()'s update takes the head start)
+            self._head_after = None
             self._then = ("after",)
             self._would_keep = self._hyper_now is None or _same(self._hyper_now(), hyper)
             return
@@ -420,9 +456,9 @@ class InBackward(Background):
         self._steps += 1
         if self.accumulation is None:
             self.accumulation = self._backwards
+        self.flush()  # (a head start read for an update after the backward goes unused)
         if self._spec is None:
             return
-        self.flush()
         self._undo()
         self.timers["updates_in_backward"] += 1
         self.timers["rollbacks"] += 1
@@ -441,6 +477,8 @@ class InBackward(Background):
             self.feed.close()
             self.feed = None
         self.worker.join()
+        self._head_after = None
+        self.optim.drop_head()  # no update after this backward takes it
 
     def check_access(self, what: str, pending_backwards: int) -> None:
         if self._spec is not None:

@@ -2,15 +2,17 @@
 
     git worktree add --detach /work/wt-before <commit>   # and give it the built extension:
     cp offload/_C*.so /work/wt-before/offload/           # (when csrc/ did not change)
-    python benchmarks/ab_roots.py /work/wt-before . [--pairs 5]
+    python benchmarks/ab_roots.py /work/wt-before . [--pairs 5] [--modes recipe,...]
 
 Alternates one process per checkout (before, after, before, ...), each training bench_e2e's
 50M demo GPT with params and optimizer state on NVMe: the default step (the step in backward),
 the recipe (accumulation 2, clipping 1.0, which triggers here: the update after the backward)
 and the recipe with norms under the threshold (the update speculative in the last backward,
 kept), 3 untimed iterations and then 6 timed; prints each process's median seconds per
-iteration and, per mode, the medians over the pairs. Alternating processes is what makes the
-two comparable on a noisy machine.
+iteration and, per mode, the medians over the pairs and the median of the per-pair ratios
+(after / before, each pair's two processes run back to back). Alternating processes is what
+makes the two comparable on a noisy machine; ``--modes`` times only some modes, so that more
+pairs fit in the same time when a change concerns one of them.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 MODES = ("step_in_backward", "recipe", "recipe_under")
 
 
-def one(root: str) -> dict[str, float]:
+def one(root: str, modes: tuple[str, ...] = MODES) -> dict[str, float]:
     """In this process: median seconds per iteration of each mode with the code at ``root``."""
     sys.path[:0] = [str(Path(root) / "benchmarks"), root]
     import bench_e2e  # noqa: PLC0415
@@ -44,7 +46,7 @@ def one(root: str) -> dict[str, float]:
     x = torch.randint(0, 256, (4, 129))
     aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2}
     out = {}
-    for mode in MODES:
+    for mode in modes:
         work = Path(tempfile.mkdtemp(prefix="ab-", dir="/work"))
         cfg = bench_e2e.nvme_config(work, parse_size("8MiB"), aio, step_in_backward=True)
         step = bench_e2e.train_step
@@ -72,28 +74,37 @@ def main() -> int:
     ap.add_argument("before")
     ap.add_argument("after")
     ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"some of {','.join(MODES)}")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    modes = tuple(args.modes.split(","))
+    if not modes or not set(modes) <= set(MODES):
+        ap.error(f"--modes {args.modes!r}: allowed, comma-separated: {', '.join(MODES)}")
     if args.one is not None:
-        print(" ".join(f"{m}={s:.3f}" for m, s in one(args.one).items()))
+        print(" ".join(f"{m}={s:.3f}" for m, s in one(args.one, modes).items()))
         return 0
     got: dict[str, dict[str, list[float]]] = {
-        r: {m: [] for m in MODES} for r in ("before", "after")
+        r: {m: [] for m in modes} for r in ("before", "after")
     }
     for pair in range(args.pairs):
         for name in ("before", "after"):
             root = str(Path(getattr(args, name)).resolve())
             line = subprocess.run(
-                [sys.executable, __file__, "x", "x", "--one", root],
+                [sys.executable, __file__, "x", "x", "--one", root, "--modes", ",".join(modes)],
                 check=True, capture_output=True, text=True,
             ).stdout.strip().splitlines()[-1]  # fmt: skip
             print(f"pair {pair + 1} {name}: {line}", flush=True)
             for item in line.split():
                 mode, seconds = item.split("=")
                 got[name][mode].append(float(seconds))
-    for mode in MODES:
+    for mode in modes:
         b, a = (statistics.median(got[n][mode]) for n in ("before", "after"))
-        print(f"{mode}: before {b:.3f} s, after {a:.3f} s (median of {args.pairs}; {a / b:.2f}x)")
+        ratios = [y / x for x, y in zip(got["before"][mode], got["after"][mode], strict=True)]
+        faster = sum(r < 1 for r in ratios)
+        print(
+            f"{mode}: before {b:.3f} s, after {a:.3f} s (median of {args.pairs}; {a / b:.2f}x); "
+            f"per pair {statistics.median(ratios):.2f}x, after faster in {faster} of {len(ratios)}"
+        )
     return 0
 
 

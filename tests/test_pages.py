@@ -128,6 +128,36 @@ def test_a_release_keeps_its_pages_for_the_next_gather():
 
 
 @pytest.mark.skipif(pages.Spares.make() is None, reason="moving pages needs the native extension")
+def test_a_piece_copied_beside_lent_ones_writes_into_spares_and_its_release_keeps_them():
+    """A lending gather makes no room for its unit; a piece it copies gets spares under its
+    whole spans only (a span it covers in part faults in), and the release keeps those spans
+    for the next gather."""
+    a, b = nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False)  # 8 spans each
+    units = [Unit(i, f"m{i}", m, FlatLayout.build(list(m.named_parameters()))) for i, m in
+             enumerate((a, b))]  # fmt: skip
+    blocks = pages.PageBlocks(torch.float32)
+    for u in units:
+        blocks.attach(u)
+        blocks.drop(u)
+    blocks.make_room(units[0])
+    a.weight.data.fill_(1.5)
+    blocks.drop(units[0])
+    assert blocks.spares.held == 8
+    span = pages.HUGE // 4  # elements
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    blocks.make_room_for(units[1], 1, 4 * span - 1)  # spans 1 and 2 whole, 0 and 3 in part
+    assert blocks.spares.held == 6
+    b.weight.data.view(-1)[span : 3 * span].fill_(2.5)  # the copy, into the recycled pages
+    assert proc.memory_info().rss - before < 2**20
+    assert torch.count_nonzero(a.weight) == 0
+    blocks.drop(units[1])
+    assert blocks.spares.held == 8  # its two spans kept again
+    assert torch.count_nonzero(b.weight) == 0
+    blocks.close()
+
+
+@pytest.mark.skipif(pages.Spares.make() is None, reason="moving pages needs the native extension")
 def test_a_refused_move_turns_the_spares_off_and_releases_still_free(caplog):
     module = nn.Linear(2048, 2048, bias=False)  # 16 MiB: eight spans
     unit, blocks = _released(module)

@@ -423,8 +423,9 @@ def test_a_gather_copies_a_piece_whose_write_back_is_in_flight(tmp_path):
     """A forward right behind the update gathers pieces whose new values are still being
     written home: it reads them at once (offload/store/store.py, Note on coherence) and copies
     them rather than lend their pages, which the write reads (offload/device/pages.py, Note on
-    lent pages); the other pieces are lent. The unit holds the new values, and so does the
-    disk once the write is through."""
+    lent pages), into recycled pages where it has whole spans (pages.py, Note on recycled
+    pages); the other pieces are lent. The unit holds the new values, and so does the disk
+    once the write is through."""
 
     model, opt = offload.wrap(StackLM(n=3), _config(tmp_path, "nvme", "nvme"))
     runtime = engine_of(model)
@@ -447,11 +448,15 @@ def test_a_gather_copies_a_piece_whose_write_back_is_in_flight(tmp_path):
             store.release(key, dirty=True)  # what the update does; the write is held
             assert store.writing(key)
             threading.Timer(5.0, gate.set).start()  # a gather that waits fails, not hangs
+            room = []
+            real_room = home.storage.make_room_for
+            home.storage.make_room_for = lambda *a: room.append(a) or real_room(*a)
             home.unshard(unit)
             assert store.writing(key)  # the gather did not wait for it
             lent = home._lent.get(unit.index, [])
             assert key not in lent
             assert lent == [home.key(unit, a) for a, _ in pieces[1:]]
+            assert room == [(unit, lo, hi)]  # room made for the copied piece alone
             assert torch.equal(home.storage.flat(unit)[lo:hi], new)
         finally:
             gate.set()

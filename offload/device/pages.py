@@ -44,7 +44,10 @@ Note: recycled pages
     ``madvise``, and after a move the kernel refuses too (one warning; training goes on).
     Profiled over four iterations of the 50M demo GPT's step in backward (bench_e2e's NVMe
     configuration), the gathers' copies took 170 ms against 467-573 ms, their waits for reads
-    10-20 ms more per iteration (what the copies had hidden).
+    10-20 ms more per iteration (what the copies had hidden). A gather that lends (the next
+    Note) makes no room for its unit, but a piece it copies instead (its buffer still being
+    written home) is written into spares moved under that piece's whole spans
+    (:meth:`PageBlocks.make_room_for`), and the release keeps those spans as spares again.
 
 Note: lent pages
     A gather from NVMe reads each piece into a swap buffer, and it used to copy the piece from
@@ -195,7 +198,9 @@ class PageBlocks:
         self._maps: dict[int, mmap.mmap] = {}
         self._flat: dict[int, torch.Tensor] = {}
         self._spans: dict[int, tuple[int, int]] = {}  # unit -> (offset in its map, whole spans)
-        self._filled: set[int] = set()  # units made room for since their last release
+        # unit -> its spans holding pages since its last release (made room for, or copied
+        # into beside lent pieces: the module Note on recycled pages)
+        self._filled: dict[int, set[int]] = {}
         self.spares = Spares.make()
         mod = _native.get()
         self._move = getattr(mod, "move_pages", None) if mod is not None else None
@@ -295,11 +300,21 @@ class PageBlocks:
     def make_room(self, unit: Unit) -> None:
         """Moves kept spans' pages under the unit's whole spans (the module Note on recycled
         pages); the rest come back as the gather writes them."""
-        self._filled.add(unit.index)
+        self._fill(unit, range(self._spans[unit.index][1]))
+
+    def make_room_for(self, unit: Unit, lo: int, hi: int) -> None:
+        """:meth:`make_room` for the spans wholly inside elements ``[lo, hi)``: a piece a
+        lending gather copies (the module Note on recycled pages)."""
+        isz = self.dtype.itemsize
+        first, end = -(-lo * isz // HUGE), min(hi * isz // HUGE, self._spans[unit.index][1])
+        self._fill(unit, range(first, end))
+
+    def _fill(self, unit: Unit, spans: range) -> None:
+        self._filled.setdefault(unit.index, set()).update(spans)
         if self.spares is None:
             return
         base = self._flat[unit.index].data_ptr()
-        for i in range(self._spans[unit.index][1]):
+        for i in spans:
             if not self.spares.give(base + i * HUGE):
                 return
 
@@ -309,14 +324,15 @@ class PageBlocks:
         Pages lent to it go back to their buffers first."""
         self.take_back(unit)
         block = self._maps[unit.index]
-        start, spans = self._spans[unit.index]
-        kept = 0
-        if self.spares is not None and unit.index in self._filled:  # else it holds no pages
+        start, _ = self._spans[unit.index]
+        filled = self._filled.pop(unit.index, ())  # else it holds no pages
+        if self.spares is not None:
             base = self._flat[unit.index].data_ptr()
-            while kept < spans and self.spares.keep(base + kept * HUGE):
-                kept += 1
-        block.madvise(mmap.MADV_DONTNEED, start + kept * HUGE, len(block) - start - kept * HUGE)
-        self._filled.discard(unit.index)
+            for i in sorted(filled):
+                if not self.spares.keep(base + i * HUGE):
+                    break
+        # (a kept span holds no pages now: advising it too costs nothing)
+        block.madvise(mmap.MADV_DONTNEED, start, len(block) - start)
 
     def close(self) -> None:
         """Forgets the blocks; each mapping goes away with the last tensor viewing it."""

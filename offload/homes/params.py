@@ -546,6 +546,8 @@ class NvmeParams(_Released):
             buf = futures[0].wait()
             # a copy being written home keeps its pages (the write reads them): it is copied
             lent = lend and not self.store.writing(futures[0].key) and self._lend(unit, a, b, buf)
+            if lend and not lent:  # copied into recycled pages (pages.py, recycled pages)
+                self.storage.make_room_for(unit, a, b)
             event = None if lent else self.transfers.to_device(pairs(a, b, buf))
             fetching.popleft()
             futures.popleft()

@@ -366,7 +366,7 @@ def test_an_update_after_the_backward_reads_its_first_pieces_in_it(tmp_path, par
     """A loop that clips every step updates after the backward (no speculative update to
     redo). The step's last backward reads the update's first pieces (the head start), held
     for it, not the earlier backward; the update takes them; a state_dict between backward
-    and step lets them go unused, and so does a skipped fp16 step; the results are bitwise
+    and step lets them go unused (a skipped step: the next test); the results are bitwise
     those of the update after the backward all the same."""
     data = batches(8)
     kw = dict(accum=2, clip=1.0, steps=6)

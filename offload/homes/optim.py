@@ -348,29 +348,26 @@ class NvmeOptim(OptimHome):
             self.store.write_from(self.key(unit, kind, lo), values)
 
     # -- the head start (offload.plan.placement, Note: the NVMe step's buffers) --------------
-    def read_head(self, units: list[Unit], buffers: int) -> None:
-        """Starts reading the optimizer store's shards of the first pieces of ``units`` (the
-        next update's order) into at most ``buffers`` buffers, held for that update: it takes
-        them if it starts with those pieces; :meth:`drop_head` lets them go otherwise."""
-        self.drop_head()
-        room = buffers // len(self.master.kinds)
+    def head_pieces(self, units: list[Unit], buffers: int) -> list[_Piece]:
+        """The first pieces of ``units`` (the next update's order) whose optimizer store shards
+        fit in ``buffers`` buffers: what :meth:`read_head` reads."""
+        room, pieces = buffers // len(self.master.kinds), []
         for unit in units:
-            pieces = self.pieces(unit)
-            for j, (lo, hi) in enumerate(pieces):
-                if len(self._head) >= room:
-                    return
-                self._head.append(_Piece(unit, lo, hi, j + 1 == len(pieces)))
-                self._fetch(self._head[-1])
-
-    def head_units(self, units: list[Unit], buffers: int) -> set[int]:
-        """Indices of the units :meth:`read_head` reads pieces of (all or some)."""
-        room, covered = buffers // len(self.master.kinds), set()
-        for unit in units:
-            if room <= 0:
+            if len(pieces) >= room:
                 break
-            covered.add(unit.index)
-            room -= len(self.pieces(unit))
-        return covered
+            ranges = self.pieces(unit)
+            pieces += [
+                _Piece(unit, lo, hi, j + 1 == len(ranges)) for j, (lo, hi) in enumerate(ranges)
+            ]
+        return pieces[:room]
+
+    def read_head(self, units: list[Unit], buffers: int) -> None:
+        """Starts reading :meth:`head_pieces`, held for the next update: it takes them if it
+        starts with those pieces; :meth:`drop_head` lets them go otherwise."""
+        self.drop_head()
+        for item in self.head_pieces(units, buffers):
+            self._head.append(item)
+            self._fetch(item)
 
     def drop_head(self) -> None:
         """Lets go of what :meth:`read_head` read (clean: it is what the store holds)."""

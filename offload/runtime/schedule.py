@@ -368,7 +368,7 @@ class InBackward(Background):
     def _arm_head_start(self) -> None:
         buffers = self.optim.plan.placement.head_start
         if buffers > 0:
-            head = self.optim.head_units(self.stepped, buffers)
+            head = {item.unit.index for item in self.optim.head_pieces(self.stepped, buffers)}
             self._head_after = {u.index for u in self.stepped if u.index not in head}
             self._head_start()
 

@@ -10,8 +10,9 @@ long the disk had IO in flight during forward and backward (``io_ticks`` of
 ``/proc/diskstats``, so other processes' IO on that disk counts too); the bytes the disk
 read and wrote in each phase; and how long the training thread spent in the phase's gathers,
 split as telemetry splits it: waiting for reads (``io_wait_seconds``) and copying to the
-device (``gather_copy_seconds``), and in all of offload's hooks, those two included
-(``hook_seconds``: gathers, releases, taking the gradients). The background update of the
+device (``gather_copy_seconds``), waiting for the update (``step_wait_seconds``: a forward
+for each unit's update, a backward for the update to end), and in all of offload's hooks,
+those three included (``hook_seconds``: gathers, releases, taking the gradients). The background update of the
 previous step runs inside the forward, so a disk busy for most of the forward and idle for
 most of the backward is the signature of an update that cannot start before ``step()``. With
 ``--step-in-backward`` (``offload_optimizer.step_in_backward``) the update runs inside the
@@ -57,9 +58,10 @@ from offload.api.wrap import engine_of  # noqa: E402
 from offload.config import parse_size  # noqa: E402
 from offload.device import pages  # noqa: E402
 
-# telemetry's timers shown per pass: the gathers' waits for reads and their copies, and all
-# the time in offload's hooks (those two included): what offload does on the training thread
-SPENT = ("io_wait_seconds", "gather_copy_seconds", "hook_seconds")
+# telemetry's timers shown per pass: the gathers' waits for reads and their copies, the waits
+# for the update (a forward's for each unit's, a backward's for its end), and all the time in
+# offload's hooks (those three included): what offload does on the training thread
+SPENT = ("io_wait_seconds", "gather_copy_seconds", "step_wait_seconds", "hook_seconds")
 PER_PASS = 4 + len(SPENT)  # figures per pass: seconds, disk busy, MB read, MB written, SPENT
 
 
@@ -166,7 +168,7 @@ def main() -> int:
     )
     print(
         "per pass: seconds, disk busy seconds, read MB, write MB, gathers' read waits and "
-        "copies, all of offload's hooks (seconds)"
+        "copies, waits for the update, all of offload's hooks (seconds)"
     )
     print(" | ".join(f"{p:>{8 * PER_PASS - 1}s}" for p in passes))
     for r in rows:

@@ -13,6 +13,12 @@ iteration and, per mode, the medians over the pairs and the median of the per-pa
 (after / before, each pair's two processes run back to back). Alternating processes is what
 makes the two comparable on a noisy machine; ``--modes`` times only some modes, so that more
 pairs fit in the same time when a change concerns one of them.
+
+``--after-aio BLOCK,DEPTH`` gives the after side that ``aio.block_size`` and
+``aio.queue_depth`` (the before side keeps 1MiB,8, bench_e2e's); with the same checkout on both
+sides it is an A/B of the IO settings alone:
+
+    python benchmarks/ab_roots.py . . --after-aio 8MiB,4 --pairs 8 --modes recipe
 """
 
 from __future__ import annotations
@@ -30,8 +36,12 @@ from pathlib import Path
 MODES = ("step_in_backward", "recipe", "recipe_under")
 
 
-def one(root: str, modes: tuple[str, ...] = MODES) -> dict[str, float]:
-    """In this process: median seconds per iteration of each mode with the code at ``root``."""
+AIO = "1MiB,8"  # bench_e2e's block size and queue depth
+
+
+def one(root: str, modes: tuple[str, ...] = MODES, aio_spec: str = AIO) -> dict[str, float]:
+    """In this process: median seconds per iteration of each mode with the code at ``root``
+    and ``aio_spec`` (``"BLOCK,DEPTH"``) as its IO settings."""
     sys.path[:0] = [str(Path(root) / "benchmarks"), root]
     import bench_e2e  # noqa: PLC0415
     import torch  # noqa: PLC0415
@@ -44,7 +54,8 @@ def one(root: str, modes: tuple[str, ...] = MODES) -> dict[str, float]:
     torch.manual_seed(0)
     base = bench_e2e.GPT(bench_e2e.config_for_size("50M", seq_len=128))
     x = torch.randint(0, 256, (4, 129))
-    aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2}
+    block, depth = aio_spec.split(",")
+    aio = {"block_size": parse_size(block), "queue_depth": int(depth), "thread_count": 2}
     out = {}
     for mode in modes:
         work = Path(tempfile.mkdtemp(prefix="ab-", dir="/work"))
@@ -75,13 +86,20 @@ def main() -> int:
     ap.add_argument("after")
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--modes", default=",".join(MODES), help=f"some of {','.join(MODES)}")
+    ap.add_argument(
+        "--after-aio", default=AIO, help=f"the after side's aio BLOCK,DEPTH (default {AIO})"
+    )
+    ap.add_argument("--aio", default=AIO, help=argparse.SUPPRESS)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     modes = tuple(args.modes.split(","))
     if not modes or not set(modes) <= set(MODES):
         ap.error(f"--modes {args.modes!r}: allowed, comma-separated: {', '.join(MODES)}")
+    block, _, depth = args.after_aio.partition(",")
+    if not block or not depth.isdigit() or int(depth) < 1:
+        ap.error(f"--after-aio {args.after_aio!r}: allowed: BLOCK,DEPTH, e.g. 8MiB,4")
     if args.one is not None:
-        print(" ".join(f"{m}={s:.3f}" for m, s in one(args.one, modes).items()))
+        print(" ".join(f"{m}={s:.3f}" for m, s in one(args.one, modes, args.aio).items()))
         return 0
     got: dict[str, dict[str, list[float]]] = {
         r: {m: [] for m in modes} for r in ("before", "after")
@@ -89,8 +107,10 @@ def main() -> int:
     for pair in range(args.pairs):
         for name in ("before", "after"):
             root = str(Path(getattr(args, name)).resolve())
+            aio = args.after_aio if name == "after" else AIO
             line = subprocess.run(
-                [sys.executable, __file__, "x", "x", "--one", root, "--modes", ",".join(modes)],
+                [sys.executable, __file__, "x", "x", "--one", root, "--modes", ",".join(modes),
+                 "--aio", aio],
                 check=True, capture_output=True, text=True,
             ).stdout.strip().splitlines()[-1]  # fmt: skip
             print(f"pair {pair + 1} {name}: {line}", flush=True)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -311,6 +313,53 @@ def test_clipping_offload_s_parameters_with_torch_is_an_error(tmp_path):
         opt.close()
     # a closed model is not guarded any more
     assert float(torch.nn.utils.clip_grad_norm_([torch.nn.Parameter(torch.ones(2))], 1.0)) == 0
+
+
+def test_an_unrouted_accelerator_refuses_to_clip_offload_s_parameters(tmp_path):
+    """Accelerate's own clip_grad_norm_ no longer goes through torch's (it clips the parameters
+    whose .grad is set): unrouted, it would return a norm of 0 for offload's parameters and
+    clip nothing, so it is guarded too; other parameters still go through it."""
+    from accelerate import Accelerator  # noqa: PLC0415
+
+    d = write_model(tmp_path / "m")
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path, "nvme", "nvme"))
+    try:
+        acc = Accelerator(cpu=True, device_placement=False)
+        _loss(model, _batches(1)[0]).backward()
+        with pytest.raises(ClipError, match=r"accelerate\.Accelerator\.clip_grad_norm_"):
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+        other = torch.nn.Linear(2, 1)
+        other(torch.ones(1, 2)).sum().backward()
+        assert float(acc.clip_grad_norm_(other.parameters(), 1.0)) > 0
+        opt.zero_grad()
+    finally:
+        opt.close()
+
+
+def test_accelerate_imported_after_wrap_is_guarded_too(tmp_path):
+    """The guard is installed at the first wrap; Accelerate imported only later (a Trainer
+    imported further down a script of a plain torch model) is guarded as it loads, without
+    offload importing it first (clipping.py's Note on the guard). A fresh process: here it is
+    imported already."""
+    script = f"""
+import sys
+import offload
+from offload.api.clipping import ClipError
+from offload.demo.model import GPT, config_for_size
+nvme = {{"device": "nvme", "nvme_path": {str(tmp_path)!r}}}
+model, opt = offload.wrap(GPT(config_for_size("tiny")), {{"offload_optimizer": nvme}})
+assert "accelerate" not in sys.modules
+from accelerate import Accelerator
+try:
+    Accelerator(cpu=True, device_placement=False).clip_grad_norm_(model.parameters(), 1.0)
+except ClipError:
+    print("refused")
+finally:
+    opt.close()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["refused"], out.stdout
 
 
 def test_accelerate_loop_clips_through_route_clipping(tmp_path):

@@ -19,7 +19,14 @@ Note: the guard
     not in ``.grad``), so it is an error, not a warning that would scroll by while the run
     trains unclipped. Every other call goes to torch unchanged. Code that imported the function
     by name before offload was imported (``from torch.nn.utils import clip_grad_norm_``) keeps
-    torch's own; it is not guarded.
+    torch's own; it is not guarded. ``accelerate.Accelerator.clip_grad_norm_`` is guarded the
+    same way (:func:`_guard_accelerate`, at the first ``wrap`` or, if Accelerate is imported
+    only later, as it loads: :class:`_GuardOnImport`): from Accelerate 1.16 (with
+    transformers 5.24, on 2026-12-02) it no longer calls torch's function but keeps the
+    parameters whose ``.grad`` is set and clips them with ``get_total_norm`` and
+    ``clip_grads_with_norm_``, so offload's parameters never reached the torch guard and a
+    plain ``Trainer`` again logged ``grad_norm`` 0.0 and trained unclipped
+    (``tests/test_hf.py``).
 
 Note: routing Trainer and Accelerate
     :func:`route_clipping` gives one ``accelerate.Accelerator`` a ``clip_grad_norm_`` that sends
@@ -33,7 +40,10 @@ Note: routing Trainer and Accelerate
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
 import math
+import sys
 import weakref
 
 import torch
@@ -66,6 +76,56 @@ def _install() -> None:
             fn = getattr(module, name)
             if not getattr(fn, "_offload_guard", False):
                 setattr(module, name, _guard(fn, name))
+    if "accelerate" in sys.modules:
+        _guard_accelerate()
+    elif not any(isinstance(f, _GuardOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _GuardOnImport())
+
+
+class _GuardOnImport(importlib.abc.MetaPathFinder):
+    """Guards Accelerate when it is imported after the first ``wrap`` (a ``Trainer`` imported
+    later in the script). Importing it at ``wrap`` instead would cost every process that has it
+    installed ~14 MiB of RSS and 0.15 s, used or not (measured on 2026-12-02; the RSS budget
+    tests in ``tests/test_memory.py`` caught it). Python has no post-import hook (PEP 369 was
+    withdrawn), hence this finder: it finds nothing itself, it wraps the real loader of
+    ``accelerate`` so that :func:`_guard_accelerate` runs once the package is loaded, and it
+    leaves ``sys.meta_path`` then."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "accelerate":
+            return None
+        sys.meta_path.remove(self)  # the real finders find it; this one is done
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            load(module)
+            _guard_accelerate()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _guard_accelerate() -> None:
+    """``accelerate.Accelerator.clip_grad_norm_`` through :func:`_refuse` (module Note on the
+    guard); an accelerator that :func:`route_clipping` routed sends offload's parameters to
+    their optimizer before they get here."""
+    from accelerate import Accelerator  # noqa: PLC0415 - optional, imported only if installed
+
+    method = Accelerator.clip_grad_norm_
+    if getattr(method, "_offload_guard", False):
+        return
+
+    @functools.wraps(method)
+    def clip(self, parameters, *args, **kwargs):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        _refuse(params, "accelerate.Accelerator.clip_grad_norm_")
+        return method(self, params, *args, **kwargs)
+
+    clip._offload_guard = True
+    Accelerator.clip_grad_norm_ = clip
 
 
 def _owned(parameters: list) -> dict:
@@ -82,24 +142,30 @@ def _owned(parameters: list) -> dict:
     return out
 
 
+def _refuse(params: list, call: str) -> None:
+    """Raises :class:`ClipError` if ``params`` hold parameters of an open offload model whose
+    gradients are not in ``.grad`` (module Note on the guard)."""
+    owned = _owned(params)
+    if owned:
+        opt, hit = next(iter(owned.items()))
+        where = _WHERE.get(opt._engine.plan.placement.grads, "offload's buffers")
+        raise ClipError(
+            f"{call}: {sum(len(h) for h in owned.values())} of the "
+            f"{len(params)} parameters passed are trained by offload, which keeps their "
+            f"gradients in {where}, not in .grad: this call would find no gradient and "
+            "clip nothing (a norm of 0). Call optimizer.clip_grad_norm_(max_norm) on the "
+            "optimizer offload.wrap returned (it returns the global norm and the clip is "
+            "applied in optimizer.step()), or set gradient_clipping in the config; with "
+            "Hugging Face Trainer use offload.OffloadTrainer, with Accelerate call "
+            "offload.route_clipping(accelerator) once"
+        )
+
+
 def _guard(torch_fn, name: str):
     @functools.wraps(torch_fn)
     def clip(parameters, *args, **kwargs):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        owned = _owned(params)
-        if owned:
-            opt, hit = next(iter(owned.items()))
-            where = _WHERE.get(opt._engine.plan.placement.grads, "offload's buffers")
-            raise ClipError(
-                f"torch.nn.utils.{name}: {sum(len(h) for h in owned.values())} of the "
-                f"{len(params)} parameters passed are trained by offload, which keeps their "
-                f"gradients in {where}, not in .grad: this call would find no gradient and "
-                "clip nothing (a norm of 0). Call optimizer.clip_grad_norm_(max_norm) on the "
-                "optimizer offload.wrap returned (it returns the global norm and the clip is "
-                "applied in optimizer.step()), or set gradient_clipping in the config; with "
-                "Hugging Face Trainer use offload.OffloadTrainer, with Accelerate call "
-                "offload.route_clipping(accelerator) once"
-            )
+        _refuse(params, f"torch.nn.utils.{name}")
         return torch_fn(params, *args, **kwargs)
 
     clip._offload_guard = True

@@ -36,20 +36,6 @@ Note: the step in backward
     late) is settled at ``optimizer.step()``, which keeps the speculative update or undoes and
     redoes it (:class:`InBackward`).
 
-Note: the kept update
-    When ``optimizer.step()`` keeps the speculative update, its last units may still be
-    updating (the backward hands each unit over as its gradients are final; the root and the
-    units the update had not reached come at its end, in forward order). ``step()`` returns
-    without waiting for them: as with the background step, the next forward waits at each
-    unit's pre-hook for that unit's update only, and the version is committed (the gradients
-    taken back) when something first waits for the whole update (``flush``: the next backward,
-    a state access, ``close``). An update that fails after ``step()`` returned is undone as one
-    that fails before, its error raised at that wait. On the 50M demo GPT's step in backward
-    (bench_e2e's NVMe configuration, 2 cores) ``step()`` had waited 45-60 ms an iteration for
-    those units, while the next forward's first units found their update done: the forward
-    now waits 30-50 ms for them instead, its compute running beside the rest
-    (``benchmarks/README.md``, nvme_phases and ab_roots sections).
-
 Note: the head start
     A loop that clips every step updates after its backward (the step in backward speculates
     only when the last step's update would have been kept), and the next forward then waits
@@ -317,10 +303,9 @@ class InBackward(Background):
     one each unit is updated speculatively as its gradients are final, inside a version of the
     optimizer store (``offload.store``'s Note on versions). ``optimizer.step()`` then knows the
     global norm, the overflow flag and its hyperparameters: when they are the ones the update
-    used, the version is committed once the update is over (Note: the kept update); when not
-    (clipping, a changed learning rate), it is rolled back and the update redone with the right
-    ones from the state of before and the gradients kept for it (``HeldNvmeGrads.retain``); an
-    overflow rolls back and skips. So the result is
+    used, the version is committed; when not (clipping, a changed learning rate), it is rolled
+    back and the update redone with the right ones from the state of before and the gradients
+    kept for it (``HeldNvmeGrads.retain``); an overflow rolls back and skips. So the result is
     bitwise that of the update after the backward. A step whose update would not have been kept
     makes the next one update after its backward (no redo to pay while the loop clips every
     step); one that would have been kept makes the next speculative again."""
@@ -335,8 +320,6 @@ class InBackward(Background):
         self.accumulation = accumulation
         self.feed: UnitFeed | None = None  # being filled, until the backward ends
         self._spec: Hyper | None = None  # the speculative update's hyperparameters, until step()
-        # step() kept the speculative update, which may still run: committed once it is over
-        self._kept = False
         self._then: tuple | None = None  # what launch() does: ("redo",), ("refuse", used, hyper)
         self._norm_asked = False  # the global norm was asked for (clipping): keep the grads
         self._steps = 0
@@ -421,20 +404,19 @@ class InBackward(Background):
             self.accumulation = self._backwards  # learned: the step in backward from now on
         if self._spec is None:  # no speculative update ran: the update after the backward
             self.params.quiesce()
-            self._join()  # (not flush(): launch()'s update takes the head start)
+            self.worker.join()  # (not flush(): launch()'s update takes the head start)
             self._head_after = None
             self._then = ("after",)
             self._would_keep = self._hyper_now is None or _same(self._hyper_now(), hyper)
             return
+        self.flush()  # the speculative update is complete
         self.timers["updates_in_backward"] += 1
         used, self._spec = self._spec, None
-        self._would_keep = _same(used, hyper)
-        if self._would_keep and not self.worker.failed:  # (Note: the kept update)
-            self._kept = True  # it may still run: into the next forward
-            return
-        self.flush()  # the speculative update is complete (a failure is raised, undone)
         self.grads.take_back()
-        if self.grads.retain:
+        self._would_keep = _same(used, hyper)
+        if self._would_keep:
+            self.optim.commit_version()
+        elif self.grads.retain:
             self.optim.rollback_version()  # redone in launch() with the right values
             self.timers["rollbacks"] += 1
             self._then = ("redo",)
@@ -485,7 +467,6 @@ class InBackward(Background):
         """Back to the state before the update: master and moments from the version's start,
         the compute params derived from them again."""
         self._spec = None
-        self._kept = False
         self.grads.abandon()  # pieces handed over for units the update never took
         self.grads.take_back()
         self.optim.rollback_version()
@@ -495,18 +476,9 @@ class InBackward(Background):
         if self.feed is not None:  # a backward that failed or was interrupted: no more units
             self.feed.close()
             self.feed = None
-        self._join()
+        self.worker.join()
         self._head_after = None
         self.optim.drop_head()  # no update after this backward takes it
-
-    def _join(self) -> None:
-        """Waits for the update to finish (re-raises its error); a speculative one that
-        ``step()`` kept is committed then (Note: the kept update)."""
-        self.worker.join()
-        if self._kept:
-            self._kept = False
-            self.grads.take_back()
-            self.optim.commit_version()
 
     def check_access(self, what: str, pending_backwards: int) -> None:
         if self._spec is not None:

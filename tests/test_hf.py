@@ -339,8 +339,8 @@ def test_an_unrouted_accelerator_refuses_to_clip_offload_s_parameters(tmp_path):
 def test_accelerate_imported_after_wrap_is_guarded_too(tmp_path):
     """The guard is installed at the first wrap; Accelerate imported only later (a Trainer
     imported further down a script of a plain torch model) is guarded as it loads, without
-    offload importing it first (clipping.py's Note on the guard). A fresh process: here it is
-    imported already."""
+    offload importing it first (clipping.py's Note on the guard), also after something asked
+    for its spec without loading it. A fresh process: here it is imported already."""
     script = f"""
 import sys
 import offload
@@ -349,6 +349,8 @@ from offload.demo.model import GPT, config_for_size
 nvme = {{"device": "nvme", "nvme_path": {str(tmp_path)!r}}}
 model, opt = offload.wrap(GPT(config_for_size("tiny")), {{"offload_optimizer": nvme}})
 assert "accelerate" not in sys.modules
+import importlib.util
+assert importlib.util.find_spec("accelerate")  # as transformers asks whether it is installed
 from accelerate import Accelerator
 try:
     Accelerator(cpu=True, device_placement=False).clip_grad_norm_(model.parameters(), 1.0)

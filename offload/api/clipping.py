@@ -87,22 +87,31 @@ class _GuardOnImport(importlib.abc.MetaPathFinder):
     later in the script). Importing it at ``wrap`` instead would cost every process that has it
     installed ~14 MiB of RSS and 0.15 s, used or not (measured on 2026-12-02; the RSS budget
     tests in ``tests/test_memory.py`` caught it). Python has no post-import hook (PEP 369 was
-    withdrawn), hence this finder: it finds nothing itself, it wraps the real loader of
-    ``accelerate`` so that :func:`_guard_accelerate` runs once the package is loaded, and it
-    leaves ``sys.meta_path`` then."""
+    withdrawn), hence this finder: it asks the other finders for ``accelerate``'s spec and
+    wraps its loader so that :func:`_guard_accelerate` runs once the package is loaded, and it
+    leaves ``sys.meta_path`` then. A spec found but never loaded (transformers asks
+    ``importlib.util.find_spec("accelerate")`` to see whether it is installed) leaves it in
+    place for the import that follows."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "accelerate":
             return None
-        sys.meta_path.remove(self)  # the real finders find it; this one is done
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = None if finder is self or find is None else find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None:
             return spec
         load = spec.loader.exec_module
 
         def exec_module(module) -> None:
             load(module)
             _guard_accelerate()
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
 
         spec.loader.exec_module = exec_module
         return spec

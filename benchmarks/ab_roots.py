@@ -95,12 +95,19 @@ def main() -> int:
     modes = tuple(args.modes.split(","))
     if not modes or not set(modes) <= set(MODES):
         ap.error(f"--modes {args.modes!r}: allowed, comma-separated: {', '.join(MODES)}")
-    block, _, depth = args.after_aio.partition(",")
-    if not block or not depth.isdigit() or int(depth) < 1:
-        ap.error(f"--after-aio {args.after_aio!r}: allowed: BLOCK,DEPTH, e.g. 8MiB,4")
     if args.one is not None:
         print(" ".join(f"{m}={s:.3f}" for m, s in one(args.one, modes, args.aio).items()))
         return 0
+    # (here, not above: a --one process must import offload from its own checkout first)
+    from offload.config import parse_size  # noqa: PLC0415
+
+    block, _, depth = args.after_aio.partition(",")
+    try:
+        parse_size(block)  # each after process parses it again, with its checkout's
+    except (ValueError, TypeError):
+        block = ""
+    if not block or not depth.isdigit() or int(depth) < 1:
+        ap.error(f"--after-aio {args.after_aio!r}: allowed: BLOCK,DEPTH, e.g. 8MiB,4")
     got: dict[str, dict[str, list[float]]] = {
         r: {m: [] for m in modes} for r in ("before", "after")
     }

@@ -129,12 +129,17 @@ def _guard_accelerate() -> None:
 
     @functools.wraps(method)
     def clip(self, parameters, *args, **kwargs):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        params = _as_list(parameters)
         _refuse(params, "accelerate.Accelerator.clip_grad_norm_")
         return method(self, params, *args, **kwargs)
 
     clip._offload_guard = True
     Accelerator.clip_grad_norm_ = clip
+
+
+def _as_list(parameters) -> list:
+    """A tensor or an iterable of them (what torch's clipping functions take) as a list."""
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 
 def _owned(parameters: list) -> dict:
@@ -173,7 +178,7 @@ def _refuse(params: list, call: str) -> None:
 def _guard(torch_fn, name: str):
     @functools.wraps(torch_fn)
     def clip(parameters, *args, **kwargs):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        params = _as_list(parameters)
         _refuse(params, f"torch.nn.utils.{name}")
         return torch_fn(params, *args, **kwargs)
 
@@ -185,7 +190,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, fallbac
     """``torch.nn.utils.clip_grad_norm_`` for parameters that may be offload's: those of one
     wrapped model (all its trainable parameters, any others of it being frozen) go to its
     optimizer; parameters of no offload model go to ``fallback`` (torch's by default)."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    params = _as_list(parameters)
     owned = _owned(params)
     if not owned:
         fallback = fallback or torch.nn.utils.clip_grad_norm_

@@ -20,9 +20,9 @@ sides it is an A/B of the IO settings alone:
 
     python benchmarks/ab_roots.py . . --after-aio 8MiB,4 --pairs 8 --modes recipe
 
-``--after-optimizer-buffers N`` likewise gives the after side an ``offload_optimizer`` pool of
-``N`` buffers (bench_e2e's ``--optimizer-buffers``; the before side keeps bench_e2e's 14): what
-more host memory buys, on the same checkout.
+``--after-buffers PARAM,OPT`` likewise gives the after side pools of those buffer counts
+(bench_e2e's ``--buffers``; the before side keeps bench_e2e's 8,14): what more host memory
+buys, on the same checkout.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ AIO = "1MiB,8"  # bench_e2e's block size and queue depth
 
 
 def one(
-    root: str, modes: tuple[str, ...] = MODES, aio_spec: str = AIO, opt_buffers: int | None = None
+    root: str, modes: tuple[str, ...] = MODES, aio_spec: str = AIO, counts: str | None = None
 ) -> dict[str, float]:
     """In this process: median seconds per iteration of each mode with the code at ``root``,
-    ``aio_spec`` (``"BLOCK,DEPTH"``) as its IO settings and ``opt_buffers`` optimizer buffers
-    (None: bench_e2e's)."""
+    ``aio_spec`` (``"BLOCK,DEPTH"``) as its IO settings and ``counts`` (``"PARAM,OPT"``) as its
+    pools' buffer counts (None: bench_e2e's)."""
     sys.path[:0] = [str(Path(root) / "benchmarks"), root]
     import bench_e2e  # noqa: PLC0415
     import torch  # noqa: PLC0415
@@ -67,8 +67,10 @@ def one(
     for mode in modes:
         work = Path(tempfile.mkdtemp(prefix="ab-", dir="/work"))
         cfg = bench_e2e.nvme_config(work, parse_size("8MiB"), aio, step_in_backward=True)
-        if opt_buffers is not None:  # (a checkout from before the option has 14)
-            cfg["offload_optimizer"]["buffer_count"] = opt_buffers
+        if counts is not None:  # (set here: a checkout from before --buffers has 8,14)
+            param, opt = map(int, counts.split(","))
+            cfg["offload_param"]["buffer_count"] = param
+            cfg["offload_optimizer"]["buffer_count"] = opt
         step = bench_e2e.train_step
         if mode.startswith("recipe"):
             cfg["gradient_clipping"] = 1.0
@@ -99,20 +101,19 @@ def main() -> int:
         "--after-aio", default=AIO, help=f"the after side's aio BLOCK,DEPTH (default {AIO})"
     )
     ap.add_argument(
-        "--after-optimizer-buffers",
-        type=int,
+        "--after-buffers",
         default=None,
-        help="the after side's offload_optimizer.buffer_count (default: bench_e2e's)",
+        help="the after side's buffer counts PARAM,OPT (default: bench_e2e's)",
     )
     ap.add_argument("--aio", default=AIO, help=argparse.SUPPRESS)
-    ap.add_argument("--optimizer-buffers", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--buffers", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     modes = tuple(args.modes.split(","))
     if not modes or not set(modes) <= set(MODES):
         ap.error(f"--modes {args.modes!r}: allowed, comma-separated: {', '.join(MODES)}")
     if args.one is not None:
-        times = one(args.one, modes, args.aio, args.optimizer_buffers)
+        times = one(args.one, modes, args.aio, args.buffers)
         print(" ".join(f"{m}={s:.3f}" for m, s in times.items()))
         return 0
     # (here, not above: a --one process must import offload from its own checkout first)
@@ -125,11 +126,13 @@ def main() -> int:
         block = ""
     if not block or not depth.isdigit() or int(depth) < 1:
         ap.error(f"--after-aio {args.after_aio!r}: allowed: BLOCK,DEPTH, e.g. 8MiB,4")
-    if args.after_optimizer_buffers is not None and args.after_optimizer_buffers < 4:
-        ap.error(
-            f"--after-optimizer-buffers {args.after_optimizer_buffers}: allowed: 4 or more "
-            "(the NVMe step's pieces in flight)"
-        )
+    if args.after_buffers is not None:
+        import bench_e2e  # noqa: PLC0415 (this checkout's: only its parser)
+
+        try:
+            bench_e2e.buffer_counts(args.after_buffers)
+        except argparse.ArgumentTypeError as exc:
+            ap.error(f"--after-buffers {exc}")
     got: dict[str, dict[str, list[float]]] = {
         r: {m: [] for m in modes} for r in ("before", "after")
     }
@@ -137,10 +140,10 @@ def main() -> int:
         for name in ("before", "after"):
             root = str(Path(getattr(args, name)).resolve())
             aio = args.after_aio if name == "after" else AIO
-            opt = args.after_optimizer_buffers if name == "after" else None
+            counts = args.after_buffers if name == "after" else None
             line = subprocess.run(
                 [sys.executable, __file__, "x", "x", "--one", root, "--modes", ",".join(modes),
-                 "--aio", aio, *(["--optimizer-buffers", str(opt)] if opt else [])],
+                 "--aio", aio, *(["--buffers", counts] if counts else [])],
                 check=True, capture_output=True, text=True,
             ).stdout.strip().splitlines()[-1]  # fmt: skip
             print(f"pair {pair + 1} {name}: {line}", flush=True)

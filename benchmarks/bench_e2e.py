@@ -229,7 +229,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--path", default="/work", help="directory on the disk under test")
     ap.add_argument("--buffer-size", default="8MiB")
-    add_optimizer_buffers(ap)
+    add_buffers(ap)
     ap.add_argument("--no-deepspeed", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory-only", action="store_true", help=argparse.SUPPRESS)
@@ -246,7 +246,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_e2e-", dir=args.path))
     buf = parse_size(args.buffer_size)
     aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2}
-    nvme_cfg = nvme_config(work / "default", buf, aio, opt_buffers=args.optimizer_buffers)
+    nvme_cfg = nvme_config(work / "default", buf, aio, counts=args.buffers)
     host_budget = host_buffers(nvme_cfg)
     fp32_state = 16 * n
     machine = f"{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, torch {torch.__version__}"
@@ -257,10 +257,10 @@ def main() -> int:
     print(
         f"# nvme: host budget {host_budget / 2**20:.0f} MiB = 1/{fp32_state / host_budget:.1f} of the fp32 state ({fp32_state / 2**20:.0f} MiB)"
     )
-    if args.optimizer_buffers != OPTIMIZER_BUFFERS:
+    if args.buffers != BUFFERS:
         print(
-            f"# --optimizer-buffers {args.optimizer_buffers}: not the bars' budget "
-            f"({OPTIMIZER_BUFFERS}); the NVMe bars below are printed for reference only"
+            f"# --buffers {args.buffers[0]},{args.buffers[1]}: not the bars' budget "
+            f"({BUFFERS[0]},{BUFFERS[1]}); the NVMe bars below are printed for reference only"
         )
 
     plain = copy.deepcopy(base)
@@ -277,18 +277,12 @@ def main() -> int:
     )
     compute_model = copy.deepcopy(base)
     nv_model, nv_opt = offload.wrap(copy.deepcopy(base), nvme_cfg)
-    sib_cfg = nvme_config(
-        work / "sib", buf, aio, step_in_backward=True, opt_buffers=args.optimizer_buffers
-    )
+    sib_cfg = nvme_config(work / "sib", buf, aio, step_in_backward=True, counts=args.buffers)
     sib_model, sib_opt = offload.wrap(copy.deepcopy(base), sib_cfg)
-    recipe_cfg = nvme_config(
-        work / "recipe", buf, aio, step_in_backward=True, opt_buffers=args.optimizer_buffers
-    )
+    recipe_cfg = nvme_config(work / "recipe", buf, aio, step_in_backward=True, counts=args.buffers)
     recipe_cfg["gradient_clipping"] = 1.0  # accumulation: "auto", learned from the first step
     rc_model, rc_opt = offload.wrap(copy.deepcopy(base), recipe_cfg)
-    un_cfg = nvme_config(
-        work / "unclipped", buf, aio, step_in_backward=True, opt_buffers=args.optimizer_buffers
-    )
+    un_cfg = nvme_config(work / "unclipped", buf, aio, step_in_backward=True, counts=args.buffers)
     un_cfg["gradient_clipping"] = 1.0
     un_model, un_opt = offload.wrap(copy.deepcopy(base), un_cfg)
     for _ in range(2):  # warm-up (the first NVMe step also records the prefetch trace)
@@ -511,20 +505,32 @@ def host_buffers(cfg: dict) -> int:
     )
 
 
-OPTIMIZER_BUFFERS = 14
-"""``offload_optimizer.buffer_count`` of the NVMe rows: with the param pool's 8, 22 buffers, at
-``--buffer-size`` 8MiB 1/4.3 of the 50M GPT's fp32 state; the bars are defined there."""
+BUFFERS = (8, 14)
+"""``buffer_count`` of the NVMe rows' ``offload_param`` and ``offload_optimizer`` pools: 22
+buffers, at ``--buffer-size`` 8MiB 1/4.3 of the 50M GPT's fp32 state; the bars are defined
+there."""
 
 
-def add_optimizer_buffers(ap: argparse.ArgumentParser) -> None:
-    """``--optimizer-buffers``: a larger optimizer pool than the bars' (what more host memory
-    buys; benchmarks/README.md, bench_e2e)."""
+def buffer_counts(spec: str) -> tuple[int, int]:
+    """``"PARAM,OPT"`` -> the two pools' buffer counts (argparse's type of ``--buffers``)."""
+    param, _, opt = spec.partition(",")
+    if not (param.isdigit() and opt.isdigit() and int(param) >= 1 and int(opt) >= 4):
+        raise argparse.ArgumentTypeError(
+            f"{spec!r}: allowed: PARAM,OPT buffer counts, PARAM >= 1 and OPT >= 4 (the NVMe "
+            "step's pieces in flight), e.g. 12,46"
+        )
+    return int(param), int(opt)
+
+
+def add_buffers(ap: argparse.ArgumentParser) -> None:
+    """``--buffers``: other pools than the bars' (what more host memory buys;
+    benchmarks/README.md, bench_e2e)."""
     ap.add_argument(
-        "--optimizer-buffers",
-        type=int,
-        default=OPTIMIZER_BUFFERS,
-        help=f"offload_optimizer.buffer_count of the NVMe rows (default {OPTIMIZER_BUFFERS}, "
-        "the bars' host budget)",
+        "--buffers",
+        type=buffer_counts,
+        default=BUFFERS,
+        help=f"buffer counts PARAM,OPT of the NVMe rows' two pools (default {BUFFERS[0]},"
+        f"{BUFFERS[1]}, the bars' host budget)",
     )
 
 
@@ -533,7 +539,7 @@ def nvme_config(
     buf: int,
     aio: dict,
     step_in_backward: bool = False,
-    opt_buffers: int = OPTIMIZER_BUFFERS,
+    counts: tuple[int, int] = BUFFERS,
 ) -> dict:
     (work / "p").mkdir(parents=True, exist_ok=True)
     (work / "o").mkdir(parents=True, exist_ok=True)
@@ -546,14 +552,14 @@ def nvme_config(
             "nvme_path": str(work / "p"),
             # 8 of the 22 buffers: a unit (19 MiB, 3 pieces) gathered, the update's 2 and the
             # next unit read beside them (6 / 16 made wrap warn: the gathers waited for reads)
-            "buffer_count": 8,
+            "buffer_count": counts[0],
             "buffer_size": buf,
             "persistence_threshold": 0,
         },
         "offload_optimizer": {
             "device": "nvme",
             "nvme_path": str(work / "o"),
-            "buffer_count": opt_buffers,
+            "buffer_count": counts[1],
             "buffer_size": buf,
             "step_in_backward": step_in_backward,
         },
@@ -579,9 +585,7 @@ def memory_only(args) -> int:
     model = GPT(gcfg)
     n = sum(p.numel() for p in model.parameters())
     aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2}
-    cfg = nvme_config(
-        work, buf, aio, step_in_backward=args.step_in_backward, opt_buffers=args.optimizer_buffers
-    )
+    cfg = nvme_config(work, buf, aio, step_in_backward=args.step_in_backward, counts=args.buffers)
     model, opt = offload.wrap(model, cfg)  # frees the model's storage
     unit = max(u.layout.trainable for u in engine_of(model).units)
     after_wrap = psutil.Process().memory_info().rss
@@ -623,8 +627,8 @@ def memory_subprocess(args, step_in_backward: bool = False) -> dict:
         args.path,
         "--buffer-size",
         args.buffer_size,
-        "--optimizer-buffers",
-        str(args.optimizer_buffers),
+        "--buffers",
+        ",".join(map(str, args.buffers)),
         *(["--step-in-backward"] if step_in_backward else []),
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

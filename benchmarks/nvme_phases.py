@@ -159,7 +159,7 @@ def main() -> int:
     ap.add_argument("--path", default="/work", help="directory on the disk under test")
     ap.add_argument("--device", default=None, help="block device name (default: the --path disk)")
     ap.add_argument("--buffer-size", default="8MiB")
-    bench_e2e.add_optimizer_buffers(ap)
+    bench_e2e.add_buffers(ap)
     ap.add_argument("--step-in-backward", action="store_true")
     ap.add_argument("--recipe", choices=("clip", "under"), default=None)
     ap.add_argument("--host", action="store_true", help="params and optimizer in host memory")
@@ -185,7 +185,7 @@ def main() -> int:
     aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2}
     in_backward = args.step_in_backward or args.recipe is not None
     cfg = bench_e2e.nvme_config(
-        work, parse_size(args.buffer_size), aio, in_backward, opt_buffers=args.optimizer_buffers
+        work, parse_size(args.buffer_size), aio, in_backward, counts=args.buffers
     )
     if args.host:  # the same units and hooks, no disk (the module docstring)
         cfg["offload_param"] = {"device": "cpu", "persistence_threshold": 0}

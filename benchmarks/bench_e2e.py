@@ -1,6 +1,7 @@
 """End-to-end: the demo GPT trained through offload.wrap against its ceilings and its peers, one run.
 
     python benchmarks/bench_e2e.py [--size 50M] [--batch 4] [--seq 128] [--reps 5] [--path /work]
+        [--buffers 8,14]   # the two pools' buffer counts; the bars are defined at 8,14
 
 Prints one table (and --json FILE writes it):
 

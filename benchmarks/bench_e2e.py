@@ -551,8 +551,8 @@ def nvme_config(
         "offload_param": {
             "device": "nvme",
             "nvme_path": str(work / "p"),
-            # 8 of the 22 buffers: a unit (19 MiB, 3 pieces) gathered, the update's 2 and the
-            # next unit read beside them (6 / 16 made wrap warn: the gathers waited for reads)
+            # the bars' 8 of 22 buffers: a unit (19 MiB, 3 pieces) gathered, the update's 2 and
+            # the next unit read beside them (6 / 16 made wrap warn: the gathers waited for reads)
             "buffer_count": counts[0],
             "buffer_size": buf,
             "persistence_threshold": 0,

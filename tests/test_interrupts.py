@@ -15,7 +15,7 @@ def _ctrl_c() -> None:
     os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler at the next line
 
 
-def test_a_ctrl_c_inside_the_block_comes_out_when_the_outermost_block_ends():
+def test_a_ctrl_c_inside_the_block_comes_out_when_the_outermost_block_ends(python_ctrl_c):
     ran = []
     handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):

@@ -372,7 +372,7 @@ def test_an_interrupt_in_a_lending_gather_or_release_leaves_every_piece_whole(
 
 @needs_lending
 def test_ctrl_c_twice_in_a_release_leaves_the_pages_home_and_the_unit_released(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, python_ctrl_c
 ):
     """Ctrl-C pressed twice while a release moves a unit's lent pages back, the second landing
     in the cleanup of the first: the release completes before the interrupt comes out

@@ -16,6 +16,9 @@ Prints one table (and --json FILE writes it):
 - nvme, step in backward: the same with ``offload_optimizer.step_in_backward`` (each unit updated
   as its backward completes; gradients never go to disk), against its own ceiling (its own IO
   bytes), interleaved with the default one; its peak RSS in a fresh process of its own.
+- nvme recipe: the default config with accumulation 2 and clipping 1.0 (norms that clip, and
+  norms under the threshold) against the recipe's plain compute. Bar: <= 1.10x. The clipping row
+  also prints the floor of any exact schedule in the bars' memory budget (clip_floor).
 - deepspeed: the same model, batch and placement under DeepSpeed ZeRO-3 with NVMe offload, run by
   the peers' Python (../shared/anchors/setup-peers.sh) in a subprocess; "unavailable" without it.
 
@@ -149,6 +152,35 @@ def recipe_compute_step(model, x) -> None:
         micro = torch.randint(0, 256, x.shape, generator=PLAIN_RECIPE_DATA)
         (lm_loss(model(micro[:, :-1]), micro[:, 1:]) * 0.5).backward()
     model.zero_grad(set_to_none=True)
+
+
+def forward_step(model, x) -> None:
+    """Plain PyTorch's forward (and loss) of one micro-batch, as in training: the graph is built,
+    then dropped. The one pass of :func:`clip_floor`'s window."""
+    lm_loss(model(x[:, :-1]), x[:, 1:])
+
+
+def clip_floor(compute: float, forward: float, n: int, held: float, rd_bw: float, wr_bw: float):
+    """The least iteration time of an exact schedule of the clipping recipe that stores each
+    fp32 state byte once on disk (nothing recomputed) and holds at most ``held`` bytes in host
+    memory: ``(floor seconds, seconds of disk work in the window)`` (benchmarks/README.md,
+    bench_e2e, "The clipping floor").
+
+    When clipping triggers, every new parameter depends on the global norm, known only when the
+    last backward ends, and the next forward needs a unit's new parameters before it runs the
+    unit. Between those two moments only that forward computes, and every unit is updated:
+
+    - at its update, the unit's parameters (the fp32 master), both moments and its gradient sum
+      are in memory, 16 B a parameter; at most ``held`` of them were in memory before, so the
+      rest is read in the window;
+    - when the forward ends, the new parameters and moments (12 B) are in memory or on disk; at
+      most ``held`` in memory, so the rest is written in the window.
+
+    The disk is modelled as in the ceiling: reads and writes share its time. The rest of the
+    iteration's compute lies outside the window, so the floor is that compute plus the longer
+    of the forward and the window's disk work."""
+    window = max(0.0, 16 * n - held) / rd_bw + max(0.0, 12 * n - held) / wr_bw
+    return compute - forward + max(forward, window), window
 
 
 def timed(fn) -> float:
@@ -302,7 +334,7 @@ def main() -> int:
     t = {
         k: []
         for k in (
-            "plain", "tier", "compute", "recipe_compute", "nvme", "nvme_drained",
+            "plain", "tier", "compute", "recipe_compute", "forward", "nvme", "nvme_drained",
             "sib", "sib_drained", "recipe", "recipe_drained", "unclipped", "unclipped_drained",
         )
     }  # fmt: skip
@@ -320,6 +352,7 @@ def main() -> int:
         t["tier"].append(timed(lambda: train_step(tier_model, tier_opt, x)))
         t["compute"].append(timed(lambda: compute_step(compute_model, x)))
         t["recipe_compute"].append(timed(lambda: recipe_compute_step(compute_model, x)))
+        t["forward"].append(timed(lambda: forward_step(compute_model, x)))
         steady, drained = nvme_sample(nv_model, nv_opt, x)
         t["nvme"].append(steady)
         t["nvme_drained"].append(drained)
@@ -424,6 +457,18 @@ def main() -> int:
         "memory": mem,  # a fresh process of its own (memory_only)
         "memory_step_in_backward": sib_mem,
     }
+    clip = rows["nvme_recipe"]
+    held = max(mem["budget_MiB"], sib_mem["budget_MiB"]) * 2**20  # the bars' memory budget
+    floor, window = clip_floor(clip["compute_only_s"], med["forward"], n, held, rd_bw, wr_bw)
+    floor = max(floor, clip["max_s"])  # the ceiling's terms bound every schedule too
+    clip.update(
+        forward_s=med["forward"],
+        floor_held_MiB=held / 2**20,
+        floor_window_io_s=window,
+        floor_s=floor,
+        ratio_to_floor=clip["step_s"] / floor,
+        floor_over_max=floor / clip["max_s"],
+    )
     tier_opt.close()
     nv_opt.close()
     sib_opt.close()
@@ -470,6 +515,10 @@ def main() -> int:
         if "two_fwd_bwd_s" in nv:
             print(
                 f"| {label}: against twice one fwd+bwd (no accumulation) | | compute {nv['two_fwd_bwd_s']:.3f} s | {nv['ratio_to_max_two_fwd_bwd']:.2f}x | |"
+            )
+        if "floor_s" in nv:
+            print(
+                f"| {label}: the floor of an exact schedule in {nv['floor_held_MiB']:.0f} MiB, nothing recomputed | {nv['step_s']:.3f} s | compute {nv['compute_only_s']:.3f} - forward {nv['forward_s']:.3f} + max(forward, disk work from the norm to the forward's end {nv['floor_window_io_s']:.3f}) = {nv['floor_s']:.3f} s, {nv['floor_over_max']:.2f}x the ceiling | {nv['ratio_to_floor']:.2f}x | |"
             )
         if "rollbacks_per_step" in nv:
             print(

@@ -2,7 +2,7 @@
 
     git worktree add --detach /work/wt-before <commit>   # and give it the built extension:
     cp offload/_C*.so /work/wt-before/offload/           # (when csrc/ did not change)
-    python benchmarks/ab_roots.py /work/wt-before . [--pairs 5] [--modes recipe,...]
+    python benchmarks/ab_roots.py /work/wt-before . [--pairs 5] [--modes recipe,...] [--batch 2]
 
 Alternates one process per checkout (before, after, before, ...), each training bench_e2e's
 50M demo GPT with params and optimizer state on NVMe: the default step (the step in backward),
@@ -44,11 +44,15 @@ AIO = "1MiB,8"  # bench_e2e's block size and queue depth
 
 
 def one(
-    root: str, modes: tuple[str, ...] = MODES, aio_spec: str = AIO, counts: str | None = None
+    root: str,
+    modes: tuple[str, ...] = MODES,
+    aio_spec: str = AIO,
+    counts: str | None = None,
+    batch: int = 4,
 ) -> dict[str, float]:
     """In this process: median seconds per iteration of each mode with the code at ``root``,
-    ``aio_spec`` (``"BLOCK,DEPTH"``) as its IO settings and ``counts`` (``"PARAM,OPT"``) as its
-    pools' buffer counts (None: bench_e2e's)."""
+    ``aio_spec`` (``"BLOCK,DEPTH"``) as its IO settings, ``counts`` (``"PARAM,OPT"``) as its
+    pools' buffer counts (None: bench_e2e's) and micro-batches of ``batch`` sequences."""
     sys.path[:0] = [str(Path(root) / "benchmarks"), root]
     import bench_e2e  # noqa: PLC0415
     import torch  # noqa: PLC0415
@@ -60,7 +64,7 @@ def one(
         raise SystemExit(f"offload was imported from {offload.__file__}, not from {root}")
     torch.manual_seed(0)
     base = bench_e2e.GPT(bench_e2e.config_for_size("50M", seq_len=128))
-    x = torch.randint(0, 256, (4, 129))
+    x = torch.randint(0, 256, (batch, 129))
     block, depth = aio_spec.split(",")
     aio = {"block_size": parse_size(block), "queue_depth": int(depth), "thread_count": 2}
     out = {}
@@ -105,6 +109,13 @@ def main() -> int:
         default=None,
         help="the after side's buffer counts PARAM,OPT (default: bench_e2e's)",
     )
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=4,
+        help="sequences per micro-batch, both sides (bench_e2e's --batch; 2 is the balanced "
+        "case on a machine whose compute outweighs its disk at 4: benchmarks/README.md)",
+    )
     ap.add_argument("--aio", default=AIO, help=argparse.SUPPRESS)
     ap.add_argument("--buffers", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -112,8 +123,10 @@ def main() -> int:
     modes = tuple(args.modes.split(","))
     if not modes or not set(modes) <= set(MODES):
         ap.error(f"--modes {args.modes!r}: allowed, comma-separated: {', '.join(MODES)}")
+    if args.batch < 1:
+        ap.error(f"--batch {args.batch}: allowed: an int >= 1")
     if args.one is not None:
-        times = one(args.one, modes, args.aio, args.buffers)
+        times = one(args.one, modes, args.aio, args.buffers, args.batch)
         print(" ".join(f"{m}={s:.3f}" for m, s in times.items()))
         return 0
     # (here, not above: a --one process must import offload from its own checkout first)
@@ -143,7 +156,8 @@ def main() -> int:
             counts = args.after_buffers if name == "after" else None
             line = subprocess.run(
                 [sys.executable, __file__, "x", "x", "--one", root, "--modes", ",".join(modes),
-                 "--aio", aio, *(["--buffers", counts] if counts else [])],
+                 "--aio", aio, "--batch", str(args.batch),
+                 *(["--buffers", counts] if counts else [])],
                 check=True, capture_output=True, text=True,
             ).stdout.strip().splitlines()[-1]  # fmt: skip
             print(f"pair {pair + 1} {name}: {line}", flush=True)

@@ -461,14 +461,15 @@ def main() -> int:
     held = max(mem["budget_MiB"], sib_mem["budget_MiB"]) * 2**20  # the bars' memory budget
     floor, window = clip_floor(clip["compute_only_s"], med["forward"], n, held, rd_bw, wr_bw)
     floor = max(floor, clip["max_s"])  # the ceiling's terms bound every schedule too
-    clip.update(
-        forward_s=med["forward"],
-        floor_held_MiB=held / 2**20,
-        floor_window_io_s=window,
-        floor_s=floor,
-        ratio_to_floor=clip["step_s"] / floor,
-        floor_over_max=floor / clip["max_s"],
-    )
+    clip.update(forward_s=med["forward"], floor_held_MiB=held / 2**20, floor_window_io_s=window)
+    if clip["clipped_steps_per_step"] >= 1:  # the floor is that of steps that clip
+        clip.update(
+            floor_s=floor,
+            ratio_to_floor=clip["step_s"] / floor,
+            floor_over_max=floor / clip["max_s"],
+        )
+    else:
+        clip.update(floor_s=None, ratio_to_floor=None, floor_over_max=None)
     tier_opt.close()
     nv_opt.close()
     sib_opt.close()
@@ -516,7 +517,11 @@ def main() -> int:
             print(
                 f"| {label}: against twice one fwd+bwd (no accumulation) | | compute {nv['two_fwd_bwd_s']:.3f} s | {nv['ratio_to_max_two_fwd_bwd']:.2f}x | |"
             )
-        if "floor_s" in nv:
+        if "floor_s" in nv and nv["floor_s"] is None:
+            print(
+                f"| {label}: the floor of an exact schedule | | not every step clipped ({nv['clipped_steps_per_step']:.2f} per step): no floor | | |"
+            )
+        elif "floor_s" in nv:
             print(
                 f"| {label}: the floor of an exact schedule in {nv['floor_held_MiB']:.0f} MiB, nothing recomputed | {nv['step_s']:.3f} s | compute {nv['compute_only_s']:.3f} - forward {nv['forward_s']:.3f} + max(forward, disk work from the norm to the forward's end {nv['floor_window_io_s']:.3f}) = {nv['floor_s']:.3f} s, {nv['floor_over_max']:.2f}x the ceiling | {nv['ratio_to_floor']:.2f}x | |"
             )

@@ -370,6 +370,31 @@ def test_write_refused_at_submission_keeps_the_copy_dirty(tmp_path, backend, err
         assert torch.equal(out, torch.full((1000,), 5.0))
 
 
+def test_a_fetch_interrupted_in_its_prefetches_still_holds_its_pin(tmp_path, monkeypatch):
+    """``fetch`` first pushes the wanted prefetches forward (which may evict and submit reads);
+    Ctrl-C landing there must leave the fetch's pin taken, as its contract says (one
+    ``release`` for each ``fetch``, also one that raised), so the caller's release balances it
+    instead of raising a bookkeeping error over the interrupt."""
+    with make_store(tmp_path, buffers=2) as store:
+        store.register("a", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 2.0))
+        real_poll = store._poll
+        fired = []
+
+        def interrupted_poll():
+            if not fired:
+                fired.append(True)
+                raise KeyboardInterrupt
+            real_poll()
+
+        monkeypatch.setattr(store, "_poll", interrupted_poll)
+        with pytest.raises(KeyboardInterrupt):
+            store.fetch("a", Tier.HOST)
+        store.release("a", Tier.HOST)  # the interrupted fetch's pin
+        assert not store._shards["a"].pinned()
+        with store.borrow("a") as got:  # and the store goes on serving it
+            assert torch.equal(got, torch.full((1000,), 2.0))
+
+
 class _HeldWrite:
     """A write's handle that reports done only once someone waited for it (a write-back that
     is still in flight when the test looks, however fast the disk)."""

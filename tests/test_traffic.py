@@ -17,6 +17,7 @@ from gates import Gated
 import offload
 from offload.api.wrap import engine_of
 from offload.device import pages
+from offload.plan import Residency
 from offload.plan.traffic import predict_iteration
 
 needs_lending = pytest.mark.skipif(
@@ -305,7 +306,9 @@ def _pieces(runtime) -> dict[str, torch.Tensor]:
 
 
 @needs_lending
-@pytest.mark.parametrize("where", ["after a lend's record", "after a lend", "after a move back"])
+@pytest.mark.parametrize(
+    "where", ["in a fetch", "after a lend's record", "after a lend", "after a move back"]
+)
 def test_an_interrupt_in_a_lending_gather_or_release_leaves_every_piece_whole(
     tmp_path, monkeypatch, where
 ):
@@ -330,7 +333,28 @@ def test_an_interrupt_in_a_lending_gather_or_release_leaves_every_piece_whole(
                 r.data_ptr() <= address < r.data_ptr() + r.numel() for r in blocks._raw.values()
             )
 
-        if where == "after a lend's record":  # the piece is the unit's and still the loop's
+        if where == "in a fetch":  # in the prefetches a fetch pushes first (the CI's case)
+            store, real_poll, real_fetch = home.store, home.store._poll, home.store.fetch
+            units = [u for u in runtime.plan.units if u.residency is Residency.TRANSIENT]
+            lending = {home.key(u, lo) for u in units for lo, _ in runtime.plan.pieces(u)}  # lend
+            armed = []
+
+            def fetch(key, *args, **kw):
+                armed.append(key in lending)
+                try:
+                    return real_fetch(key, *args, **kw)
+                finally:
+                    armed.pop()
+
+            def poll():
+                if armed and armed[-1] and not fired:
+                    fired.append("poll")
+                    raise KeyboardInterrupt
+                real_poll()
+
+            monkeypatch.setattr(store, "fetch", fetch)
+            monkeypatch.setattr(store, "_poll", poll)
+        elif where == "after a lend's record":  # the piece is the unit's and still the loop's
             real_lend = home._lend
 
             def lend(*args):

@@ -195,6 +195,9 @@ class TieredStore:
             raise ValueError(f"{self.name}: fetch({key!r}) with both read=False and readonly")
         with self._lock:
             shard = self._get(key, tier)
+            # pinned first: held even when what follows raises (the prefetches pushed below
+            # submit reads and evict; a Ctrl-C may land there), so the caller's release matches
+            shard.pins += 1
             self._poll()
             self._clock += 1
             shard.last_used = self._clock
@@ -202,7 +205,6 @@ class TieredStore:
                 shard.dirty = True
             elif shard.home is Tier.NVME:
                 self._counters.fetched_bytes += shard.io_nbytes
-            shard.pins += 1  # held even when the read is refused below: release() it
             self._advance(shard, read=read, blocking=False, readonly=readonly)
             return Fetch(self, shard, read, readonly)
 

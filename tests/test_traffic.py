@@ -335,8 +335,9 @@ def test_an_interrupt_in_a_lending_gather_or_release_leaves_every_piece_whole(
 
         if where == "in a fetch":  # in the prefetches a fetch pushes first (the CI's case)
             store, real_poll, real_fetch = home.store, home.store._poll, home.store.fetch
+            # the pieces of the units whose gathers lend pages (transient ones)
             units = [u for u in runtime.plan.units if u.residency is Residency.TRANSIENT]
-            lending = {home.key(u, lo) for u in units for lo, _ in runtime.plan.pieces(u)}  # lend
+            lending = {home.key(u, lo) for u in units for lo, _ in runtime.plan.pieces(u)}
             armed = []
 
             def fetch(key, *args, **kw):

@@ -400,7 +400,7 @@ class Runtime:
         self.grads.settle()  # stage 1: the step's reduction
         hyper = self._step_hyper(grad_scale)
         self.timers["clipped_steps"] += clipped
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), self.timers["step_wait_seconds"]
         self.phase.to(Phase.STEP)
         try:
             with torch.profiler.record_function("offload::step"):
@@ -412,7 +412,11 @@ class Runtime:
         finally:
             self.phase.to(Phase.IDLE)
         self.step_count += 1
-        self.timers["optimizer_seconds"] += time.perf_counter() - t0
+        # the update's own time: a background update counts its time on its worker, and waiting
+        # for it here is step_wait_seconds (counting it twice put more update than step in a
+        # step whose update ran in its backward)
+        waited = self.timers["step_wait_seconds"] - waited
+        self.timers["optimizer_seconds"] += time.perf_counter() - t0 - waited
         self._end_step()
         self.schedule.launch(hyper)
 

@@ -32,7 +32,8 @@ TIMERS = (
     # gather_copy_seconds included); inside forward_seconds and backward_seconds
     "optimizer_seconds",  # the update; with NVMe state it runs in the background, overlapping
     # the forward of the step it is counted in
-    "step_wait_seconds",  # waiting for the background NVMe update (inside forward_seconds)
+    "step_wait_seconds",  # waiting for the background NVMe update (inside forward_seconds,
+    # backward_seconds, or optimizer.step() when the update ran in the backward)
     "rollbacks",  # count: speculative updates undone (redone, or skipped on an fp16 overflow)
     "updates_in_backward",  # count: updates that ran speculatively in the step's last backward
     # (kept or rolled back); a step with none updated after its backward

@@ -370,26 +370,35 @@ def test_write_refused_at_submission_keeps_the_copy_dirty(tmp_path, backend, err
         assert torch.equal(out, torch.full((1000,), 5.0))
 
 
-def test_a_fetch_interrupted_in_its_prefetches_still_holds_its_pin(tmp_path, monkeypatch):
-    """``fetch`` first pushes the wanted prefetches forward (which may evict and submit reads);
-    Ctrl-C landing there must leave the fetch's pin taken, as its contract says (one
-    ``release`` for each ``fetch``, also one that raised), so the caller's release balances it
-    instead of raising a bookkeeping error over the interrupt."""
+@pytest.mark.parametrize("where", ["before the pin", "after the pin"])
+def test_an_interrupted_fetch_records_exactly_the_pin_it_took(tmp_path, monkeypatch, where):
+    """``fetch`` looks the shard up, pins it, then pushes the wanted prefetches forward (which
+    may evict and submit reads). Ctrl-C landing before the pin must leave neither a pin nor a
+    record in the caller's ``held``; landing after it (in the prefetches), both: the caller
+    releases what ``held`` records, so a bookkeeping error never replaces the interrupt (a
+    gather that recorded the piece before calling ``fetch`` released a pin never taken: CI's
+    ``test_exit[sigint]``)."""
     with make_store(tmp_path, buffers=2) as store:
         store.register("a", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 2.0))
-        real_poll = store._poll
+        name = "_get" if where == "before the pin" else "_poll"
+        real = getattr(store, name)
         fired = []
 
-        def interrupted_poll():
+        def interrupted(*args):
             if not fired:
                 fired.append(True)
                 raise KeyboardInterrupt
-            real_poll()
+            return real(*args)
 
-        monkeypatch.setattr(store, "_poll", interrupted_poll)
+        monkeypatch.setattr(store, name, interrupted)
+        held: list[str] = []
         with pytest.raises(KeyboardInterrupt):
-            store.fetch("a", Tier.HOST)
-        store.release("a", Tier.HOST)  # the interrupted fetch's pin
+            store.fetch("a", Tier.HOST, held=held)
+        monkeypatch.undo()
+        assert held == ([] if where == "before the pin" else ["a"])
+        assert store._shards["a"].pins == len(held)
+        for key in held:
+            store.release(key, Tier.HOST)
         assert not store._shards["a"].pinned()
         with store.borrow("a") as got:  # and the store goes on serving it
             assert torch.equal(got, torch.full((1000,), 2.0))

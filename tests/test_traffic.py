@@ -307,7 +307,14 @@ def _pieces(runtime) -> dict[str, torch.Tensor]:
 
 @needs_lending
 @pytest.mark.parametrize(
-    "where", ["in a fetch", "after a lend's record", "after a lend", "after a move back"]
+    "where",
+    [
+        "before a fetch pins",
+        "in a fetch",
+        "after a lend's record",
+        "after a lend",
+        "after a move back",
+    ],
 )
 def test_an_interrupt_in_a_lending_gather_or_release_leaves_every_piece_whole(
     tmp_path, monkeypatch, where
@@ -333,8 +340,11 @@ def test_an_interrupt_in_a_lending_gather_or_release_leaves_every_piece_whole(
                 r.data_ptr() <= address < r.data_ptr() + r.numel() for r in blocks._raw.values()
             )
 
-        if where == "in a fetch":  # in the prefetches a fetch pushes first (the CI's case)
-            store, real_poll, real_fetch = home.store, home.store._poll, home.store.fetch
+        if where in ("before a fetch pins", "in a fetch"):
+            # in the shard's look-up, or in the prefetches a fetch pushes after its pin (CI's)
+            store, real_fetch = home.store, home.store.fetch
+            name = "_get" if where == "before a fetch pins" else "_poll"
+            real = getattr(store, name)
             # the pieces of the units whose gathers lend pages (transient ones)
             units = [u for u in runtime.plan.units if u.residency is Residency.TRANSIENT]
             lending = {home.key(u, lo) for u in units for lo, _ in runtime.plan.pieces(u)}
@@ -347,14 +357,14 @@ def test_an_interrupt_in_a_lending_gather_or_release_leaves_every_piece_whole(
                 finally:
                     armed.pop()
 
-            def poll():
+            def interrupted(*args):
                 if armed and armed[-1] and not fired:
-                    fired.append("poll")
+                    fired.append(name)
                     raise KeyboardInterrupt
-                real_poll()
+                return real(*args)
 
             monkeypatch.setattr(store, "fetch", fetch)
-            monkeypatch.setattr(store, "_poll", poll)
+            monkeypatch.setattr(store, name, interrupted)
         elif where == "after a lend's record":  # the piece is the unit's and still the loop's
             real_lend = home._lend
 

@@ -376,11 +376,10 @@ class NvmeOptim(OptimHome):
             self.store.release(key, Tier.HOST)
 
     def _fetch(self, item: _Piece) -> None:
-        """Fetches the piece's shards (whoever holds ``item`` releases what it fetched, also
-        when a fetch raised)."""
+        """Fetches the piece's shards (whoever holds ``item`` releases what ``item.held``
+        records: each shard from its pin on, also when its fetch then raised)."""
         for k in self.master.kinds:
-            item.held.append(self.key(item.unit, k, item.lo))  # held even if refused
-            item.futs.append(self.store.fetch(item.held[-1], Tier.HOST))
+            item.futs.append(self.store.fetch(self.key(item.unit, k, item.lo), held=item.held))
 
     def _from_head(self, unit: Unit, lo: int) -> _Piece | None:
         """The head start's piece when it is the next one there (any other order drops the

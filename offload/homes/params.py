@@ -496,7 +496,7 @@ class NvmeParams(_Released):
         (``(device destination, host source)`` pairs of the piece in its pool buffer), or,
         with ``lend``, lends its pages to the unit where it can (module Note on lent pages)."""
         pieces = self.plan.pieces(unit)
-        fetching: deque = deque()  # (lo, hi) of the pieces fetched, not copied yet
+        fetching: deque = deque()  # the keys of the pieces pinned, not copied yet
         copying: deque = deque()  # (key, event): a pool buffer whose copy up is in flight
         try:
             self._stream_in(unit, pieces, fetching, copying, pairs, lend)
@@ -509,7 +509,7 @@ class NvmeParams(_Released):
         """A failed gather's pieces: those fetched are released (with ``lend``, any may be
         lent already: they are given back with the unit's, pages home first, by unshard's
         ``_take_back``), the copies in flight waited for and released."""
-        keys = [self.key(unit, a) for a, _ in fetching]
+        keys = list(fetching)
         if lend:
             held = self._lent.setdefault(unit.index, [])
             held += [k for k in keys if k not in held]
@@ -534,15 +534,15 @@ class NvmeParams(_Released):
                 # the use is recorded as the piece is pinned: a recorded, unpinned piece would
                 # look used already to the eviction planner and be the first given up
                 self.store.use(key, self.tier)
-                fetching.append((a, b))  # held from here, even if the fetch is refused
-                # read only: a piece the update just wrote is copied while its write-back runs
-                futures.append(self.store.fetch(key, self.tier, readonly=True))
+                # held once pinned (the fetch records it), also if the fetch then raises; read
+                # only: a piece the update just wrote is copied while its write-back runs
+                futures.append(self.store.fetch(key, self.tier, readonly=True, held=fetching))
                 ahead += 1
             if not fetching:  # the window is full of copies: the oldest gives its buffer back
                 self._give_back(*copying[0])
                 copying.popleft()
                 continue
-            a, b = fetching[0]
+            a, b = pieces[copied]  # fetching[0]'s piece: fetched and copied in order
             buf = futures[0].wait()
             # a copy being written home keeps its pages (the write reads them): it is copied
             lent = lend and not self.store.writing(futures[0].key) and self._lend(unit, a, b, buf)

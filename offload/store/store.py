@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableSequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -182,22 +182,34 @@ class TieredStore:
 
     # -- fetch / release -------------------------------------------------------------------------
     def fetch(
-        self, key: str, tier: Tier = Tier.HOST, *, read: bool = True, readonly: bool = False
+        self,
+        key: str,
+        tier: Tier = Tier.HOST,
+        *,
+        read: bool = True,
+        readonly: bool = False,
+        held: MutableSequence[str] | None = None,
     ) -> Fetch:
         """Pin ``key`` in host memory and start moving it there; ``wait()`` the result to use it.
 
-        Each ``fetch`` must be matched by one ``release``, also when it (or the ``wait``)
-        raised. ``read=False``: the caller overwrites the whole copy (no disk read; the shard
-        counts as dirty from now on). ``readonly``: the caller only reads the copy, so it need
-        not wait for a write-back in flight (the Note on coherence); released clean.
+        Each pin must be matched by one ``release``, also when ``fetch`` (or the ``wait``)
+        raised after it. ``held``: the caller's record of what it holds, to which ``key`` is
+        appended as it is pinned, with no call in between, so the record and the pins agree
+        wherever an exception lands (a Ctrl-C above all, which Python raises at a call or a
+        loop's jump): the caller releases exactly what its record holds. ``read=False``: the
+        caller overwrites the whole copy (no disk read; the shard counts as dirty from now
+        on). ``readonly``: the caller only reads the copy, so it need not wait for a
+        write-back in flight (the Note on coherence); released clean.
         """
         if readonly and not read:
             raise ValueError(f"{self.name}: fetch({key!r}) with both read=False and readonly")
         with self._lock:
             shard = self._get(key, tier)
-            # pinned first: held even when what follows raises (the prefetches pushed below
-            # submit reads and evict; a Ctrl-C may land there), so the caller's release matches
+            # pinned first, and recorded with it: held even when what follows raises (the
+            # prefetches pushed below submit reads and evict; a Ctrl-C may land there)
             shard.pins += 1
+            if held is not None:
+                held.append(key)
             self._poll()
             self._clock += 1
             shard.last_used = self._clock

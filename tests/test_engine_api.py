@@ -218,6 +218,114 @@ def test_the_update_is_counted_once_and_within_its_step(tmp_path, monkeypatch, s
         assert 0.3 <= r["optimizer_seconds"] <= r["step_seconds"], r
 
 
+def _recovery_config(tmp_path, param_dev, opt_dev, step_in_backward, accum):
+    cfg = placement_config(param_dev, opt_dev, tmp_path)
+    cfg["offload_optimizer"]["buffer_count"] = 16
+    cfg["gradient_accumulation_steps"] = accum
+    if opt_dev == "nvme":
+        cfg["offload_optimizer"]["step_in_backward"] = step_in_backward
+    return cfg
+
+
+def _steps(model, opt, data, accum):
+    for tokens in data:
+        for m in range(accum):
+            (lm_loss(model, tokens[2 * m : 2 * m + 2]) / accum).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+RECOVERY_CASES = [  # (param, optimizer, step_in_backward, gradient_accumulation_steps)
+    ("nvme", "nvme", True, 1),
+    ("nvme", "nvme", True, 2),
+    ("cpu", "nvme", True, 1),
+    ("nvme", "nvme", False, 1),
+    ("cpu", "cpu", False, 2),
+]
+
+
+@pytest.mark.parametrize("param_dev, opt_dev, step_in_backward, accum", RECOVERY_CASES)
+def test_a_backward_that_fails_part_way_is_dropped_and_training_goes_on(
+    tmp_path, param_dev, opt_dev, step_in_backward, accum
+):
+    """A backward that fails outside offload's hooks (here a hook of the user's, after some
+    units' gradients were taken; the same for an error in the model or a Ctrl-C) never runs
+    autograd's end-of-backward callback. The engine must not stay in the backward for good
+    (it refused step(), checkpoints and the next backward): the next call finds it over,
+    undoes the update that ran speculatively in it, refuses step() on its incomplete
+    gradients until zero_grad(), and after zero_grad() training goes on bitwise as if that
+    batch had never been seen."""
+    data = batches(5)
+    ref_model, ref_opt = offload.wrap(
+        make_model(),
+        _recovery_config(tmp_path / "ref", param_dev, opt_dev, step_in_backward, accum),
+    )
+    try:
+        _steps(ref_model, ref_opt, [data[0], data[1], data[3], data[4]], accum)
+        expected = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    finally:
+        ref_opt.close()
+    model, opt = offload.wrap(
+        make_model(), _recovery_config(tmp_path, param_dev, opt_dev, step_in_backward, accum)
+    )
+    runtime = engine_of(model)
+    try:
+        _steps(model, opt, data[:2], accum)
+
+        def boom(grad):
+            raise RuntimeError("boom in a user's hook")
+
+        for m in range(accum - 1):  # the step's earlier micro-steps complete
+            (lm_loss(model, data[2][2 * m : 2 * m + 2]) / accum).backward()
+        loss = lm_loss(model, data[2][2 * accum - 2 : 2 * accum]) / accum
+        handle = model.blocks[0].fc2.weight.register_hook(boom)  # after later units' grads
+        with pytest.raises(RuntimeError, match="boom"):
+            loss.backward()
+        handle.remove()
+        with pytest.raises(PhaseError, match=r"failed part way.*zero_grad\(\)"):
+            opt.step()
+        offload.save_checkpoint(tmp_path / "ck", model, opt)  # between steps again
+        opt.zero_grad()
+        _steps(model, opt, data[3:5], accum)
+        st = opt.stats()
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, expected[k]), k
+        assert not [k for s in runtime.stores.values() for k, sh in s._shards.items() if sh.pins]
+        if step_in_backward and accum == 1:  # the first step learns to speculate
+            assert st["total"]["rollbacks"] == 1, st["total"]  # the failed backward's update
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("param_dev, opt_dev, step_in_backward, accum", RECOVERY_CASES[:4])
+def test_zero_grad_before_step_drops_the_backwards_and_their_update(
+    tmp_path, param_dev, opt_dev, step_in_backward, accum
+):
+    """``zero_grad()`` between the backwards and ``step()`` drops their gradients, as in
+    PyTorch: no update for them (one that ran speculatively in the last backward is undone),
+    and they do not count toward the step's backwards."""
+    data = batches(5)
+    results = []
+    for skipped in (False, True):
+        cfg = _recovery_config(tmp_path / str(skipped), param_dev, opt_dev, step_in_backward, accum)
+        model, opt = offload.wrap(make_model(), cfg)
+        try:
+            _steps(model, opt, data[:2], accum)
+            if skipped:
+                for m in range(accum):
+                    (lm_loss(model, data[2][2 * m : 2 * m + 2]) / accum).backward()
+                opt.zero_grad()
+            _steps(model, opt, data[3:5], accum)
+            results.append((model.state_dict(), opt.stats()["total"]))
+        finally:
+            opt.close()
+    (expected, _), (got, totals) = results
+    for k, v in got.items():
+        assert torch.equal(v, expected[k]), k
+    if step_in_backward and accum == 1:
+        assert totals["rollbacks"] == 1, totals
+
+
 def test_stats_and_close(tmp_path):
     model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
     data = batches(2)

@@ -241,6 +241,10 @@ class StepSchedule:
     def skip(self) -> None:
         """``optimizer.step()`` skips the update (an fp16 overflow)."""
 
+    def abandon_step(self) -> None:
+        """The gradients since the last step are dropped (``zero_grad()``, or a backward that
+        failed, after :meth:`flush`): no update is taken for them."""
+
     def wait_unit(self, unit: Unit) -> None:
         """Blocks until ``unit``'s pending update (if any) is complete (before a forward)."""
 
@@ -462,6 +466,18 @@ class InBackward(Background):
         self._undo()
         self.timers["updates_in_backward"] += 1
         self.timers["rollbacks"] += 1
+
+    def abandon_step(self) -> None:
+        if self._spec is None:  # (no flush: the last step's update overlaps the forward)
+            return
+        self.flush()
+        self.timers["updates_in_backward"] += 1
+        self.timers["rollbacks"] += 1
+        try:
+            self._undo()
+        except Exception as exc:  # the state is mixed: refused until state is loaded
+            self.worker.failure = f"{type(exc).__name__}: {exc}"
+            raise
 
     def _undo(self) -> None:
         """Back to the state before the update: master and moments from the version's start,

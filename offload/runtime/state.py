@@ -133,6 +133,8 @@ class Runtime:
         self._ran_last: UnitRun | None = None
         self._backward_first: UnitRun | None = self.runs[-1] if self._keeps else None
         self._callback_queued = False
+        # a backward failed part way: its gradients are incomplete until zero_grad()
+        self._grads_incomplete = False
         self._handles: list = []
         self._step_started = time.perf_counter()
         self._fwd_start: float | None = None
@@ -179,6 +181,7 @@ class Runtime:
     @_hook
     def _root_pre_forward(self, module, args, kwargs):
         self._check_open()
+        self._settle_backward()
         if self.phase.phase is Phase.BACKWARD:
             return None  # recomputation of the whole model (unusual) keeps everything gathered
         if self.phase.phase is Phase.IDLE:
@@ -212,6 +215,7 @@ class Runtime:
 
     @_hook
     def _pre_forward(self, run: UnitRun) -> None:
+        self._settle_backward()
         if self.phase.phase is Phase.IDLE:  # a unit called directly, outside the model
             self._begin_micro_step()
             self.phase.to(Phase.FORWARD)
@@ -295,14 +299,30 @@ class Runtime:
                 raise
 
     def _abort_backward(self) -> None:
-        """This backward failed in a hook of ours (its update failed, say): back to between
-        steps, as if it had not started (its end-of-backward callback does nothing); the
-        gradients it left are not usable (``zero_grad`` before the next backward)."""
+        """This backward failed (in a hook of ours, its update failed, say; or anywhere:
+        :meth:`_settle_backward`): back to between steps (its end-of-backward callback, if it
+        still runs, does nothing). The gradients it left are incomplete: an update that ran
+        speculatively in it is undone, and ``step()`` refuses them until ``zero_grad()``."""
         self._callback_queued = False
-        self.schedule.flush_quietly()
-        for run in self.runs:
-            run.release()
-        self.phase.to(Phase.IDLE)
+        self._grads_incomplete = True
+        try:
+            self.schedule.flush_quietly()
+            for run in self.runs:
+                run.release()
+            self.schedule.abandon_step()  # (the units released first: an undo rewrites them)
+        finally:
+            self.phase.to(Phase.IDLE)
+
+    def _settle_backward(self) -> None:
+        """A backward that failed outside offload's hooks (in the model, a hook of the user's,
+        autograd itself, or stopped by Ctrl-C) never runs its end-of-backward callback (autograd
+        drops it), which would leave the engine in BACKWARD for good: refusing ``step()``,
+        checkpoints and the next backward. Outside every backward that phase can only be such a
+        leftover, and it is aborted as a backward that failed in a hook of ours. Autograd's
+        graph task id tells whether a backward runs on this thread (-1: none); it is private,
+        and ``torch.utils.checkpoint`` reads it the same way: no public call says it."""
+        if self.phase.phase is Phase.BACKWARD and torch._C._current_graph_task_id() == -1:
+            self._abort_backward()
 
     def finish_unit_backward(self, run: UnitRun) -> None:
         """The unit's gradients are final: their owner takes them (now, or once their
@@ -341,6 +361,7 @@ class Runtime:
     # ---------------------------------------------------------------- step
     def grad_norm_sq(self) -> tuple[bool, float]:
         """(any inf/NaN, sum of squares) of the accumulated gradients (still loss-scaled)."""
+        self._settle_backward()
         self.schedule.check_grad_norm()
         return self.grads.stats()
 
@@ -348,6 +369,7 @@ class Runtime:
         """Raises unless between steps; then waits for a running update (state is read, or,
         ``restoring``, overwritten: then a failed update's mixed state may be replaced)."""
         self._check_open()
+        self._settle_backward()
         if self.phase.phase is not Phase.IDLE:
             raise PhaseError(
                 f"offload: {what} called during {self.phase.phase.value}; call it between steps"
@@ -372,11 +394,18 @@ class Runtime:
 
     def check_can_step(self) -> None:
         self._check_open()
+        self._settle_backward()
         self._check_consistent("optimizer.step()")
         if self.phase.phase is not Phase.IDLE:
             raise PhaseError(
                 f"offload: optimizer.step() called during {self.phase.phase.value}; "
                 "call it after loss.backward() has returned"
+            )
+        if self._grads_incomplete:
+            raise PhaseError(
+                "offload: optimizer.step() after a backward that failed part way (an exception "
+                "or Ctrl-C in it): its gradients are incomplete; call optimizer.zero_grad() and "
+                "run the step's backwards again"
             )
         if self.backwards_since_step == 0:
             raise PhaseError(
@@ -468,7 +497,14 @@ class Runtime:
         self.telemetry.rebase(self._counters())
 
     def zero_grad(self) -> None:
+        """The gradients are dropped, and with them the backwards since the step (they no
+        longer count toward it): an update that ran speculatively in the last one is undone,
+        as no step was taken for it."""
+        self._settle_backward()
+        self.schedule.abandon_step()
         self.grads.zero()
+        self.backwards_since_step = 0
+        self._grads_incomplete = False
 
     # ---------------------------------------------------------------- values
     def full_values(self, unit) -> dict[nn.Parameter, torch.Tensor]:

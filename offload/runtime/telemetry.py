@@ -34,7 +34,8 @@ TIMERS = (
     # the forward of the step it is counted in
     "step_wait_seconds",  # waiting for the background NVMe update (inside forward_seconds,
     # backward_seconds, or optimizer.step() when the update ran in the backward)
-    "rollbacks",  # count: speculative updates undone (redone, or skipped on an fp16 overflow)
+    "rollbacks",  # count: speculative updates undone (redone, skipped on an fp16 overflow, or
+    # dropped with their gradients: zero_grad() before step(), a backward that failed)
     "updates_in_backward",  # count: updates that ran speculatively in the step's last backward
     # (kept or rolled back); a step with none updated after its backward
     "clipped_steps",  # count: steps whose gradients were clipped (coefficient < 1)

@@ -297,6 +297,53 @@ def test_a_backward_that_fails_part_way_is_dropped_and_training_goes_on(
         opt.close()
 
 
+@pytest.mark.parametrize("param_dev", ["nvme", "cpu"])
+def test_a_ctrl_c_between_taking_a_units_gradients_and_handing_them_on(
+    tmp_path, monkeypatch, param_dev
+):
+    """Ctrl-C right after the owner took a unit's gradients, before the update running in the
+    backward hears of it. The record of units taken must go with the failed backward: told in
+    the next one, its update took the unit before that backward's gradients of it (an update
+    of a gathered unit, stale gradients, or a backward waiting for good on gradient buffers
+    the update never took; a scratch stress of Ctrl-C in a notebook-style loop found it)."""
+    data = batches(5)
+    cfg = _recovery_config(tmp_path / "ref", param_dev, "nvme", True, 1)
+    ref_model, ref_opt = offload.wrap(make_model(), cfg)
+    try:
+        _steps(ref_model, ref_opt, [data[0], data[1], data[3], data[4]], 1)
+        expected = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    finally:
+        ref_opt.close()
+    model, opt = offload.wrap(make_model(), _recovery_config(tmp_path, param_dev, "nvme", True, 1))
+    runtime, went_on, runner = engine_of(model), [], None
+    try:
+        _steps(model, opt, data[:2], 1)  # the second step speculates: the third does too
+        real, taken = runtime.grads.unit_done, []
+
+        def unit_done(unit):
+            real(unit)
+            taken.append(unit.index)
+            if len(taken) == 2:  # one unit handed on already, this one not yet
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(runtime.grads, "unit_done", unit_done)
+        with pytest.raises(KeyboardInterrupt):
+            lm_loss(model, data[2][0:2]).backward()
+        monkeypatch.undo()
+        opt.zero_grad()
+        runner = threading.Thread(
+            target=lambda: (_steps(model, opt, data[3:5], 1), went_on.append(True)), daemon=True
+        )
+        runner.start()
+        runner.join(60)
+        assert went_on, "training after the interrupt hung or failed (see the thread's error)"
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, expected[k]), k
+    finally:
+        if runner is None or not runner.is_alive():  # (a hung one holds the engine)
+            opt.close()
+
+
 @pytest.mark.parametrize("param_dev, opt_dev, step_in_backward, accum", RECOVERY_CASES[:4])
 def test_zero_grad_before_step_drops_the_backwards_and_their_update(
     tmp_path, param_dev, opt_dev, step_in_backward, accum

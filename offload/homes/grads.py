@@ -14,6 +14,7 @@ Note: accumulation
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -357,8 +358,15 @@ class HeldNvmeGrads(NvmeGrads):
             key = self.key(unit, lo)
             if not first:  # added to what the earlier backwards of this step left on NVMe
                 self.store.use(key, self.tier)
-            buf = self.store.fetch(key, self.tier, read=not first).wait()
-            recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
+            held: list[str] = []
+            try:
+                buf = self.store.fetch(key, self.tier, read=not first, held=held).wait()
+                recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
+            except BaseException:  # a failed backward: zero_grad() overwrites what it summed
+                for k in held:
+                    with contextlib.suppress(Exception):  # the first error is the one raised
+                        self.store.release(k, self.tier, discard=True)
+                raise
             with self._cond:
                 keep = self.handing and self._held < self.hold
                 if keep:

@@ -69,6 +69,11 @@ class Grads:
         out, self._taken = self._taken, []
         return out
 
+    def backward_failed(self) -> None:
+        """The backward failed part way: the units it took are not told to anyone (told in
+        the next backward, its update would take them before their gradients of that one)."""
+        self._taken = []
+
     def backward_done(self) -> None:
         """The backward ended (every unit's gradients were handed in)."""
         self.first_micro_step = False

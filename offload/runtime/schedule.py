@@ -61,6 +61,7 @@ from collections.abc import Callable
 import torch
 
 from offload import _native
+from offload._interrupts import interrupts_deferred
 from offload.homes.grads import Hyper
 from offload.homes.optim import OptimHome, Units
 from offload.homes.params import ParamHome
@@ -161,8 +162,11 @@ class _Worker:
                 for event in self._unit_done.values():
                     event.set()
 
-        self._thread = threading.Thread(target=run, name="offload-step", daemon=True)
-        self._thread.start()
+        # a Ctrl-C inside start() would leave a thread that runs but is not held, or one held
+        # that never started (join() then raises): held back over the two lines
+        with interrupts_deferred():
+            self._thread = threading.Thread(target=run, name="offload-step", daemon=True)
+            self._thread.start()
 
     def wait_unit(self, unit: Unit) -> None:
         """Blocks until ``unit``'s update (if any) is complete; re-raises a failure."""
@@ -357,11 +361,12 @@ class InBackward(Background):
             return  # an earlier backward of the step: its gradients accumulate on NVMe
         # until a step has shown whether the loop clips, they are kept too
         retain = self.retain_configured or self._norm_asked or self._steps == 0
-        self._spec = hyper()
-        self.grads.hand_over(retain)
-        self.optim.begin_version()
-        self.feed = UnitFeed(self.stepped)
-        self.worker.start(self.stepped, self.feed, self._spec, undo=self._undo)
+        with interrupts_deferred():  # a speculative update begun whole, or not at all
+            self._spec = hyper()
+            self.grads.hand_over(retain)
+            self.optim.begin_version()
+            self.feed = UnitFeed(self.stepped)
+            self.worker.start(self.stepped, self.feed, self._spec, undo=self._undo)
 
     def unit_backward_done(self, run) -> None:
         if self.feed is None:
@@ -414,19 +419,20 @@ class InBackward(Background):
             self._would_keep = self._hyper_now is None or _same(self._hyper_now(), hyper)
             return
         self.flush()  # the speculative update is complete
-        self.timers["updates_in_backward"] += 1
-        used, self._spec = self._spec, None
-        self.grads.take_back()
-        self._would_keep = _same(used, hyper)
-        if self._would_keep:
-            self.optim.commit_version()
-        elif self.grads.retain:
-            self.optim.rollback_version()  # redone in launch() with the right values
-            self.timers["rollbacks"] += 1
-            self._then = ("redo",)
-        else:
-            self.optim.commit_version()  # taken with the values it used; then refused
-            self._then = ("refuse", used, hyper)
+        with interrupts_deferred():  # the version ends with the speculation's record
+            self.timers["updates_in_backward"] += 1
+            used, self._spec = self._spec, None
+            self.grads.take_back()
+            self._would_keep = _same(used, hyper)
+            if self._would_keep:
+                self.optim.commit_version()
+            elif self.grads.retain:
+                self.optim.rollback_version()  # redone in launch() with the right values
+                self.timers["rollbacks"] += 1
+                self._then = ("redo",)
+            else:
+                self.optim.commit_version()  # taken with the values it used; then refused
+                self._then = ("refuse", used, hyper)
 
     def launch(self, hyper: Hyper) -> None:
         then, self._then = self._then, None
@@ -435,14 +441,15 @@ class InBackward(Background):
         if then[0] == "after":
             super().launch(hyper)
         elif then[0] == "redo":
-            self.optim.begin_version()
-            self.worker.start(
-                self.stepped,
-                Units(self.stepped),
-                hyper,
-                then=self.optim.commit_version,
-                undo=self._undo,
-            )
+            with interrupts_deferred():  # a version begun with the update that ends it
+                self.optim.begin_version()
+                self.worker.start(
+                    self.stepped,
+                    Units(self.stepped),
+                    hyper,
+                    then=self.optim.commit_version,
+                    undo=self._undo,
+                )
         else:
             _, used, hyper = then
             changed = {k: (a, b) for k, a, b in _diff(used, hyper)}
@@ -481,12 +488,15 @@ class InBackward(Background):
 
     def _undo(self) -> None:
         """Back to the state before the update: master and moments from the version's start,
-        the compute params derived from them again."""
-        self._spec = None
-        self.grads.abandon()  # pieces handed over for units the update never took
-        self.grads.take_back()
-        self.optim.rollback_version()
-        self.optim.derive_params(self.stepped)
+        the compute params derived from them again. Whole or not at all: a Ctrl-C waits
+        for its end (stopped half way, the version stays open or the params disagree with
+        the master)."""
+        with interrupts_deferred():
+            self._spec = None
+            self.grads.abandon()  # pieces handed over for units the update never took
+            self.grads.take_back()
+            self.optim.rollback_version()
+            self.optim.derive_params(self.stepped)
 
     def flush(self) -> None:
         if self.feed is not None:  # a backward that failed or was interrupted: no more units

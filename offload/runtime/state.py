@@ -305,6 +305,7 @@ class Runtime:
         speculatively in it is undone, and ``step()`` refuses them until ``zero_grad()``."""
         self._callback_queued = False
         self._grads_incomplete = True
+        self.grads.backward_failed()
         try:
             self.schedule.flush_quietly()
             for run in self.runs:

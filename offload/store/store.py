@@ -254,11 +254,13 @@ class TieredStore:
         """``fetch`` + ``wait`` + ``release``: the block gets the host copy, which is released
         dirty when it ends. If the block (or the read) fails, the copy is dropped unwritten
         (the shard keeps its value from before) and the error goes up."""
+        held: list[str] = []  # empty when the fetch raised before its pin
         try:
-            yield self.fetch(key, Tier.HOST, read=read).wait()
+            yield self.fetch(key, Tier.HOST, read=read, held=held).wait()
         except BaseException:
-            with contextlib.suppress(Exception):  # the read's own error is the one raised
-                self.release(key, Tier.HOST, discard=True)
+            for k in held:
+                with contextlib.suppress(Exception):  # the read's own error is the one raised
+                    self.release(k, Tier.HOST, discard=True)
             raise
         self.release(key, Tier.HOST, dirty=True)
 

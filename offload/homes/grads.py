@@ -14,7 +14,6 @@ Note: accumulation
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -363,9 +362,7 @@ class HeldNvmeGrads(NvmeGrads):
                 buf = self.store.fetch(key, self.tier, read=not first, held=held).wait()
                 recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
             except BaseException:  # a failed backward: zero_grad() overwrites what it summed
-                for k in held:
-                    with contextlib.suppress(Exception):  # the first error is the one raised
-                        self.store.release(k, self.tier, discard=True)
+                self.store.drop_held(held, self.tier)
                 raise
             with self._cond:
                 keep = self.handing and self._held < self.hold

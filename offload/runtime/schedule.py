@@ -468,11 +468,7 @@ class InBackward(Background):
         if self.accumulation is None:
             self.accumulation = self._backwards
         self.flush()  # (a head start read for an update after the backward goes unused)
-        if self._spec is None:
-            return
-        self._undo()
-        self.timers["updates_in_backward"] += 1
-        self.timers["rollbacks"] += 1
+        self.abandon_step()
 
     def abandon_step(self) -> None:
         if self._spec is None:  # (no flush: the last step's update overlaps the forward)

@@ -249,6 +249,14 @@ class TieredStore:
                 self._write_back(shard)
             self._poll()
 
+    def drop_held(self, held: Iterable[str], tier: Tier = Tier.HOST) -> None:
+        """The cleanup of a use that failed: releases each key of ``held`` (what ``fetch``
+        recorded) with its copy discarded; their errors are suppressed, the first error being
+        the one the caller raises."""
+        for key in held:
+            with contextlib.suppress(Exception):
+                self.release(key, tier, discard=True)
+
     @contextlib.contextmanager
     def borrow(self, key: str, *, read: bool = True):
         """``fetch`` + ``wait`` + ``release``: the block gets the host copy, which is released
@@ -258,9 +266,7 @@ class TieredStore:
         try:
             yield self.fetch(key, Tier.HOST, read=read, held=held).wait()
         except BaseException:
-            for k in held:
-                with contextlib.suppress(Exception):  # the read's own error is the one raised
-                    self.release(k, Tier.HOST, discard=True)
+            self.drop_held(held)
             raise
         self.release(key, Tier.HOST, dirty=True)
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import time
 
 import pytest
 import torch
 from gates import Gated
 
 from offload import _native
-from offload.io import AsyncIO, BufferPool, NvmeStore
+from offload.io import AsyncIO, BufferPool, NvmeStore, faults
 from offload.store import LEGAL_TRANSITIONS, ShardState, Tier, TieredStore
 from offload.store.shard import Shard
 from offload.store.state import IllegalTransition, check_transition
@@ -347,7 +349,10 @@ def test_io_errors_surface_once_and_lose_nothing(tmp_path, backend):
 def test_write_refused_at_submission_keeps_the_copy_dirty(tmp_path, backend, error):
     """The IO engine refusing a write inside the submit call (an error it raises itself, or
     Ctrl-C arriving there) surfaces that error, not a bookkeeping one, and loses nothing: the
-    copy stays cached and dirty, and the next flush writes it."""
+    copy stays cached and dirty, and the next flush writes it. Ctrl-C goes up from the
+    release; the engine's error is the write-back's, not the release's (the store's Note on
+    whose error): the release gives its pin back and returns, and the next call that reports
+    (here the flush, once it has written the copy) raises it."""
     with make_store(tmp_path, buffers=2) as store:
         store.register("a", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 2.0))
         store.fetch("a", Tier.HOST).wait().fill_(5.0)
@@ -359,12 +364,21 @@ def test_write_refused_at_submission_keeps_the_copy_dirty(tmp_path, backend, err
 
         nvme.write = refuse
         try:
-            with pytest.raises(type(error)):
+            if isinstance(error, KeyboardInterrupt):
+                with pytest.raises(KeyboardInterrupt):
+                    store.release("a", Tier.HOST, dirty=True)
+            else:
                 store.release("a", Tier.HOST, dirty=True)
         finally:
             nvme.write = real_write
         assert store.state("a") is ShardState.HOST
-        store.flush()  # written now
+        assert not store._shards["a"].pinned()
+        if isinstance(error, KeyboardInterrupt):
+            store.flush()  # written now
+        else:
+            with pytest.raises(OSError, match="No space left"):
+                store.flush()  # written now, then the kept error raised
+            store.flush()  # reported once
         out = torch.empty(1000)
         store.read_into("a", out)
         assert torch.equal(out, torch.full((1000,), 5.0))
@@ -612,3 +626,34 @@ def test_a_version_commits_under_a_reader_but_rolls_back_only_without_one(tmp_pa
             buf.fill_(4.0)
         assert store.rollback_version() == 1
         assert value() == 3.0  # the committed extent held the reader's write
+
+
+def test_a_prefetchs_failed_read_is_no_releases_error(tmp_path, backend):
+    """A read nobody waits for (a prefetch) fails: the calls that find it on their way (here
+    the releases of a loop over two other shards) do their own work and return, so no pin is
+    left behind (one raised there once, a gather's release broke its loop, and the unit's
+    other pieces stayed pinned for good: training went on from wrong values). The error is
+    raised by the next call that takes something, once; the shard is read again after it."""
+    with make_store(tmp_path, buffers=4) as store:
+        for key, value in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
+            store.register(key, 1000, torch.float32, Tier.NVME, init=torch.full((1000,), value))
+        store.fetch("a", Tier.HOST).wait()
+        store.fetch("b", Tier.HOST).wait()
+        faults.inject(errno.EIO, count=1, op="read")
+        try:
+            store.read_ahead(["c"])  # refused at submission, or failing in flight:
+            inflight = store._shards["c"].pending
+            deadline = time.monotonic() + 10
+            while inflight is not None and not inflight.done() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        finally:
+            faults.clear()
+        for key in ("a", "b"):
+            store.release(key, Tier.HOST)  # raised the prefetch's error here before
+        assert not any(s.pinned() for s in store._shards.values())
+        with pytest.raises(OSError, match="shard 'c'"):
+            store.fetch("a", Tier.HOST)  # before its pin: nothing held
+        assert not store._shards["a"].pinned()
+        for key, value in (("a", 1.0), ("c", 3.0)):  # reported once; "c" is read again
+            with store.borrow(key) as got:
+                assert torch.equal(got, torch.full((1000,), value))

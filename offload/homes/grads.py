@@ -357,12 +357,11 @@ class HeldNvmeGrads(NvmeGrads):
             key = self.key(unit, lo)
             if not first:  # added to what the earlier backwards of this step left on NVMe
                 self.store.use(key, self.tier)
-            held: list[str] = []
+            buf = self.store.take(key, self.tier, read=not first)
             try:
-                buf = self.store.fetch(key, self.tier, read=not first, held=held).wait()
                 recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
             except BaseException:  # a failed backward: zero_grad() overwrites what it summed
-                self.store.drop_held(held, self.tier)
+                self.store.release(key, self.tier, discard=True)
                 raise
             with self._cond:
                 keep = self.handing and self._held < self.hold

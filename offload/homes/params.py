@@ -567,7 +567,7 @@ class NvmeParams(_Released):
 
     def out_buffer(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         self._not_lent(unit)
-        return self.store.fetch(self.key(unit, lo), self.tier, read=False).wait()
+        return self.store.take(self.key(unit, lo), self.tier, read=False)
 
     def master_piece(self, unit: Unit, lo: int, hi: int):
         """The piece's current values, fetched for an update in place (the shards are the fp32
@@ -605,11 +605,11 @@ class NvmeParams(_Released):
             for r, share in enumerate(shares):
                 lo, hi = split(*share, piece)[j]
                 key = self.key(unit, lo)
-                buf = self.store.fetch(key, self.tier, read=r == me).wait()
+                buf = self.store.take(key, self.tier, read=r == me)
                 try:
                     self.comm.broadcast(buf[: hi - lo], r, what=f"{unit.label} params").wait()
-                except BaseException:
-                    self.store.release(key, self.tier, discard=r != me)
+                except BaseException:  # what it received is dropped, the home keeps its values
+                    self.store.release(key, self.tier, discard=True)
                     raise
                 self.store.release(key, self.tier, dirty=r != me)
         return completed(self.comm, "broadcast")

@@ -30,6 +30,19 @@ Note: coherence
     release starts that), so none starts under a reader. Every move is counted
     where it is issued (``stats.py``); moves to and from the compute device are not the store's
     (``offload.device``).
+
+Note: whose error
+    A call does work for other shards on its way: it completes their finished transfers and
+    pushes the wanted prefetches forward, and a last release starts its shard's write-back.
+    A failure there is no caller's own (a prefetch's read error found by a gather's release;
+    raised there, it broke the caller's loop of releases half way and left pins behind for
+    good). So that work never raises: the transfer is rolled back (``_abort``: a read is
+    retried by the next fetch, a failed write-back leaves its copy dirty and cached) and its
+    error is kept, to be raised by the next call that can report it before it takes anything:
+    ``fetch`` (before its pin), ``use``, ``read_ahead``, ``begin_iteration``, a ``wait()``,
+    ``settle_version`` (a write of the version failed: nothing is committed) and ``flush``
+    (after writing every copy home again). ``release`` raises only its own misuse: once it
+    returns or raises, the pin is given back.
 """
 
 from __future__ import annotations
@@ -91,6 +104,8 @@ class TieredStore:
         )
         self._staging: torch.Tensor | None = None
         self._version: dict[str, Shard] | None = None  # shards written in the open version
+        self._failure: Exception | None = None  # kept for the next call that reports it
+        self._failures_after = 0  # and how many more failed since (module Note: whose error)
         self._closed = False
 
     # -- registration ----------------------------------------------------------------------------
@@ -192,8 +207,9 @@ class TieredStore:
     ) -> Fetch:
         """Pin ``key`` in host memory and start moving it there; ``wait()`` the result to use it.
 
-        Each pin must be matched by one ``release``, also when ``fetch`` (or the ``wait``)
-        raised after it. ``held``: the caller's record of what it holds, to which ``key`` is
+        Each pin must be matched by one ``release``, also when the ``wait`` raised, or
+        ``fetch`` itself after the pin (a Ctrl-C only: an error on the way is the wait's, the
+        module Note on whose error). ``held``: the caller's record of what it holds, to which ``key`` is
         appended as it is pinned, with no call in between, so the record and the pins agree
         wherever an exception lands (a Ctrl-C above all, which Python raises at a call or a
         loop's jump): the caller releases exactly what its record holds. ``read=False``: the
@@ -205,6 +221,7 @@ class TieredStore:
             raise ValueError(f"{self.name}: fetch({key!r}) with both read=False and readonly")
         with self._lock:
             shard = self._get(key, tier)
+            self._report()
             # pinned first, and recorded with it: held even when what follows raises (the
             # prefetches pushed below submit reads and evict; a Ctrl-C may land there)
             shard.pins += 1
@@ -217,7 +234,8 @@ class TieredStore:
                 shard.dirty = True
             elif shard.home is Tier.NVME:
                 self._counters.fetched_bytes += shard.io_nbytes
-            self._advance(shard, read=read, blocking=False, readonly=readonly)
+            # what fails on the way is raised by the wait (the module Note on whose error)
+            self._quietly(self._advance, shard, read=read, blocking=False, readonly=readonly)
             return Fetch(self, shard, read, readonly)
 
     def release(
@@ -238,16 +256,18 @@ class TieredStore:
                     f"{self.name}: release({key!r}, {Tier(tier).name}) without a matching fetch"
                 )
             shard.pins -= 1
-            if discard:
-                if not shard.pinned():
-                    self._drop_copies(shard)
-                self._poll()
-                return
             if dirty:
                 shard.dirty = True
-            if shard.dirty and shard.pins == 0:
-                self._write_back(shard)
-            self._poll()
+            self._quietly(self._released, shard, discard)
+
+    def _released(self, shard: Shard, discard: bool) -> None:
+        """What a release starts once its pin is given back (module Note: whose error)."""
+        if discard:
+            if not shard.pinned():
+                self._drop_copies(shard)
+        elif shard.dirty and shard.pins == 0:
+            self._write_back(shard)
+        self._poll()
 
     def drop_held(self, held: Iterable[str], tier: Tier = Tier.HOST) -> None:
         """The cleanup of a use that failed: releases each key of ``held`` (what ``fetch``
@@ -257,16 +277,26 @@ class TieredStore:
             with contextlib.suppress(Exception):
                 self.release(key, tier, discard=True)
 
+    def take(self, key: str, tier: Tier = Tier.HOST, *, read: bool = True) -> torch.Tensor:
+        """``fetch`` + ``wait``: the host copy, pinned until the caller's ``release``. If the
+        fetch or its wait fails, nothing stays pinned (a read's IO error, a Ctrl-C)."""
+        held: list[str] = []  # empty when the fetch raised before its pin
+        try:
+            return self.fetch(key, tier, read=read, held=held).wait()
+        except BaseException:
+            self.drop_held(held, tier)
+            raise
+
     @contextlib.contextmanager
     def borrow(self, key: str, *, read: bool = True):
         """``fetch`` + ``wait`` + ``release``: the block gets the host copy, which is released
         dirty when it ends. If the block (or the read) fails, the copy is dropped unwritten
         (the shard keeps its value from before) and the error goes up."""
-        held: list[str] = []  # empty when the fetch raised before its pin
+        buf = self.take(key, read=read)
         try:
-            yield self.fetch(key, Tier.HOST, read=read, held=held).wait()
+            yield buf
         except BaseException:
-            self.drop_held(held)
+            self.release(key, Tier.HOST, discard=True)
             raise
         self.release(key, Tier.HOST, dirty=True)
 
@@ -277,6 +307,7 @@ class TieredStore:
                 self._check_open()
                 if shard.pins <= 0:
                     raise RuntimeError(f"{self.name}: wait on {shard.key!r} after it was released")
+                self._report()
             else:
                 self._poll()
             return self._advance(shard, read=read, blocking=blocking, readonly=readonly)
@@ -289,6 +320,7 @@ class TieredStore:
         """Record an access in the trace; while replaying, fetch the next accesses ahead."""
         with self._lock:
             shard = self._get(key, tier)
+            self._report()
             self._poll()
             if self._prefetcher.replaying:
                 hit = shard.heading_home() or (key in self._wanted and shard.pending is not None)
@@ -304,6 +336,7 @@ class TieredStore:
         may take, pin nothing, a demand fetch may evict them, and a hint nobody follows costs
         its read only."""
         with self._lock:
+            self._report()
             self._poll()
             for key in keys:
                 shard = self._get(key, tier)  # a host-homed shard is always ready()
@@ -313,6 +346,7 @@ class TieredStore:
     def begin_iteration(self) -> None:
         """Start of an iteration (replays the recorded trace if there is one)."""
         with self._lock:
+            self._report()
             self._poll()
             self._prefetcher.begin_iteration()
 
@@ -331,9 +365,19 @@ class TieredStore:
                 raise RuntimeError(f"{self.name}: begin_version() inside a version")
             self._version = {}
 
+    def settle_version(self) -> None:
+        """Waits until every write of the open version is on disk, and raises what failed
+        meanwhile (a write of the version above all: the version is still open, for a
+        rollback). A commit over several stores settles each first, so that no store commits
+        and another then fails."""
+        with self._lock:
+            self._report()
+            self._collect_version("commit_version", fetched_ok=True)
+
     def commit_version(self) -> int:
         """Keeps what the version wrote: its extents become the committed ones once every write
-        is on disk. Returns the number of shards it wrote."""
+        is on disk (:meth:`settle_version` first, to learn of a failed write while the version
+        can still be rolled back). Returns the number of shards it wrote."""
         with self._lock:
             version = self._collect_version("commit_version", fetched_ok=True)
             for shard in version:
@@ -431,6 +475,7 @@ class TieredStore:
                 if shard.dirty and not shard.pinned() and shard.pending is None:
                     self._write_back(shard)
             self._drain()
+            self._report()
 
     def _drain(self) -> None:
         while self._inflight:
@@ -470,12 +515,14 @@ class TieredStore:
         with self._lock:
             if self._closed:
                 return
-            self.flush()
-            if self._room is not None:
-                self._room.close()
-            self._shards.clear()
-            self._staging = None
-            self._closed = True
+            try:
+                self.flush()
+            finally:  # what failed was raised; the buffers go back all the same
+                if self._room is not None:
+                    self._room.close()
+                self._shards.clear()
+                self._staging = None
+                self._closed = True
 
     def __enter__(self) -> TieredStore:
         return self
@@ -561,16 +608,38 @@ class TieredStore:
             self.finish(shard)
 
     def _poll(self) -> None:
-        """Complete finished transfers and push wanted prefetches forward; never blocks."""
+        """Complete finished transfers and push wanted prefetches forward; never blocks, and
+        never raises what failed there (module Note: whose error)."""
         for shard in list(self._inflight.values()):
             if shard.pending is not None and shard.pending.done():
-                self.finish(shard)
+                self._quietly(self.finish, shard)
         for key in list(self._wanted):
             shard = self._shards[key]
             if shard.ready():
                 del self._wanted[key]
             elif self._wants_read(shard):
-                self._advance(shard, read=True, blocking=False, prefetch=True)
+                self._quietly(self._advance, shard, read=True, blocking=False, prefetch=True)
+
+    def _quietly(self, step, *args, **kwargs) -> None:
+        """Runs work done for no caller in particular; an error is kept for :meth:`_report`
+        (a Ctrl-C is the caller's: it goes up)."""
+        try:
+            step(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - kept, and raised by the next call that reports
+            if self._failure is None:
+                self._failure = exc
+            else:
+                self._failures_after += 1
+
+    def _report(self) -> None:
+        """Raises the first error :meth:`_quietly` kept since the last report, if any."""
+        failure, more = self._failure, self._failures_after
+        if failure is None:
+            return
+        self._failure, self._failures_after = None, 0
+        if more:
+            failure.add_note(f"{self.name}: {more} more transfer(s) failed after it")
+        raise failure
 
     def _want(self, items: list) -> None:
         wanted: dict[str, Tier] = {}
@@ -591,9 +660,10 @@ class TieredStore:
         return not (shard.pinned() or shard.dirty or shard.ready())
 
     def _prefetch(self, shard: Shard) -> None:
-        """Start reading ``shard`` as a prefetch (never blocks); counted started or deferred."""
+        """Start reading ``shard`` as a prefetch (never blocks, never raises: the module Note
+        on whose error); counted started or deferred."""
         before = shard.state
-        self._advance(shard, read=True, blocking=False, prefetch=True)
+        self._quietly(self._advance, shard, read=True, blocking=False, prefetch=True)
         self._counters.prefetch_started(shard.state is not before)
 
     # -- write-back ------------------------------------------------------------------------------------

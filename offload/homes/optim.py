@@ -311,7 +311,12 @@ class NvmeOptim(OptimHome):
             store.begin_version()
 
     def commit_version(self) -> None:
-        for store in self.master.stores():
+        """Keeps the update since :meth:`begin_version`; raises, with every store's version
+        still open (for :meth:`rollback_version`), when a write of it failed."""
+        stores = self.master.stores()
+        for store in stores:  # all settled first: no store commits before another fails
+            store.settle_version()
+        for store in stores:
             store.commit_version()
 
     def rollback_version(self) -> None:

@@ -425,14 +425,36 @@ class InBackward(Background):
             self.grads.take_back()
             self._would_keep = _same(used, hyper)
             if self._would_keep:
-                self.optim.commit_version()
+                self._commit()
             elif self.grads.retain:
                 self.optim.rollback_version()  # redone in launch() with the right values
                 self.timers["rollbacks"] += 1
                 self._then = ("redo",)
             else:
-                self.optim.commit_version()  # taken with the values it used; then refused
+                self._commit()  # taken with the values it used; then refused
                 self._then = ("refuse", used, hyper)
+
+    def _commit(self) -> None:
+        """Keeps the speculative update; one of its writes failed: it is undone instead (the
+        state of before the step), and the error raised as an update's."""
+        try:
+            self.optim.commit_version()
+        except Exception as err:
+            self.timers["rollbacks"] += 1
+            try:
+                self.optim.rollback_version()
+                self.optim.derive_params(self.stepped)
+            except Exception as exc:  # the undo failed too: refused until state is loaded
+                self.worker.failure = f"{type(exc).__name__}: {exc}"
+                raise RuntimeError(
+                    f"offload: the optimizer step failed: {err}, and its undo: {exc} (the "
+                    "optimizer state now mixes updated and old units; load a checkpoint "
+                    "before training on)"
+                ) from exc
+            raise RuntimeError(
+                f"offload: the optimizer step failed: {err} (the update was undone: the state "
+                "is that of before this step)"
+            ) from err
 
     def launch(self, hyper: Hyper) -> None:
         then, self._then = self._then, None

@@ -297,6 +297,52 @@ def test_a_backward_that_fails_part_way_is_dropped_and_training_goes_on(
         opt.close()
 
 
+@pytest.mark.parametrize("param_dev, opt_dev, step_in_backward, accum", RECOVERY_CASES)
+def test_a_forward_that_fails_part_way_is_dropped_and_training_goes_on(
+    tmp_path, param_dev, opt_dev, step_in_backward, accum
+):
+    """A forward that raises part way (here in the model, after the first units ran; the same
+    for an IO error of a gather) is undone whole: what it gathered let go, back to between
+    steps, so a checkpoint saves at once (it stayed in FORWARD: refused until a forward
+    completed) and training goes on bitwise as if the batch had not been seen; with
+    accumulation the step's earlier micro-steps count."""
+    data = batches(5)
+    cfg = _recovery_config(tmp_path / "ref", param_dev, opt_dev, step_in_backward, accum)
+    ref_model, ref_opt = offload.wrap(make_model(), cfg)
+    try:
+        _steps(ref_model, ref_opt, data[:5], accum)
+        expected = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    finally:
+        ref_opt.close()
+    model, opt = offload.wrap(
+        make_model(), _recovery_config(tmp_path, param_dev, opt_dev, step_in_backward, accum)
+    )
+    runtime = engine_of(model)
+    try:
+        _steps(model, opt, data[:2], accum)
+
+        def boom(module, args):
+            raise ValueError("boom in the model")
+
+        for m in range(accum - 1):  # the step's earlier micro-steps complete
+            (lm_loss(model, data[2][2 * m : 2 * m + 2]) / accum).backward()
+        handle = model.huge.register_forward_pre_hook(boom)  # after the blocks ran
+        with pytest.raises(ValueError, match="boom"):
+            lm_loss(model, data[2][2 * accum - 2 : 2 * accum])
+        handle.remove()
+        offload.save_checkpoint(tmp_path / "ck", model, opt)  # between steps again
+        assert not [k for s in runtime.stores.values() for k, sh in s._shards.items() if sh.pins]
+        (lm_loss(model, data[2][2 * accum - 2 : 2 * accum]) / accum).backward()  # again
+        opt.step()
+        opt.zero_grad()
+        _steps(model, opt, data[3:5], accum)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, expected[k]), k
+        assert not [k for s in runtime.stores.values() for k, sh in s._shards.items() if sh.pins]
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize("param_dev", ["nvme", "cpu"])
 def test_a_ctrl_c_between_taking_a_units_gradients_and_handing_them_on(
     tmp_path, monkeypatch, param_dev

@@ -138,6 +138,7 @@ class Runtime:
         self._handles: list = []
         self._step_started = time.perf_counter()
         self._fwd_start: float | None = None
+        self._forward_open = False  # a root forward begun between steps and not ended yet
         self._bwd_start: float | None = None
         self.closed = False
 
@@ -148,6 +149,9 @@ class Runtime:
         )
         self._handles.append(h)
         self._handles.append(self.model.register_forward_hook(self._root_post_forward))
+        self._handles.append(
+            self.model.register_forward_hook(self._root_forward_failed, always_call=True)
+        )
         for run in self.runs[1:]:
             module = run.unit.module
             self._handles.append(
@@ -184,6 +188,8 @@ class Runtime:
         self._settle_backward()
         if self.phase.phase is Phase.BACKWARD:
             return None  # recomputation of the whole model (unusual) keeps everything gathered
+        # a forward from between steps: if it raises, _root_forward_failed undoes it whole
+        self._forward_open = self.phase.phase is Phase.IDLE
         if self.phase.phase is Phase.IDLE:
             self._begin_micro_step()
         self.phase.to(Phase.FORWARD)
@@ -204,7 +210,26 @@ class Runtime:
             self.phase.to(Phase.IDLE)
         else:
             self._hook_outputs(self.runs[0], output)
+        self._forward_open = False
         return output
+
+    @_hook
+    def _root_forward_failed(self, module, args, output) -> None:
+        """Runs after every root forward (``always_call``), also one that raised (an error in
+        the model, an IO error of a gather; torch runs these hooks for an ``Exception`` only,
+        so a Ctrl-C in a forward still leaves FORWARD until the next forward). One that
+        raised, begun between steps, is undone as an inference ends: its units let go, back
+        to between steps, so that checkpoints work and the next forward begins afresh (it
+        stayed in FORWARD: ``save_checkpoint`` refused until a forward completed). The
+        gradients of the step's earlier micro-steps are kept."""
+        if not self._forward_open:  # ended (_root_post_forward), or not begun between steps
+            return
+        self._forward_open = False
+        if self.phase.phase is not Phase.FORWARD:
+            return
+        for run in self.runs:
+            run.residency.end_of_pass(run)
+        self.phase.to(Phase.IDLE)
 
     def _begin_micro_step(self) -> None:
         self._fwd_start = time.perf_counter()

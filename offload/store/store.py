@@ -209,13 +209,13 @@ class TieredStore:
 
         Each pin must be matched by one ``release``, also when the ``wait`` raised, or
         ``fetch`` itself after the pin (a Ctrl-C only: an error on the way is the wait's, the
-        module Note on whose error). ``held``: the caller's record of what it holds, to which ``key`` is
-        appended as it is pinned, with no call in between, so the record and the pins agree
-        wherever an exception lands (a Ctrl-C above all, which Python raises at a call or a
-        loop's jump): the caller releases exactly what its record holds. ``read=False``: the
-        caller overwrites the whole copy (no disk read; the shard counts as dirty from now
-        on). ``readonly``: the caller only reads the copy, so it need not wait for a
-        write-back in flight (the Note on coherence); released clean.
+        module Note on whose error). ``held``: the caller's record of what it holds, to which
+        ``key`` is appended as it is pinned, with no call in between, so the record and the
+        pins agree wherever an exception lands (a Ctrl-C above all, which Python raises at a
+        call or a loop's jump): the caller releases exactly what its record holds.
+        ``read=False``: the caller overwrites the whole copy (no disk read; the shard counts
+        as dirty from now on). ``readonly``: the caller only reads the copy, so it need not
+        wait for a write-back in flight (the Note on coherence); released clean.
         """
         if readonly and not read:
             raise ValueError(f"{self.name}: fetch({key!r}) with both read=False and readonly")

@@ -297,7 +297,9 @@ def test_a_backward_that_fails_part_way_is_dropped_and_training_goes_on(
         opt.close()
 
 
-@pytest.mark.parametrize("param_dev, opt_dev, step_in_backward, accum", RECOVERY_CASES)
+@pytest.mark.parametrize(  # the undo is the same in every placement: three of them
+    "param_dev, opt_dev, step_in_backward, accum", [RECOVERY_CASES[i] for i in (1, 3, 4)]
+)
 def test_a_forward_that_fails_part_way_is_dropped_and_training_goes_on(
     tmp_path, param_dev, opt_dev, step_in_backward, accum
 ):
@@ -339,6 +341,78 @@ def test_a_forward_that_fails_part_way_is_dropped_and_training_goes_on(
         for k, v in model.state_dict().items():
             assert torch.equal(v, expected[k]), k
         assert not [k for s in runtime.stores.values() for k, sh in s._shards.items() if sh.pins]
+    finally:
+        opt.close()
+
+
+def _after_a_forward(tmp_path, param_dev, opt_dev, then_save: bool):
+    """One step, a forward (saved from there with ``then_save``, else before it), its backward
+    and step, one more step; returns the final state and the checkpoint loaded elsewhere."""
+    data = batches(3)
+    model, opt = offload.wrap(make_model(), placement_config(param_dev, opt_dev, tmp_path / "s"))
+    try:
+        _steps(model, opt, data[:1], 1)
+        if not then_save:
+            path = offload.save_checkpoint(tmp_path / "ck", model, opt)
+        loss = lm_loss(model, data[1][:2])
+        if then_save:  # the forward's graph is pending: nothing has changed the state
+            path = offload.save_checkpoint(tmp_path / "ck", model, opt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        _steps(model, opt, data[2:], 1)
+        final = {k: v.clone() for k, v in model.state_dict().items()}
+    finally:
+        opt.close()
+    model, opt = offload.wrap(make_model(), placement_config(param_dev, opt_dev, tmp_path / "l"))
+    try:
+        offload.load_checkpoint(path, model, opt)
+        return final, {k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("param_dev, opt_dev", [("nvme", "nvme"), ("cpu", "cpu")])
+def test_a_checkpoint_after_a_forward_is_the_one_between_steps(tmp_path, param_dev, opt_dev):
+    """Reading the state (a checkpoint, an export, ``optimizer.state_dict()``) after a forward
+    whose backward has not begun: nothing changes the state there, so it is allowed (it was
+    refused "during forward", also after a loss dropped without backward, a skipped batch, and
+    after a forward stopped by Ctrl-C, which no hook sees) and saves what a checkpoint between
+    steps saves, bitwise; the backward and training go on as without it."""
+    before = _after_a_forward(tmp_path / "idle", param_dev, opt_dev, then_save=False)
+    after = _after_a_forward(tmp_path / "forward", param_dev, opt_dev, then_save=True)
+    for got, want in ((after[0], before[0]), (after[1], before[1])):
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+    for i, entry in before[2]["state"].items():
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(after[2]["state"][i][kind], entry[kind]), (i, kind)
+
+
+def test_a_forward_stopped_by_ctrl_c_or_dropped_leaves_checkpoints_possible(tmp_path):
+    """A loss dropped without its backward, and a forward stopped by Ctrl-C, leave the engine
+    after a forward: a checkpoint saves there (refused before), loading one is still refused
+    (it would change the state under the pending graph), and training goes on."""
+    data = batches(3)
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path / "s"))
+    try:
+        _steps(model, opt, data[:1], 1)
+        lm_loss(model, data[1][:2])  # dropped: a skipped batch
+        offload.save_checkpoint(tmp_path / "ck", model, opt)
+
+        def ctrl_c(module, args):
+            raise KeyboardInterrupt
+
+        handle = model.huge.register_forward_pre_hook(ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            lm_loss(model, data[1][:2])
+        handle.remove()
+        offload.save_checkpoint(tmp_path / "ck", model, opt)
+        opt.state_dict()
+        with pytest.raises(PhaseError, match="during forward"):  # it would overwrite the state
+            offload.load_checkpoint(tmp_path / "ck", model, opt)
+        _steps(model, opt, data[1:], 1)  # and training goes on
+        offload.load_checkpoint(tmp_path / "ck", model, opt)
     finally:
         opt.close()
 

@@ -119,7 +119,7 @@ def save_checkpoint(
     """Saves model and optimizer state under ``directory`` (see the module Note); returns the
     checkpoint's own directory. ``extra`` (JSON-serializable) comes back from load_checkpoint."""
     engine = _engine(model)
-    engine.check_idle("save_checkpoint")
+    engine.check_readable("save_checkpoint")
     _to_json(extra)
     name = f"ckpt-{engine.step_count:08d}-{time.time_ns()}"
     if engine.comm.world > 1:
@@ -541,7 +541,7 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
     others, rank 0 writes the file (the others write nothing) and every rank returns ``path``
     once it is in place, or raises if rank 0 failed."""
     engine = _engine(model)
-    engine.check_idle("export")
+    engine.check_readable("export")
     path = Path(path)
     names: dict[nn.Parameter, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

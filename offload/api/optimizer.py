@@ -149,7 +149,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         fp32 ``master``), gathered from wherever it lives. This pulls the whole optimizer state
         into RAM; use ``offload.save_checkpoint`` for models whose state does not fit."""
         engine = self._engine
-        engine.check_idle("optimizer.state_dict()")
+        engine.check_readable("optimizer.state_dict()")
         index = {p: i for i, p in enumerate(self.param_groups[0]["params"])}
         state: dict[int, dict] = {}
         for unit in engine.units:

@@ -223,7 +223,7 @@ def save_pretrained(
     if dtype is not None and dtype not in NAMES:
         raise ValueError(f"save_pretrained: dtype={dtype!r}; allowed: {', '.join(map(str, NAMES))}")
     engine = engine_of(model)
-    engine.check_idle("save_pretrained")
+    engine.check_readable("save_pretrained")
     directory = Path(directory)
 
     def write(values: UnitValues) -> None:

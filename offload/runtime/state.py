@@ -394,9 +394,21 @@ class Runtime:
     def check_idle(self, what: str, *, restoring: bool = False) -> None:
         """Raises unless between steps; then waits for a running update (state is read, or,
         ``restoring``, overwritten: then a failed update's mixed state may be replaced)."""
+        self._check_phase(what, (Phase.IDLE,), restoring)
+
+    def check_readable(self, what: str) -> None:
+        """:meth:`check_idle` for a call that only reads the state (a checkpoint, an export,
+        ``optimizer.state_dict()``): also allowed after a forward whose backward has not
+        begun, where nothing changes the state either. A loss dropped without its backward
+        (a skipped batch), or a forward stopped by Ctrl-C (torch runs no hook for it), leaves
+        that phase until a backward or a forward under ``no_grad``; these reads were refused
+        there."""
+        self._check_phase(what, (Phase.IDLE, Phase.FORWARD), restoring=False)
+
+    def _check_phase(self, what: str, phases: tuple[Phase, ...], restoring: bool) -> None:
         self._check_open()
         self._settle_backward()
-        if self.phase.phase is not Phase.IDLE:
+        if self.phase.phase not in phases:
             raise PhaseError(
                 f"offload: {what} called during {self.phase.phase.value}; call it between steps"
             )

@@ -216,12 +216,12 @@ class Runtime:
     @_hook
     def _root_forward_failed(self, module, args, output) -> None:
         """Runs after every root forward (``always_call``), also one that raised (an error in
-        the model, an IO error of a gather; torch runs these hooks for an ``Exception`` only,
-        so a Ctrl-C in a forward still leaves FORWARD until the next forward). One that
-        raised, begun between steps, is undone as an inference ends: its units let go, back
-        to between steps, so that checkpoints work and the next forward begins afresh (it
-        stayed in FORWARD: ``save_checkpoint`` refused until a forward completed). The
-        gradients of the step's earlier micro-steps are kept."""
+        the model, an IO error of a gather). One that raised, begun between steps, is undone
+        as an inference ends: its units let go, back to between steps, so that everything
+        works as before it (it stayed in FORWARD: loading a checkpoint refused until a
+        backward). The gradients of the step's earlier micro-steps are kept. torch runs
+        these hooks for an ``Exception`` only: a forward stopped by Ctrl-C stays in FORWARD
+        (:meth:`check_readable`)."""
         if not self._forward_open:  # ended (_root_post_forward), or not begun between steps
             return
         self._forward_open = False

@@ -32,6 +32,7 @@ def _run(mode: str, workdir: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+@pytest.mark.heavy
 def test_resume_in_fresh_process_is_bitwise_identical(tmp_path):
     for mode in ("full", "first", "second"):
         _run(mode, tmp_path)

@@ -559,6 +559,7 @@ def _launch(cmds: list[list[str]], cwd: Path, timeout: float = 240) -> list[tupl
     return wait_all(procs, timeout)
 
 
+@pytest.mark.heavy
 def test_two_nodes_on_this_host(tmp_path, reference):
     """Two torchrun launches, one per "node", meeting at a localhost rendezvous."""
     spec = tmp_path / "spec.json"

@@ -103,6 +103,7 @@ def _load_measure(tmp_path: Path, mode: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.heavy
 def test_streaming_load_and_export_stay_within_the_budget(tmp_path):
     """A model on the meta device filled from 5 safetensors shards of 50 MB (params and optimizer state
     on NVMe), trained one step and exported with save_pretrained: host memory grows by the
@@ -115,6 +116,7 @@ def test_streaming_load_and_export_stay_within_the_budget(tmp_path):
         assert m[phase] <= budget, (phase, m)
 
 
+@pytest.mark.heavy
 def test_wrapping_a_materialized_model_holds_no_second_copy(tmp_path):
     m = _load_measure(tmp_path, "live")
     budget = m["buffers"] + 4 * 4 * m["largest_unit"] + FIXED_OVERHEAD

@@ -50,6 +50,7 @@ def assert_flat(samples: dict[int, dict], warmup: int) -> None:
     assert ASAN or last["rss"] - first["rss"] <= RSS_ALLOWANCE, (first, last)
 
 
+@pytest.mark.heavy
 def test_soak_150_steps(tmp_path):
     assert_flat(soak(tmp_path, 150, 50), warmup=50)
 

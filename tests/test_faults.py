@@ -153,11 +153,11 @@ def test_flipped_bytes_in_optimizer_state_are_detected_with_checksums(tmp_path):
     assert nothing_left(tmp_path)
 
 
-def _train_skipping(tmp_path, fault=None) -> tuple[dict, dict, list]:
+def _train_skipping(tmp_path, fault=None) -> tuple[dict, dict, list, list]:
     """fp32 params and optimizer on NVMe, the step in backward: steps 0 and 1, then step 2 with
     ``fault`` (store, op, k: the k-th read or write that store submits fails with EIO in the
     syscall), or no step 2 at all; ``zero_grad()`` after its error, steps 3 and 4. Returns the
-    state, the errors of step 2 and the pins left between steps."""
+    model's and the optimizer's state, the errors of step 2 and the pins left between steps."""
     from offload.api.wrap import engine_of
 
     data = batches(6)

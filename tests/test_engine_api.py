@@ -305,9 +305,9 @@ def test_a_forward_that_fails_part_way_is_dropped_and_training_goes_on(
 ):
     """A forward that raises part way (here in the model, after the first units ran; the same
     for an IO error of a gather) is undone whole: what it gathered let go, back to between
-    steps, so a checkpoint saves at once (it stayed in FORWARD: refused until a forward
-    completed) and training goes on bitwise as if the batch had not been seen; with
-    accumulation the step's earlier micro-steps count."""
+    steps, so a checkpoint saves and loads at once (it stayed in FORWARD: loading refused
+    until a backward, saving too before ``check_readable``) and training goes on bitwise as
+    if the batch had not been seen; with accumulation the step's earlier micro-steps count."""
     data = batches(5)
     cfg = _recovery_config(tmp_path / "ref", param_dev, opt_dev, step_in_backward, accum)
     ref_model, ref_opt = offload.wrap(make_model(), cfg)
@@ -322,6 +322,7 @@ def test_a_forward_that_fails_part_way_is_dropped_and_training_goes_on(
     runtime = engine_of(model)
     try:
         _steps(model, opt, data[:2], accum)
+        saved = offload.save_checkpoint(tmp_path / "ck", model, opt)
 
         def boom(module, args):
             raise ValueError("boom in the model")
@@ -332,8 +333,11 @@ def test_a_forward_that_fails_part_way_is_dropped_and_training_goes_on(
         with pytest.raises(ValueError, match="boom"):
             lm_loss(model, data[2][2 * accum - 2 : 2 * accum])
         handle.remove()
-        offload.save_checkpoint(tmp_path / "ck", model, opt)  # between steps again
         assert not [k for s in runtime.stores.values() for k, sh in s._shards.items() if sh.pins]
+        assert not [r.unit.label for r in runtime.runs if runtime.params.gathered(r.unit)]
+        offload.save_checkpoint(tmp_path / "ck2", model, opt)  # between steps again
+        if accum == 1:  # (with a micro-step pending, loading is refused: the next test)
+            offload.load_checkpoint(saved, model, opt)
         (lm_loss(model, data[2][2 * accum - 2 : 2 * accum]) / accum).backward()  # again
         opt.step()
         opt.zero_grad()
@@ -341,6 +345,42 @@ def test_a_forward_that_fails_part_way_is_dropped_and_training_goes_on(
         for k, v in model.state_dict().items():
             assert torch.equal(v, expected[k]), k
         assert not [k for s in runtime.stores.values() for k, sh in s._shards.items() if sh.pins]
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("param_dev, opt_dev", [("nvme", "nvme"), ("cpu", "cpu")])
+def test_loading_with_a_micro_step_pending_is_refused_and_loses_nothing(
+    tmp_path, param_dev, opt_dev
+):
+    """Loading state with the gradients of a backward since the last step pending (mid
+    accumulation) was allowed, and the step after it took other gradients than the micro-steps'
+    sum (the result differed from that of a run without the load). Now it is refused, naming
+    what to call, and the step goes on with the micro-steps' gradients, bitwise."""
+    data = batches(4)
+    cfg = placement_config(param_dev, opt_dev, tmp_path / "ref")
+    cfg["gradient_accumulation_steps"] = 2
+    ref_model, ref_opt = offload.wrap(make_model(), cfg)
+    try:
+        _steps(ref_model, ref_opt, data[:3], 2)
+        expected = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    finally:
+        ref_opt.close()
+    cfg = placement_config(param_dev, opt_dev, tmp_path / "run")
+    cfg["gradient_accumulation_steps"] = 2
+    model, opt = offload.wrap(make_model(), cfg)
+    try:
+        _steps(model, opt, data[:2], 2)
+        saved = offload.save_checkpoint(tmp_path / "ck", model, opt)
+        (lm_loss(model, data[2][:2]) / 2).backward()
+        with pytest.raises(PhaseError, match=r"1 backward\(s\).*zero_grad\(\)"):
+            offload.load_checkpoint(saved, model, opt)
+        (lm_loss(model, data[2][2:4]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, expected[k]), k
+        offload.load_checkpoint(saved, model, opt)  # between steps: allowed
     finally:
         opt.close()
 
@@ -773,6 +813,9 @@ def test_after_a_failed_update_training_waits_for_a_checkpoint(tmp_path):
         opt.step()
     with pytest.raises(PhaseError, match="load a checkpoint"):
         offload.save_checkpoint(tmp_path / "bad", model, opt)
+    with pytest.raises(PhaseError, match=r"zero_grad\(\) first"):  # a backward is pending
+        offload.load_checkpoint(ckpt.parent, model, opt)
+    opt.zero_grad()
     offload.load_checkpoint(ckpt.parent, model, opt)
     lm_loss(model, data[2]).backward()
     opt.step()  # training goes on

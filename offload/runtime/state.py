@@ -413,6 +413,12 @@ class Runtime:
                 f"offload: {what} called during {self.phase.phase.value}; call it between steps"
             )
         self.schedule.check_access(what, self.backwards_since_step)
+        if restoring and self.backwards_since_step:  # they would be dropped, or summed with
+            raise PhaseError(  # gradients of other values: neither is what the caller means
+                f"offload: {what} called with the gradients of {self.backwards_since_step} "
+                "backward(s) since the last step pending; call optimizer.step() or "
+                "optimizer.zero_grad() first"
+            )
         self.flush_pending()
         if not restoring:
             self._check_consistent(what)

@@ -235,6 +235,21 @@ def _steps(model, opt, data, accum):
         opt.zero_grad()
 
 
+def _reference(cfg, data, accum) -> dict[str, torch.Tensor]:
+    """The model's state after ``_steps`` over ``data`` in a run of its own."""
+    model, opt = offload.wrap(make_model(), cfg)
+    try:
+        _steps(model, opt, data, accum)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+    finally:
+        opt.close()
+
+
+def _pinned(runtime) -> list[str]:
+    """The shards someone holds (fetched and not released), in every store."""
+    return [k for s in runtime.stores.values() for k, sh in s._shards.items() if sh.pins]
+
+
 RECOVERY_CASES = [  # (param, optimizer, step_in_backward, gradient_accumulation_steps)
     ("nvme", "nvme", True, 1),
     ("nvme", "nvme", True, 2),
@@ -256,15 +271,11 @@ def test_a_backward_that_fails_part_way_is_dropped_and_training_goes_on(
     gradients until zero_grad(), and after zero_grad() training goes on bitwise as if that
     batch had never been seen."""
     data = batches(5)
-    ref_model, ref_opt = offload.wrap(
-        make_model(),
+    expected = _reference(
         _recovery_config(tmp_path / "ref", param_dev, opt_dev, step_in_backward, accum),
+        [data[0], data[1], data[3], data[4]],
+        accum,
     )
-    try:
-        _steps(ref_model, ref_opt, [data[0], data[1], data[3], data[4]], accum)
-        expected = {k: v.clone() for k, v in ref_model.state_dict().items()}
-    finally:
-        ref_opt.close()
     model, opt = offload.wrap(
         make_model(), _recovery_config(tmp_path, param_dev, opt_dev, step_in_backward, accum)
     )
@@ -290,7 +301,7 @@ def test_a_backward_that_fails_part_way_is_dropped_and_training_goes_on(
         st = opt.stats()
         for k, v in model.state_dict().items():
             assert torch.equal(v, expected[k]), k
-        assert not [k for s in runtime.stores.values() for k, sh in s._shards.items() if sh.pins]
+        assert not _pinned(runtime)
         if step_in_backward and accum == 1:  # the first step learns to speculate
             assert st["total"]["rollbacks"] == 1, st["total"]  # the failed backward's update
     finally:
@@ -310,12 +321,7 @@ def test_a_forward_that_fails_part_way_is_dropped_and_training_goes_on(
     if the batch had not been seen; with accumulation the step's earlier micro-steps count."""
     data = batches(5)
     cfg = _recovery_config(tmp_path / "ref", param_dev, opt_dev, step_in_backward, accum)
-    ref_model, ref_opt = offload.wrap(make_model(), cfg)
-    try:
-        _steps(ref_model, ref_opt, data[:5], accum)
-        expected = {k: v.clone() for k, v in ref_model.state_dict().items()}
-    finally:
-        ref_opt.close()
+    expected = _reference(cfg, data[:5], accum)
     model, opt = offload.wrap(
         make_model(), _recovery_config(tmp_path, param_dev, opt_dev, step_in_backward, accum)
     )
@@ -333,7 +339,7 @@ def test_a_forward_that_fails_part_way_is_dropped_and_training_goes_on(
         with pytest.raises(ValueError, match="boom"):
             lm_loss(model, data[2][2 * accum - 2 : 2 * accum])
         handle.remove()
-        assert not [k for s in runtime.stores.values() for k, sh in s._shards.items() if sh.pins]
+        assert not _pinned(runtime)
         assert not [r.unit.label for r in runtime.runs if runtime.params.gathered(r.unit)]
         offload.save_checkpoint(tmp_path / "ck2", model, opt)  # between steps again
         if accum == 1:  # (with a micro-step pending, loading is refused: the next test)
@@ -344,7 +350,7 @@ def test_a_forward_that_fails_part_way_is_dropped_and_training_goes_on(
         _steps(model, opt, data[3:5], accum)
         for k, v in model.state_dict().items():
             assert torch.equal(v, expected[k]), k
-        assert not [k for s in runtime.stores.values() for k, sh in s._shards.items() if sh.pins]
+        assert not _pinned(runtime)
     finally:
         opt.close()
 
@@ -360,12 +366,7 @@ def test_loading_with_a_micro_step_pending_is_refused_and_loses_nothing(
     data = batches(4)
     cfg = placement_config(param_dev, opt_dev, tmp_path / "ref")
     cfg["gradient_accumulation_steps"] = 2
-    ref_model, ref_opt = offload.wrap(make_model(), cfg)
-    try:
-        _steps(ref_model, ref_opt, data[:3], 2)
-        expected = {k: v.clone() for k, v in ref_model.state_dict().items()}
-    finally:
-        ref_opt.close()
+    expected = _reference(cfg, data[:3], 2)
     cfg = placement_config(param_dev, opt_dev, tmp_path / "run")
     cfg["gradient_accumulation_steps"] = 2
     model, opt = offload.wrap(make_model(), cfg)
@@ -468,12 +469,7 @@ def test_a_ctrl_c_between_taking_a_units_gradients_and_handing_them_on(
     the update never took; a scratch stress of Ctrl-C in a notebook-style loop found it)."""
     data = batches(5)
     cfg = _recovery_config(tmp_path / "ref", param_dev, "nvme", True, 1)
-    ref_model, ref_opt = offload.wrap(make_model(), cfg)
-    try:
-        _steps(ref_model, ref_opt, [data[0], data[1], data[3], data[4]], 1)
-        expected = {k: v.clone() for k, v in ref_model.state_dict().items()}
-    finally:
-        ref_opt.close()
+    expected = _reference(cfg, [data[0], data[1], data[3], data[4]], 1)
     model, opt = offload.wrap(make_model(), _recovery_config(tmp_path, param_dev, "nvme", True, 1))
     runtime, went_on, runner = engine_of(model), [], None
     try:

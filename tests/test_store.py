@@ -657,3 +657,20 @@ def test_a_prefetchs_failed_read_is_no_releases_error(tmp_path, backend):
         for key, value in (("a", 1.0), ("c", 3.0)):  # reported once; "c" is read again
             with store.borrow(key) as got:
                 assert torch.equal(got, torch.full((1000,), value))
+
+
+def test_a_take_whose_read_fails_holds_nothing(tmp_path, backend):
+    """``take`` (fetch + wait) whose read fails raises that error and leaves no pin (the
+    fetch-then-wait it replaced in the update's out buffer, the refresh and the gradient
+    absorb leaked one); the next take reads the shard again."""
+    with make_store(tmp_path, buffers=2) as store:
+        store.register("a", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 2.0))
+        faults.inject(errno.EIO, count=1, op="read")
+        try:
+            with pytest.raises(OSError, match="shard 'a'"):
+                store.take("a")
+        finally:
+            faults.clear()
+        assert not store._shards["a"].pinned()
+        assert torch.equal(store.take("a"), torch.full((1000,), 2.0))
+        store.release("a")

@@ -269,22 +269,17 @@ class TieredStore:
             self._write_back(shard)
         self._poll()
 
-    def drop_held(self, held: Iterable[str], tier: Tier = Tier.HOST) -> None:
-        """The cleanup of a use that failed: releases each key of ``held`` (what ``fetch``
-        recorded) with its copy discarded; their errors are suppressed, the first error being
-        the one the caller raises."""
-        for key in held:
-            with contextlib.suppress(Exception):
-                self.release(key, tier, discard=True)
-
     def take(self, key: str, tier: Tier = Tier.HOST, *, read: bool = True) -> torch.Tensor:
         """``fetch`` + ``wait``: the host copy, pinned until the caller's ``release``. If the
-        fetch or its wait fails, nothing stays pinned (a read's IO error, a Ctrl-C)."""
+        fetch or its wait fails, nothing stays pinned (a read's IO error, a Ctrl-C) and the
+        copy is dropped unwritten."""
         held: list[str] = []  # empty when the fetch raised before its pin
         try:
             return self.fetch(key, tier, read=read, held=held).wait()
         except BaseException:
-            self.drop_held(held, tier)
+            if held:
+                with contextlib.suppress(Exception):  # the fetch's own error is raised
+                    self.release(key, tier, discard=True)
             raise
 
     @contextlib.contextmanager

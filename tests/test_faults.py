@@ -153,15 +153,16 @@ def test_flipped_bytes_in_optimizer_state_are_detected_with_checksums(tmp_path):
     assert nothing_left(tmp_path)
 
 
-def _train_skipping(tmp_path, fault=None) -> tuple[dict, dict, list, list]:
-    """fp32 params and optimizer on NVMe, the step in backward: steps 0 and 1, then step 2 with
+def _train_skipping(tmp_path, fault=None, param_dev="nvme") -> tuple[dict, dict, list, list]:
+    """fp32 params on ``param_dev`` and the optimizer on NVMe, the step in backward: steps 0
+    and 1, then step 2 with
     ``fault`` (store, op, k: the k-th read or write that store submits fails with EIO in the
     syscall), or no step 2 at all; ``zero_grad()`` after its error, steps 3 and 4. Returns the
     model's and the optimizer's state, the errors of step 2 and the pins left between steps."""
     from offload.api.wrap import engine_of
 
     data = batches(6)
-    cfg = placement_config("nvme", "nvme", tmp_path)
+    cfg = placement_config(param_dev, "nvme", tmp_path)
     cfg["offload_optimizer"]["buffer_count"] = 8
     cfg["offload_optimizer"]["step_in_backward"] = True
     model, opt = offload.wrap(make_model(), cfg)
@@ -218,7 +219,7 @@ def _train_skipping(tmp_path, fault=None) -> tuple[dict, dict, list, list]:
     + [("offload_optimizer", op, 1) for op in ("read", "write")],
     ids=lambda f: f"{f[0]}-{f[1]}-{f[2]}",
 )
-def test_an_io_error_in_a_step_then_training_goes_on(tmp_path, fault):
+def test_an_io_error_in_a_step_then_training_goes_on(tmp_path, fault, param_dev="nvme"):
     """An IO error anywhere in a step (a gather's read, a prefetch, the update's reads and
     writes, its commit) is raised by that step, and after ``zero_grad()`` training goes on
     bitwise as if the step's batch had not been seen, with no piece left pinned. Before: a
@@ -227,15 +228,38 @@ def test_an_io_error_in_a_step_then_training_goes_on(tmp_path, fault):
     ``param-read-3``, ``param-write-2`` failed). ``param-write-10``: a failed write of the
     speculative update found at its commit (where the store reports it now) is undone; it
     left the version open before that was handled, and every later step failed."""
-    got_model, got_opt, errors, pins = _train_skipping(tmp_path / "got", fault)
+    got_model, got_opt, errors, pins = _train_skipping(tmp_path / "got", fault, param_dev)
     assert pins == [[], []], pins
     if errors:
         io_error_in_chain(errors[0])
-        ref_model, ref_opt, _, _ = _train_skipping(tmp_path / "ref")  # no step 2
+        ref_model, ref_opt, _, _ = _train_skipping(tmp_path / "ref", None, param_dev)  # no step 2
     else:  # the fault landed in a write that a later flush made whole: the step was taken
-        ref_model, ref_opt, _, _ = _train_skipping(tmp_path / "ref", (fault[0], "read", 1 << 40))
+        never = (fault[0], "read", 1 << 40)
+        ref_model, ref_opt, _, _ = _train_skipping(tmp_path / "ref", never, param_dev)
     for name, value in ref_model.items():
         assert torch.equal(got_model[name], value), name
     for i, entry in ref_opt["state"].items():
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(got_opt["state"][i][kind], entry[kind]), (i, kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "param_dev, fault",
+    [
+        (param_dev, (store, op, k))
+        for param_dev, stores in (
+            ("nvme", ("offload_param", "offload_optimizer")),
+            ("none", ("offload_optimizer",)),
+        )
+        for store in stores
+        for op in ("read", "write")
+        for k in range(1, 9)
+    ],
+    ids=lambda v: v if isinstance(v, str) else f"{v[0]}-{v[1]}-{v[2]}",
+)
+def test_io_error_sweep(tmp_path, param_dev, fault):
+    """The test above at every one of the first eight reads and writes of each store, with
+    the params on NVMe and on the compute device (the sweep of issue 16's twenty-second pass;
+    on 3a50183 the param store's read 2 and 3 and write 2 went on from wrong values)."""
+    test_an_io_error_in_a_step_then_training_goes_on(tmp_path, fault, param_dev)

@@ -430,30 +430,102 @@ def test_a_checkpoint_after_a_forward_is_the_one_between_steps(tmp_path, param_d
             assert torch.equal(after[2]["state"][i][kind], entry[kind]), (i, kind)
 
 
-def test_a_forward_stopped_by_ctrl_c_or_dropped_leaves_checkpoints_possible(tmp_path):
-    """A loss dropped without its backward, and a forward stopped by Ctrl-C, leave the engine
-    after a forward: a checkpoint saves there (refused before), loading one is still refused
-    (it would change the state under the pending graph), and training goes on."""
+@pytest.mark.parametrize("param_dev, opt_dev, step_in_backward, accum", RECOVERY_CASES)
+def test_a_forward_whose_loss_is_let_go_is_dropped_and_training_goes_on(
+    tmp_path, param_dev, opt_dev, step_in_backward, accum
+):
+    """A loss computed with gradients on and let go unused (looked at, a skipped batch) left
+    the engine in FORWARD until the next backward: loading a checkpoint was refused, and so
+    was ``step()`` after the step's backwards, where plain PyTorch goes on. Once nothing can
+    run a backward through that forward it is dropped (what it gathered let go), and the
+    training is bitwise that of a run that never looked."""
+    data = batches(5)
+    cfg = _recovery_config(tmp_path / "ref", param_dev, opt_dev, step_in_backward, accum)
+    expected = _reference(cfg, data[:5], accum)
+    model, opt = offload.wrap(
+        make_model(), _recovery_config(tmp_path, param_dev, opt_dev, step_in_backward, accum)
+    )
+    runtime = engine_of(model)
+    try:
+        _steps(model, opt, data[:2], accum)
+        saved = offload.save_checkpoint(tmp_path / "ck", model, opt)
+        assert lm_loss(model, data[0][:2]).item() > 0  # looked at, with gradients on
+        offload.load_checkpoint(saved, model, opt)
+        assert not _pinned(runtime)
+        assert not [r.unit.label for r in runtime.runs if runtime.params.gathered(r.unit)]
+        for m in range(accum):
+            (lm_loss(model, data[2][2 * m : 2 * m + 2]) / accum).backward()
+        skipped = lm_loss(model, data[1][:2])
+        del skipped  # a batch skipped after the step's backwards
+        opt.step()
+        opt.zero_grad()
+        _steps(model, opt, data[3:5], accum)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, expected[k]), k
+        assert not _pinned(runtime)
+    finally:
+        opt.close()
+
+
+def test_a_loss_still_held_keeps_its_forward_and_says_how_to_let_it_go(tmp_path):
+    """While a forward's loss is held, its backward may still come: loading is refused with
+    what to do, reading state is allowed, and the backward and step then go on."""
     data = batches(3)
     model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path / "s"))
     try:
         _steps(model, opt, data[:1], 1)
-        lm_loss(model, data[1][:2])  # dropped: a skipped batch
+        loss = lm_loss(model, data[1])
         offload.save_checkpoint(tmp_path / "ck", model, opt)
+        opt.state_dict()
+        with pytest.raises(PhaseError, match=r"during forward.*loss.backward\(\).*del loss"):
+            offload.load_checkpoint(tmp_path / "ck", model, opt)
+        with pytest.raises(PhaseError, match="during forward"):
+            opt.step()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        offload.load_checkpoint(tmp_path / "ck", model, opt)
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("mid_accumulation", [False, True])
+def test_a_forward_stopped_by_ctrl_c_is_dropped_at_the_next_call(tmp_path, mid_accumulation):
+    """torch runs no hook for a forward stopped by Ctrl-C: it stayed in FORWARD, loading a
+    checkpoint refused until a backward, and ``step()`` after the step's first micro-step too.
+    The next call of the caller's on that thread drops it; training goes on bitwise as if the
+    forward had not begun."""
+    data = batches(4)
+    accum = 2 if mid_accumulation else 1
+    cfg = _recovery_config(tmp_path / "ref", "nvme", "nvme", True, accum)
+    expected = _reference(cfg, data[:4], accum)
+    model, opt = offload.wrap(make_model(), _recovery_config(tmp_path, "nvme", "nvme", True, accum))
+    runtime = engine_of(model)
+    try:
+        _steps(model, opt, data[:2], accum)
+        saved = offload.save_checkpoint(tmp_path / "ck", model, opt)
 
         def ctrl_c(module, args):
             raise KeyboardInterrupt
 
-        handle = model.huge.register_forward_pre_hook(ctrl_c)
-        with pytest.raises(KeyboardInterrupt):
-            lm_loss(model, data[1][:2])
+        for m in range(accum - 1):
+            (lm_loss(model, data[2][2 * m : 2 * m + 2]) / accum).backward()
+        handle = model.huge.register_forward_pre_hook(ctrl_c)  # after the blocks ran
+        with pytest.raises(KeyboardInterrupt) as stopped:  # (its frames, and tensors, held)
+            lm_loss(model, data[2][2 * accum - 2 : 2 * accum])
         handle.remove()
-        offload.save_checkpoint(tmp_path / "ck", model, opt)
-        opt.state_dict()
-        with pytest.raises(PhaseError, match="during forward"):  # it would overwrite the state
-            offload.load_checkpoint(tmp_path / "ck", model, opt)
-        _steps(model, opt, data[1:], 1)  # and training goes on
-        offload.load_checkpoint(tmp_path / "ck", model, opt)
+        if mid_accumulation:
+            opt.step()  # the micro-steps that completed, as plain PyTorch would
+            opt.zero_grad()
+            offload.load_checkpoint(saved, model, opt)
+        else:
+            offload.load_checkpoint(saved, model, opt)
+        assert stopped.value is not None
+        assert not _pinned(runtime)
+        assert not [r.unit.label for r in runtime.runs if runtime.params.gathered(r.unit)]
+        _steps(model, opt, data[2:4], accum)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, expected[k]), k
     finally:
         opt.close()
 

@@ -7,6 +7,8 @@ not accept raises with what happened and what was expected, instead of silently 
     IDLE --backward again over a retained graph--> BACKWARD
     IDLE --step()--> STEP --done--> IDLE
     FORWARD --forward (eval / no_grad / a second forward)--> FORWARD
+    FORWARD --the forward raised; or, at the caller's next call, its graph was let go or it
+              was stopped by Ctrl-C--> IDLE
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -139,6 +140,10 @@ class Runtime:
         self._step_started = time.perf_counter()
         self._fwd_start: float | None = None
         self._forward_open = False  # a root forward begun between steps and not ended yet
+        self._forward_thread = 0  # the thread that began it
+        # the graph of this micro-step's forwards (a weak reference to the _Graph their
+        # units' output hooks hold), None before one was hooked
+        self._graph: weakref.ref | None = None
         self._bwd_start: float | None = None
         self.closed = False
 
@@ -190,6 +195,7 @@ class Runtime:
             return None  # recomputation of the whole model (unusual) keeps everything gathered
         # a forward from between steps: if it raises, _root_forward_failed undoes it whole
         self._forward_open = self.phase.phase is Phase.IDLE
+        self._forward_thread = threading.get_ident()
         if self.phase.phase is Phase.IDLE:
             self._begin_micro_step()
         self.phase.to(Phase.FORWARD)
@@ -204,13 +210,10 @@ class Runtime:
         if torch.is_grad_enabled() and self._keeps:  # learned for the next (_post_forward)
             self._backward_first = self._ran_last
         if not (torch.is_grad_enabled() and _requires_grad(output)):
-            # inference: nothing will come back through backward
-            for run in self.runs:
-                run.residency.end_of_pass(run)
-            self.phase.to(Phase.IDLE)
+            self._end_forward()  # inference: nothing will come back through backward
         else:
             self._hook_outputs(self.runs[0], output)
-        self._forward_open = False
+            self._forward_open = False
         return output
 
     @_hook
@@ -220,18 +223,38 @@ class Runtime:
         as an inference ends: its units let go, back to between steps, so that everything
         works as before it (it stayed in FORWARD: loading a checkpoint refused until a
         backward). The gradients of the step's earlier micro-steps are kept. torch runs
-        these hooks for an ``Exception`` only: a forward stopped by Ctrl-C stays in FORWARD
-        (:meth:`check_readable`)."""
+        these hooks for an ``Exception`` only: a forward stopped by Ctrl-C is dropped at the
+        caller's next call (:meth:`_settle_forward`)."""
         if not self._forward_open:  # ended (_root_post_forward), or not begun between steps
             return
         self._forward_open = False
-        if self.phase.phase is not Phase.FORWARD:
-            return
+        if self.phase.phase is Phase.FORWARD:
+            self._end_forward()
+
+    def _end_forward(self) -> None:
+        """The micro-step's forwards end with no backward to follow (an inference, or one
+        dropped): their units let go, back to between steps. The gradients of the step's
+        earlier micro-steps are kept."""
+        self._forward_open = False
         for run in self.runs:
             run.residency.end_of_pass(run)
         self.phase.to(Phase.IDLE)
 
+    def _settle_forward(self) -> None:
+        """A forward that no backward can follow any more is dropped (:meth:`_end_forward`),
+        for a call of the caller's between steps: one whose loss and outputs the caller let
+        go unused (a loss looked at with gradients on, a skipped batch), or one stopped by
+        Ctrl-C on this thread (torch runs no hook for it). Left in FORWARD, loading state would
+        be refused and ``step()`` too, where plain PyTorch goes on. The forward's graph is
+        gone when its :class:`_Graph` is (only the autograd graph holds it)."""
+        if self.phase.phase is not Phase.FORWARD:
+            return
+        stopped = self._forward_open and self._forward_thread == threading.get_ident()
+        if stopped or (self._graph is not None and self._graph() is None):
+            self._end_forward()
+
     def _begin_micro_step(self) -> None:
+        self._graph = None
         self._fwd_start = time.perf_counter()
         self.transfers.capture_stream()
         if self.backwards_since_step == 0:
@@ -299,10 +322,17 @@ class Runtime:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _hook_outputs(self, run: UnitRun, output) -> None:
-        """The pre-backward gather: fires when backward reaches ``run``'s outputs."""
-        for t in tree_flatten(output)[0]:
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda g, r=run: self._pre_backward(r))
+        """The pre-backward gather: fires when backward reaches ``run``'s outputs. The hooks
+        hold the micro-step's :class:`_Graph`."""
+        outputs = [t for t in tree_flatten(output)[0] if _grad_tensor(t)]
+        if not outputs:
+            return
+        graph = self._graph() if self._graph is not None else None
+        if graph is None:
+            graph = _Graph()
+            self._graph = weakref.ref(graph)
+        for t in outputs:
+            t.register_hook(lambda g, r=run, held=graph: self._pre_backward(r))
 
     @_hook
     def _pre_backward(self, run: UnitRun) -> None:
@@ -398,16 +428,21 @@ class Runtime:
 
     def check_readable(self, what: str) -> None:
         """:meth:`check_idle` for a call that only reads the state (a checkpoint, an export,
-        ``optimizer.state_dict()``): also allowed after a forward whose backward has not
-        begun, where nothing changes the state either. A loss dropped without its backward
-        (a skipped batch), or a forward stopped by Ctrl-C (torch runs no hook for it), leaves
-        that phase until a backward or a forward under ``no_grad``; these reads were refused
-        there."""
+        ``optimizer.state_dict()``): also allowed after a forward whose loss is still held
+        (its backward may come), where nothing changes the state either."""
         self._check_phase(what, (Phase.IDLE, Phase.FORWARD), restoring=False)
 
     def _check_phase(self, what: str, phases: tuple[Phase, ...], restoring: bool) -> None:
         self._check_open()
         self._settle_backward()
+        self._settle_forward()
+        if self.phase.phase is Phase.FORWARD and self.phase.phase not in phases:
+            raise PhaseError(
+                f"offload: {what} called during forward: the outputs of a forward with "
+                "gradients on are still held (a loss not yet backwarded); call "
+                "loss.backward() first, or let the loss go (del loss), or run such forwards "
+                "under torch.no_grad()"
+            )
         if self.phase.phase not in phases:
             raise PhaseError(
                 f"offload: {what} called during {self.phase.phase.value}; call it between steps"
@@ -439,6 +474,7 @@ class Runtime:
     def check_can_step(self) -> None:
         self._check_open()
         self._settle_backward()
+        self._settle_forward()
         self._check_consistent("optimizer.step()")
         if self.phase.phase is not Phase.IDLE:
             raise PhaseError(
@@ -617,5 +653,18 @@ class Runtime:
         )
 
 
+def _grad_tensor(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad
+
+
 def _requires_grad(output) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0])
+    return any(_grad_tensor(t) for t in tree_flatten(output)[0])
+
+
+class _Graph:
+    """Held by the hooks on the outputs of a micro-step's units, which the autograd graph
+    holds: it dies with the last of them, when nothing can run a backward through that
+    forward any more (the caller let its loss and outputs go). One that no hook holds
+    (a leaf output) lives on."""
+
+    __slots__ = ("__weakref__",)

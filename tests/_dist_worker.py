@@ -18,7 +18,8 @@ Job keys: ``name``, ``param``, ``optim``, ``dtype`` (fp32), ``stage``, ``steps``
 ``pairs`` (wrap over a process group of ranks {0,1} / {2,3}; only the first pair reports),
 ``load_state`` (an optimizer state_dict file to load, the scheduler advanced to ``start``),
 ``restore`` (close with ``restore=True`` and compare the plain model's values),
-``block`` (checkpoint block checksum size), ``log`` (record when collectives are issued and
+``block`` (checkpoint block checksum size), ``peek`` (after each step's backwards, a loss
+with gradients on, looked at and let go before the step), ``log`` (record when collectives are issued and
 waited and when units compute, on rank 0), ``count_reads`` (bytes read from checkpoint files).
 
 After the jobs: ``threads.w<world>.<rank>.json``, this process's threads by name before and after
@@ -162,6 +163,8 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
             loss = lm_loss(model, batch) / accum
             loss.backward()
             total += float(loss.detach())
+        if job.get("peek"):  # a forward (its gathers collective) no backward follows
+            assert lm_loss(model, slice_of(data[s % len(data)], rank, world)).item() > 0
         if clip:
             norms.append(float(opt.clip_grad_norm_(clip)))
         opt.step()

@@ -139,6 +139,7 @@ def two(root) -> Path:
         | {"export": str(root / "export.safetensors"), "save_pretrained": str(root / "hf")},
         job("sd-load", "nvme", "cpu", 2, steps=6, start=3, load_state=str(root / "sd.pt")),
         *COLLECTIVES,
+        job("peek-s3-sib", "cpu", "nvme", 3, steps=3, model="stack", accum=1, clip=0, peek=True),
         job("log", "cpu", "cpu", 3, steps=2, model="stack", accum=1, log=True),
     ]
     run_ranks(2, jobs, root)
@@ -460,6 +461,17 @@ def test_collective_bytes_match_the_plan(two, stage):
             assert got == want
             assert st["collectives"]["all_reduce"]["calls"] == 1  # the norm and the flag
             assert st["collective_bytes"] == sum(want.values()) + 2 * 16
+
+
+def test_a_loss_let_go_on_every_rank_changes_nothing(two):
+    """Each step's update ran speculatively in its backward; then every rank computed a loss
+    with gradients on (stage 3: its forward gathers across ranks) and let it go. The step
+    after it was refused (the engine stayed in the forward); now the forward is dropped and
+    the training is bitwise that of the same job without it."""
+    assert result(two, "peek-s3-sib")["losses"] == result(two, "coll-s3-sib")["losses"]
+    got, want = _final(two, "peek-s3-sib"), _final(two, "coll-s3-sib")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_the_step_in_backward_gathers_each_unit_once_per_use(two):

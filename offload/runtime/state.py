@@ -437,12 +437,7 @@ class Runtime:
         self._settle_backward()
         self._settle_forward()
         if self.phase.phase is Phase.FORWARD and self.phase.phase not in phases:
-            raise PhaseError(
-                f"offload: {what} called during forward: the outputs of a forward with "
-                "gradients on are still held (a loss not yet backwarded); call "
-                "loss.backward() first, or let the loss go (del loss), or run such forwards "
-                "under torch.no_grad()"
-            )
+            self._refuse_in_forward(what)
         if self.phase.phase not in phases:
             raise PhaseError(
                 f"offload: {what} called during {self.phase.phase.value}; call it between steps"
@@ -457,6 +452,15 @@ class Runtime:
         self.flush_pending()
         if not restoring:
             self._check_consistent(what)
+
+    def _refuse_in_forward(self, what: str) -> None:
+        """After :meth:`_settle_forward`, a forward still here may yet get its backward."""
+        raise PhaseError(
+            f"offload: {what} called during forward: the outputs of a forward with "
+            "gradients on are still held (a loss not yet backwarded); call "
+            "loss.backward() first, or let the loss go (del loss), or run such forwards "
+            "under torch.no_grad()"
+        )
 
     def _check_consistent(self, what: str) -> None:
         failure = self.schedule.failure
@@ -476,6 +480,8 @@ class Runtime:
         self._settle_backward()
         self._settle_forward()
         self._check_consistent("optimizer.step()")
+        if self.phase.phase is Phase.FORWARD:
+            self._refuse_in_forward("optimizer.step()")
         if self.phase.phase is not Phase.IDLE:
             raise PhaseError(
                 f"offload: optimizer.step() called during {self.phase.phase.value}; "

@@ -19,8 +19,9 @@ Job keys: ``name``, ``param``, ``optim``, ``dtype`` (fp32), ``stage``, ``steps``
 ``load_state`` (an optimizer state_dict file to load, the scheduler advanced to ``start``),
 ``restore`` (close with ``restore=True`` and compare the plain model's values),
 ``block`` (checkpoint block checksum size), ``peek`` (after each step's backwards, a loss
-with gradients on, looked at and let go before the step), ``log`` (record when collectives are issued and
-waited and when units compute, on rank 0), ``count_reads`` (bytes read from checkpoint files).
+with gradients on, looked at and let go before the step), ``log`` (record when collectives
+are issued and waited and when units compute, on rank 0), ``count_reads`` (bytes read from
+checkpoint files).
 
 After the jobs: ``threads.w<world>.<rank>.json``, this process's threads by name before and after
 ``destroy_process_group``.

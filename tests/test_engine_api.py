@@ -250,6 +250,23 @@ def _pinned(runtime) -> list[str]:
     return [k for s in runtime.stores.values() for k, sh in s._shards.items() if sh.pins]
 
 
+def _gathered(runtime) -> list[str]:
+    """The units whose parameters are gathered."""
+    return [r.unit.label for r in runtime.runs if runtime.params.gathered(r.unit)]
+
+
+def _recovery_run(tmp_path, data, param_dev, opt_dev, step_in_backward, accum):
+    """What ``_steps`` over ``data`` gives in a run of its own, and a model wrapped alike,
+    trained two steps, with its checkpoint there: (expected, model, opt, checkpoint)."""
+    cfg = _recovery_config(tmp_path / "ref", param_dev, opt_dev, step_in_backward, accum)
+    expected = _reference(cfg, data, accum)
+    model, opt = offload.wrap(
+        make_model(), _recovery_config(tmp_path, param_dev, opt_dev, step_in_backward, accum)
+    )
+    _steps(model, opt, data[:2], accum)
+    return expected, model, opt, offload.save_checkpoint(tmp_path / "ck", model, opt)
+
+
 RECOVERY_CASES = [  # (param, optimizer, step_in_backward, gradient_accumulation_steps)
     ("nvme", "nvme", True, 1),
     ("nvme", "nvme", True, 2),
@@ -320,15 +337,11 @@ def test_a_forward_that_fails_part_way_is_dropped_and_training_goes_on(
     until a backward, saving too before ``check_readable``) and training goes on bitwise as
     if the batch had not been seen; with accumulation the step's earlier micro-steps count."""
     data = batches(5)
-    cfg = _recovery_config(tmp_path / "ref", param_dev, opt_dev, step_in_backward, accum)
-    expected = _reference(cfg, data[:5], accum)
-    model, opt = offload.wrap(
-        make_model(), _recovery_config(tmp_path, param_dev, opt_dev, step_in_backward, accum)
+    expected, model, opt, saved = _recovery_run(
+        tmp_path, data, param_dev, opt_dev, step_in_backward, accum
     )
     runtime = engine_of(model)
     try:
-        _steps(model, opt, data[:2], accum)
-        saved = offload.save_checkpoint(tmp_path / "ck", model, opt)
 
         def boom(module, args):
             raise ValueError("boom in the model")
@@ -340,7 +353,7 @@ def test_a_forward_that_fails_part_way_is_dropped_and_training_goes_on(
             lm_loss(model, data[2][2 * accum - 2 : 2 * accum])
         handle.remove()
         assert not _pinned(runtime)
-        assert not [r.unit.label for r in runtime.runs if runtime.params.gathered(r.unit)]
+        assert not _gathered(runtime)
         offload.save_checkpoint(tmp_path / "ck2", model, opt)  # between steps again
         if accum == 1:  # (with a micro-step pending, loading is refused: the next test)
             offload.load_checkpoint(saved, model, opt)
@@ -440,19 +453,15 @@ def test_a_forward_whose_loss_is_let_go_is_dropped_and_training_goes_on(
     run a backward through that forward it is dropped (what it gathered let go), and the
     training is bitwise that of a run that never looked."""
     data = batches(5)
-    cfg = _recovery_config(tmp_path / "ref", param_dev, opt_dev, step_in_backward, accum)
-    expected = _reference(cfg, data[:5], accum)
-    model, opt = offload.wrap(
-        make_model(), _recovery_config(tmp_path, param_dev, opt_dev, step_in_backward, accum)
+    expected, model, opt, saved = _recovery_run(
+        tmp_path, data, param_dev, opt_dev, step_in_backward, accum
     )
     runtime = engine_of(model)
     try:
-        _steps(model, opt, data[:2], accum)
-        saved = offload.save_checkpoint(tmp_path / "ck", model, opt)
         assert lm_loss(model, data[0][:2]).item() > 0  # looked at, with gradients on
         offload.load_checkpoint(saved, model, opt)
         assert not _pinned(runtime)
-        assert not [r.unit.label for r in runtime.runs if runtime.params.gathered(r.unit)]
+        assert not _gathered(runtime)
         for m in range(accum):
             (lm_loss(model, data[2][2 * m : 2 * m + 2]) / accum).backward()
         skipped = lm_loss(model, data[1][:2])
@@ -497,13 +506,9 @@ def test_a_forward_stopped_by_ctrl_c_is_dropped_at_the_next_call(tmp_path, mid_a
     forward had not begun."""
     data = batches(4)
     accum = 2 if mid_accumulation else 1
-    cfg = _recovery_config(tmp_path / "ref", "nvme", "nvme", True, accum)
-    expected = _reference(cfg, data[:4], accum)
-    model, opt = offload.wrap(make_model(), _recovery_config(tmp_path, "nvme", "nvme", True, accum))
+    expected, model, opt, saved = _recovery_run(tmp_path, data, "nvme", "nvme", True, accum)
     runtime = engine_of(model)
     try:
-        _steps(model, opt, data[:2], accum)
-        saved = offload.save_checkpoint(tmp_path / "ck", model, opt)
 
         def ctrl_c(module, args):
             raise KeyboardInterrupt
@@ -520,7 +525,7 @@ def test_a_forward_stopped_by_ctrl_c_is_dropped_at_the_next_call(tmp_path, mid_a
         offload.load_checkpoint(saved, model, opt)
         assert stopped.value is not None
         assert not _pinned(runtime)
-        assert not [r.unit.label for r in runtime.runs if runtime.params.gathered(r.unit)]
+        assert not _gathered(runtime)
         _steps(model, opt, data[2:4], accum)
         for k, v in model.state_dict().items():
             assert torch.equal(v, expected[k]), k

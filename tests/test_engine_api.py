@@ -533,6 +533,77 @@ def test_a_forward_stopped_by_ctrl_c_is_dropped_at_the_next_call(tmp_path, mid_a
         opt.close()
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_a_forward_that_fails_while_a_loss_is_held_keeps_nothing(tmp_path, error):
+    """A second forward that fails (Ctrl-C, or an error in the model) while the first one's loss
+    is held: its traceback holds its partial outputs, which no backward can come through. The
+    held loss's backward and step go on bitwise; once the loss is let go instead, loading works
+    (it was refused for as long as the traceback lived, against what the message says)."""
+    data = batches(4)
+    expected, model, opt, saved = _recovery_run(tmp_path, data, "nvme", "nvme", True, 1)
+    runtime = engine_of(model)
+    try:
+
+        def stop(module, args):
+            raise error
+
+        def second_forward_fails():
+            handle = model.huge.register_forward_pre_hook(stop)  # after the blocks ran
+            try:
+                with pytest.raises(error) as failed:  # (its frames, and tensors, held)
+                    lm_loss(model, data[2][0:2])
+            finally:
+                handle.remove()
+            with pytest.raises(PhaseError, match=r"during forward.*del loss"):
+                offload.load_checkpoint(saved, model, opt)
+            return failed
+
+        loss = lm_loss(model, data[2][0:2])
+        failed = second_forward_fails()
+        loss.backward()  # the held loss: its step, as if the second forward had not begun
+        opt.step()
+        opt.zero_grad()
+        loss = lm_loss(model, data[3][0:2])
+        failed = second_forward_fails()
+        del loss
+        offload.load_checkpoint(saved, model, opt)
+        assert failed.value is not None
+        assert not _pinned(runtime)
+        assert not _gathered(runtime)
+        _steps(model, opt, data[2:4], 1)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, expected[k]), k
+    finally:
+        opt.close()
+
+
+def test_an_inference_while_a_loss_is_held_keeps_that_loss_s_forward(tmp_path):
+    """An evaluation forward under ``torch.no_grad()`` between a forward and its backward ended
+    the micro-step: loading a checkpoint was then allowed under the held loss (whose backward
+    would have run against the weights it was computed with, where plain PyTorch refuses such a
+    backward). Now loading is refused until the loss is backwarded or let go, and the backward
+    and step go on bitwise as without the evaluation."""
+    data = batches(4)
+    expected, model, opt, saved = _recovery_run(tmp_path, data, "nvme", "nvme", True, 1)
+    runtime = engine_of(model)
+    try:
+        loss = lm_loss(model, data[2][0:2])
+        with torch.no_grad():
+            lm_loss(model, data[3][0:2])
+        with pytest.raises(PhaseError, match=r"during forward.*del loss"):
+            offload.load_checkpoint(saved, model, opt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert not _pinned(runtime)
+        assert not _gathered(runtime)
+        _steps(model, opt, data[3:4], 1)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, expected[k]), k
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize("param_dev", ["nvme", "cpu"])
 def test_a_ctrl_c_between_taking_a_units_gradients_and_handing_them_on(
     tmp_path, monkeypatch, param_dev

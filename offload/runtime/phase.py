@@ -7,8 +7,9 @@ not accept raises with what happened and what was expected, instead of silently 
     IDLE --backward again over a retained graph--> BACKWARD
     IDLE --step()--> STEP --done--> IDLE
     FORWARD --forward (eval / no_grad / a second forward)--> FORWARD
-    FORWARD --the forward raised; or, at the caller's next call, its graph was let go or it
-              was stopped by Ctrl-C--> IDLE
+    FORWARD --no forward of the micro-step can get a backward any more: each one ran under
+              no_grad, raised, was stopped by Ctrl-C or had its graph let go (the last two seen
+              at the caller's next call)--> IDLE
 """
 
 from __future__ import annotations

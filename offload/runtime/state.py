@@ -139,11 +139,12 @@ class Runtime:
         self._handles: list = []
         self._step_started = time.perf_counter()
         self._fwd_start: float | None = None
-        self._forward_open = False  # a root forward begun between steps and not ended yet
+        self._forward_open = False  # a root forward begun and not ended yet
         self._forward_thread = 0  # the thread that began it
-        # the graph of this micro-step's forwards (a weak reference to the _Graph their
-        # units' output hooks hold), None before one was hooked
-        self._graph: weakref.ref | None = None
+        self._forward_graph: _Graph | None = None  # that forward's, until it returns
+        # the graphs of this micro-step's forwards that returned (weak references to the
+        # _Graph each one's output hooks hold)
+        self._graphs: list[weakref.ref] = []
         self._bwd_start: float | None = None
         self.closed = False
 
@@ -193,11 +194,13 @@ class Runtime:
         self._settle_backward()
         if self.phase.phase is Phase.BACKWARD:
             return None  # recomputation of the whole model (unusual) keeps everything gathered
-        # a forward from between steps: if it raises, _root_forward_failed undoes it whole
-        self._forward_open = self.phase.phase is Phase.IDLE
-        self._forward_thread = threading.get_ident()
+        # if it raises, _root_forward_failed drops it (with the micro-step, when no earlier
+        # forward's outputs are held)
         if self.phase.phase is Phase.IDLE:
             self._begin_micro_step()
+        self._forward_open = True
+        self._forward_thread = threading.get_ident()
+        self._forward_graph = _Graph()
         self.phase.to(Phase.FORWARD)
         self._use(self.runs[0])
         return tree_map(self._cast_input, args), tree_map(self._cast_input, kwargs)
@@ -210,51 +213,73 @@ class Runtime:
         if torch.is_grad_enabled() and self._keeps:  # learned for the next (_post_forward)
             self._backward_first = self._ran_last
         if not (torch.is_grad_enabled() and _requires_grad(output)):
-            self._end_forward()  # inference: nothing will come back through backward
+            # inference: nothing will come back through backward (through this forward)
+            self._close_forward()
+            if not self._graphs_held():
+                self._end_forward()
         else:
             self._hook_outputs(self.runs[0], output)
-            self._forward_open = False
+            self._graphs.append(weakref.ref(self._forward_graph))
+            self._close_forward()
         return output
 
     @_hook
     def _root_forward_failed(self, module, args, output) -> None:
         """Runs after every root forward (``always_call``), also one that raised (an error in
-        the model, an IO error of a gather). One that raised, begun between steps, is undone
-        as an inference ends: its units let go, back to between steps, so that everything
-        works as before it (it stayed in FORWARD: loading a checkpoint refused until a
-        backward). The gradients of the step's earlier micro-steps are kept. torch runs
-        these hooks for an ``Exception`` only: a forward stopped by Ctrl-C is dropped at the
-        caller's next call (:meth:`_settle_forward`)."""
-        if not self._forward_open:  # ended (_root_post_forward), or not begun between steps
+        the model, an IO error of a gather). One that raised is not a forward a backward can
+        follow: when no earlier forward of the micro-step has outputs held either, the
+        micro-step is undone as an inference ends (its units let go, back to between steps),
+        so that everything works as before it (it stayed in FORWARD: loading a checkpoint
+        refused until a backward). The gradients of the step's earlier micro-steps are kept.
+        torch runs these hooks for an ``Exception`` only: a forward stopped by Ctrl-C is
+        dropped at the caller's next call (:meth:`_settle_forward`)."""
+        if not self._forward_open:  # ended (_root_post_forward)
             return
-        self._forward_open = False
-        if self.phase.phase is Phase.FORWARD:
+        self._close_forward()
+        if self.phase.phase is Phase.FORWARD and not self._graphs_held():
             self._end_forward()
+
+    def _close_forward(self) -> None:
+        """The root forward is over: returned (its graph is in ``_graphs``) or stopped (its
+        partial outputs, which a traceback may hold, keep nothing)."""
+        self._forward_open = False
+        self._forward_graph = None
+
+    def _graphs_held(self) -> bool:
+        """Whether a backward can still follow one of the micro-step's forwards that returned."""
+        return any(ref() is not None for ref in self._graphs)
 
     def _end_forward(self) -> None:
         """The micro-step's forwards end with no backward to follow (an inference, or one
         dropped): their units let go, back to between steps. The gradients of the step's
         earlier micro-steps are kept."""
-        self._forward_open = False
+        self._close_forward()
         for run in self.runs:
             run.residency.end_of_pass(run)
         self.phase.to(Phase.IDLE)
 
     def _settle_forward(self) -> None:
         """A forward that no backward can follow any more is dropped (:meth:`_end_forward`),
-        for a call of the caller's between steps: one whose loss and outputs the caller let
-        go unused (a loss looked at with gradients on, a skipped batch), or one stopped by
-        Ctrl-C on this thread (torch runs no hook for it). Left in FORWARD, loading state would
-        be refused and ``step()`` too, where plain PyTorch goes on. The forward's graph is
-        gone when its :class:`_Graph` is (only the autograd graph holds it)."""
+        for a call of the caller's between steps: every forward of the micro-step either
+        returned and had its loss and outputs let go unused (a loss looked at with gradients
+        on, a skipped batch), or was stopped by Ctrl-C on this thread (torch runs no hook for
+        it; the traceback's frames may still hold its partial outputs). Left in FORWARD,
+        loading state would be refused and ``step()`` too, where plain PyTorch goes on. A
+        forward's graph is gone when its :class:`_Graph` is (only the autograd graph holds
+        it)."""
         if self.phase.phase is not Phase.FORWARD:
             return
-        stopped = self._forward_open and self._forward_thread == threading.get_ident()
-        if stopped or (self._graph is not None and self._graph() is None):
+        stopped = False
+        if self._forward_open:
+            if self._forward_thread != threading.get_ident():
+                return  # still running, on another thread
+            self._close_forward()
+            stopped = True
+        if (stopped or self._graphs) and not self._graphs_held():
             self._end_forward()
 
     def _begin_micro_step(self) -> None:
-        self._graph = None
+        self._graphs = []
         self._fwd_start = time.perf_counter()
         self.transfers.capture_stream()
         if self.backwards_since_step == 0:
@@ -323,14 +348,15 @@ class Runtime:
 
     def _hook_outputs(self, run: UnitRun, output) -> None:
         """The pre-backward gather: fires when backward reaches ``run``'s outputs. The hooks
-        hold the micro-step's :class:`_Graph`."""
+        hold their forward's :class:`_Graph` (a unit called outside the model is a forward of
+        its own)."""
         outputs = [t for t in tree_flatten(output)[0] if _grad_tensor(t)]
         if not outputs:
             return
-        graph = self._graph() if self._graph is not None else None
+        graph = self._forward_graph
         if graph is None:
             graph = _Graph()
-            self._graph = weakref.ref(graph)
+            self._graphs.append(weakref.ref(graph))
         for t in outputs:
             t.register_hook(lambda g, r=run, held=graph: self._pre_backward(r))
 
@@ -668,9 +694,9 @@ def _requires_grad(output) -> bool:
 
 
 class _Graph:
-    """Held by the hooks on the outputs of a micro-step's units, which the autograd graph
+    """Held by the hooks on the outputs of one forward's units, which the autograd graph
     holds: it dies with the last of them, when nothing can run a backward through that
-    forward any more (the caller let its loss and outputs go). One that no hook holds
-    (a leaf output) lives on."""
+    forward any more (the caller let its loss and outputs go). One that no hook holds (a
+    leaf output) lives on."""
 
     __slots__ = ("__weakref__",)

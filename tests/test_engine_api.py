@@ -577,27 +577,34 @@ def test_a_forward_that_fails_while_a_loss_is_held_keeps_nothing(tmp_path, error
         opt.close()
 
 
-def test_an_inference_while_a_loss_is_held_keeps_that_loss_s_forward(tmp_path):
+@pytest.mark.parametrize("param_dev, opt_dev, step_in_backward, accum", RECOVERY_CASES)
+def test_an_inference_while_a_loss_is_held_keeps_that_loss_s_forward(
+    tmp_path, param_dev, opt_dev, step_in_backward, accum
+):
     """An evaluation forward under ``torch.no_grad()`` between a forward and its backward ended
     the micro-step: loading a checkpoint was then allowed under the held loss (whose backward
     would have run against the weights it was computed with, where plain PyTorch refuses such a
-    backward). Now loading is refused until the loss is backwarded or let go, and the backward
-    and step go on bitwise as without the evaluation."""
+    backward). Now loading is refused until the loss is backwarded or let go, and the backwards
+    and step go on bitwise as without the evaluations."""
     data = batches(4)
-    expected, model, opt, saved = _recovery_run(tmp_path, data, "nvme", "nvme", True, 1)
+    expected, model, opt, saved = _recovery_run(
+        tmp_path, data, param_dev, opt_dev, step_in_backward, accum
+    )
     runtime = engine_of(model)
     try:
-        loss = lm_loss(model, data[2][0:2])
-        with torch.no_grad():
-            lm_loss(model, data[3][0:2])
-        with pytest.raises(PhaseError, match=r"during forward.*del loss"):
-            offload.load_checkpoint(saved, model, opt)
-        loss.backward()
+        for m in range(accum):
+            loss = lm_loss(model, data[2][2 * m : 2 * m + 2]) / accum
+            with torch.no_grad():
+                lm_loss(model, data[3][0:2])
+            with pytest.raises(PhaseError, match=r"during forward.*del loss"):
+                offload.load_checkpoint(saved, model, opt)
+            loss.backward()
         opt.step()
         opt.zero_grad()
+        opt.synchronize()
         assert not _pinned(runtime)
         assert not _gathered(runtime)
-        _steps(model, opt, data[3:4], 1)
+        _steps(model, opt, data[3:4], accum)
         for k, v in model.state_dict().items():
             assert torch.equal(v, expected[k]), k
     finally:

@@ -162,6 +162,9 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
                 raise RuntimeError(f"injected failure on rank {rank} at step {s}")
             batch = slice_of(data[(s * accum + m) % len(data)], rank, world)
             loss = lm_loss(model, batch) / accum
+            if job.get("eval_held"):  # an evaluation (its gathers collective) under that loss
+                with torch.no_grad():
+                    assert lm_loss(model, batch).item() > 0
             loss.backward()
             total += float(loss.detach())
         if job.get("peek"):  # a forward (its gathers collective) no backward follows

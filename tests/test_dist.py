@@ -140,6 +140,8 @@ def two(root) -> Path:
         job("sd-load", "nvme", "cpu", 2, steps=6, start=3, load_state=str(root / "sd.pt")),
         *COLLECTIVES,
         job("peek-s3-sib", "cpu", "nvme", 3, steps=3, model="stack", accum=1, clip=0, peek=True),
+        job("eval-s3-sib", "cpu", "nvme", 3, steps=3, model="stack", accum=1, clip=0)
+        | {"eval_held": True},
         job("log", "cpu", "cpu", 3, steps=2, model="stack", accum=1, log=True),
     ]
     run_ranks(2, jobs, root)
@@ -461,6 +463,17 @@ def test_collective_bytes_match_the_plan(two, stage):
             assert got == want
             assert st["collectives"]["all_reduce"]["calls"] == 1  # the norm and the flag
             assert st["collective_bytes"] == sum(want.values()) + 2 * 16
+
+
+def test_an_evaluation_between_forward_and_backward_on_every_rank_changes_nothing(two):
+    """Each rank evaluated a batch under ``torch.no_grad()`` (stage 3: its forward gathers
+    across ranks) between every forward and its backward, the update speculative in that
+    backward: bitwise the same job without the evaluations. (It passed before the engine kept
+    such a forward's micro-step too: a guard of the new path across ranks.)"""
+    assert result(two, "eval-s3-sib")["losses"] == result(two, "coll-s3-sib")["losses"]
+    got, want = _final(two, "eval-s3-sib"), _final(two, "coll-s3-sib")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_a_loss_let_go_on_every_rank_changes_nothing(two):

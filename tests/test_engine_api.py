@@ -3,6 +3,7 @@ telemetry, unwrapping."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import os
@@ -970,3 +971,38 @@ def test_after_a_failed_update_training_waits_for_a_checkpoint(tmp_path):
     opt.step()  # training goes on
     assert opt.state_dict()["offload"]["step_count"] == 2
     opt.close()
+
+
+class _CallsItself(nn.Module):
+    """A root whose forward calls the root again (a refinement pass, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, again=True):
+        y = self.b(torch.relu(self.a(x)))
+        return self(y, again=False) if again else y
+
+
+def test_a_root_called_inside_its_own_forward_trains_as_plain_pytorch(tmp_path):
+    """The inner call of the root ends before the outer one, and closed the forward the outer
+    one's end then found without a graph of its own (a TypeError from weakref, from bec5f02's
+    graph per forward until the commit of this test). Trains as plain PyTorch does."""
+    torch.manual_seed(0)
+    plain = _CallsItself()
+    model = copy.deepcopy(plain)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    cfg = placement_config("nvme", "nvme", tmp_path, wrap={"module_classes": ["Linear"]})
+    model, opt = offload.wrap(model, cfg)
+    try:
+        for _ in range(3):
+            x = torch.randn(4, 16)
+            for m, o in ((plain, ref), (model, opt)):
+                m(x).square().mean().backward()
+                o.step()
+                o.zero_grad()
+        for k, v in plain.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-7, msg=k)
+    finally:
+        opt.close()

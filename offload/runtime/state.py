@@ -218,8 +218,10 @@ class Runtime:
             if not self._graphs_held():
                 self._end_forward()
         else:
+            graph = self._forward_graph  # (None after a forward of the root nested in it)
             self._hook_outputs(self.runs[0], output)
-            self._graphs.append(weakref.ref(self._forward_graph))
+            if graph is not None:
+                self._graphs.append(weakref.ref(graph))
             self._close_forward()
         return output
 

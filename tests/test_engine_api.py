@@ -256,6 +256,12 @@ def _gathered(runtime) -> list[str]:
     return [r.unit.label for r in runtime.runs if runtime.params.gathered(r.unit)]
 
 
+def _assert_bitwise(model, expected: dict[str, torch.Tensor]) -> None:
+    """Every entry of the model's state dict equals ``expected``'s, bit for bit."""
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+
+
 def _recovery_run(tmp_path, data, param_dev, opt_dev, step_in_backward, accum):
     """What ``_steps`` over ``data`` gives in a run of its own, and a model wrapped alike,
     trained two steps, with its checkpoint there: (expected, model, opt, checkpoint)."""
@@ -317,8 +323,7 @@ def test_a_backward_that_fails_part_way_is_dropped_and_training_goes_on(
         opt.zero_grad()
         _steps(model, opt, data[3:5], accum)
         st = opt.stats()
-        for k, v in model.state_dict().items():
-            assert torch.equal(v, expected[k]), k
+        _assert_bitwise(model, expected)
         assert not _pinned(runtime)
         if step_in_backward and accum == 1:  # the first step learns to speculate
             assert st["total"]["rollbacks"] == 1, st["total"]  # the failed backward's update
@@ -362,8 +367,7 @@ def test_a_forward_that_fails_part_way_is_dropped_and_training_goes_on(
         opt.step()
         opt.zero_grad()
         _steps(model, opt, data[3:5], accum)
-        for k, v in model.state_dict().items():
-            assert torch.equal(v, expected[k]), k
+        _assert_bitwise(model, expected)
         assert not _pinned(runtime)
     finally:
         opt.close()
@@ -393,8 +397,7 @@ def test_loading_with_a_micro_step_pending_is_refused_and_loses_nothing(
         (lm_loss(model, data[2][2:4]) / 2).backward()
         opt.step()
         opt.zero_grad()
-        for k, v in model.state_dict().items():
-            assert torch.equal(v, expected[k]), k
+        _assert_bitwise(model, expected)
         offload.load_checkpoint(saved, model, opt)  # between steps: allowed
     finally:
         opt.close()
@@ -470,8 +473,7 @@ def test_a_forward_whose_loss_is_let_go_is_dropped_and_training_goes_on(
         opt.step()
         opt.zero_grad()
         _steps(model, opt, data[3:5], accum)
-        for k, v in model.state_dict().items():
-            assert torch.equal(v, expected[k]), k
+        _assert_bitwise(model, expected)
         assert not _pinned(runtime)
     finally:
         opt.close()
@@ -528,8 +530,7 @@ def test_a_forward_stopped_by_ctrl_c_is_dropped_at_the_next_call(tmp_path, mid_a
         assert not _pinned(runtime)
         assert not _gathered(runtime)
         _steps(model, opt, data[2:4], accum)
-        for k, v in model.state_dict().items():
-            assert torch.equal(v, expected[k]), k
+        _assert_bitwise(model, expected)
     finally:
         opt.close()
 
@@ -572,8 +573,7 @@ def test_a_forward_that_fails_while_a_loss_is_held_keeps_nothing(tmp_path, error
         assert not _pinned(runtime)
         assert not _gathered(runtime)
         _steps(model, opt, data[2:4], 1)
-        for k, v in model.state_dict().items():
-            assert torch.equal(v, expected[k]), k
+        _assert_bitwise(model, expected)
     finally:
         opt.close()
 
@@ -606,8 +606,7 @@ def test_an_inference_while_a_loss_is_held_keeps_that_loss_s_forward(
         assert not _pinned(runtime)
         assert not _gathered(runtime)
         _steps(model, opt, data[3:4], accum)
-        for k, v in model.state_dict().items():
-            assert torch.equal(v, expected[k]), k
+        _assert_bitwise(model, expected)
     finally:
         opt.close()
 
@@ -647,8 +646,7 @@ def test_a_ctrl_c_between_taking_a_units_gradients_and_handing_them_on(
         runner.start()
         runner.join(60)
         assert went_on, "training after the interrupt hung or failed (see the thread's error)"
-        for k, v in model.state_dict().items():
-            assert torch.equal(v, expected[k]), k
+        _assert_bitwise(model, expected)
     finally:
         if runner is None or not runner.is_alive():  # (a hung one holds the engine)
             opt.close()

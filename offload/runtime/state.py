@@ -213,10 +213,7 @@ class Runtime:
         if torch.is_grad_enabled() and self._keeps:  # learned for the next (_post_forward)
             self._backward_first = self._ran_last
         if not (torch.is_grad_enabled() and _requires_grad(output)):
-            # inference: nothing will come back through backward (through this forward)
-            self._close_forward()
-            if not self._graphs_held():
-                self._end_forward()
+            self._drop_forward()  # inference: nothing will come back through backward
         else:
             graph = self._forward_graph  # (None after a forward of the root nested in it)
             self._hook_outputs(self.runs[0], output)
@@ -235,17 +232,22 @@ class Runtime:
         refused until a backward). The gradients of the step's earlier micro-steps are kept.
         torch runs these hooks for an ``Exception`` only: a forward stopped by Ctrl-C is
         dropped at the caller's next call (:meth:`_settle_forward`)."""
-        if not self._forward_open:  # ended (_root_post_forward)
-            return
-        self._close_forward()
-        if self.phase.phase is Phase.FORWARD and not self._graphs_held():
-            self._end_forward()
+        if self._forward_open:  # (not ended by _root_post_forward)
+            self._drop_forward()
 
     def _close_forward(self) -> None:
         """The root forward is over: returned (its graph is in ``_graphs``) or stopped (its
         partial outputs, which a traceback may hold, keep nothing)."""
         self._forward_open = False
         self._forward_graph = None
+
+    def _drop_forward(self) -> None:
+        """The open root forward gets no backward (an inference, or one that failed): closed,
+        and the micro-step dropped (:meth:`_end_forward`) when no earlier forward of it can get
+        one either."""
+        self._close_forward()
+        if self.phase.phase is Phase.FORWARD and not self._graphs_held():
+            self._end_forward()
 
     def _graphs_held(self) -> bool:
         """Whether a backward can still follow one of the micro-step's forwards that returned."""
@@ -271,13 +273,10 @@ class Runtime:
         it)."""
         if self.phase.phase is not Phase.FORWARD:
             return
-        stopped = False
         if self._forward_open:
-            if self._forward_thread != threading.get_ident():
-                return  # still running, on another thread
-            self._close_forward()
-            stopped = True
-        if (stopped or self._graphs) and not self._graphs_held():
+            if self._forward_thread == threading.get_ident():  # (else: running on another)
+                self._drop_forward()  # stopped by Ctrl-C
+        elif self._graphs and not self._graphs_held():
             self._end_forward()
 
     def _begin_micro_step(self) -> None:

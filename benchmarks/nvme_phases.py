@@ -78,6 +78,10 @@ HOOK_FUNCTIONS = (
     ("offload.runtime.units", "UnitRun", "gather"),
     ("offload.runtime.units", "UnitRun", "release"),
     ("offload.homes.grads", "GradParts", "accumulate"),
+    ("offload.homes.grads", "HeldNvmeGrads", "absorb"),  # the last backward's gradients: its
+    ("offload.store.store", "TieredStore", "take"),  # waits for the earlier micro-steps' sum,
+    ("offload.store.reclaim", "Reclaimer", "block_on"),  # for a read in flight,
+    ("threading", "Condition", "wait"),  # and for the update to consume what it was handed
     ("offload.homes.optim", "NvmeOptim", "read_head"),
     ("offload.store.store", "TieredStore", "fetch"),
     ("offload.store.store", "TieredStore", "release"),

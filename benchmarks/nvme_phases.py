@@ -78,10 +78,12 @@ HOOK_FUNCTIONS = (
     ("offload.runtime.units", "UnitRun", "gather"),
     ("offload.runtime.units", "UnitRun", "release"),
     ("offload.homes.grads", "GradParts", "accumulate"),
-    ("offload.homes.grads", "HeldNvmeGrads", "absorb"),  # the last backward's gradients: its
-    ("offload.store.store", "TieredStore", "take"),  # waits for the earlier micro-steps' sum,
-    ("offload.store.reclaim", "Reclaimer", "block_on"),  # for a read in flight,
-    ("threading", "Condition", "wait"),  # and for the update to consume what it was handed
+    # the last backward's gradients: less `take` (the wait for the earlier micro-steps' sum:
+    # `block_on`, a read in flight) and `accumulate`, what is left is the wait for the update to
+    # consume what the backward handed it
+    ("offload.homes.grads", "HeldNvmeGrads", "absorb"),
+    ("offload.store.store", "TieredStore", "take"),
+    ("offload.store.reclaim", "Reclaimer", "block_on"),
     ("offload.homes.optim", "NvmeOptim", "read_head"),
     ("offload.store.store", "TieredStore", "fetch"),
     ("offload.store.store", "TieredStore", "release"),

@@ -874,11 +874,27 @@ def test_gather_time_is_split_into_read_waits_and_copies(tmp_path, monkeypatch):
     assert copied < 0.25 * waited, (waited, copied)
 
 
-def test_telemetry_path_must_be_writable(tmp_path):
+@pytest.mark.parametrize("where", ["missing-dir", "a-directory", "read-only"])
+def test_telemetry_path_must_be_writable(tmp_path, where):
+    """Refused at wrap, naming the key and the value; a directory or a read-only file passed
+    and failed with a bare OSError at the first ``step()``. A read-only file is checked where
+    permissions bind (not as root)."""
+    path = {
+        "missing-dir": tmp_path / "missing-dir" / "x.jsonl",
+        "a-directory": tmp_path,
+        "read-only": tmp_path / "ro.jsonl",
+    }[where]
+    if where == "read-only":
+        if os.geteuid() == 0:
+            pytest.skip("root may write a read-only file")
+        path.write_text("kept\n")
+        path.chmod(0o444)
     cfg = placement_config("none", "cpu", tmp_path)
-    cfg["telemetry"] = {"jsonl_path": str(tmp_path / "missing-dir" / "x.jsonl")}
-    with pytest.raises(ConfigError, match=r"telemetry\.jsonl_path="):
+    cfg["telemetry"] = {"jsonl_path": str(path)}
+    with pytest.raises(ConfigError, match=rf"telemetry\.jsonl_path='{path}': cannot append"):
         offload.wrap(make_model(), cfg)
+    if where == "read-only":
+        assert path.read_text() == "kept\n"
 
 
 def test_backward_twice_over_a_retained_graph(tmp_path):
@@ -1004,3 +1020,72 @@ def test_a_root_called_inside_its_own_forward_trains_as_plain_pytorch(tmp_path):
             torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-7, msg=k)
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("step_in_backward", [False, True])
+def test_parameters_read_right_after_step_are_the_stepped_ones(
+    tmp_path, monkeypatch, step_in_backward
+):
+    """Params on the device, optimizer on NVMe: an update that runs on after
+    ``optimizer.step()`` returned (the first step's, and every one with the update after the
+    backward) must not show through ``model.parameters()``, ``named_parameters()`` or
+    ``state_dict()`` read before the next forward (an EMA of the weights, a weight-norm log):
+    they give the stepped values, as torch does (they gave the old ones, or a mix). The update
+    is slowed on its worker so that it is surely still running when they are read. A
+    ``model.zero_grad()`` right after the step (HF Trainer's) reads no values: it does not wait
+    for the update."""
+    from offload.homes.optim import NvmeOptim
+
+    real = NvmeOptim.step_units
+    slow = threading.Event()
+
+    def slowly(self, *args, **kwargs):
+        if slow.is_set() and threading.current_thread() is not threading.main_thread():
+            time.sleep(0.4)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(NvmeOptim, "step_units", slowly)
+    cfg = placement_config("none", "nvme", tmp_path)
+    cfg["offload_optimizer"]["step_in_backward"] = step_in_backward
+    model, opt = offload.wrap(make_model(), cfg)
+    data = batches(3)
+    try:
+        for s in range(3):
+            lm_loss(model, data[s]).backward()
+            slow.set()
+            opt.step()
+            t0 = time.perf_counter()
+            model.zero_grad()
+            assert time.perf_counter() - t0 < 0.3, "model.zero_grad() waited for the update"
+            by_parameters = [p.detach().clone() for p in model.parameters()]
+            by_name = {n: p.detach().clone() for n, p in model.named_parameters()}
+            slow.clear()
+            opt.synchronize()
+            stepped = {n: p.detach().clone() for n, p in model.named_parameters()}
+            for (name, want), got in zip(stepped.items(), by_parameters, strict=True):
+                assert torch.equal(got, want), f"step {s}: {name} read before the update ended"
+                assert torch.equal(by_name[name], want), name
+            state = model.state_dict()
+            for name, want in stepped.items():
+                assert torch.equal(state[name], want), name
+    finally:
+        opt.close()
+
+
+def test_a_deep_copy_of_the_wrapped_model_says_to_copy_before_wrap(tmp_path):
+    """``copy.deepcopy`` (an EMA's usual start) copied the engine the hooks hold and failed
+    deep inside ``copy`` ("cannot pickle '_thread.lock' object"); it says what to do instead,
+    and after ``close(restore=True)`` the plain model copies again, the root's methods its
+    class's once more."""
+    model, opt = offload.wrap(make_model(), placement_config("none", "nvme", tmp_path))
+    try:
+        lm_loss(model, batches(1)[0]).backward()
+        opt.step()
+        with pytest.raises(TypeError, match=r"cannot be deep-copied.*before offload\.wrap"):
+            copy.deepcopy(model)
+    finally:
+        opt.close(restore=True)
+    assert "named_parameters" not in vars(model) and "__deepcopy__" not in vars(model)
+    twin = copy.deepcopy(model)
+    for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b) and a is not b, name

@@ -174,6 +174,15 @@ class Runtime:
             for p in run.unit.trainable_params:
                 self._handles.append(p.register_post_accumulate_grad_hook(_grad_hook(me, i)))
         self._handles.append(self.model._register_state_dict_hook(self._state_dict_hook))
+        self._handles.append(_RootOverrides(self.model, self._settle_update_for_read))
+
+    def _settle_update_for_read(self) -> None:
+        """The parameters are read through the model between a step and the next forward (an
+        EMA, a weight norm): the update that ``step()`` left running writes the device-resident
+        ones, so it is waited for first (:class:`_RootOverrides`). Elsewhere the
+        forward waits for each unit's update itself, and before ``step()`` none runs."""
+        if not self.closed and self.phase.phase is Phase.IDLE and not self.backwards_since_step:
+            self.flush_pending()
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -684,6 +693,63 @@ class Runtime:
             "offload: this model's engine was closed (optimizer.close()); its parameters were "
             "released. Wrap it again, or close with optimizer.close(restore=True) to keep using it"
         )
+
+
+class _RootOverrides:
+    """Methods of the wrapped root module that offload overrides, as instance attributes (the
+    class's methods are untouched, and ``remove`` restores them, like a hook handle).
+
+    Note: parameters read between steps
+        ``optimizer.step()`` returns while the NVMe update may still run (into the next forward,
+        which waits for each unit's update as it comes). Parameters that live on the device are
+        written by it, so a read through ``model.parameters()`` or ``named_parameters()`` right
+        after the step (an EMA of the weights, a weight-norm log, ``parameters_to_vector``) would
+        see the old values or a mix. The root's ``named_parameters`` (which ``parameters``
+        calls) first waits for that update (``state_dict`` does through its hook), as torch's
+        synchronous step would have it. ``model.zero_grad()`` iterates the parameters without
+        reading them (HF Trainer calls it right after the step), so it does not wait: the update
+        keeps overlapping the forward. A tensor kept from an earlier ``parameters()`` call, or a
+        submodule's own ``parameters()``, is not seen: ``optimizer.synchronize()`` first.
+
+    Note: copies
+        ``copy.deepcopy`` of the wrapped model (an EMA's usual start) would copy the engine its
+        hooks hold, threads and open files included, and fail deep inside ``copy``; it raises
+        a clear error instead, which says to copy the model before ``wrap``.
+    """
+
+    NAMES = ("named_parameters", "zero_grad", "__deepcopy__")
+
+    def __init__(self, model: nn.Module, settle: Callable[[], None]) -> None:
+        self.model = model
+        cls = type(model)
+        waiting = threading.local()  # inside zero_grad: its parameters() call reads nothing
+
+        def named_parameters(*args, **kwargs):
+            if not getattr(waiting, "off", False):
+                settle()
+            return cls.named_parameters(model, *args, **kwargs)
+
+        def zero_grad(*args, **kwargs):
+            waiting.off = True
+            try:
+                return cls.zero_grad(model, *args, **kwargs)
+            finally:
+                waiting.off = False
+
+        def deepcopy(memo):
+            raise TypeError(
+                f"offload: a wrapped model ({cls.__name__}) cannot be deep-copied: its engine "
+                "holds threads, buffers and swap files. Copy it before offload.wrap (an EMA: "
+                "copy.deepcopy(model) first, then update it from model.state_dict()), or "
+                "optimizer.close(restore=True) to get a plain PyTorch model back"
+            )
+
+        for name, fn in zip(self.NAMES, (named_parameters, zero_grad, deepcopy), strict=True):
+            model.__dict__[name] = fn
+
+    def remove(self) -> None:
+        for name in self.NAMES:
+            self.model.__dict__.pop(name, None)
 
 
 def _grad_tensor(t) -> bool:

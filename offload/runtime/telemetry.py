@@ -12,7 +12,6 @@ rank (bytes as ``offload.dist`` counts them: the textbook volume), ``collective_
 from __future__ import annotations
 
 import json
-import os
 
 import psutil
 
@@ -143,14 +142,19 @@ class Telemetry:
 
 
 def check_jsonl_path(path: str | None) -> None:
-    """Fails at wrap time (naming the key) when the telemetry file cannot be appended to."""
+    """Fails at wrap time (naming the key) when the telemetry file cannot be appended to: it is
+    opened for appending once (created empty when missing; an existing file is not changed),
+    so a directory, a read-only file or a missing directory is found here and not at the
+    first ``step()``."""
     if not path:
         return
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
         from offload.config import ConfigError  # noqa: PLC0415
 
         raise ConfigError(
-            f"telemetry.jsonl_path={path!r}: directory '{parent}' does not exist or is not "
-            "writable; create it or point jsonl_path elsewhere"
-        )
+            f"telemetry.jsonl_path={path!r}: cannot append to it ({exc.strerror or exc}); "
+            "allowed: a file that can be appended to, or a path in a writable directory"
+        ) from exc

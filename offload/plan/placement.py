@@ -267,7 +267,9 @@ def make_placement(
     stores = {}
     if cfg.offload_param.device == "nvme":
         stores["offload_param"] = cfg.prefetch.depth * unit_pieces
-        _check_param_ahead(cfg, unit_pieces, min(unit_pieces, window), update_params)
+        _check_param_ahead(
+            cfg, unit_pieces, min(unit_pieces, window), update_params, sizes["offload_param"]
+        )
     if opt.device == "nvme":  # an optimizer piece is 4 shards
         # The step in backward gives every buffer to the update's read-ahead and the grad
         # pieces it holds (nvme_step_buffers): grad pieces the trace fetched ahead for an
@@ -310,10 +312,11 @@ def make_placement(
 
 
 def _check_param_ahead(
-    cfg: OffloadConfig, unit_pieces: int, gathered: int, update_params: int
+    cfg: OffloadConfig, unit_pieces: int, gathered: int, update_params: int, buffer_size: int
 ) -> None:
     """Warns when the param pool cannot read the next unit while ``gathered`` pieces of one
-    are held (Note: reading ahead), naming the keys to raise."""
+    are held (Note: reading ahead), naming the keys to raise (and the buffer size in use:
+    ``"auto"`` resolved, not the limit it is sized under)."""
     count, depth = cfg.offload_param.buffer_count, cfg.prefetch.depth
     room = count - gathered - update_params
     if depth == 0 or room >= unit_pieces:
@@ -326,7 +329,7 @@ def _check_param_ahead(
         "offload_param.buffer_size",
         count,
         unit_pieces,
-        cfg.offload_param.buffer_size,
+        buffer_size,
         update_params,
         room,
         depth,

@@ -143,3 +143,94 @@ def test_data_formats(tmp_path):
     (tmp_path / "keys.jsonl").write_text(json.dumps({"question": "a"}))
     with pytest.raises(ValueError, match=r"line 1 has keys \['question'\]"):
         load_data(tmp_path / "keys.jsonl", tok, 4)
+
+
+def _first_norm(out):
+    return _steps(out)[0]["grad_norm"]
+
+
+def test_fp16_scales_the_loss(setup):
+    """fp16 compute: the recipe's backward is of the scaled loss (``optimizer.scale_loss``);
+    a plain ``loss.backward()`` left the gradients, the logged norm and the clipping 65536x
+    small. The first step's norm follows the fp32 run's to fp16's precision."""
+    t = setup
+    (t / "fp16.yaml").write_text(CONFIG.replace("dtype: fp32", "dtype: fp16"))
+    assert main([*_args(t, t / "a"), "--steps", "1", "--save-every", "0"]) == 0
+    fp16 = [
+        *_args(t, t / "b"),
+        "--steps",
+        "1",
+        "--save-every",
+        "0",
+        "--config",
+        str(t / "fp16.yaml"),
+    ]
+    assert main(fp16) == 0
+    assert _first_norm(t / "b") == pytest.approx(_first_norm(t / "a"), rel=0.05)
+
+
+def test_a_new_run_into_an_out_holding_one_is_refused(setup, capsys):
+    """Without --resume, an OUT with another run's checkpoints or export was trained into: its
+    checkpoints pruned (keep_last), two runs mixed. Refused, nothing there changed."""
+    t = setup
+    assert main([*_args(t, t / "a"), "--steps", "2", "--save-every", "1"]) == 0
+    before = {p: p.stat().st_mtime_ns for p in (t / "a").rglob("*")}
+    assert main([*_args(t, t / "a"), "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out '{t / 'a'}' already holds a run" in err and "--resume" in err
+    assert {p: p.stat().st_mtime_ns for p in (t / "a").rglob("*")} == before
+
+
+def test_the_config_s_lr_and_accumulation_are_used_unless_a_flag_says_otherwise(setup, capsys):
+    """``--lr`` and ``--accum`` defaults replaced the config's ``optimizer.lr`` and
+    ``gradient_accumulation_steps`` silently; now the file's values hold unless a flag is
+    given, and a flag that overrides the file says so."""
+    t = setup
+    (t / "set.yaml").write_text(CONFIG + "optimizer: {lr: 0.003}\ngradient_accumulation_steps: 3\n")
+    args = _args(t, t / "a")
+    for flag in ("--lr", "--accum"):
+        i = args.index(flag)
+        del args[i : i + 2]
+    args[args.index(str(t / "cfg.yaml"))] = str(t / "set.yaml")
+    assert main([*args, "--steps", "3", "--save-every", "0", "--warmup", "0"]) == 0
+    run = next(r for r in read_metrics(t / "a" / "metrics.jsonl") if r["kind"] == "run")
+    assert run["config"]["optimizer"]["lr"] == 0.003 and run["accum"] == 3
+    assert _steps(t / "a")[0]["lr"] == 0.003
+    assert main([*args, "--out", str(t / "b"), "--steps", "1", "--lr", "0.02"]) == 0
+    assert "--lr 0.02 overrides optimizer.lr=0.003" in capsys.readouterr().err
+    run = next(r for r in read_metrics(t / "b" / "metrics.jsonl") if r["kind"] == "run")
+    assert run["config"]["optimizer"]["lr"] == 0.02 and run["accum"] == 3
+
+
+@pytest.mark.parametrize("bad", ["missing", "no-config", "no-tokenizer"])
+def test_a_model_directory_that_is_not_one_is_named(setup, capsys, bad):
+    """It said it could not reach huggingface.co (a missing directory) or to install
+    sentencepiece (no tokenizer files), and made OUT first."""
+    t = setup
+    model = t / bad
+    if bad != "missing":
+        model.mkdir()
+        (model / "config.json").write_text((t / "model" / "config.json").read_text())
+    if bad == "no-config":
+        (model / "config.json").unlink()
+    args = _args(t, t / "out")
+    args[args.index(str(t / "model"))] = str(model)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--model '{model}'" in err
+    assert {
+        "missing": "no such directory",
+        "no-config": "no config.json",
+        "no-tokenizer": "no tokenizer",
+    }[bad] in err
+    assert not (t / "out").exists()
+
+
+def test_an_export_directory_that_cannot_be_written_fails_before_training(setup, capsys):
+    """It was found after the whole run, whose trained weights were then lost."""
+    t = setup
+    (t / "a").mkdir()
+    (t / "a" / "hf").write_text("a file where the export goes")
+    assert main(_args(t, t / "a")) == 2
+    assert f"the export directory '{t / 'a' / 'hf'}' is not writable" in capsys.readouterr().err
+    assert not (t / "a" / "metrics.jsonl").exists()

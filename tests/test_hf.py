@@ -279,6 +279,30 @@ def test_trainer_clips_through_offload_for_every_placement(
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
 
 
+def test_trainer_scales_the_loss_with_fp16_compute(tmp_path, trainer_reference):
+    """fp16 compute: the step and clipping divide the gradients by the loss scale, so the
+    backward must be of the scaled loss. Trainer's plain backward left them 65536x small: the
+    logged grad_norm was ~3e-5 against the reference's ~2, nothing clipped, nothing learned. The
+    norms and losses now follow the fp32 reference to fp16's precision."""
+    d, (ref_losses, ref_norms) = trainer_reference
+    cfg = nvme_config(tmp_path, "none", "cpu", dtype="fp16")
+    cfg["optimizer"]["lr"] = LR
+    model, opt = offload.from_pretrained(d, cfg)
+    try:
+        trainer = offload.OffloadTrainer(
+            model=model,
+            args=_trainer_args(tmp_path / "o"),
+            train_dataset=_dataset(),
+            optimizers=(opt, None),
+        )
+        trainer.train()
+        losses, norms = _history(trainer)
+    finally:
+        opt.close()
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=0.05, atol=0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0.02, atol=0)
+
+
 def test_clipping_offload_s_parameters_with_torch_is_an_error(tmp_path):
     from transformers import Trainer  # noqa: PLC0415
 

@@ -8,7 +8,8 @@ Use it as ``Trainer``, with the pair ``wrap`` (or ``from_pretrained``) returned:
 
 What it changes (``offload.api.clipping``): ``max_grad_norm`` clips through
 ``optimizer.clip_grad_norm_`` and the logged ``grad_norm`` is the real one whatever the placement
-(a plain ``Trainer`` would get no gradient from the parameters and is stopped by the guard).
+(a plain ``Trainer`` would get no gradient from the parameters and is stopped by the guard);
+with fp16 compute the loss is scaled (``optimizer.scale_loss``) before its backward.
 The model is never moved to ``args.device``: its homes own the parameters and inputs are moved
 by offload's hooks.
 """
@@ -30,6 +31,7 @@ class OffloadTrainer(transformers.Trainer):
                 "offload.wrap / offload.from_pretrained returned (scheduler may be None); got "
                 f"{type(optimizers[0]).__name__}"
             )
+        self._offload_optimizer = optimizers[0]
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
@@ -37,6 +39,11 @@ class OffloadTrainer(transformers.Trainer):
         route_clipping(self.accelerator)
         # offload's homes own the parameters: Accelerate must not move the model
         self.accelerator.device_placement = False
+        # fp16 (offload's dtype, not Accelerate's): the loss is scaled as the optimizer's step
+        # and clipping expect (they divide by the scale); Trainer's plain backward left the
+        # gradients 65536x small, the logged grad_norm too, and clipping never applied
+        backward, scale = self.accelerator.backward, self._offload_optimizer.scale_loss
+        self.accelerator.backward = lambda loss, **kwargs: backward(scale(loss), **kwargs)
 
     def _move_model_to_device(self, model, device) -> None:
         pass  # see create_accelerator_and_postprocess

@@ -30,8 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     length.add_argument("--epochs", type=float, help="passes over the data (1)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (512)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per micro-batch (1)")
-    parser.add_argument("--accum", type=int, default=1, help="micro-batches per step (1)")
-    parser.add_argument("--lr", type=float, default=2e-5, help="peak learning rate (2e-5)")
+    parser.add_argument(
+        "--accum",
+        type=int,
+        help="micro-batches per step (the config's gradient_accumulation_steps, else 1)",
+    )
+    parser.add_argument(
+        "--lr", type=float, help="peak learning rate (the config's optimizer.lr, else 2e-5)"
+    )
     parser.add_argument("--warmup", type=int, default=0, help="linear warm-up steps (0)")
     parser.add_argument(
         "--max-grad-norm", type=float, default=1.0, help="clip the global norm (1.0; 0 = off)"

@@ -37,6 +37,8 @@ import torch
 
 from offload.finetune.data import Order, load_data
 
+DEFAULT_LR = 2e-5
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 TIER_SHORT = {"nvme->host": "rd", "host->nvme": "wr", "host->device": "h2d", "device->host": "d2h"}
 
 
@@ -52,8 +54,8 @@ class Options:
     epochs: float | None = None
     seq_len: int = 512
     batch: int = 1
-    accum: int = 1
-    lr: float = 2e-5
+    accum: int | None = None  # None: the config's gradient_accumulation_steps, else 1
+    lr: float | None = None  # None: the config's optimizer.lr, else DEFAULT_LR
     warmup: int = 0
     max_grad_norm: float = 1.0
     save_every: int = 0
@@ -77,15 +79,19 @@ def cosine_with_warmup(warmup: int, total: int):
     return factor
 
 
-def offload_config(opts: Options, out: Path) -> dict:
-    """The user's config (or the defaults) with ``--lr`` and ``--accum``; in offload's format,
-    an NVMe section that names no ``nvme_path`` gets ``OUT/swap``."""
+def offload_config(opts: Options, out: Path) -> tuple[dict, Options]:
+    """The user's config (or the defaults) with the run's learning rate and accumulation, and
+    ``opts`` with both resolved: a flag given wins over the config file (said on stderr when
+    they differ), a value the file sets is used when the flag is not given, else the flag's
+    default. In offload's format, an NVMe section that names no ``nvme_path`` gets
+    ``OUT/swap``."""
     from offload.config import ConfigError, load_config  # noqa: PLC0415
     from offload.config.deepspeed import is_deepspeed_config  # noqa: PLC0415
     from offload.config.loader import read_config_file  # noqa: PLC0415
 
     raw = read_config_file(opts.config) if opts.config else {}
-    if isinstance(raw, dict) and not is_deepspeed_config(raw):
+    deepspeed = isinstance(raw, dict) and is_deepspeed_config(raw)
+    if isinstance(raw, dict) and not deepspeed:
         raw = copy.deepcopy(raw)
         for section in ("offload_param", "offload_optimizer"):
             sec = raw.get(section)
@@ -96,10 +102,41 @@ def offload_config(opts: Options, out: Path) -> dict:
         cfg = load_config(raw).to_dict()
     except ConfigError as exc:
         raise exc.with_source(opts.config) if opts.config else exc from None
+    lr = _flag_or_file(opts.lr, "--lr", _lr_in_file(raw, deepspeed), "optimizer.lr", opts.config)
+    accum = raw.get("gradient_accumulation_steps") if isinstance(raw, dict) else None
+    accum = _flag_or_file(
+        opts.accum,
+        "--accum",
+        cfg["gradient_accumulation_steps"] if isinstance(accum, int) else None,
+        "gradient_accumulation_steps",
+        opts.config,
+    )
+    opts = dataclasses.replace(opts, lr=DEFAULT_LR if lr is None else lr, accum=accum or 1)
     cfg["optimizer"]["lr"] = opts.lr
     # the step in backward updates on the last micro-batch of each step: it is --accum's
     cfg["gradient_accumulation_steps"] = opts.accum
-    return cfg
+    return cfg, opts
+
+
+def _lr_in_file(raw, deepspeed: bool) -> float | None:
+    """The learning rate the config file itself sets (not a default; DeepSpeed's "auto" is
+    none)."""
+    section = raw.get("optimizer") if isinstance(raw, dict) else None
+    if deepspeed and isinstance(section, dict):
+        section = section.get("params")
+    lr = section.get("lr") if isinstance(section, dict) else None
+    return float(lr) if isinstance(lr, int | float) and not isinstance(lr, bool) else None
+
+
+def _flag_or_file(flag, flag_name: str, in_file, key: str, config: str | None):
+    if flag is None:
+        return in_file
+    if in_file is not None and in_file != flag:
+        print(
+            f"offload finetune: {flag_name} {flag} overrides {key}={in_file} of '{config}'",
+            file=sys.stderr,
+        )
+    return flag
 
 
 def _rng_state() -> str:
@@ -124,6 +161,56 @@ def _postfix(rec: dict[str, Any]) -> str:
     )
 
 
+def _check_model_dir(model: Path) -> None:
+    """A model directory that is not one is named here, before the tokenizer's loader says
+    it could not reach the Hub (a missing directory) or asks for sentencepiece (no tokenizer
+    files), and before OUT is made."""
+    if not model.is_dir():
+        raise ValueError(f"--model '{model}': no such directory (a Hugging Face model directory)")
+    if not (model / "config.json").is_file():
+        raise ValueError(
+            f"--model '{model}': no config.json in it (a Hugging Face model directory)"
+        )
+    if not any((model / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"--model '{model}': no tokenizer in it (one of {', '.join(TOKENIZER_FILES)}); the "
+            "recipe takes the tokenizer from the model directory"
+        )
+
+
+def _check_out(out: Path, ckpt_dir: Path, resume: bool) -> None:
+    """A new run into an OUT that holds another run's checkpoints would prune them (keep_last)
+    and mix two runs' files: refused unless it resumes that run."""
+    if resume:
+        if not (ckpt_dir / "latest").exists():
+            raise ValueError(f"--resume: no checkpoint in '{ckpt_dir}'")
+        return
+    held = sorted(p.name for p in ckpt_dir.glob("ckpt-*")) if ckpt_dir.is_dir() else []
+    export = out / "hf"
+    if held or (export.is_dir() and any(export.iterdir())):
+        raise ValueError(
+            f"--out '{out}' already holds a run ({', '.join(held) or 'hf/'}); add --resume to "
+            "continue it, or give a new --out (nothing there was changed)"
+        )
+
+
+def _check_writable(export: Path) -> None:
+    """The export at the end must not find its directory unwritable after all the training:
+    a file is created and removed in it now (the directory too, when this made it)."""
+    made = not export.exists()
+    try:
+        export.mkdir(parents=True, exist_ok=True)
+        probe = export / ".offload-write-check"
+        probe.touch()
+        probe.unlink()
+        if made:
+            export.rmdir()
+    except OSError as exc:
+        raise ValueError(
+            f"--out: the export directory '{export}' is not writable ({exc.strerror or exc})"
+        ) from exc
+
+
 def finetune(opts: Options, on_step=None) -> int:
     """Runs the recipe (see the module docstring); returns the exit status. ``on_step(record)``
     is called after each step (tests)."""
@@ -142,12 +229,14 @@ def finetune(opts: Options, on_step=None) -> int:
     )
 
     out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
     ckpt_dir = out / "checkpoints"
-    if opts.resume and not (ckpt_dir / "latest").exists():
-        raise ValueError(f"--resume: no checkpoint in '{ckpt_dir}'")
+    _check_model_dir(Path(opts.model))
+    _check_out(out, ckpt_dir, opts.resume)
+    out.mkdir(parents=True, exist_ok=True)
+    _check_writable(out / "hf")
     tokenizer = transformers.AutoTokenizer.from_pretrained(opts.model, local_files_only=True)
     data = load_data(opts.data, tokenizer, opts.seq_len)
+    cfg, opts = offload_config(opts, out)
     per_step = opts.batch * opts.accum
     if opts.steps is None:
         epochs = opts.epochs if opts.epochs is not None else 1.0
@@ -162,7 +251,6 @@ def finetune(opts: Options, on_step=None) -> int:
         "sequences": len(data),
         "data": str(Path(opts.data).resolve()),
     }
-    cfg = offload_config(opts, out)
     rss_before = current_rss()
     model, optimizer = offload.from_pretrained(opts.model, cfg)
     writer = None
@@ -232,7 +320,7 @@ def finetune(opts: Options, on_step=None) -> int:
                     t0 = time.perf_counter()
                     loss = model(input_ids=x, labels=y).loss / opts.accum
                     t1 = time.perf_counter()
-                    loss.backward()
+                    optimizer.scale_loss(loss).backward()  # fp16: the loss scale; else loss
                     fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
                     loss_sum += loss.item()
                     tokens += x.numel()

@@ -674,3 +674,10 @@ def test_resolve_auto_refuses_programming_errors(args, match):
     section, largest = args
     with pytest.raises(ValueError, match=match):
         resolve_auto_buffer_size(section, OffloadConfig(), largest)
+
+
+def test_an_integer_bound_is_written_as_an_integer():
+    """The allowed range printed ``<= 1.04858e+06`` for gradient_accumulation_steps."""
+    with pytest.raises(ConfigError, match=r"allowed: an integer >= 1 and <= 1048576 ") as err:
+        load_config({"gradient_accumulation_steps": 0})
+    assert "e+0" not in str(err.value)

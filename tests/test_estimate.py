@@ -427,3 +427,10 @@ def test_fp32_on_one_rank_keeps_one_copy_of_the_weights_on_nvme():
     assert row.nvme_per_rank == 28 * psi
     bf16 = est.placement_row(psi, 0, "nvme", one, precision="bf16", unit_params=psi // 32)
     assert bf16.nvme_per_rank == (16 + 12 + 2) * psi
+
+
+def test_a_unit_larger_than_the_model_is_refused():
+    """``--unit-params 1e12 --params 7B`` was accepted and reported 6 TB of device memory."""
+    with pytest.raises(est.EstimateError, match=r"--unit-params 1000000000000: .*allowed: 1 to"):
+        est.estimate(7_000_000_000, est.Machine(), unit_params=10**12)
+    assert est.estimate(7_000_000_000, est.Machine(), unit_params=7_000_000_000)

@@ -37,10 +37,15 @@ def as_bool(key: str, value: Any) -> bool:
 def _range_text(lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> str:
     parts = []
     if lo is not None:
-        parts.append(f"{'>' if lo_open else '>='} {lo:g}")
+        parts.append(f"{'>' if lo_open else '>='} {_number(lo)}")
     if hi is not None:
-        parts.append(f"{'<' if hi_open else '<='} {hi:g}")
+        parts.append(f"{'<' if hi_open else '<='} {_number(hi)}")
     return " and ".join(parts)
+
+
+def _number(x: float) -> str:
+    """A bound as written: an integer in full (1048576, not 1.04858e+06), else ``:g``."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def as_int(

@@ -541,6 +541,11 @@ def estimate(
     if isinstance(live_units, bool) or not isinstance(live_units, int) or live_units < 1:
         raise EstimateError(f"--live-units: must be an integer >= 1, got {live_units!r}")
     if unit_params is not None:
+        if unit_params > params:
+            raise EstimateError(
+                f"--unit-params {unit_params}: the largest unit cannot hold more parameters "
+                f"than the model ({params_source} {params}); allowed: 1 to {params}"
+            )
         unit_source = "--unit-params"
     elif shape is not None:
         unit_params = max(layer_params(shape), shape.vocab_size * shape.hidden_size)

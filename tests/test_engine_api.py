@@ -962,6 +962,7 @@ def test_after_a_failed_update_training_waits_for_a_checkpoint(tmp_path):
     data = batches(3)
     lm_loss(model, data[0]).backward()
     opt.step()
+    opt.zero_grad()
     ckpt = offload.save_checkpoint(tmp_path / "ckpt", model, opt)
     lm_loss(model, data[1]).backward()
     faults.inject(5, count=1000, op="read")
@@ -1089,3 +1090,78 @@ def test_a_deep_copy_of_the_wrapped_model_says_to_copy_before_wrap(tmp_path):
     twin = copy.deepcopy(model)
     for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b) and a is not b, name
+
+
+def _steps_without_zero_grad(model, opt, data) -> None:
+    for tokens in data:
+        lm_loss(model, tokens).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("param_dev,opt_dev", [("none", "nvme"), ("nvme", "cpu"), ("nvme", "nvme")])
+def test_a_backward_after_a_step_without_zero_grad_is_refused_where_the_step_took_them(
+    tmp_path, param_dev, opt_dev
+):
+    """Gradients held outside ``p.grad`` (host or NVMe) are handed to the update; a loop with
+    no zero_grad() trained as if it had called it, unlike PyTorch and the same loop with
+    ``p.grad`` kept (which add). Refused before the backward takes anything; after
+    zero_grad() the run goes on bitwise as one that zeroed each step."""
+    data = batches(2)
+    model, opt = offload.wrap(make_model(), placement_config(param_dev, opt_dev, tmp_path / "a"))
+    try:
+        with pytest.raises(PhaseError, match=r"no zero_grad\(\) in between.*after each step"):
+            _steps_without_zero_grad(model, opt, data)
+        opt.zero_grad()
+        lm_loss(model, data[1]).backward()
+        opt.step()
+        got = model.state_dict()
+    finally:
+        opt.close()
+    model, opt = offload.wrap(make_model(), placement_config(param_dev, opt_dev, tmp_path / "b"))
+    try:
+        for tokens in data:
+            lm_loss(model, tokens).backward()
+            opt.step()
+            opt.zero_grad()
+        _assert_bitwise(model, got)
+    finally:
+        opt.close()
+
+
+def test_without_zero_grad_gradients_kept_in_p_grad_add_up_as_in_pytorch(tmp_path):
+    """Where ``p.grad`` holds the gradients (optimizer on the CPU, fp32) the loop with no
+    zero_grad() is allowed: each backward adds to the last, as in PyTorch."""
+    data = batches(3)
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    _steps_without_zero_grad(ref, ref_opt, data)
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path))
+    try:
+        _steps_without_zero_grad(model, opt, data)
+        for name, want in ref.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[name], want, rtol=0, atol=1e-6)
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("param_dev,opt_dev", [("none", "nvme"), ("nvme", "cpu")])
+def test_model_zero_grad_drops_the_gradients_offload_holds(tmp_path, param_dev, opt_dev):
+    """``model.zero_grad()`` between two backwards of a step dropped only ``p.grad``: the host
+    or NVMe sums of the first stayed and were added to. Now it is optimizer.zero_grad()."""
+    data = batches(2)
+    model, opt = offload.wrap(make_model(), placement_config(param_dev, opt_dev, tmp_path / "a"))
+    try:
+        lm_loss(model, data[0]).backward()
+        model.zero_grad()
+        lm_loss(model, data[1]).backward()
+        opt.step()
+        got = model.state_dict()
+    finally:
+        opt.close()
+    model, opt = offload.wrap(make_model(), placement_config(param_dev, opt_dev, tmp_path / "b"))
+    try:
+        lm_loss(model, data[1]).backward()
+        opt.step()
+        _assert_bitwise(model, got)
+    finally:
+        opt.close()

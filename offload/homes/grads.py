@@ -107,6 +107,11 @@ def _drop_device_grads(unit: Unit) -> None:
 class GradHome:
     """Interface of the gradient owners."""
 
+    # whether a step leaves the gradients it used where they were, for a next backward to
+    # add to (``p.grad``, as in PyTorch) until ``zero_grad``; an owner of its own hands them to
+    # the update, and the first backward after a step overwrites them
+    kept_after_step = False
+
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.records: dict[int, list[GradRecord]] = {}
@@ -143,6 +148,8 @@ class GradHome:
 class AutogradGrads(GradHome):
     """Gradients stay in ``p.grad``: autograd accumulates them and the update reads them in
     place (only where they already sit where the optimizer runs; see the ownership Note)."""
+
+    kept_after_step = True
 
     def __init__(self, plan: Plan) -> None:
         super().__init__(plan)

@@ -481,8 +481,10 @@ class InBackward(Background):
                 "offload: with offload_optimizer.step_in_backward this step used the values "
                 "param_groups held when loss.backward() started, but they changed before "
                 f"optimizer.step() ({what or f'gradient scale {grad_scale[1]!r}'}), and the "
-                "gradients were not kept to redo it; change them before the backward (an LR "
-                "scheduler stepped after optimizer.step() does), or set gradient_clipping"
+                "gradients were not kept to redo it: the step was taken with the earlier "
+                "values (the new ones apply from the next step). Change them before the "
+                "backward (an LR scheduler stepped after optimizer.step() does), or set "
+                "gradient_clipping (the gradients are then kept)"
             )
 
     def skip(self) -> None:

@@ -136,6 +136,8 @@ class Runtime:
         self._callback_queued = False
         # a backward failed part way: its gradients are incomplete until zero_grad()
         self._grads_incomplete = False
+        # zero_grad() was called since the last step (or no step ran yet): see _check_zeroed
+        self._zeroed = True
         self._handles: list = []
         self._step_started = time.perf_counter()
         self._fwd_start: float | None = None
@@ -174,7 +176,9 @@ class Runtime:
             for p in run.unit.trainable_params:
                 self._handles.append(p.register_post_accumulate_grad_hook(_grad_hook(me, i)))
         self._handles.append(self.model._register_state_dict_hook(self._state_dict_hook))
-        self._handles.append(_RootOverrides(self.model, self._settle_update_for_read))
+        self._handles.append(
+            _RootOverrides(self.model, self._settle_update_for_read, self.zero_grad)
+        )
 
     def _settle_update_for_read(self) -> None:
         """The parameters are read through the model between a step and the next forward (an
@@ -338,6 +342,7 @@ class Runtime:
         self._stop_timer("_fwd_start", "forward_seconds")
         self.transfers.capture_stream()
         try:
+            self._check_zeroed()
             self.schedule.backward_begins(self._step_hyper, self.backwards_since_step)
         except PhaseError:
             for run in self.runs:  # back to between steps: step() can still close the first
@@ -355,6 +360,21 @@ class Runtime:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _check_zeroed(self) -> None:
+        """The first backward after a step with no ``zero_grad()`` since: in PyTorch it adds
+        to the gradients the step used. An owner that handed them to the update (host or NVMe
+        gradients) no longer has them, and went on as if zero_grad() had been called, so the
+        same loop trained differently on another placement; refused instead, before this
+        backward takes anything."""
+        if self._zeroed or self.backwards_since_step or self.grads.owner.kept_after_step:
+            return
+        raise PhaseError(
+            "offload: loss.backward() after optimizer.step() with no zero_grad() in between: "
+            "PyTorch would add this backward's gradients to the ones the step used, but "
+            "offload's step consumed them (its gradients live outside p.grad with this "
+            "placement); call optimizer.zero_grad() (or model.zero_grad()) after each step"
+        )
 
     def _hook_outputs(self, run: UnitRun, output) -> None:
         """The pre-backward gather: fires when backward reaches ``run``'s outputs. The hooks
@@ -588,6 +608,7 @@ class Runtime:
         self.timers["step_seconds"] = now - self._step_started
         self._step_started = now
         self.backwards_since_step = 0
+        self._zeroed = False
         self.grads.step_ended()
         self.params.end_iteration()
         self.telemetry.end_step(self.timers, self._counters(), self.step_count, skipped)
@@ -627,6 +648,7 @@ class Runtime:
         self.grads.zero()
         self.backwards_since_step = 0
         self._grads_incomplete = False
+        self._zeroed = True
 
     # ---------------------------------------------------------------- values
     def full_values(self, unit) -> dict[nn.Parameter, torch.Tensor]:
@@ -711,6 +733,12 @@ class _RootOverrides:
         keeps overlapping the forward. A tensor kept from an earlier ``parameters()`` call, or a
         submodule's own ``parameters()``, is not seen: ``optimizer.synchronize()`` first.
 
+    Note: model.zero_grad()
+        Drops the gradients offload holds outside ``p.grad`` too (``Runtime.zero_grad``, what
+        ``optimizer.zero_grad()`` does), as it drops ``p.grad`` in PyTorch: mid accumulation
+        the host or NVMe sums stayed and were added to, and after a step it counts as the
+        zero_grad() the next backward checks for (``Runtime._check_zeroed``).
+
     Note: copies
         ``copy.deepcopy`` of the wrapped model (an EMA's usual start) would copy the engine its
         hooks hold, threads and open files included, and fail deep inside ``copy``; it raises
@@ -719,7 +747,9 @@ class _RootOverrides:
 
     NAMES = ("named_parameters", "zero_grad", "__deepcopy__")
 
-    def __init__(self, model: nn.Module, settle: Callable[[], None]) -> None:
+    def __init__(
+        self, model: nn.Module, settle: Callable[[], None], zero: Callable[[], None]
+    ) -> None:
         self.model = model
         cls = type(model)
         waiting = threading.local()  # inside zero_grad: its parameters() call reads nothing
@@ -730,6 +760,7 @@ class _RootOverrides:
             return cls.named_parameters(model, *args, **kwargs)
 
         def zero_grad(*args, **kwargs):
+            zero()  # the gradients offload holds outside p.grad go too
             waiting.off = True
             try:
                 return cls.zero_grad(model, *args, **kwargs)

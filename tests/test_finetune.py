@@ -234,3 +234,26 @@ def test_an_export_directory_that_cannot_be_written_fails_before_training(setup,
     assert main(_args(t, t / "a")) == 2
     assert f"the export directory '{t / 'a' / 'hf'}' is not writable" in capsys.readouterr().err
     assert not (t / "a" / "metrics.jsonl").exists()
+
+
+def test_a_deepspeed_config_without_nvme_path_swaps_in_out(setup):
+    """As an offload-format config does: the NVMe sections get OUT/swap (a DeepSpeed config
+    was refused for its missing nvme_path)."""
+    t = setup
+    (t / "ds.json").write_text(
+        json.dumps(
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_param": {"device": "nvme", "buffer_count": 4, "buffer_size": 4096},
+                    "offload_optimizer": {"device": "nvme", "buffer_count": 8},
+                }
+            }
+        )
+    )
+    args = _args(t, t / "a")
+    args[args.index(str(t / "cfg.yaml"))] = str(t / "ds.json")
+    assert main([*args, "--steps", "1", "--save-every", "0"]) == 0
+    run = next(r for r in read_metrics(t / "a" / "metrics.jsonl") if r["kind"] == "run")
+    for section in ("offload_param", "offload_optimizer"):
+        assert run["config"][section]["nvme_path"] == str(t / "a" / "swap"), section

@@ -83,18 +83,20 @@ def offload_config(opts: Options, out: Path) -> tuple[dict, Options]:
     """The user's config (or the defaults) with the run's learning rate and accumulation, and
     ``opts`` with both resolved: a flag given wins over the config file (said on stderr when
     they differ), a value the file sets is used when the flag is not given, else the flag's
-    default. In offload's format, an NVMe section that names no ``nvme_path`` gets
-    ``OUT/swap``."""
+    default. An NVMe section that names no ``nvme_path`` gets ``OUT/swap`` (in offload's
+    format and in DeepSpeed's)."""
     from offload.config import ConfigError, load_config  # noqa: PLC0415
     from offload.config.deepspeed import is_deepspeed_config  # noqa: PLC0415
     from offload.config.loader import read_config_file  # noqa: PLC0415
 
     raw = read_config_file(opts.config) if opts.config else {}
     deepspeed = isinstance(raw, dict) and is_deepspeed_config(raw)
-    if isinstance(raw, dict) and not deepspeed:
+    if isinstance(raw, dict):
         raw = copy.deepcopy(raw)
+        # a DeepSpeed config keeps its offload sections under zero_optimization
+        sections = raw.get("zero_optimization") if deepspeed else raw
         for section in ("offload_param", "offload_optimizer"):
-            sec = raw.get(section)
+            sec = sections.get(section) if isinstance(sections, dict) else None
             if isinstance(sec, dict) and sec.get("device") == "nvme" and not sec.get("nvme_path"):
                 (out / "swap").mkdir(parents=True, exist_ok=True)
                 sec["nvme_path"] = str(out / "swap")

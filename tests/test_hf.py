@@ -152,6 +152,59 @@ def test_save_pretrained_round_trip(tmp_path, arch):
         opt.close()
 
 
+def _files(directory) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+@pytest.mark.parametrize("exchange", ["atomic", "aside"])
+def test_save_pretrained_over_an_earlier_one_is_all_or_nothing(tmp_path, monkeypatch, exchange):
+    """A save over an earlier export that fails part way (here the third shard's write; a
+    SIGKILL there did the same) left the old index with some new shards, which transformers
+    loaded without a word. Now the directory is the old one, byte for byte, until the new one
+    is whole; a completed save keeps the files it does not write (a tokenizer) and leaves no
+    staging directory. ``aside``: where the atomic exchange is refused."""
+    import offload.api.pretrained as pretrained  # noqa: PLC0415
+
+    if exchange == "aside":
+        monkeypatch.setattr(pretrained, "_exchange", lambda a, b: False)
+    d = write_model(tmp_path / "m")
+    out = tmp_path / "out"
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path / "a", "nvme", "nvme"))
+    try:
+        offload.save_pretrained(model, out, max_shard_size="40KB")
+        (out / "tokenizer.json").write_text("{}")
+        (out / "extra").mkdir()
+        (out / "extra" / "notes.txt").write_text("kept")
+        before = _files(out)
+        _offload(model, opt)  # new values
+        real, calls = pretrained.write_file, []
+
+        def dying(path, *args, **kwargs):
+            calls.append(path)
+            if len(calls) == 3:
+                raise OSError(28, "No space left on device (injected)")
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(pretrained, "write_file", dying)
+        with pytest.raises(OSError, match="No space left"):
+            offload.save_pretrained(model, out, max_shard_size="40KB")
+        assert _files(out) == before
+        monkeypatch.setattr(pretrained, "write_file", real)
+        (tmp_path / ".out.offload-new").mkdir()  # as a killed save leaves it
+        offload.save_pretrained(model, out, max_shard_size="40KB")
+        state = model.state_dict()
+    finally:
+        opt.close()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out")) == []
+    assert (out / "tokenizer.json").read_text() == "{}"
+    assert (out / "extra" / "notes.txt").read_text() == "kept"
+    back = AutoModelForCausalLM.from_pretrained(out)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
 def test_loading_errors_name_the_keys(tmp_path):
     d = write_model(tmp_path / "m")
     state = load_file(d / "model.safetensors")

@@ -28,14 +28,32 @@ Note: what is written, and when
     (non-persistent) ones are not. Each file goes to a temporary name, is fsynced and renamed;
     the index and ``config.json`` come after every shard, then shards of an earlier save that
     the new index does not name are removed.
+
+Note: all or nothing (``_staged``)
+    A save over an existing directory (the next export of a run, a save in place over the
+    model's own source) is written into a staging directory beside it, ``.NAME.offload-new``;
+    the files of the old directory that the save does not write (a tokenizer, a README) are
+    hard-linked into it, and then the two directories are exchanged in one atomic
+    ``renameat2(RENAME_EXCHANGE)`` and the old one removed. Replacing the files one by one, a
+    SIGKILL part way left the old index with some new shards, which ``transformers`` loaded
+    without a word: neither model. Now a kill at any point leaves the old directory or the new
+    one, and the next save removes a staging directory a killed one left. Python has no call
+    for the exchange (``os.rename`` replaces only an empty directory), hence the one libc call
+    through ``ctypes``; where the file system refuses it, the old directory is renamed aside
+    first, a moment in which the directory is missing (logged).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
+import errno
 import json
+import logging
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,11 +63,15 @@ import torch.nn as nn
 from offload.api.checkpoint import UnitValues, written_by_rank0
 from offload.config import parse_size
 from offload.plan import Segment, Unit
-from offload.runtime.safetensors import NAMES, Entry, write_file
+from offload.runtime.safetensors import NAMES, Entry, fsync_dir, write_file
 from offload.runtime.values import FROZEN, Values
 from offload.runtime.weights import INDEX, SINGLE
 
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+# the weight files a save writes, or drops as stale; every other file of the directory stays
+_OWN = (SINGLE, INDEX)
+
+logger = logging.getLogger("offload.api")
 
 
 def _need_transformers(what: str):
@@ -230,8 +252,9 @@ def save_pretrained(
         # one rank streams each tensor piece by piece; with several each holds a share, so
         # whole units are gathered (rank 0 writes, as export does)
         whole = values if engine.comm.world > 1 else None
-        write_shards(directory, model_entries(model, dtype, whole), max_shard_size)
-        _write_config(model, engine, directory, dtype)
+        with _staged(directory) as stage:
+            write_shards(stage, model_entries(model, dtype, whole), max_shard_size)
+            _write_config(model, engine, stage, dtype)
 
     written_by_rank0(engine, "save_pretrained", write)
     return directory
@@ -250,3 +273,62 @@ def _write_config(model: nn.Module, engine, directory: Path, dtype: torch.dtype 
         generation = getattr(model, "generation_config", None)
         if generation is not None and hasattr(generation, "save_pretrained"):
             generation.save_pretrained(directory)
+
+
+@contextlib.contextmanager
+def _staged(directory: Path):
+    """Yields the directory to write a save of ``directory`` into; on a clean exit it becomes
+    ``directory`` whole (the module Note: all or nothing), on an error it is removed and
+    ``directory`` is as it was."""
+    stage = directory.parent / f".{directory.name}.offload-new"
+    if stage.exists():  # left by a save that was killed
+        shutil.rmtree(stage)
+    stage.mkdir(parents=True)
+    try:
+        yield stage
+        if directory.exists():
+            _keep_the_rest(directory, stage)
+            fsync_dir(stage)
+            if not _exchange(stage, directory):
+                aside = directory.parent / f".{directory.name}.offload-old"
+                logger.info("save_pretrained: no atomic exchange here; '%s' moved aside", directory)
+                os.rename(directory, aside)
+                os.rename(stage, directory)
+                stage = aside
+        else:
+            fsync_dir(stage)
+            os.rename(stage, directory)
+        fsync_dir(directory.parent)
+    finally:
+        if stage.exists():  # the old directory after the exchange, or a save that failed
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def _keep_the_rest(old: Path, stage: Path) -> None:
+    """Hard-links into ``stage`` what ``old`` holds that the save did not write (a config it
+    wrote replaces the old one), but for weight files (stale, as ``write_shards`` has it)."""
+    for entry in old.iterdir():
+        target = stage / entry.name
+        if target.exists() or entry.name in _OWN or _SHARD.fullmatch(entry.name):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, target, symlinks=True, copy_function=os.link)
+        elif entry.is_symlink():
+            os.symlink(os.readlink(entry), target)
+        else:
+            os.link(entry, target)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swaps directories ``a`` and ``b`` atomically (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``); False where that call or flag is not supported."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))

@@ -467,3 +467,28 @@ def test_cpu_adam_params_of_one_group_at_different_steps_match_torch(path):
     assert opt.state[model[0].weight]["step"].item() == 6
     for a, b in zip(model.parameters(), ref.parameters()):
         _assert_close(a.detach(), b.detach(), "params whose step counts differ")
+
+
+@pytest.mark.parametrize("adamw_mode,wd,wd_after", [(True, 0.1, 0.3), (False, 0.05, 0.05)])
+@pytest.mark.parametrize("n", [1, 37, 100_003])
+def test_params_from_moments_are_the_step_with_another_step_size(adamw_mode, wd, wd_after, n):
+    """``adam_params_from_moments``: from the params before a step and the moments it wrote,
+    the params of that step with another lr, eps and (AdamW) weight decay, bit for bit, as
+    ``adam_step`` with those values makes them (the moments do not depend on them)."""
+    from offload.optim.kernels import adam_params_from_moments  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(n)
+    p0, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    m0, v0 = torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01
+    hyper = dict(step=3, betas=(0.9, 0.999), adamw_mode=adamw_mode)
+    p1, m1, v1 = p0.clone(), m0.clone(), v0.clone()
+    adam_step(p1, grad, m1, v1, lr=1e-2, eps=1e-8, weight_decay=wd, **hyper)
+    p2, m2, v2 = p0.clone(), m0.clone(), v0.clone()
+    adam_step(p2, grad, m2, v2, lr=3e-3, eps=1e-6, weight_decay=wd_after, **hyper)
+    assert torch.equal(m1, m2) and torch.equal(v1, v2)
+    redone = p0.clone()
+    adam_params_from_moments(
+        redone, m1.clone(), v1.clone(), lr=3e-3, eps=1e-6, weight_decay=wd_after, **hyper
+    )
+    assert torch.equal(redone, p2)
+    assert not torch.equal(p1, p2)

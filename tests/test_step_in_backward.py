@@ -195,10 +195,11 @@ def test_misuse_is_an_error_naming_the_option(tmp_path):
         opt.step()
         opt.zero_grad()
         # after the first step the loop is known not to clip: the gradients are not kept, so
-        # values changed between backward and step cannot be honoured and are refused
+        # values the moments depend on, changed between backward and step, cannot be honoured
+        # and are refused (a new step size is redone: the next test)
         lm_loss(model, data[2]).backward()
-        opt.param_groups[0]["lr"] = 5e-3  # changed after the backward started
-        with pytest.raises(PhaseError, match=r"lr 0.01 -> 0.005.*taken with the earlier"):
+        opt.param_groups[0]["betas"] = (0.8, 0.999)  # changed after the backward started
+        with pytest.raises(PhaseError, match=r"betas \(0.9, 0.999\) -> \(0.8, 0.999\).*taken"):
             opt.step()
         # the step itself was taken (with the old lr); training goes on with the new one
         opt.zero_grad()
@@ -228,6 +229,43 @@ def test_a_learning_rate_changed_late_is_honoured_when_the_gradients_are_kept(tm
             opt.close()
     for name, value in results[0].items():
         assert torch.equal(results[1][name], value), name
+
+
+@pytest.mark.parametrize(
+    "param_dev,dtype", [("none", "fp32"), ("cpu", "fp32"), ("nvme", "fp32"), ("nvme", "bf16")]
+)
+def test_a_step_size_changed_late_is_redone_without_the_gradients(tmp_path, param_dev, dtype):
+    """No clipping, no fp16: the gradients are not kept. A learning rate, eps or AdamW weight
+    decay set between backward and step() (a decay at an epoch's end, say) was refused with
+    the step taken at the old values; the moments do not depend on them, so the params are
+    made again from the master of before and the update's moments: bitwise the update after
+    the backward with the new values, for a master of its own (params on the device, in host
+    memory, bf16 on NVMe) and for the fp32 params on NVMe that are the master."""
+    data = batches(7)
+    results, rollbacks = [], []
+    for sib in (False, True):
+        cfg = _config(tmp_path / str(sib), param_dev, step_in_backward=sib, dtype=dtype)
+        model, opt = offload.wrap(make_model(), cfg)
+        try:
+            for s in range(7):
+                lm_loss(model, data[s]).backward()
+                if s == 2:
+                    opt.param_groups[0]["lr"] = 3e-3  # set after the backward
+                if s == 5:  # (step 3 updates after its backward, step 4 speculates again)
+                    opt.param_groups[0].update(eps=1e-6, weight_decay=0.02)
+                opt.step()
+                rollbacks.append(opt.stats()["rollbacks"])
+                opt.zero_grad()
+            results.append(model.state_dict())
+            state = opt.state_dict()["state"]
+            results.append({f"{k}.{n}": t for k, v in state.items() for n, t in v.items()})
+        finally:
+            opt.close()
+    for name, value in results[0].items():
+        assert torch.equal(results[2][name], value), name
+    for name, value in results[1].items():
+        assert torch.equal(results[3][name], value), name
+    assert rollbacks[7:] == [0, 0, 1, 0, 0, 1, 0], rollbacks  # the two late steps, redone
 
 
 def test_a_failed_backward_does_not_hang_close(tmp_path):

@@ -568,11 +568,19 @@ def test_versions_commit_or_roll_back_all_that_was_written(tmp_path):
             store.read_into(key, out)
             return float(out[0])
 
+        def committed(key):
+            out = torch.empty(1000)
+            store.read_into(key, out, committed=True)
+            return float(out[0])
+
         store.begin_version()
         update("a", 2.0)
         update("b", 3.0)  # one buffer: "a" is written and evicted to make room
         assert store.state("a") is ShardState.NVME
         assert value("a") == 2.0 and value("b") == 3.0  # inside it, the version's values
+        # what a rollback would restore, cached copy ("b") or not ("a"); unwritten: the value
+        assert committed("a") == 1.0 and committed("b") == 1.0
+        assert committed("plain") == value("plain")
         with pytest.raises(RuntimeError, match="inside a version"):
             store.write_from("a", torch.zeros(1000))
         assert store.rollback_version() == 2

@@ -28,6 +28,7 @@ import torch
 from offload.homes.grads import GradHome, Hyper
 from offload.homes.params import ParamHome
 from offload.optim import adam_step
+from offload.optim.kernels import adam_params_from_moments
 from offload.plan import Plan, Unit
 from offload.store import Tier
 
@@ -249,6 +250,19 @@ class NvmeMaster:
         for lo, hi in pieces:
             self.params.load_shard(unit, lo, hi, self.read(unit, lo, hi).to(self.params.dtype))
 
+    def read_committed(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
+        """The piece's master as an open version would roll it back (before the update)."""
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        self.store.read_into(_key(unit, "master", lo), out, committed=True)
+        return out
+
+    def rewrite(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
+        """Replaces what the open version wrote of the piece's master, and its compute
+        params."""
+        with self.store.borrow(_key(unit, "master", lo), read=False) as buf:
+            buf[: hi - lo].copy_(values)
+        self.params.load_shard(unit, lo, hi, values.to(self.params.dtype))
+
 
 class ParamShardsMaster(NvmeMaster):
     """``MasterOwner.PARAMS`` with fp32 params on NVMe: the param home's shards are the master
@@ -276,6 +290,14 @@ class ParamShardsMaster(NvmeMaster):
 
     def derive_params(self, unit: Unit, pieces: list[tuple[int, int]]) -> None:
         pass  # rolled back with the moments
+
+    def read_committed(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
+        return self.params.read_committed(unit, lo, hi)
+
+    def rewrite(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
+        out = self.params.out_buffer(unit, lo, hi)
+        out[: hi - lo].copy_(values)
+        self.params.commit(unit, lo, hi)  # into the version, as the update's own write
 
 
 class NvmeOptim(OptimHome):
@@ -330,6 +352,26 @@ class NvmeOptim(OptimHome):
         """Writes the compute params of ``units`` from their master (after a rollback)."""
         for unit in units:
             self.master.derive_params(unit, self.pieces(unit))
+
+    @property
+    def redoes_step_size(self) -> bool:
+        """Whether :meth:`redo_step_size` can run here: one rank (with several, the shares'
+        compute params would need their collectives; not built)."""
+        return self.plan.placement.world == 1
+
+    def redo_step_size(self, units: Iterable[Unit], hyper: Hyper) -> None:
+        """Inside the open version of an update whose step size changed after it ran (lr,
+        eps, AdamW's weight decay; not what the moments depend on): every piece's master is
+        made again from its value before the update and the moments the update wrote, with
+        ``hyper`` (``adam_params_from_moments``: bit for bit the update with ``hyper``), and
+        its compute params from that. No gradient is needed. Synchronous, one piece at a time
+        (host memory: three pieces); a late change is rare, so it is not pipelined."""
+        for unit in units:
+            for lo, hi in self.pieces(unit):
+                values = self.master.read_committed(unit, lo, hi)
+                moments = [self.read(unit, kind, lo, hi) for kind in MOMENTS]
+                adam_params_from_moments(values, *moments, **hyper.kwargs())
+                self.master.rewrite(unit, lo, hi, values)
 
     def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
         if kind == "master":

@@ -590,6 +590,13 @@ class NvmeParams(_Released):
         self.store.read_into(self.key(unit, lo), out)
         return out
 
+    def read_committed(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
+        """:meth:`read` of the value an open version of the store would roll back to (the
+        shards are the master of a speculative update: ``ParamShardsMaster``)."""
+        out = torch.empty(hi - lo, dtype=self.dtype)
+        self.store.read_into(self.key(unit, lo), out, committed=True)
+        return out
+
     def load_shard(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
         self.reshard(unit)  # stale from here on (the caller reshards it too)
         self.store.write_from(self.key(unit, lo), values.to(self.dtype).contiguous())

@@ -202,6 +202,67 @@ def adam_step(
     )
 
 
+def adam_params_from_moments(
+    param: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int | float,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool = True,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+) -> None:
+    """The parameter half of an Adam step whose moments are already the step's: ``param``
+    (the value before the step) becomes, bit for bit, what :func:`adam_step` with these
+    hyperparameters makes of it when its moments end at ``exp_avg`` / ``exp_avg_sq``. Used to
+    redo a step whose step size (lr, eps, AdamW's weight decay: what the moments do not
+    depend on; Adam's L2 decay is in them) changed after its moments were written, with no
+    gradient at hand. ``exp_avg`` and ``exp_avg_sq`` are scratch: they are
+    rewritten with the values they hold (give copies if their bits matter).
+
+    It is the same kernel (so the same operations in the same order), its moment update made
+    the identity: a zero gradient, lerp weight 0, beta2 1 and (1 - beta2) 0 leave m and v as
+    they are, while the decay, the bias corrections, eps and the step size are the real
+    ones. ``grad_scale`` is accepted for the caller's ``Hyper.kwargs()`` and has no effect."""
+    del grad_scale
+    c = _checked_coefficients(step, lr, betas, eps, weight_decay, adamw_mode, bias_correction, 1.0)
+    c = _Coef(
+        grad_scale=1.0,
+        decay=c.decay,
+        l2=0.0,
+        w1=0.0,
+        beta2=1.0,
+        c2=0.0,
+        bc2_sqrt=c.bc2_sqrt,
+        eps=c.eps,
+        neg_step=c.neg_step,
+    )
+    _check_tensor("param", param, None, (torch.float32,))
+    n = param.numel()
+    _check_tensor("exp_avg", exp_avg, n, (torch.float32,))
+    _check_tensor("exp_avg_sq", exp_avg_sq, n, (torch.float32,))
+    zero = torch.zeros(n, dtype=torch.float32)
+    mod = _native.get()
+    if mod is None:
+        _adam_step_torch(param, zero, exp_avg, exp_avg_sq, c, None)
+        return
+    mod.adam_step(
+        param.data_ptr(),
+        zero.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        n,
+        _GRAD_CODES[torch.float32],
+        0,
+        _NO_OUT,
+        *c.native_args(),
+    )
+
+
 class AdamGroup:
     """Several parameter tensors updated together with the same hyperparameters, their fp32
     state prepared once (checked, pointers taken): :meth:`step` then checks only the gradients

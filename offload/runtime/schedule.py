@@ -313,8 +313,11 @@ class InBackward(Background):
     global norm, the overflow flag and its hyperparameters: when they are the ones the update
     used, the version is committed; when not (clipping, a changed learning rate), it is rolled
     back and the update redone with the right ones from the state of before and the gradients
-    kept for it (``HeldNvmeGrads.retain``); an overflow rolls back and skips. So the result is
-    bitwise that of the update after the backward. A step whose update would not have been kept
+    kept for it (``HeldNvmeGrads.retain``); an overflow rolls back and skips. With no
+    gradients kept, a change of the step size alone (lr, eps, AdamW's weight decay) is redone
+    on the params only, from the master of before and the moments the update wrote, which do
+    not depend on it (``NvmeOptim.redo_step_size``, one rank); any other late change is
+    refused. So the result is bitwise that of the update after the backward. A step whose update would not have been kept
     makes the next one update after its backward (no redo to pay while the loop clips every
     step); one that would have been kept makes the next speculative again."""
 
@@ -430,14 +433,20 @@ class InBackward(Background):
                 self.optim.rollback_version()  # redone in launch() with the right values
                 self.timers["rollbacks"] += 1
                 self._then = ("redo",)
+            elif _step_size_only(used, hyper) and self.optim.redoes_step_size:
+                self.timers["rollbacks"] += 1  # the params' half of the update, redone here
+                self._commit(first=lambda: self.optim.redo_step_size(self.stepped, hyper))
             else:
                 self._commit()  # taken with the values it used; then refused
                 self._then = ("refuse", used, hyper)
 
-    def _commit(self) -> None:
-        """Keeps the speculative update; one of its writes failed: it is undone instead (the
-        state of before the step), and the error raised as an update's."""
+    def _commit(self, first: Callable[[], None] | None = None) -> None:
+        """Keeps the speculative update (after ``first``, a last change to it); one of its
+        writes failed: it is undone instead (the state of before the step), and the error
+        raised as an update's."""
         try:
+            if first is not None:
+                first()
             self.optim.commit_version()
         except Exception as err:
             self.timers["rollbacks"] += 1
@@ -546,3 +555,11 @@ def _diff(a: Hyper, b: Hyper):
 
 def _same(a: Hyper, b: Hyper) -> bool:
     return not _diff(a, b)
+
+
+def _step_size_only(a: Hyper, b: Hyper) -> bool:
+    """Whether ``a`` and ``b`` differ only in what the moments do not depend on: lr, eps and
+    AdamW's (decoupled) weight decay. The update's moments are then right for ``b`` too, and
+    only its params need redoing (``NvmeOptim.redo_step_size``), without the gradients."""
+    free = {"lr", "eps"} | ({"weight_decay"} if a.adamw_mode else set())
+    return all(name in free for name, _, _ in _diff(a, b))

@@ -417,17 +417,20 @@ class TieredStore:
         return shard.extent
 
     # -- synchronous access (checkpoints) ----------------------------------------------------------
-    def read_into(self, key: str, out: torch.Tensor) -> None:
-        """Copy the newest data of ``key`` into ``out`` (``numel`` elements), synchronously."""
+    def read_into(self, key: str, out: torch.Tensor, *, committed: bool = False) -> None:
+        """Copy the newest data of ``key`` into ``out`` (``numel`` elements), synchronously.
+        ``committed``: inside a version, the value a rollback would restore (the committed
+        extent) rather than the one the version wrote."""
         with self._lock:
             shard = self._get(key)
             self._check_out(shard, out, "read_into")
             self._settle(shard)
-            if shard.state is ShardState.HOST:
+            written = self._version is not None and shard.key in self._version
+            if shard.state is ShardState.HOST and not (committed and written):
                 out.copy_(shard.host_view().reshape(out.shape))
                 return
             staging = self._staging_bytes(shard.io_nbytes)
-            self._nvme.read(self._source(shard), staging).wait()
+            self._nvme.read(shard.extent if committed else self._source(shard), staging).wait()
             self._counters.moved(Tier.NVME, Tier.HOST, shard.io_nbytes)
             out.copy_(staging[: shard.nbytes].view(shard.dtype).reshape(out.shape))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -305,3 +306,42 @@ def test_one_rank_group_shards_through_its_collectives(tmp_path):
 
     rows = gpu_smoke.group_parity("cpu", tmp_path)
     assert len(rows) == 9 and all(r["ok"] for r in rows), rows
+
+
+_GATHER_ALONE = """
+import datetime, os, sys, time
+import torch.distributed as dist
+from offload.dist import CollectiveError
+from offload.dist.comm import TorchComm
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+comm = TorchComm(None, timeout=3.0)
+if comm.rank == 0:
+    assert comm.all_gather_object({"a": 1}, "a test") == [{"a": 1}, [2, 3]]
+    t0 = time.monotonic()
+    try:
+        comm.all_gather_object("alone", "the checkpoint's name")
+    except CollectiveError as exc:
+        print(f"{time.monotonic() - t0:.1f} {exc}", flush=True)
+        os._exit(0)  # gloo cannot cancel the pending gather: do not wait for it
+    os._exit(1)
+assert comm.all_gather_object([2, 3]) == [{"a": 1}, [2, 3]]
+time.sleep(12)
+os._exit(0)
+"""
+
+
+def test_an_object_gather_that_one_rank_never_joins_times_out(tmp_path):
+    """Checkpoints and wrap gather small objects; torch's all_gather_object waits with no
+    timeout, so a rank that never joined held a save for the group's own 30 minutes. It now
+    raises CollectiveError after distributed.timeout, naming what it gathered."""
+    from dist_harness import start_ranks, wait_all  # noqa: PLC0415
+
+    (tmp_path / "w.py").write_text(_GATHER_ALONE)
+    (rc0, out0, err0), (rc1, _, err1) = wait_all(
+        start_ranks([sys.executable, str(tmp_path / "w.py")], 2, tmp_path), 90
+    )
+    assert rc0 == 0 and rc1 == 0, (err0[-2000:], err1[-2000:])
+    took, message = out0.split(" ", 1)
+    assert float(took) < 10, out0
+    assert "all_gather_object of the checkpoint's name on rank 0 of 2 did not complete" in message

@@ -149,7 +149,8 @@ def _agree(comm, error: BaseException | None, what: str, payload=None, cls=Runti
     on every rank if one failed (its own error on that rank, one naming it on the others);
     returns every rank's payload."""
     said = comm.all_gather_object(
-        (None if error is None else f"{type(error).__name__}: {error}", payload)
+        (None if error is None else f"{type(error).__name__}: {error}", payload),
+        f"every rank's outcome of {what}",
     )
     if error is not None:
         raise error
@@ -163,7 +164,7 @@ def _save_ranks(root: Path, name: str, engine, optimizer, keep_last: int, extra:
     """The collective save (module Note on ranks): rank 0 owns the directory and commits once
     every rank's files are durable."""
     comm = engine.comm
-    name = comm.all_gather_object(name)[0]  # rank 0's name for everyone
+    name = comm.all_gather_object(name, "the checkpoint's name")[0]  # rank 0's, for everyone
     owner = comm.rank == 0
     writer = error = None
     try:
@@ -429,7 +430,7 @@ def _load_ranks(root: Path, engine, optimizer) -> dict:
     counters = plan = None
     try:
         path = files.resolve(root)
-        paths = comm.all_gather_object(str(path))
+        paths = comm.all_gather_object(str(path), "the checkpoint to load")
         if len(set(paths)) > 1:
             raise CheckpointError(
                 f"load_checkpoint: the ranks found different checkpoints in '{root}' "

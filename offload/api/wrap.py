@@ -387,7 +387,7 @@ def _fingerprint(model: nn.Module, cfg: OffloadConfig, plan: Plan, weights) -> d
 def _check_ranks(comm: Comm, model: nn.Module, cfg: OffloadConfig, plan: Plan, weights) -> None:
     """Every rank of the group wraps the same model with the same config and values."""
     mine = _fingerprint(model, cfg, plan, weights)
-    theirs = comm.all_gather_object(mine)
+    theirs = comm.all_gather_object(mine, "every rank's model and config")
     for rank, other in enumerate(theirs):
         for key, what in (
             ("config", "config"),

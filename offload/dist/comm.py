@@ -52,6 +52,7 @@ Note: the end of a process
 from __future__ import annotations
 
 import datetime
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -131,8 +132,9 @@ class Comm:
         """``t`` becomes rank ``src``'s ``t``, in place."""
         raise NotImplementedError
 
-    def all_gather_object(self, obj) -> list:
-        """Every rank's ``obj`` (small, picklable), in rank order; blocking."""
+    def all_gather_object(self, obj, what: str = "") -> list:
+        """Every rank's ``obj`` (small, picklable), in rank order; blocking, with the
+        timeout."""
         raise NotImplementedError
 
     def barrier(self, what: str = "") -> None:
@@ -148,7 +150,8 @@ class Comm:
 
     def waited(self, op: str, seconds: float) -> None:
         with self._lock:
-            self._counts[op]["wait_seconds"] += seconds
+            if op in self._counts:  # (objects are not counted: module Note)
+                self._counts[op]["wait_seconds"] += seconds
 
     def stats(self) -> dict:
         """``{"collectives": {op: {bytes, calls, wait_seconds}}}``, cumulative."""
@@ -190,7 +193,7 @@ class LocalComm(Comm):
     def broadcast(self, t, src, what=""):
         return completed(self, "broadcast", what)
 
-    def all_gather_object(self, obj) -> list:
+    def all_gather_object(self, obj, what: str = "") -> list:
         return [obj]
 
     def barrier(self, what: str = "") -> None:
@@ -312,10 +315,28 @@ class TorchComm(Comm):
             s,
         )
 
-    def all_gather_object(self, obj) -> list:
-        out: list = [None] * self.world
+    def all_gather_object(self, obj, what: str = "") -> list:
+        """Two all-gathers of bytes (the lengths, then the pickles padded to the longest),
+        each waited with the timeout. ``torch.distributed.all_gather_object`` blocks with none:
+        a checkpoint that one rank never joined held the others for the group's own timeout
+        (30 minutes by default) instead of ``distributed.timeout``. Not counted (module Note)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = torch.zeros(self.world, dtype=torch.int64)
+        self._gather_bytes(sizes, torch.tensor([data.numel()], dtype=torch.int64), what)
+        width = int(sizes.max())
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: data.numel()] = data
+        everyone = torch.empty(width * self.world, dtype=torch.uint8)
+        self._gather_bytes(everyone, mine, what)
+        rows = everyone.view(self.world, width)
+        return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(self.world)]
+
+    def _gather_bytes(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> None:
+        o = out if self._here(out) else torch.empty_like(out, device=self.device)
+        i = self._staged_in(inp)
         try:
-            self._dist.all_gather_object(out, obj, group=self.group)
-        except Exception as exc:  # noqa: BLE001
-            raise self.failure("all_gather_object", "", exc) from exc
-        return out
+            work = self._ag(o, i, group=self.group, async_op=True)
+        except Exception as exc:  # noqa: BLE001 - a peer already gone fails at issue time
+            raise self.failure("all_gather_object", what, exc) from exc
+        finish = (lambda: out.copy_(o)) if o is not out else None
+        Handle(self, "all_gather_object", what, work, finish).wait()

@@ -128,9 +128,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return out
 
     def synchronize(self) -> None:
-        """Waits until the last step's update is complete everywhere (with the optimizer state
-        on NVMe the update runs in the background into the next forward). For timing; any call
-        that reads state does this by itself."""
+        """Waits until this rank's update of the last step is complete (with the optimizer
+        state on NVMe it runs in the background into the next forward). For timing; any call
+        that reads state does this by itself. With several ranks (stages 1-2) the other ranks'
+        updated shares reach this rank's parameters at the next forward, not here."""
         self._engine.flush_pending()
 
     def restart_step_counters(self) -> None:

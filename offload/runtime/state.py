@@ -731,7 +731,10 @@ class _RootOverrides:
         synchronous step would have it. ``model.zero_grad()`` iterates the parameters without
         reading them (HF Trainer calls it right after the step), so it does not wait: the update
         keeps overlapping the forward. A tensor kept from an earlier ``parameters()`` call, or a
-        submodule's own ``parameters()``, is not seen: ``optimizer.synchronize()`` first.
+        submodule's own ``parameters()``, is not seen: ``optimizer.synchronize()`` first. With
+        several ranks (stages 1-2) the other ranks' updated shares come in with the next
+        forward's refresh (a collective, which a read on one rank cannot start), so this
+        holds for one rank; ``state_dict`` is current on every rank.
 
     Note: model.zero_grad()
         Drops the gradients offload holds outside ``p.grad`` too (``Runtime.zero_grad``, what

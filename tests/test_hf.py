@@ -205,6 +205,25 @@ def test_save_pretrained_over_an_earlier_one_is_all_or_nothing(tmp_path, monkeyp
         assert torch.equal(v, state[k]), k
 
 
+def test_save_pretrained_where_nothing_can_be_staged_writes_in_place(tmp_path, caplog):
+    """A directory that is a mount point, or whose parent is read-only, cannot be exchanged:
+    written file by file as before (said in a warning), not refused."""
+    d = write_model(tmp_path / "m")
+    out = tmp_path / "out"
+    (tmp_path / ".out.offload-new").write_text("a file where the staging directory goes")
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path / "a", "cpu", "cpu"))
+    try:
+        with caplog.at_level("WARNING", logger="offload.api"):
+            offload.save_pretrained(model, out)
+        state = model.state_dict()
+    finally:
+        opt.close()
+    assert "writing into it file by file" in caplog.text
+    back = AutoModelForCausalLM.from_pretrained(out)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
 def test_loading_errors_name_the_keys(tmp_path):
     d = write_model(tmp_path / "m")
     state = load_file(d / "model.safetensors")

@@ -40,7 +40,9 @@ Note: all or nothing (``_staged``)
     one, and the next save removes a staging directory a killed one left. Python has no call
     for the exchange (``os.rename`` replaces only an empty directory), hence the one libc call
     through ``ctypes``; where the file system refuses it, the old directory is renamed aside
-    first, a moment in which the directory is missing (logged).
+    first, a moment in which the directory is missing (logged). Where nothing can be written
+    beside the directory (a mount point, a read-only parent) it is written file by file as
+    before, with a warning.
 """
 
 from __future__ import annotations
@@ -281,9 +283,22 @@ def _staged(directory: Path):
     ``directory`` whole (the module Note: all or nothing), on an error it is removed and
     ``directory`` is as it was."""
     stage = directory.parent / f".{directory.name}.offload-new"
-    if stage.exists():  # left by a save that was killed
-        shutil.rmtree(stage)
-    stage.mkdir(parents=True)
+    try:
+        if os.path.ismount(directory):  # a volume mounted there is not renamed
+            raise OSError(errno.EBUSY, "a mount point", str(directory))
+        if stage.exists():  # left by a save that was killed
+            shutil.rmtree(stage)
+        stage.mkdir(parents=True)
+    except OSError as exc:  # (a read-only parent, say): as before, file by file
+        logger.warning(
+            "save_pretrained: cannot write beside '%s' (%s); writing into it file by file, "
+            "which a crash part way can leave mixed",
+            directory,
+            exc.strerror or exc,
+        )
+        directory.mkdir(parents=True, exist_ok=True)
+        yield directory
+        return
     try:
         yield stage
         if directory.exists():
@@ -312,11 +327,19 @@ def _keep_the_rest(old: Path, stage: Path) -> None:
         if target.exists() or entry.name in _OWN or _SHARD.fullmatch(entry.name):
             continue
         if entry.is_dir() and not entry.is_symlink():
-            shutil.copytree(entry, target, symlinks=True, copy_function=os.link)
+            shutil.copytree(entry, target, symlinks=True, copy_function=_link)
         elif entry.is_symlink():
             os.symlink(os.readlink(entry), target)
         else:
-            os.link(entry, target)
+            _link(entry, target)
+
+
+def _link(src, dst) -> None:
+    """A hard link, or a copy where there can be none (another file system)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _exchange(a: Path, b: Path) -> bool:

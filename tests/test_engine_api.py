@@ -973,7 +973,11 @@ def test_after_a_failed_update_training_waits_for_a_checkpoint(tmp_path):
     finally:
         faults.clear()
     opt.zero_grad()
-    lm_loss(model, data[2]).backward()
+    try:
+        lm_loss(model, data[2]).backward()
+    except OSError:  # a read-ahead that also failed in the window, reported by its store's
+        opt.zero_grad()  # next call (offload.store's Note: whose error); once (CI, 1 run in ~8)
+        lm_loss(model, data[2]).backward()
     with pytest.raises(PhaseError, match="earlier optimizer update failed part way"):
         opt.step()
     with pytest.raises(PhaseError, match="load a checkpoint"):

@@ -317,9 +317,10 @@ class InBackward(Background):
     gradients kept, a change of the step size alone (lr, eps, AdamW's weight decay) is redone
     on the params only, from the master of before and the moments the update wrote, which do
     not depend on it (``NvmeOptim.redo_step_size``, one rank); any other late change is
-    refused. So the result is bitwise that of the update after the backward. A step whose update would not have been kept
-    makes the next one update after its backward (no redo to pay while the loop clips every
-    step); one that would have been kept makes the next speculative again."""
+    refused. So the result is bitwise that of the update after the backward. A step whose
+    update would not have been kept makes the next one update after its backward (no redo to
+    pay while the loop clips every step); one that would have been kept makes the next
+    speculative again."""
 
     def __init__(
         self, optim, params, stepped, timers, *, grads, accumulation: int | None, retain: bool

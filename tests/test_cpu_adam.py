@@ -471,16 +471,23 @@ def test_cpu_adam_params_of_one_group_at_different_steps_match_torch(path):
 
 @pytest.mark.parametrize("adamw_mode,wd,wd_after", [(True, 0.1, 0.3), (False, 0.05, 0.05)])
 @pytest.mark.parametrize("n", [1, 37, 100_003])
-def test_params_from_moments_are_the_step_with_another_step_size(adamw_mode, wd, wd_after, n):
+@pytest.mark.parametrize("path", ["native", "fallback"])
+def test_params_from_moments_are_the_step_with_another_step_size(adamw_mode, wd, wd_after, n, path):
     """``adam_params_from_moments``: from the params before a step and the moments it wrote,
     the params of that step with another lr, eps and (AdamW) weight decay, bit for bit, as
-    ``adam_step`` with those values makes them (the moments do not depend on them)."""
-    from offload.optim.kernels import adam_params_from_moments  # noqa: PLC0415
-
+    ``adam_step`` with those values makes them (the moments do not depend on them), on the
+    native path and on the torch fallback."""
     g = torch.Generator().manual_seed(n)
     p0, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
     m0, v0 = torch.randn(n, generator=g) * 0.1, torch.rand(n, generator=g) * 0.01
     hyper = dict(step=3, betas=(0.9, 0.999), adamw_mode=adamw_mode)
+    with kernel_path(path):
+        _check_params_from_moments(p0, grad, m0, v0, wd, wd_after, hyper)
+
+
+def _check_params_from_moments(p0, grad, m0, v0, wd, wd_after, hyper) -> None:
+    from offload.optim.kernels import adam_params_from_moments  # noqa: PLC0415
+
     p1, m1, v1 = p0.clone(), m0.clone(), v0.clone()
     adam_step(p1, grad, m1, v1, lr=1e-2, eps=1e-8, weight_decay=wd, **hyper)
     p2, m2, v2 = p0.clone(), m0.clone(), v0.clone()

@@ -345,3 +345,107 @@ def test_an_object_gather_that_one_rank_never_joins_times_out(tmp_path):
     took, message = out0.split(" ", 1)
     assert float(took) < 10, out0
     assert "all_gather_object of the checkpoint's name on rank 0 of 2 did not complete" in message
+
+
+_EXPORT_ALONE = """
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from engine_models import make_model, placement_config
+from pathlib import Path
+import offload
+from offload.dist import CollectiveError
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+cfg = placement_config("cpu", "cpu", Path("."))
+cfg["distributed"] = {{"stage": 3, "timeout": 3}}
+model, opt = offload.wrap(make_model(), cfg)
+if dist.get_rank() == 0:
+    t0 = time.monotonic()
+    try:
+        offload.export(model, "m.safetensors")
+    except CollectiveError as exc:
+        print(f"{{time.monotonic() - t0:.1f}} {{exc}}", flush=True)
+        os._exit(0)
+    os._exit(1)
+time.sleep(8)  # never joins the export
+os._exit(0)
+"""
+
+
+def test_an_export_that_one_rank_never_joins_fails_after_one_timeout(tmp_path):
+    """A collective that timed out leaves the group unusable: an export (or save) whose gather
+    timed out raised only after its later gathers and the outcome's gather had each waited
+    distributed.timeout again (20 s for a timeout of 10); now after the first."""
+    from dist_harness import start_ranks, wait_all  # noqa: PLC0415
+
+    (tmp_path / "w.py").write_text(_EXPORT_ALONE.format(tests=str(Path(__file__).parent)))
+    (rc0, out0, err0), (rc1, _, err1) = wait_all(
+        start_ranks([sys.executable, str(tmp_path / "w.py")], 2, tmp_path), 120
+    )
+    assert rc0 == 0 and rc1 == 0, (out0, err0[-2000:], err1[-2000:])
+    took, message = out0.split(" ", 1)
+    assert "did not complete within 3 s" in message, out0
+    assert float(took) < 5.5, out0  # one timeout of 3 s, not two or three
+
+
+# ------------------------------------------------------------------------------ wrap's agreement
+class _OtherRank(LocalComm):
+    """Rank 0 of two, whose rank 1 wrapped what ``other`` fingerprints."""
+
+    rank, world = 0, 2
+
+    def __init__(self, other):
+        super().__init__()
+        self.other = other
+
+    def all_gather_object(self, obj, what=""):
+        return [obj, self.other]
+
+
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        (
+            lambda cfg, model: cfg["optimizer"].update(lr=2e-3),
+            "optimizer.lr is 0.001 on rank 0 and 0.002",
+        ),
+        (
+            lambda cfg, model: cfg.update(gradient_clipping=0.5),
+            "gradient_clipping is 1.0 on rank 0 and 0.5",
+        ),
+        (
+            lambda cfg, model: model.blocks[1].requires_grad_(False),
+            "unit 'blocks.1'.trainable is",
+        ),
+        (
+            lambda cfg, model: torch.nn.init.zeros_(model.norm.weight),
+            "values",  # the parameter's name follows
+        ),
+    ],
+    ids=["lr", "clipping", "frozen", "values"],
+)
+def test_ranks_that_wrap_differently_are_told_the_key_and_both_values(change, named):
+    """Every rank must wrap the same model, config and values; where they differ, the error names
+    the first key that differs and its value on both ranks, not just "a different config"."""
+    from offload.api.wrap import _check_ranks, _fingerprint  # noqa: PLC0415
+
+    def wrapped(alter):
+        torch.manual_seed(0)
+        model = make_model()
+        cfg = placement_config("cpu", "cpu", Path("/tmp/unused"), gradient_clipping=1.0)
+        cfg["optimizer"]["lr"] = 1e-3
+        if alter:
+            change(cfg, model)
+        config = load_config(cfg)
+        return model, config, make_plan(model, config, shard=ShardSpec(0, 2))
+
+    model, cfg, plan = wrapped(False)
+    other = _fingerprint(*wrapped(True)[:3], None)
+    _check_ranks(_OtherRank(_fingerprint(model, cfg, plan, None)), model, cfg, plan, None)
+    with pytest.raises(ValueError) as err:
+        _check_ranks(_OtherRank(other), model, cfg, plan, None)
+    message = str(err.value)
+    assert "rank 0 and rank 1" in message and named in message, message
+    if named == "values":
+        assert "norm.weight is" in message, message

@@ -53,6 +53,7 @@ import torch.nn as nn
 
 from offload.api import checkpoint_files as files
 from offload.api.checkpoint_files import CheckpointError
+from offload.dist import CollectiveError
 from offload.homes.optim import KINDS
 from offload.plan import Unit
 from offload.runtime.safetensors import write_file
@@ -147,7 +148,10 @@ def _meta(engine, optimizer, extra: dict) -> dict:
 def _agree(comm, error: BaseException | None, what: str, payload=None, cls=RuntimeError) -> list:
     """Every rank says whether its part of ``what`` worked (and hands in ``payload``); raises
     on every rank if one failed (its own error on that rank, one naming it on the others);
-    returns every rank's payload."""
+    returns every rank's payload. A collective that failed is raised at once: the group cannot
+    run another (each would wait the whole timeout again)."""
+    if isinstance(error, CollectiveError):
+        raise error
     said = comm.all_gather_object(
         (None if error is None else f"{type(error).__name__}: {error}", payload),
         f"every rank's outcome of {what}",
@@ -528,6 +532,8 @@ def written_by_rank0(engine, what: str, write) -> None:
                 raise
             error = exc
     if comm.world > 1:
+        if isinstance(error, CollectiveError):
+            raise error  # (as in _agree: no more gathers on a group that timed out)
         values.read_the_rest()
         _agree(comm, error, what)
 

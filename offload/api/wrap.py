@@ -358,20 +358,31 @@ def _build(
 
 def _fingerprint(model: nn.Module, cfg: OffloadConfig, plan: Plan, weights) -> dict:
     """What every rank must agree on: the config, the layout and the parameters' values (with
-    ``weights=``, the model holds none yet: the source, when it is a path)."""
-    layout = [
-        [u.name, u.layout.trainable, u.layout.total]
-        + [[s.name, s.offset, list(s.shape), s.trainable, str(s.dtype)] for s in u.layout.segments]
-        for u in plan.units
-    ]
+    ``weights=``, the model holds none yet: the source, when it is a path). Keyed by name, so
+    that a difference can be told by its key."""
+    layout = {
+        "units": [u.name for u in plan.units],
+        **{
+            f"unit {u.name!r}": {
+                "trainable": u.layout.trainable,
+                "numel": u.layout.total,
+                **{
+                    s.name: [s.offset, list(s.shape), s.trainable, str(s.dtype)]
+                    for s in u.layout.segments
+                },
+            }
+            for u in plan.units
+        },
+    }
     if weights is not None:
-        values = [os.path.abspath(weights)] if isinstance(weights, (str, os.PathLike)) else []
+        source = os.path.abspath(weights) if isinstance(weights, (str, os.PathLike)) else None
+        values = {"weights": source}
     else:
         with torch.no_grad():
-            values = [
-                float(p.detach().double().sum()) + float(p.detach().double().abs().sum())
-                for _, p in model.named_parameters()
-            ]
+            values = {
+                name: float(p.detach().double().sum()) + float(p.detach().double().abs().sum())
+                for name, p in model.named_parameters()
+            }
     pl = plan.placement
     config = {  # what the ranks' collectives and updates depend on (not paths, devices, IO)
         "dtype": cfg.dtype,
@@ -384,21 +395,37 @@ def _fingerprint(model: nn.Module, cfg: OffloadConfig, plan: Plan, weights) -> d
     return {"config": config, "layout": layout, "values": values}
 
 
+def _first_difference(mine, theirs, key: str = ""):
+    """``(key, mine, theirs)`` where two fingerprints first differ, or None; keys are dotted
+    (``optimizer.lr``); a list is told whole."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        for k in list(mine) + [k for k in theirs if k not in mine]:
+            found = _first_difference(mine.get(k), theirs.get(k), f"{key}.{k}" if key else k)
+            if found:
+                return found
+        return None
+    return None if mine == theirs else (key, mine, theirs)
+
+
 def _check_ranks(comm: Comm, model: nn.Module, cfg: OffloadConfig, plan: Plan, weights) -> None:
-    """Every rank of the group wraps the same model with the same config and values."""
+    """Every rank of the group wraps the same model with the same config and values; the first
+    difference is told by its key and both ranks' values."""
     mine = _fingerprint(model, cfg, plan, weights)
     theirs = comm.all_gather_object(mine, "every rank's model and config")
     for rank, other in enumerate(theirs):
-        for key, what in (
+        for part, what in (
             ("config", "config"),
             ("layout", "model (units and parameters)"),
             ("values", "parameter values (seed every rank alike, or load the same weights)"),
         ):
-            if other[key] != mine[key]:
+            found = _first_difference(mine[part], other[part])
+            if found:
+                key, a, b = found
                 raise ValueError(
                     f"offload.wrap: rank {comm.rank} and rank {rank} of the process group wrap "
-                    f"a different {what}; every rank must wrap the same model with the same "
-                    "config and values"
+                    f"a different {what}: {key} is {a!r} on rank {comm.rank} and {b!r} on "
+                    f"rank {rank}; every rank must wrap the same model with the same config "
+                    "and values"
                 )
 
 

@@ -257,3 +257,19 @@ def test_a_deepspeed_config_without_nvme_path_swaps_in_out(setup):
     run = next(r for r in read_metrics(t / "a" / "metrics.jsonl") if r["kind"] == "run")
     for section in ("offload_param", "offload_optimizer"):
         assert run["config"][section]["nvme_path"] == str(t / "a" / "swap"), section
+
+
+def test_seed_makes_dropout_the_same_run_to_run(setup):
+    """``--seed`` also seeds torch's generator (dropout, weights the checkpoint lacks), as the
+    HF Trainer's ``seed`` does: two runs with one seed train alike whatever the process's
+    generator held before; before, only the data order followed it."""
+    t = setup
+    config = json.loads((t / "model" / "config.json").read_text())
+    (t / "model" / "config.json").write_text(json.dumps(dict(config, attention_dropout=0.5)))
+    trained = []
+    for before, out in ((1, "a"), (2, "b")):
+        torch.manual_seed(before)
+        assert main(_args(t, t / out, "--steps", "2", "--save-every", "0", "--no-report")) == 0
+        trained.append(load_file(t / out / "hf" / "model.safetensors"))
+    a, b = trained
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

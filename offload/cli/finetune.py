@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--save-every", type=int, default=0, metavar="K", help="checkpoint every K steps (0)"
     )
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints")
-    parser.add_argument("--seed", type=int, default=0, help="data order (0)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="data order and torch's generator: dropout (0)"
+    )
     parser.add_argument(
         "--gradient-checkpointing", action="store_true", help="recompute activations"
     )

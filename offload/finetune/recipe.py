@@ -9,7 +9,8 @@ steps, and at the end a Hugging Face export (``save_pretrained`` + the tokenizer
 Note: resuming bitwise
     Everything a step depends on is a function of the step number or is in the checkpoint: the
     batch of micro-step ``k`` comes from a permutation seeded by (seed, epoch)
-    (``data.Order``); the LR comes from the scheduler's state, saved as JSON with the
+    (``data.Order``); dropout draws from torch's generator, seeded by ``--seed`` before the
+    model loads (``transformers.set_seed``, as the HF Trainer); the LR comes from the scheduler's state, saved as JSON with the
     checkpoint along with the torch RNG state; the optimizer state and step count are the
     checkpoint's. So ``--resume`` from the checkpoint of step ``s`` computes steps ``s+1...``
     exactly as the uninterrupted run did. A resume with another ``--seq-len``, ``--batch``,
@@ -254,6 +255,7 @@ def finetune(opts: Options, on_step=None) -> int:
         "data": str(Path(opts.data).resolve()),
     }
     rss_before = current_rss()
+    transformers.set_seed(opts.seed)  # dropout, weights the checkpoint lacks (as the Trainer)
     model, optimizer = offload.from_pretrained(opts.model, cfg)
     writer = None
     try:

@@ -84,6 +84,26 @@ def test_demo_rejects_bad_size(tmp_path, capsys):
     assert "--size" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (("--seq-len", "0"), "--seq-len must be >= 1, got 0"),  # ran at 256 without a word
+        (("--warmup", "-2"), "--warmup must be >= 0, got -2"),  # an LR above the peak
+        (("--eval-batches", "-3"), "--eval-batches must be >= 0, got -3"),
+        (("--lr", "-1"), "--lr must be a finite number > 0, got -1.0"),  # said optimizer.lr
+        (("--lr", "nan"), "--lr must be a finite number > 0, got nan"),
+        (("--nvme-path", "/proc/no/such"), "--nvme-path: cannot make a swap directory in"),
+    ],
+    ids=["seq-len", "warmup", "eval-batches", "lr", "lr-nan", "nvme-path"],
+)
+def test_demo_names_a_bad_flag_before_it_trains(tmp_path, capsys, flags, named):
+    report = tmp_path / "rep"
+    assert run_main("--size", "tiny", "--steps", "1", "--report", str(report), *flags) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err, err
+    assert not report.exists()  # nothing written
+
+
 @needs_engine
 def test_demo_tiny_end_to_end(tmp_path, capsys):
     nvme = tmp_path / "nvme"

@@ -36,6 +36,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -286,6 +287,19 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.batch_size < 1:
         print("offload demo: error: --steps and --batch-size must be >= 1", file=sys.stderr)
         return 2
+    for flag, value, least in (
+        ("--seq-len", args.seq_len, 1),
+        ("--warmup", args.warmup, 0),
+        ("--eval-batches", args.eval_batches, 0),
+    ):
+        if value is not None and value < least:
+            print(f"offload demo: error: {flag} must be >= {least}, got {value}", file=sys.stderr)
+            return 2
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        print(
+            f"offload demo: error: --lr must be a finite number > 0, got {args.lr}", file=sys.stderr
+        )
+        return 2
     nproc = getattr(args, "nproc", 1)
     if nproc < 1:
         print("offload demo: error: --nproc must be >= 1", file=sys.stderr)
@@ -333,9 +347,18 @@ def run(args: argparse.Namespace) -> int:
     rss_before = rss_before_model()
     model = GPT(gcfg)
 
-    if args.nvme_path:
-        os.makedirs(args.nvme_path, exist_ok=True)
-    tmpdir = tempfile.mkdtemp(prefix="offload-demo-", dir=args.nvme_path)
+    try:
+        if args.nvme_path:
+            os.makedirs(args.nvme_path, exist_ok=True)
+        tmpdir = tempfile.mkdtemp(prefix="offload-demo-", dir=args.nvme_path)
+    except OSError as exc:
+        where = args.nvme_path or tempfile.gettempdir()
+        print(
+            f"offload demo: error: --nvme-path: cannot make a swap directory in {where!r}: "
+            f"{exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2
     writer = None
     optimizer = None
     result = None

@@ -273,3 +273,25 @@ def test_seed_makes_dropout_the_same_run_to_run(setup):
         trained.append(load_file(t / out / "hf" / "model.safetensors"))
     a, b = trained
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    "flag,value,said",
+    [
+        ("--warmup", "-2", "--warmup must be >= 0, got -2"),
+        ("--save-every", "-1", "--save-every must be >= 0, got -1"),
+        ("--max-grad-norm", "-1", "--max-grad-norm must be >= 0, got -1.0"),  # was: no clipping
+        ("--max-grad-norm", "nan", "--max-grad-norm must be >= 0, got nan"),
+        ("--lr", "0", "--lr must be a finite number > 0, got 0.0"),
+        ("--epochs", "0", "--epochs must be a finite number > 0, got 0.0"),  # was: one step
+    ],
+)
+def test_a_bad_flag_is_named_before_anything_is_made(setup, capsys, flag, value, said):
+    t = setup
+    args = _args(t, t / "out")
+    if flag == "--epochs":
+        i = args.index("--steps")
+        del args[i : i + 2]
+    assert main([*args, flag, value]) == 2
+    assert said in capsys.readouterr().err
+    assert not (t / "out").exists()

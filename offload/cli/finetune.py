@@ -10,6 +10,7 @@ The recipe is ``offload.finetune.recipe`` (its docstring says what it does and w
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -57,11 +58,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("steps", "seq_len", "batch", "accum"):
+    bounds = {"steps": 1, "seq_len": 1, "batch": 1, "accum": 1, "warmup": 0, "save_every": 0}
+    bounds.update(max_grad_norm=0)  # 0 = no clipping; a negative one turned it off unsaid
+    for name, least in bounds.items():
         value = getattr(args, name)
-        if value is not None and value < 1:
+        if value is not None and not value >= least:  # (not >=: NaN is refused too)
             print(
-                f"offload finetune: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr
+                f"offload finetune: error: --{name.replace('_', '-')} must be >= {least}, "
+                f"got {value}",
+                file=sys.stderr,
+            )
+            return 2
+    for name in ("epochs", "lr"):  # --epochs 0 or -1 ran one step
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            print(
+                f"offload finetune: error: --{name} must be a finite number > 0, got {value}",
+                file=sys.stderr,
             )
             return 2
     try:

@@ -732,6 +732,33 @@ def test_scheduler_drives_lr(tmp_path):
     opt.close()
 
 
+@pytest.mark.parametrize("placement", [("none", "cpu"), ("nvme", "nvme")])
+def test_schedulers_that_cycle_betas_run_as_with_torch_adamw(tmp_path, placement):
+    """OneCycleLR and CyclicLR cycle ``betas`` only when the optimizer's ``defaults`` has it;
+    they refused offload's (empty defaults: "must support momentum or beta1"). Now OneCycleLR
+    drives lr and beta1 as it does torch's AdamW, to the same parameters."""
+    data = batches(4)
+    plain = make_model()
+    params = [p for p in plain.parameters() if p.requires_grad]
+    ref = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+    model, opt = offload.wrap(make_model(), placement_config(*placement, tmp_path))
+    torch.optim.lr_scheduler.CyclicLR(opt, 1e-3, 1e-2, cycle_momentum=True)  # (accepted too)
+    cycles = [
+        torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=8) for o in (ref, opt)
+    ]  # (built after CyclicLR: it sets every key CyclicLR set in the group)
+    for batch in data:
+        for m, o, sched in ((plain, ref, cycles[0]), (model, opt, cycles[1])):
+            lm_loss(m, batch).backward()
+            o.step()
+            sched.step()
+            o.zero_grad()
+    assert opt.param_groups[0]["betas"] == ref.param_groups[0]["betas"] != (0.9, 0.999)
+    trained = model.state_dict()
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(trained[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    opt.close()
+
+
 def test_telemetry_jsonl_and_per_step_counters(tmp_path):
     log = tmp_path / "steps.jsonl"
     cfg = placement_config("nvme", "nvme", tmp_path)

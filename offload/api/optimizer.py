@@ -29,7 +29,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         gradient_clipping: float,
         scaler: DynamicLossScaler | None,
     ) -> None:
-        super().__init__([group], {})  # the group the runtime reads (see wrap)
+        # the group the runtime reads (see wrap); its hyperparameters are also the defaults,
+        # which schedulers read (OneCycleLR / CyclicLR cycle "betas" only when defaults has it)
+        super().__init__([group], {k: v for k, v in group.items() if k != "params"})
         self._engine = runtime
         self.gradient_clipping = gradient_clipping
         self.scaler = scaler

@@ -759,6 +759,60 @@ def test_schedulers_that_cycle_betas_run_as_with_torch_adamw(tmp_path, placement
     opt.close()
 
 
+@pytest.mark.parametrize(
+    "placement", [("none", "cpu"), ("cpu", "cpu"), ("none", "nvme"), ("nvme", "nvme")]
+)
+def test_model_load_state_dict_loads_into_the_homes(tmp_path, placement):
+    """``model.load_state_dict`` (HF Trainer's ``load_best_model_at_end``) copied into the
+    parameters' storage: released between uses, or derived from the master, so the forward,
+    ``state_dict()`` and the next step used the old values (or a mix) while it said "All keys
+    matched". Now, mid-training, it sets the values as torch's does, moments kept: training on
+    matches torch's AdamW doing the same."""
+    data = batches(3)
+    plain, other = make_model(), make_model(seed=1)
+    ref = torch.optim.AdamW(
+        [p for p in plain.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1
+    )
+    model, opt = offload.wrap(make_model(), placement_config(*placement, tmp_path))
+    for i, batch in enumerate(data):
+        for m, o in ((plain, ref), (model, opt)):
+            if i == 1:
+                result = m.load_state_dict(other.state_dict())
+                assert not result.missing_keys and not result.unexpected_keys
+            lm_loss(m, batch).backward()
+            o.step()
+            o.zero_grad()
+        if i == 1:  # (the loaded values, stepped once)
+            assert not torch.equal(model.state_dict()["norm.weight"], make_model().norm.weight)
+    trained = model.state_dict()
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(trained[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    with torch.no_grad():
+        torch.testing.assert_close(model(data[0][:, :-1]), plain(data[0][:, :-1]))
+    opt.close()
+
+
+def test_model_load_state_dict_partial_and_refused(tmp_path):
+    """``strict=False`` with some keys loads those and keeps the rest; a missing key (strict)
+    or a shape that differs is torch's error, and then no parameter was changed."""
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    other = make_model(seed=1).state_dict()
+    with pytest.raises(RuntimeError, match='Missing key\\(s\\) in state_dict: "norm.weight"'):
+        model.load_state_dict({k: v for k, v in other.items() if k != "norm.weight"})
+    bad = dict(other, **{"norm.weight": torch.ones(3)})
+    with pytest.raises(RuntimeError, match="size mismatch for norm.weight"):
+        model.load_state_dict(bad)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before if k.endswith("weight"))
+    result = model.load_state_dict({"norm.weight": other["norm.weight"]}, strict=False)
+    assert "norm.bias" in result.missing_keys and "norm.weight" not in result.missing_keys
+    after = model.state_dict()
+    assert torch.equal(after["norm.weight"], other["norm.weight"])
+    assert all(torch.equal(after[k], before[k]) for k in before if k != "norm.weight")
+    opt.close()
+
+
 def test_telemetry_jsonl_and_per_step_counters(tmp_path):
     log = tmp_path / "steps.jsonl"
     cfg = placement_config("nvme", "nvme", tmp_path)

@@ -50,7 +50,7 @@ from offload.runtime.phase import Phase, PhaseError, PhaseTracker
 from offload.runtime.schedule import StepSchedule
 from offload.runtime.telemetry import Telemetry
 from offload.runtime.units import UnitRun
-from offload.runtime.values import Values
+from offload.runtime.values import GivenValues, Values
 
 logger = logging.getLogger("offload.runtime")
 
@@ -176,6 +176,9 @@ class Runtime:
             for p in run.unit.trainable_params:
                 self._handles.append(p.register_post_accumulate_grad_hook(_grad_hook(me, i)))
         self._handles.append(self.model._register_state_dict_hook(self._state_dict_hook))
+        self._handles.append(self.model.register_load_state_dict_pre_hook(self._load_values))
+        self._handles.append(self.model.register_load_state_dict_post_hook(self._loaded_values))
+        self._loaded_keys: set[str] = set()
         self._handles.append(
             _RootOverrides(self.model, self._settle_update_for_read, self.zero_grad)
         )
@@ -668,6 +671,61 @@ class Runtime:
             if name in state_dict and p in values:
                 state_dict[name] = values[p].to(self.orig_dtype.get(p, values[p].dtype))
         return state_dict
+
+    def _load_values(
+        self, module, state_dict, prefix, metadata, strict, missing, unexpected, errors
+    ):
+        """``model.load_state_dict``: the parameters' values go into their homes (the fp32
+        master of trainable ones, which derives the compute params; frozen values), as
+        ``optimizer.load_state_dict`` writes them; torch would copy them into the parameters'
+        storage, which is released between uses or derived from the master, and the next
+        step would start from the old master. Their keys are taken out of the dict (torch
+        loads the buffers) and out of its missing keys (:meth:`_loaded_values`). The moments
+        stay, as torch's load leaves the optimizer alone. A key whose shape differs is
+        reported in torch's words, and then, or when a key is missing (``strict``), no
+        parameter is changed (torch's load would have changed the others)."""
+        self.check_idle("model.load_state_dict()")
+        segments = {s.param: s for u in self.units for s in u.layout.segments}
+        given: dict[nn.Parameter, torch.Tensor] = {}
+        self._loaded_keys = set()
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if key not in state_dict or p not in segments:
+                continue
+            value, shape = state_dict.pop(key), segments[p].shape
+            self._loaded_keys.add(key)
+            if not isinstance(value, torch.Tensor):
+                errors.append(
+                    f'While copying the parameter named "{key}", expected torch.Tensor or '
+                    f"Tensor-like object from checkpoint but received {type(value)}"
+                )
+            elif value.shape != shape:
+                errors.append(
+                    f"size mismatch for {key}: copying a param with shape {value.shape} from "
+                    f"checkpoint, the shape in current model is {shape}."
+                )
+            else:
+                given[p] = value.detach()
+        if strict:  # torch raises for a missing key after loading the others: not here
+            absent = [
+                prefix + n
+                for n, p in self.model.named_parameters()
+                if p in segments and p not in given
+            ]
+            if absent:
+                return  # (torch's load goes on and raises "Missing key(s)")
+        if errors or not given:
+            return
+        source = GivenValues(given, self.values.flat, self.params.dtype)
+        for run in self.runs:
+            self.values.load(run.unit, source)
+            run.release()  # a gathered copy would be stale
+
+    def _loaded_values(self, module, incompatible) -> None:
+        incompatible.missing_keys[:] = [
+            k for k in incompatible.missing_keys if k not in self._loaded_keys
+        ]
+        self._loaded_keys = set()
 
     # ---------------------------------------------------------------- lifecycle
     def _check_open(self) -> None:

@@ -114,6 +114,34 @@ class ParamTensors(ValueSource):
         return gather_piece(unit.layout, lo, hi, torch.float32, view)
 
 
+class GivenValues(ValueSource):
+    """Values for some parameters (``model.load_state_dict``): the master of the trainable ones
+    and the frozen values of the others; a piece with parameters the caller did not give
+    starts from their current values (``current``), so they keep them; no moments (they stay)."""
+
+    def __init__(
+        self, given: dict[nn.Parameter, torch.Tensor], current: Callable, dtype: torch.dtype
+    ) -> None:
+        self.given, self.current, self.dtype = given, current, dtype
+
+    def piece(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor | None:
+        if kind in KINDS[1:]:
+            return None
+        frozen = kind == FROZEN
+        segs = [s for s, _, _ in unit.layout.overlaps(lo, hi) if s.trainable != frozen]
+        if not any(s.param in self.given for s in segs):
+            return None
+        dtype = self.dtype if frozen else torch.float32
+        if all(s.param in self.given for s in segs):
+            out = torch.zeros(hi - lo, dtype=dtype)
+        else:
+            out = self.current(unit, kind, lo, hi).to(dtype)
+        view = lambda s: self.given[s.param].reshape(-1) if s.param in self.given else None  # noqa: E731
+        for param_side, flat_side in unit.layout.pairs(lo, hi, out, view):
+            flat_side.copy_(param_side)
+        return out
+
+
 class Values:
     """Reads and loads one wrapped model's state (its plan and homes).
 

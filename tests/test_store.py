@@ -682,3 +682,39 @@ def test_a_take_whose_read_fails_holds_nothing(tmp_path, backend):
         assert not store._shards["a"].pinned()
         assert torch.equal(store.take("a"), torch.full((1000,), 2.0))
         store.release("a")
+
+
+def test_a_rollback_after_a_failed_write_of_the_version_ends_it(tmp_path):
+    """The usual reason for a rollback is a failed write of the version. That write's error
+    was raised again by the rollback, which then left the store inside the version: every
+    later write_from (a checkpoint's load) was refused for good. Now the rollback ends the
+    version, its values dropped, the committed ones kept."""
+    with make_store(tmp_path, buffers=2) as store:
+        for key in "ab":
+            store.register(key, 1000, torch.float32, Tier.NVME, versioned=True,
+                           init=torch.full((1000,), 1.0))  # fmt: skip
+
+        class Failing:  # a write still in flight that will fail: what the rollback waits for
+            def done(self):
+                return False
+
+            def wait(self):
+                raise OSError(errno.EIO, "injected write failure")
+
+        real_write = store._nvme.write
+        store._nvme.write = lambda extent, view: Failing()
+        store.begin_version()
+        try:
+            for key in "ab":
+                with store.borrow(key) as buf:
+                    buf.fill_(2.0)  # released dirty: its write starts
+            assert store.rollback_version() == 2  # (it raised the failed write, version open)
+        finally:
+            store._nvme.write = real_write
+        out = torch.empty(1000)
+        for key in "ab":
+            store.read_into(key, out)
+            assert float(out[0]) == 1.0, key
+        store.write_from("a", torch.full((1000,), 3.0))  # outside a version again
+        store.read_into("a", out)
+        assert float(out[0]) == 3.0

@@ -345,8 +345,14 @@ class NvmeOptim(OptimHome):
         """Undoes the update since :meth:`begin_version`: master and moments are as before (with
         an :class:`NvmeMaster` the compute params it wrote are not: :meth:`derive_params` or a
         new update rewrites them)."""
-        for store in self.master.stores():
-            store.rollback_version()
+        first = None
+        for store in self.master.stores():  # every store, even after one failed
+            try:
+                store.rollback_version()
+            except Exception as exc:  # noqa: BLE001 - raised once all are back
+                first = first or exc
+        if first is not None:
+            raise first
 
     def derive_params(self, units: Iterable[Unit]) -> None:
         """Writes the compute params of ``units`` from their master (after a rollback)."""

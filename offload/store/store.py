@@ -382,12 +382,33 @@ class TieredStore:
 
     def rollback_version(self) -> int:
         """Undoes the version: every copy it wrote is dropped and the committed extents, never
-        written by it, hold the values from before. Returns the number of shards it wrote."""
+        written by it, hold the values from before. Returns the number of shards it wrote.
+
+        A write of the version that failed (the usual reason for a rollback) is not raised
+        again: its value is dropped all the same, and the version ends whatever happens, so
+        that a store is never left inside one (every later ``write_from`` refused it, a
+        checkpoint's load included). A released copy the version wrote but has not written
+        back yet is dropped without being written."""
         with self._lock:
-            version = self._collect_version("rollback_version")
-            for shard in version:
-                self._drop_copies(shard)
-            self._version = None
+            if self._version is None:
+                raise RuntimeError(f"{self.name}: rollback_version() without begin_version()")
+            for shard in self._version.values():  # (refused: the version stays open)
+                if shard.pinned():
+                    raise RuntimeError(
+                        f"{self.name}: rollback_version() while {shard.key!r} is fetched"
+                    )
+            try:
+                for shard in self._on_versioned_dirty():
+                    self._version[shard.key] = shard  # the version's value: dropped unwritten
+                version = list(self._version.values())
+                for shard in version:
+                    try:
+                        self._settle(shard)
+                    except Exception:  # noqa: BLE001, S110 - its value is dropped below
+                        pass
+                    self._drop_copies(shard)
+            finally:
+                self._version = None
             return len(version)
 
     def _collect_version(self, what: str, fetched_ok: bool = False) -> list[Shard]:

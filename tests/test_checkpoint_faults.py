@@ -371,3 +371,26 @@ def test_swap_write_error_during_apply_is_reported(tmp_path):
             assert torch.equal(v, after[part][k]), (part, k)
     assert after["opt_counters"] == saved["opt_counters"]
     opt.close()
+
+
+def test_a_full_disk_during_a_save_names_the_file(tmp_path, monkeypatch):
+    """A full disk raised a bare "[Errno 28] No space left on device": no path in the error,
+    unlike offload's other IO errors. It now names the file and what to do; the previous
+    checkpoint stays the latest."""
+    from offload.api import checkpoint_files  # noqa: PLC0415
+
+    model, opt = offload.wrap(make_model(), placement_config("cpu", "cpu", tmp_path))
+    first = offload.save_checkpoint(tmp_path / "ck", model, opt)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_files.os, "fsync", full)
+    with pytest.raises(OSError) as err:
+        offload.save_checkpoint(tmp_path / "ck", model, opt)
+    monkeypatch.undo()
+    assert err.value.errno == errno.ENOSPC and err.value.filename, err.value
+    assert str(tmp_path / "ck") in str(err.value) and "free space there" in str(err.value)
+    assert (tmp_path / "ck" / "latest").read_text().strip() == first.name
+    offload.load_checkpoint(tmp_path / "ck", model, opt)
+    opt.close()

@@ -51,6 +51,8 @@ Every failure is a :class:`CheckpointError` whose message names the file and wha
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -173,7 +175,7 @@ def write_safetensors(
         digest.update(data)
         size += len(data)
 
-    with open(path, "wb") as f:
+    with _naming(path), open(path, "wb") as f:
         header = write_stream(f, entries, metadata, sink=sink, names=ST_DTYPES, what="checkpoint")
         f.flush()
         os.fsync(f.fileno())
@@ -194,8 +196,23 @@ def seal_meta(meta: dict) -> dict:
     return dict(meta, meta_sha256=hashlib.sha256(_canonical(meta)).hexdigest())
 
 
+@contextlib.contextmanager
+def _naming(path: Path):
+    """An OSError of a write names the file (a full disk said only "[Errno 28] No space left
+    on device")."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        hint = "; free space there or save elsewhere" if exc.errno == errno.ENOSPC else ""
+        raise type(exc)(
+            exc.errno, f"{exc.strerror} (writing a checkpoint file{hint})", str(path)
+        ) from exc
+
+
 def _write_text(path: Path, text: str) -> None:
-    with open(path, "w") as f:
+    with _naming(path), open(path, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

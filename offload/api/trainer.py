@@ -16,10 +16,45 @@ by offload's hooks.
 
 from __future__ import annotations
 
+import logging
+
 import transformers
 
 from offload.api.clipping import route_clipping
 from offload.api.optimizer import OffloadOptimizer
+
+logger = logging.getLogger("offload.api")
+
+
+def _warn_unused_arguments(args, optimizer: OffloadOptimizer) -> None:
+    """The optimizer was built from the offload config before the Trainer: TrainingArguments'
+    optimizer settings do not reach it (as with a plain Trainer handed an optimizer). Where
+    they differ from what it runs, one warning says so, naming both values (Trainer users
+    expect ``learning_rate`` to be the LR, and HF's default is 5e-5, not the config's)."""
+    group = optimizer.param_groups[0]
+    ours = {
+        "learning_rate": group.get("initial_lr", group["lr"]),
+        "weight_decay": group["weight_decay"],
+        "adam_beta1": group["betas"][0],
+        "adam_beta2": group["betas"][1],
+        "adam_epsilon": group["eps"],
+    }
+    differ = [
+        f"{k}={getattr(args, k)!r} (the config's {v!r})"
+        for k, v in ours.items()
+        if getattr(args, k, v) != v
+    ]
+    optim = str(getattr(getattr(args, "optim", ""), "value", getattr(args, "optim", "")))
+    if optim and not optim.startswith("adamw_torch") and optim != "adamw_hf":
+        differ.append(
+            f"optim={optim!r} (offload runs {'AdamW' if group['adamw_mode'] else 'Adam'})"
+        )
+    if differ:
+        logger.warning(
+            "OffloadTrainer: the optimizer is the offload config's (its optimizer section), so "
+            "these TrainingArguments do not apply: %s. Set them in the config",
+            ", ".join(differ),
+        )
 
 
 class OffloadTrainer(transformers.Trainer):
@@ -31,8 +66,16 @@ class OffloadTrainer(transformers.Trainer):
                 "offload.wrap / offload.from_pretrained returned (scheduler may be None); got "
                 f"{type(optimizers[0]).__name__}"
             )
+        model = kwargs.get("model", args[0] if args else None)
+        if model is not None and model is not optimizers[0]._engine.model:
+            raise TypeError(
+                "OffloadTrainer: model= is not the model this optimizer trains; pass the model "
+                "offload.wrap / offload.from_pretrained returned with it (a model offload did "
+                f"not wrap would train nothing: got {type(model).__name__})"
+            )
         self._offload_optimizer = optimizers[0]
         super().__init__(*args, **kwargs)
+        _warn_unused_arguments(self.args, optimizers[0])
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import subprocess
 import sys
 
@@ -373,6 +374,75 @@ def test_trainer_scales_the_loss_with_fp16_compute(tmp_path, trainer_reference):
         opt.close()
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=0.05, atol=0)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0.02, atol=0)
+
+
+def test_trainer_says_which_training_arguments_do_not_apply(tmp_path, caplog):
+    """The optimizer comes from the offload config, built before the Trainer: learning_rate,
+    weight_decay, adam_* and optim of TrainingArguments do not reach it (the usual HF template
+    with "auto" in the config ran lr 1e-3 against learning_rate=2e-5 without a word). One
+    warning now names each that differs, with both values; none when they agree."""
+    model, opt = offload.from_pretrained(
+        write_model(tmp_path / "m"), nvme_config(tmp_path, "none", "cpu")
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            offload.OffloadTrainer(
+                model=model, args=_trainer_args(tmp_path / "a"), train_dataset=_dataset(),
+                optimizers=(opt, None),
+            )  # fmt: skip
+        assert "TrainingArguments do not apply" not in caplog.text
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            offload.OffloadTrainer(
+                model=model, train_dataset=_dataset(), optimizers=(opt, None),
+                args=_trainer_args(tmp_path / "b", learning_rate=2e-5, optim="sgd"),
+            )  # fmt: skip
+        said = [r.getMessage() for r in caplog.records if "do not apply" in r.getMessage()]
+        assert len(said) == 1, said
+        assert "learning_rate=2e-05 (the config's 0.01)" in said[0]
+        assert "optim='sgd' (offload runs AdamW)" in said[0] and "weight_decay" not in said[0]
+    finally:
+        opt.close()
+
+
+def test_from_pretrained_freezes_before_wrap(tmp_path):
+    """``before_wrap`` runs on the meta-device model before wrap fixes which parameters train:
+    the frozen embedding stays as loaded through steps on NVMe (frozen after wrap it moved)."""
+    d = write_model(tmp_path / "m")
+
+    def freeze(model):
+        model.get_input_embeddings().weight.requires_grad_(False)
+
+    model, opt = offload.from_pretrained(
+        d, nvme_config(tmp_path, "nvme", "nvme"), before_wrap=freeze
+    )
+    try:
+        before = model.state_dict()["model.embed_tokens.weight"].clone()
+        ids = torch.randint(3, VOCAB, (2, 12))
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        after = model.state_dict()
+        assert torch.equal(after["model.embed_tokens.weight"], before)
+        loaded = AutoModelForCausalLM.from_pretrained(d).state_dict()
+        assert not torch.equal(after["lm_head.weight"], loaded["lm_head.weight"])  # trained
+    finally:
+        opt.close()
+
+
+def test_trainer_refuses_a_model_its_optimizer_does_not_train(tmp_path):
+    """A model that is not the one the optimizer was built for trained nothing and failed at
+    the first step with "no backward since the last step"."""
+    d = write_model(tmp_path / "m")
+    _, opt = offload.from_pretrained(d, nvme_config(tmp_path, "none", "cpu"))
+    try:
+        with pytest.raises(TypeError, match="not the model this optimizer trains"):
+            offload.OffloadTrainer(
+                model=AutoModelForCausalLM.from_pretrained(d), args=_trainer_args(tmp_path / "o"),
+                train_dataset=_dataset(), optimizers=(opt, None),
+            )  # fmt: skip
+    finally:
+        opt.close()
 
 
 def test_clipping_offload_s_parameters_with_torch_is_an_error(tmp_path):

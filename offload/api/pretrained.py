@@ -56,7 +56,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -86,12 +86,17 @@ def _need_transformers(what: str):
     return transformers
 
 
-def from_pretrained(path: str | os.PathLike, config=None, **model_kwargs):
+def from_pretrained(
+    path: str | os.PathLike, config=None, *, before_wrap: Callable | None = None, **model_kwargs
+):
     """Builds the causal LM of the local Hugging Face directory ``path`` on the meta device and
     wraps it with ``weights=path``; returns ``(model, optimizer)``. ``config`` is offload's
     config (as for :func:`offload.wrap`); ``model_kwargs`` go to
-    ``AutoModelForCausalLM.from_config`` (``dtype`` defaults to the checkpoint's). Nothing is
-    downloaded: ``path`` must be a directory."""
+    ``AutoModelForCausalLM.from_config`` (``dtype`` defaults to the checkpoint's).
+    ``before_wrap(model)`` runs on the model before it is wrapped (its parameters on the meta
+    device): where to freeze parameters, which wrap fixes (``requires_grad`` changed after
+    wrap is refused at the next backward). Nothing is downloaded: ``path`` must be a
+    directory."""
     transformers = _need_transformers("from_pretrained")
     from offload.api.wrap import wrap  # noqa: PLC0415
 
@@ -109,6 +114,8 @@ def from_pretrained(path: str | os.PathLike, config=None, **model_kwargs):
         model_kwargs["dtype"] = saved if isinstance(saved, torch.dtype) else torch.float32
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, **model_kwargs)
+    if before_wrap is not None:
+        before_wrap(model)
     return wrap(model, config, weights=path)
 
 

@@ -168,6 +168,7 @@ class Runtime:
             self._handles.append(
                 module.register_forward_hook(lambda m, a, o, r=run: self._post_forward(r, o))
             )
+        self._guard_parts()
         # A tensor's hooks are held from C++, where the cycle collector cannot see them: one that
         # held this runtime would keep it and the model alive for good once the caller let go
         # of both without closing. So it holds the runtime weakly, and the unit by position.
@@ -182,6 +183,34 @@ class Runtime:
         self._handles.append(
             _RootOverrides(self.model, self._settle_update_for_read, self.zero_grad)
         )
+
+    def _guard_parts(self) -> None:
+        """A module holding a unit's parameters, called by itself while the unit is released
+        (outside the unit's forward: a parent calling ``block.proj`` directly, a root layer
+        called before the model), would compute with storage that reads as zeros (the module
+        Note of ``offload.device.pages``): it raises instead, naming the module and its unit.
+        The unit's own module is not guarded: its forward gathers it."""
+        owner = {s.param: run for run in self.runs for s in run.unit.layout.segments}
+        units = {run.unit.module for run in self.runs}
+        for name, module in self.model.named_modules():
+            if module in units:
+                continue
+            runs = {owner[p] for p in module._parameters.values() if p in owner}
+            for run in runs:
+                self._handles.append(
+                    module.register_forward_pre_hook(
+                        lambda m, a, r=run, n=name: self._check_gathered(r, n, m)
+                    )
+                )
+
+    def _check_gathered(self, run: UnitRun, name: str, module: nn.Module) -> None:
+        if not run.home.gathered(run.unit) and not self.closed:
+            raise RuntimeError(
+                f"offload: {name} ({type(module).__name__}) was called outside the forward of "
+                f"its unit {run.unit.label}, whose parameters are released there (they would "
+                "read as zeros). Call it from that unit's forward, or make it a unit of its "
+                "own or leave it out of every unit (wrap.module_classes)"
+            )
 
     def _settle_update_for_read(self) -> None:
         """The parameters are read through the model between a step and the next forward (an
@@ -313,7 +342,9 @@ class Runtime:
 
     def _use(self, run: UnitRun) -> None:
         """Gathers a unit for its forward (or its recomputation inside a backward)."""
-        if self.phase.phase is not Phase.BACKWARD:  # an update starts only after the backward
+        if self.phase.phase is Phase.BACKWARD:
+            self._check_one_backward(run)
+        else:  # an update starts only after the backward
             self.schedule.wait_unit(run.unit)
             self.params.refresh(run.unit)  # stages 1-2: the other ranks' updated shares
         run.gather(self.phase.phase.value)
@@ -346,6 +377,7 @@ class Runtime:
         self.transfers.capture_stream()
         try:
             self._check_zeroed()
+            self._check_trainable()
             self.schedule.backward_begins(self._step_hyper, self.backwards_since_step)
         except PhaseError:
             for run in self.runs:  # back to between steps: step() can still close the first
@@ -379,6 +411,23 @@ class Runtime:
             "placement); call optimizer.zero_grad() (or model.zero_grad()) after each step"
         )
 
+    def _check_trainable(self) -> None:
+        """Which parameters train is fixed at wrap: the layout puts them first, with their
+        optimizer state and gradient room. One frozen after wrap (``requires_grad_(False)``)
+        was still updated where offload holds the gradients (zero gradient: its momentum and
+        weight decay moved it), one unfrozen was never trained; both without a word. Refused
+        at the next backward instead, before it takes anything."""
+        for run in self.runs:
+            for s in run.unit.layout.segments:
+                if s.param.requires_grad != s.trainable:
+                    was = "trainable" if s.trainable else "frozen"
+                    raise PhaseError(
+                        f"offload: parameter {s.name} was {was} when the model was wrapped and "
+                        f"now has requires_grad={s.param.requires_grad}; offload fixes which "
+                        "parameters train at wrap. Set requires_grad before offload.wrap "
+                        "(offload.from_pretrained: its before_wrap= callable), or wrap again"
+                    )
+
     def _hook_outputs(self, run: UnitRun, output) -> None:
         """The pre-backward gather: fires when backward reaches ``run``'s outputs. The hooks
         hold their forward's :class:`_Graph` (a unit called outside the model is a forward of
@@ -405,12 +454,30 @@ class Runtime:
     def _grad_ready(self, run: UnitRun) -> None:
         if self.phase.phase is not Phase.BACKWARD:
             self._begin_backward()  # a backward that reached no unit output first
+        self._check_one_backward(run)
         if run.grad_ready():
             try:
                 run.residency.countdown_done(self, run)
             except BaseException:
                 self._abort_backward()
                 raise
+
+    def _check_one_backward(self, run: UnitRun) -> None:
+        """A unit's gradients come in one backward graph: autograd sums every use of a
+        parameter before its hook runs. A unit called more than once, each call under
+        ``torch.utils.checkpoint(use_reentrant=True)``, is the exception: each recomputation
+        runs a backward of its own, so the unit's gradients came in rounds, and an owner that
+        takes them out of ``p.grad`` at the first round's end (a host buffer, NVMe) lost the
+        rest without a word. Where they stay in ``p.grad`` the rounds add up as in PyTorch."""
+        if run.backward_done and not self.grads.owner.kept_after_step:
+            self._abort_backward()
+            raise RuntimeError(
+                f"offload: unit {run.unit.label} is used again in a backward after its "
+                "gradients were final and taken: it is called more than once, each call under "
+                "torch.utils.checkpoint(use_reentrant=True), whose recomputations run "
+                "backwards of their own. Use use_reentrant=False (torch's recommendation), "
+                "or call the unit once per forward"
+            )
 
     def _abort_backward(self) -> None:
         """This backward failed (in a hook of ours, its update failed, say; or anywhere:

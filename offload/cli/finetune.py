@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     bounds = {"steps": 1, "seq_len": 1, "batch": 1, "accum": 1, "warmup": 0, "save_every": 0}
-    bounds.update(max_grad_norm=0)  # 0 = no clipping; a negative one turned it off unsaid
+    bounds["max_grad_norm"] = 0  # 0 = no clipping; a negative one turned it off unsaid
     for name, least in bounds.items():
         value = getattr(args, name)
         if value is not None and not value >= least:  # (not >=: NaN is refused too)

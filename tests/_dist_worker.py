@@ -3,7 +3,8 @@ jobs in one process group.
 
 Environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (``env://``, what
 torchrun sets). Argument: a JSON file ``{"out": DIR, "timeout": seconds, "jobs": [...]}``;
-each job wraps ``engine_models.make_model()`` (or ``StackLM`` with ``"model": "stack"``) with
+each job wraps ``engine_models.make_model()`` (or ``StackLM`` with ``"model": "stack"``,
+``LoraLM`` with ``"model": "lora"``) with
 ``placement_config(param, optim, ...)`` and ``distributed.stage``, trains its slice of every
 global batch (``GLOBAL_BATCH`` rows split evenly over the ranks) and writes ``<name>.<rank>.json``
 (the mean loss over ranks per step, this rank's stats per step, its NVMe directories) and
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_models import StackLM, batches, lm_loss, make_model, placement_config
+from engine_models import LoraLM, StackLM, batches, lm_loss, make_model, placement_config
 
 import offload
 from offload.api import checkpoint_files
@@ -63,6 +64,9 @@ def _model(job: dict):
     if job.get("model") == "stack":
         torch.manual_seed(0)
         return StackLM(n=4), {"module_classes": ["StackBlock"]}
+    if job.get("model") == "lora":
+        torch.manual_seed(0)
+        return LoraLM(), {"module_classes": ["LoraBlock", "FrozenBlock"]}
     return make_model(), None
 
 

@@ -92,6 +92,59 @@ class StackLM(nn.Module):
         return self.head(self.blocks(self.embed(tokens)))
 
 
+class LoraBlock(nn.Module):
+    """A frozen base layer with a trainable low-rank adapter beside it (LoRA), a frozen layer
+    whose only gradient is the one it passes to its input (``mid``), and a trainable layer:
+    the backward of the frozen layers runs after the last gradient of the unit's trainable
+    parameters, so a unit released at that gradient would give them released storage."""
+
+    def __init__(self, dim: int = STACK_DIM, rank: int = 4) -> None:
+        super().__init__()
+        self.base = nn.Linear(dim, dim)
+        self.down = nn.Linear(dim, rank, bias=False)
+        self.up = nn.Linear(rank, dim, bias=False)
+        self.mid = nn.Linear(dim, 2 * dim)
+        self.out = nn.Linear(2 * dim, dim)
+        nn.init.normal_(self.up.weight, std=0.1)  # (LoRA starts at zero; here it must not)
+        for p in (*self.base.parameters(), *self.mid.parameters()):
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.base(x) + self.up(self.down(x))
+        return x + self.out(F.gelu(self.mid(h)))
+
+
+class FrozenBlock(StackBlock):
+    """A block with no trainable parameter between trainable ones."""
+
+    def __init__(self, dim: int = STACK_DIM) -> None:
+        super().__init__(dim)
+        self.requires_grad_(False)
+
+
+class LoraLM(nn.Module):
+    """Adapters on a frozen stack: every block holds frozen layers the backward passes through
+    (one block all frozen); the embedding and the head train."""
+
+    def __init__(self, n: int = 3, reentrant: bool | None = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(STACK_VOCAB, STACK_DIM)
+        blocks = [LoraBlock() for _ in range(n)]
+        blocks.insert(1, FrozenBlock())
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(STACK_DIM, STACK_VOCAB)
+        self.reentrant = reentrant  # None: no activation checkpointing
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            if self.reentrant is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
 def make_model(seed: int = 0, **kw) -> TinyLM:
     torch.manual_seed(seed)
     return TinyLM(**kw)

@@ -156,6 +156,12 @@ class ParamHome:
             self._stale.add(unit.index)
 
     _views = False  # whether the parameters view the home (then they are always "gathered")
+
+    @property
+    def releases(self) -> bool:
+        """Whether a released unit's parameters lose their values (their storage dropped)."""
+        return not self._views
+
     keeps_across_the_turn = True
     """Whether the forward's last unit may stay gathered into the backward that starts with it
     (``offload.runtime.state``): not where each gather also starts the next one's."""

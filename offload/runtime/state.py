@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from offload.device import Transfers
 from offload.homes.grads import Hyper
@@ -49,7 +49,7 @@ from offload.runtime.grads import Grads
 from offload.runtime.phase import Phase, PhaseError, PhaseTracker
 from offload.runtime.schedule import StepSchedule
 from offload.runtime.telemetry import Telemetry
-from offload.runtime.units import UnitRun
+from offload.runtime.units import UnitInputs, UnitRun
 from offload.runtime.values import GivenValues, Values
 
 logger = logging.getLogger("offload.runtime")
@@ -152,6 +152,7 @@ class Runtime:
 
     # ---------------------------------------------------------------- hooks
     def install_hooks(self) -> None:
+        self._me = weakref.ref(self)  # what the autograd graph holds (see below)
         h = self.model.register_forward_pre_hook(
             self._root_pre_forward, with_kwargs=True, prepend=True
         )
@@ -165,6 +166,12 @@ class Runtime:
             self._handles.append(
                 module.register_forward_pre_hook(lambda m, a, r=run: self._pre_forward(r))
             )
+            if run.watches_inputs:
+                self._handles.append(
+                    module.register_forward_pre_hook(
+                        lambda m, a, k, r=run: self._watch_inputs(r, a, k), with_kwargs=True
+                    )
+                )
             self._handles.append(
                 module.register_forward_hook(lambda m, a, o, r=run: self._post_forward(r, o))
             )
@@ -172,7 +179,7 @@ class Runtime:
         # A tensor's hooks are held from C++, where the cycle collector cannot see them: one that
         # held this runtime would keep it and the model alive for good once the caller let go
         # of both without closing. So it holds the runtime weakly, and the unit by position.
-        me = weakref.ref(self)
+        me = self._me
         for i, run in enumerate(self.runs):
             for p in run.unit.trainable_params:
                 self._handles.append(p.register_post_accumulate_grad_hook(_grad_hook(me, i)))
@@ -349,6 +356,29 @@ class Runtime:
             self.params.refresh(run.unit)  # stages 1-2: the other ranks' updated shares
         run.gather(self.phase.phase.value)
 
+    @_hook
+    def _watch_inputs(self, run: UnitRun, args, kwargs):
+        """The unit's inputs that need a gradient go through :class:`UnitInputs`, whose
+        backward tells :meth:`_inputs_done` (the unit holds frozen layers: ``UnitRun``)."""
+        if not torch.is_grad_enabled():
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        at = [i for i, t in enumerate(flat) if _grad_tensor(t)]
+        if not at:
+            return None
+        outs = UnitInputs.apply(self._me, run.unit.index, *(flat[i] for i in at))
+        run.watch(outs[0].grad_fn)
+        for i, t in zip(at, outs, strict=True):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    @_hook
+    def _inputs_done(self, run: UnitRun) -> None:
+        if self.phase.phase is not Phase.BACKWARD:
+            self._begin_backward()
+        if run.grads_pending == 0 and not run.backward_done and run.inputs_passed():
+            self._countdown_done(run)
+
     def _gate(self, unit) -> None:
         """Before a collective reads ``unit``'s home ahead of its use: its own pending update
         must be done (not in a backward: the update of a unit starts after its backward)."""
@@ -455,12 +485,15 @@ class Runtime:
         if self.phase.phase is not Phase.BACKWARD:
             self._begin_backward()  # a backward that reached no unit output first
         self._check_one_backward(run)
-        if run.grad_ready():
-            try:
-                run.residency.countdown_done(self, run)
-            except BaseException:
-                self._abort_backward()
-                raise
+        if run.grad_ready() and run.inputs_passed():
+            self._countdown_done(run)
+
+    def _countdown_done(self, run: UnitRun) -> None:
+        try:
+            run.residency.countdown_done(self, run)
+        except BaseException:
+            self._abort_backward()
+            raise
 
     def _check_one_backward(self, run: UnitRun) -> None:
         """A unit's gradients come in one backward graph: autograd sums every use of a

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 
@@ -21,13 +22,28 @@ logger = logging.getLogger("offload.runtime")
 class UnitRun:
     """One unit during training: its home does the moves, this counts and decides when."""
 
-    __slots__ = ("unit", "home", "residency", "timers", "grads_pending", "backward_done")
+    __slots__ = (
+        "unit",
+        "home",
+        "residency",
+        "timers",
+        "grads_pending",
+        "backward_done",
+        "watches_inputs",
+        "inputs",
+    )
 
     def __init__(self, unit: Unit, home: ParamHome, timers: dict[str, float]) -> None:
         self.unit, self.home, self.timers = unit, home, timers
         self.residency = RESIDENCY[unit.residency]
         self.grads_pending = 0  # trainable params whose grad is not final yet in this backward
         self.backward_done = False  # grads of this backward are off the device
+        # A frozen layer's backward (its input's gradient) can come after the last gradient
+        # of the unit's trainable parameters; where that gradient would release the unit, the
+        # unit's backward also waits for the gradients of its forward inputs (UnitInputs).
+        frozen = any(not s.trainable for s in unit.layout.segments)
+        self.watches_inputs = frozen and self.residency.released_in_backward and home.releases
+        self.inputs: list[weakref.ref] = []  # the UnitInputs nodes of its forwards (weakly)
 
     def gather(self, phase: str) -> None:
         """Makes the unit's parameters usable (idempotent). Its time counts in ``phase`` as IO
@@ -67,9 +83,53 @@ class UnitRun:
         self.grads_pending -= 1
         return self.grads_pending == 0
 
+    def watch(self, node) -> None:
+        self.inputs = [ref for ref in self.inputs if ref() is not None]  # (graphs let go)
+        self.inputs.append(weakref.ref(node))
+
+    def inputs_passed(self) -> bool:
+        """Whether the backward running now has computed the gradients of the unit's forward
+        inputs (every forward of the unit it goes through): every layer of the unit the
+        backward passes through has run, frozen ones too."""
+        task = torch._C._current_graph_task_id()
+        for ref in self.inputs:
+            node = ref()
+            if node is not None and node.task != task and _will_run(node):
+                return False
+        return True
+
+
+def _will_run(node) -> bool:
+    """Whether the backward running now goes through ``node``: private in torch, and what
+    ``torch.autograd.graph.register_multi_grad_hook`` asks the same way."""
+    return torch._C._will_engine_execute_node(node)
+
+
+class UnitInputs(torch.autograd.Function):
+    """The identity on a unit's forward inputs that need a gradient (``UnitRun.watches_inputs``);
+    its backward runs when their gradients are computed, after every layer of the unit that
+    the backward passes through. It tells the runtime (held weakly, the unit by position: the
+    autograd graph holds this node from C++). As under FSDP2's equivalent, the unit sees its
+    inputs as views: modifying one in place inside the unit is refused by torch."""
+
+    @staticmethod
+    def forward(ctx, runtime: weakref.ref, index: int, *inputs):
+        ctx.runtime, ctx.index, ctx.task = runtime, index, None
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.task = torch._C._current_graph_task_id()
+        me = ctx.runtime()
+        if me is not None:
+            me._inputs_done(me.runs[ctx.index])
+        return (None, None, *grads)
+
 
 class Transient:
     """Released after each forward and after its backward."""
+
+    released_in_backward = True  # by the countdown (after_backward), before the backward ends
 
     def after_forward(self, run: UnitRun) -> None:
         run.release()
@@ -97,6 +157,8 @@ class Transient:
 class Persistent(Transient):
     """Kept gathered from first use until the step (its copy is stale after the update)."""
 
+    released_in_backward = False
+
     def after_forward(self, run: UnitRun) -> None:
         pass
 
@@ -116,6 +178,8 @@ class Root(Transient):
 
     def after_forward(self, run: UnitRun) -> None:
         pass
+
+    released_in_backward = False
 
     def backward_begins(self, grads, run: UnitRun) -> None:
         pass  # its gradients come only at the end of the backward

@@ -98,8 +98,10 @@ class LoraBlock(nn.Module):
     the backward of the frozen layers runs after the last gradient of the unit's trainable
     parameters, so a unit released at that gradient would give them released storage."""
 
-    def __init__(self, dim: int = STACK_DIM, rank: int = 4) -> None:
+    def __init__(self, dim: int = STACK_DIM, rank: int = 4, inner: bool | None = None) -> None:
         super().__init__()
+        # checkpointing inside forward (as transformers does), reentrant or not; None: none
+        self.inner = inner
         self.base = nn.Linear(dim, dim)
         self.down = nn.Linear(dim, rank, bias=False)
         self.up = nn.Linear(rank, dim, bias=False)
@@ -110,6 +112,11 @@ class LoraBlock(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x):
+        if self.inner is None:
+            return self._forward(x)
+        return checkpoint(self._forward, x, use_reentrant=self.inner)
+
+    def _forward(self, x):
         h = self.base(x) + self.up(self.down(x))
         return x + self.out(F.gelu(self.mid(h)))
 
@@ -126,14 +133,14 @@ class LoraLM(nn.Module):
     """Adapters on a frozen stack: every block holds frozen layers the backward passes through
     (one block all frozen); the embedding and the head train."""
 
-    def __init__(self, n: int = 3, reentrant: bool | None = None) -> None:
+    def __init__(self, n: int = 3, reentrant: bool | None = None, inner: bool | None = None):
         super().__init__()
         self.embed = nn.Embedding(STACK_VOCAB, STACK_DIM)
-        blocks = [LoraBlock() for _ in range(n)]
+        blocks = [LoraBlock(inner=inner) for _ in range(n)]
         blocks.insert(1, FrozenBlock())
         self.blocks = nn.Sequential(*blocks)
         self.head = nn.Linear(STACK_DIM, STACK_VOCAB)
-        self.reentrant = reentrant  # None: no activation checkpointing
+        self.reentrant = reentrant  # checkpointing each block from outside; None: none
 
     def forward(self, tokens):
         x = self.embed(tokens)

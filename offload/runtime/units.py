@@ -77,6 +77,10 @@ class UnitRun:
     def begin_backward(self) -> None:
         self.grads_pending = len(self.unit.trainable_params)
         self.backward_done = False
+        if self.inputs:  # (in the task the backward began in: see inputs_passed)
+            task = torch._C._current_graph_task_id()
+            for node in self._live_inputs():
+                node.expected = task if _will_run(node) else None
 
     def grad_ready(self) -> bool:
         """One of the unit's gradients is final; True when that was the last one."""
@@ -87,14 +91,21 @@ class UnitRun:
         self.inputs = [ref for ref in self.inputs if ref() is not None]  # (graphs let go)
         self.inputs.append(weakref.ref(node))
 
+    def _live_inputs(self) -> list:
+        return [node for node in (ref() for ref in self.inputs) if node is not None]
+
     def inputs_passed(self) -> bool:
-        """Whether the backward running now has computed the gradients of the unit's forward
-        inputs (every forward of the unit it goes through): every layer of the unit the
-        backward passes through has run, frozen ones too."""
+        """Whether the backward has computed the gradients of the unit's forward inputs (every
+        forward of the unit it goes through): every layer of the unit the backward passes
+        through has run, frozen ones too. The backward may be running a reentrant checkpoint's
+        inner backward (``checkpoint(use_reentrant=True)`` inside the unit's forward, as
+        transformers does), whose task does not hold the unit's input node: the node expected
+        when the backward began counts until it ran."""
         task = torch._C._current_graph_task_id()
-        for ref in self.inputs:
-            node = ref()
-            if node is not None and node.task != task and _will_run(node):
+        for node in self._live_inputs():
+            if node.task == task:
+                continue
+            if (node.expected is not None and node.task != node.expected) or _will_run(node):
                 return False
         return True
 
@@ -114,7 +125,9 @@ class UnitInputs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime: weakref.ref, index: int, *inputs):
-        ctx.runtime, ctx.index, ctx.task = runtime, index, None
+        ctx.runtime, ctx.index = runtime, index
+        ctx.task = None  # the backward (graph task) that ran it last
+        ctx.expected = None  # the backward expected to run it (UnitRun.begin_backward)
         return inputs
 
     @staticmethod

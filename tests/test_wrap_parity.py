@@ -133,6 +133,7 @@ def test_adam_mode_and_no_clipping(tmp_path):
         ("cpu", "fp32", {"inner": True}),
         ("nvme", "fp32", {"inner": False}),
         ("nvme", "fp32", {"step_in_backward": True}),
+        ("cpu", "fp32", {"step_in_backward": True, "persistent": True}),
     ],
     ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None,
 )
@@ -157,11 +158,14 @@ def test_frozen_layers_inside_units_pass_their_gradient_on(tmp_path, param_dev, 
         ref, ref_losses = reference_mixed(ref_model, data, steps, accum, CLIP, torch.bfloat16)
         tol = {"rtol": 1e-2, "atol": 1e-3}
     torch.manual_seed(0)
-    cfg = placement_config(param_dev, "cpu", tmp_path, dtype=dtype)
+    opt_dev = "nvme" if over.get("step_in_backward") else "cpu"  # (where it runs)
+    cfg = placement_config(param_dev, opt_dev, tmp_path, dtype=dtype)
     cfg["wrap"] = {"module_classes": ["LoraBlock", "FrozenBlock"]}
     if over.get("step_in_backward"):
         cfg["offload_optimizer"]["step_in_backward"] = True
         cfg["gradient_accumulation_steps"] = accum
+    if over.get("persistent"):  # kept from first use to the step: released by the update
+        cfg["offload_param"]["persistence_threshold"] = 10**6
     model, opt = offload.wrap(LoraLM(**shape), cfg)
     runtime = opt._engine
     gathered_at_the_embedding = []
@@ -178,7 +182,7 @@ def test_frozen_layers_inside_units_pass_their_gradient_on(tmp_path, param_dev, 
         losses, _ = train_wrapped(model, opt, data, steps, accum, CLIP)
         # the blocks were still released in the backward, each after its frozen layers ran
         assert len(gathered_at_the_embedding) == steps * accum
-        if param_dev != "none":
+        if param_dev != "none" and not over.get("persistent"):
             assert max(gathered_at_the_embedding) <= 1, gathered_at_the_embedding
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(ref_losses), rtol=tol["rtol"], atol=0

@@ -540,8 +540,10 @@ class InBackward(Background):
         if self._spec is not None:
             raise PhaseError(
                 f"offload: {what} called between loss.backward() and optimizer.step(); with "
-                "offload_optimizer.step_in_backward the update is already running, so call it "
-                "after optimizer.step()"
+                "offload_optimizer.step_in_backward the last backward of the step "
+                f"(gradient_accumulation_steps: {self.accumulation}) already updated the "
+                "weights, so call it after optimizer.step() (for more gradient accumulation "
+                "raise gradient_accumulation_steps, or set step_in_backward false)"
             )
 
     def check_grad_norm(self) -> None:

@@ -49,7 +49,7 @@ from offload.runtime.grads import Grads
 from offload.runtime.phase import Phase, PhaseError, PhaseTracker
 from offload.runtime.schedule import StepSchedule
 from offload.runtime.telemetry import Telemetry
-from offload.runtime.units import UnitInputs, UnitRun
+from offload.runtime.units import OffloadUnitInputs, UnitRun
 from offload.runtime.values import GivenValues, Values
 
 logger = logging.getLogger("offload.runtime")
@@ -332,6 +332,9 @@ class Runtime:
             self._end_forward()
 
     def _begin_micro_step(self) -> None:
+        # the update in the last backward (step_in_backward) wrote the weights: a forward
+        # before step() would compute with them, where torch's uses the ones of before
+        self.schedule.check_access("a forward of the model", self.backwards_since_step)
         self._graphs = []
         self._fwd_start = time.perf_counter()
         self.transfers.capture_stream()
@@ -358,7 +361,7 @@ class Runtime:
 
     @_hook
     def _watch_inputs(self, run: UnitRun, args, kwargs):
-        """The unit's inputs that need a gradient go through :class:`UnitInputs`, whose
+        """The unit's inputs that need a gradient go through :class:`OffloadUnitInputs`, whose
         backward tells :meth:`_inputs_done` (the unit holds frozen layers: ``UnitRun``)."""
         if not torch.is_grad_enabled():
             return None
@@ -366,7 +369,7 @@ class Runtime:
         at = [i for i, t in enumerate(flat) if _grad_tensor(t)]
         if not at:
             return None
-        outs = UnitInputs.apply(self._me, run.unit.index, *(flat[i] for i in at))
+        outs = OffloadUnitInputs.apply(self._me, run.unit.index, *(flat[i] for i in at))
         run.watch(outs[0].grad_fn)
         for i, t in zip(at, outs, strict=True):
             flat[i] = t
@@ -763,6 +766,7 @@ class Runtime:
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
         if prefix:  # only the root's own call sees the whole dict
             return state_dict
+        self.schedule.check_access("model.state_dict()", self.backwards_since_step)  # (above)
         names = dict(self.model.named_parameters(remove_duplicate=False))
         values: dict[nn.Parameter, torch.Tensor] = {}
         for unit in self.units:

@@ -40,10 +40,10 @@ class UnitRun:
         self.backward_done = False  # grads of this backward are off the device
         # A frozen layer's backward (its input's gradient) can come after the last gradient
         # of the unit's trainable parameters; where that gradient would release the unit, the
-        # unit's backward also waits for the gradients of its forward inputs (UnitInputs).
+        # unit's backward also waits for the gradients of its forward inputs (OffloadUnitInputs).
         frozen = any(not s.trainable for s in unit.layout.segments)
-        self.watches_inputs = frozen and self.residency.released_in_backward and home.releases
-        self.inputs: list[weakref.ref] = []  # the UnitInputs nodes of its forwards (weakly)
+        self.watches_inputs = frozen and self.residency.finishes_in_backward and home.releases
+        self.inputs: list[weakref.ref] = []  # the OffloadUnitInputs nodes of its forwards (weakly)
 
     def gather(self, phase: str) -> None:
         """Makes the unit's parameters usable (idempotent). Its time counts in ``phase`` as IO
@@ -116,12 +116,13 @@ def _will_run(node) -> bool:
     return torch._C._will_engine_execute_node(node)
 
 
-class UnitInputs(torch.autograd.Function):
+class OffloadUnitInputs(torch.autograd.Function):
     """The identity on a unit's forward inputs that need a gradient (``UnitRun.watches_inputs``);
     its backward runs when their gradients are computed, after every layer of the unit that
     the backward passes through. It tells the runtime (held weakly, the unit by position: the
     autograd graph holds this node from C++). As under FSDP2's equivalent, the unit sees its
-    inputs as views: modifying one in place inside the unit is refused by torch."""
+    inputs as views: modifying one in place inside the unit is refused by torch (its error
+    names this class)."""
 
     @staticmethod
     def forward(ctx, runtime: weakref.ref, index: int, *inputs):
@@ -142,7 +143,9 @@ class UnitInputs(torch.autograd.Function):
 class Transient:
     """Released after each forward and after its backward."""
 
-    released_in_backward = True  # by the countdown (after_backward), before the backward ends
+    # its countdown finishes its backward (its gradients taken; the unit released, here, or by
+    # the step in backward, persistent ones too) before the backward ends
+    finishes_in_backward = True
 
     def after_forward(self, run: UnitRun) -> None:
         run.release()
@@ -170,8 +173,6 @@ class Transient:
 class Persistent(Transient):
     """Kept gathered from first use until the step (its copy is stale after the update)."""
 
-    released_in_backward = False
-
     def after_forward(self, run: UnitRun) -> None:
         pass
 
@@ -192,7 +193,7 @@ class Root(Transient):
     def after_forward(self, run: UnitRun) -> None:
         pass
 
-    released_in_backward = False
+    finishes_in_backward = False
 
     def backward_begins(self, grads, run: UnitRun) -> None:
         pass  # its gradients come only at the end of the backward

@@ -183,6 +183,37 @@ def test_fp16_loss_scaling_skips_overflowing_steps(tmp_path):
         opt.close()
 
 
+@pytest.mark.parametrize("param_dev, opt_dev", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_fp16_without_scale_loss_is_refused(tmp_path, param_dev, opt_dev):
+    """The step divides the gradients by the loss scale (2**16 at first): a loop that forgot
+    ``scale_loss`` made every update about that much too small, and no overflow showed it (the
+    probe: 1.5e-2 off a mixed-precision reference, params on the device too). Refused at the
+    backward; the loop that then scales trains as one that always did."""
+    data = batches(3)
+
+    def train(model, opt, forget: bool):
+        if forget:
+            with pytest.raises(PhaseError, match=r"optimizer\.scale_loss\(loss\)\.backward\(\)"):
+                lm_loss(model, data[0]).backward()
+            opt.zero_grad()
+        for s in range(3):
+            opt.scale_loss(lm_loss(model, data[s]) / 2).backward()  # (scaled, then divided)
+            opt.step()
+            opt.zero_grad()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    results = []
+    for forget in (True, False):
+        cfg = placement_config(param_dev, opt_dev, tmp_path / str(forget), dtype="fp16")
+        model, opt = offload.wrap(make_model(), cfg)
+        try:
+            results.append(train(model, opt, forget))
+        finally:
+            opt.close()
+    for k, v in results[1].items():
+        assert torch.equal(results[0][k], v), k
+
+
 @pytest.mark.parametrize("step_in_backward", [False, True])
 def test_the_update_is_counted_once_and_within_its_step(tmp_path, monkeypatch, step_in_backward):
     """A background update counts its own time; the main thread's wait for it is

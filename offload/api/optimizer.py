@@ -11,6 +11,7 @@ scaling::
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -35,6 +36,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._engine = runtime
         self.gradient_clipping = gradient_clipping
         self.scaler = scaler
+        runtime.needs_scaled_loss = scaler is not None
         self._clip_coef: float | None = None
         self.skipped_steps = 0
 
@@ -54,8 +56,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- training
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the current loss scale (fp16); ``loss`` itself otherwise."""
-        return loss * self.scaler.scale if self.scaler is not None else loss
+        """``loss`` times the current loss scale (fp16); ``loss`` itself otherwise. With fp16 a
+        backward that does not start from a loss scaled here is refused."""
+        if self.scaler is None:
+            return loss
+        scaled = loss * self.scaler.scale
+        if scaled.requires_grad:  # its gradient comes first in the backward: the mark
+            scaled.register_hook(_mark_scaled(weakref.ref(self._engine)))
+        return scaled
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the global L2 norm of the accumulated gradients to ``max_norm`` (applied inside
@@ -204,3 +212,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.scaler is not None and "loss_scaler" in extra:
             self.scaler.load_state_dict(extra["loss_scaler"])
         engine.state_restored()
+
+
+def _mark_scaled(runtime: weakref.ref):
+    """The hook on a scaled loss, holding the runtime weakly (the autograd graph holds it from
+    C++, like the runtime's own hooks)."""
+
+    def hook(grad: torch.Tensor) -> None:
+        me = runtime()
+        if me is not None:
+            me.mark_scaled()
+
+    return hook

@@ -138,6 +138,10 @@ class Runtime:
         self._grads_incomplete = False
         # zero_grad() was called since the last step (or no step ran yet): see _check_zeroed
         self._zeroed = True
+        # fp16 (a loss scaler): the optimizer's scale_loss marks the backward that starts from
+        # its scaled loss (mark_scaled); one that does not is refused (_check_scaled)
+        self.needs_scaled_loss = False
+        self._scaled = False
         self._handles: list = []
         self._step_started = time.perf_counter()
         self._fwd_start: float | None = None
@@ -409,6 +413,7 @@ class Runtime:
         self._stop_timer("_fwd_start", "forward_seconds")
         self.transfers.capture_stream()
         try:
+            self._check_scaled()
             self._check_zeroed()
             self._check_trainable()
             self.schedule.backward_begins(self._step_hyper, self.backwards_since_step)
@@ -428,6 +433,23 @@ class Runtime:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def mark_scaled(self) -> None:
+        """The backward now starting begins at a loss ``scale_loss`` scaled (its hook)."""
+        self._scaled = True
+
+    def _check_scaled(self) -> None:
+        """fp16 without ``scale_loss``: the step divides the gradients by the loss scale
+        (2**16 at first) that the loss never got, so every update was about that much too
+        small, and no overflow could show it: refused before this backward takes anything."""
+        scaled, self._scaled = self._scaled, False
+        if self.needs_scaled_loss and not scaled:
+            raise PhaseError(
+                "offload: loss.backward() with fp16 compute but without loss scaling: the step "
+                "divides the gradients by the loss scale, so the loss must be multiplied by it; "
+                "call optimizer.scale_loss(loss).backward() (for several losses, scale their "
+                "sum, or each of them)"
+            )
 
     def _check_zeroed(self) -> None:
         """The first backward after a step with no ``zero_grad()`` since: in PyTorch it adds

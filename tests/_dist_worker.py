@@ -20,7 +20,9 @@ Job keys: ``name``, ``param``, ``optim``, ``dtype`` (fp32), ``stage``, ``steps``
 ``load_state`` (an optimizer state_dict file to load, the scheduler advanced to ``start``),
 ``restore`` (close with ``restore=True`` and compare the plain model's values),
 ``block`` (checkpoint block checksum size), ``peek`` (after each step's backwards, a loss
-with gradients on, looked at and let go before the step), ``log`` (record when collectives
+with gradients on, looked at and let go before the step; ``"refused"``: after the first
+step, that forward must be refused, the update in the backward having written the weights),
+``log`` (record when collectives
 are issued and waited and when units compute, on rank 0), ``count_reads`` (bytes read from
 checkpoint files).
 
@@ -45,6 +47,7 @@ import offload
 from offload.api import checkpoint_files
 from offload.api.wrap import engine_of
 from offload.dist import init_process_group
+from offload.runtime.phase import PhaseError
 
 GLOBAL_BATCH = 8
 STEPS_DATA = 16
@@ -172,7 +175,16 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
             loss.backward()
             total += float(loss.detach())
         if job.get("peek"):  # a forward (its gathers collective) no backward follows
-            assert lm_loss(model, slice_of(data[s % len(data)], rank, world)).item() > 0
+            batch = slice_of(data[s % len(data)], rank, world)
+            if job.get("peek") == "refused" and s > start:  # (the first step counts backwards)
+                try:
+                    lm_loss(model, batch)
+                except PhaseError as e:
+                    assert "a forward of the model" in str(e), e
+                else:
+                    raise AssertionError("a forward after the update in the backward ran")
+            else:
+                assert lm_loss(model, batch).item() > 0
         if clip:
             norms.append(float(opt.clip_grad_norm_(clip)))
         opt.step()

@@ -4,7 +4,7 @@ jobs in one process group.
 Environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (``env://``, what
 torchrun sets). Argument: a JSON file ``{"out": DIR, "timeout": seconds, "jobs": [...]}``;
 each job wraps ``engine_models.make_model()`` (or ``StackLM`` with ``"model": "stack"``,
-``LoraLM`` with ``"model": "lora"``) with
+``LoraLM`` with ``"model": "lora"``, ``StackLM`` of ``NormBlock`` with ``"model": "norm"``) with
 ``placement_config(param, optim, ...)`` and ``distributed.stage``, trains its slice of every
 global batch (``GLOBAL_BATCH`` rows split evenly over the ranks) and writes ``<name>.<rank>.json``
 (the mean loss over ranks per step, this rank's stats per step, its NVMe directories) and
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_models import LoraLM, StackLM, batches, lm_loss, make_model, placement_config
+from engine_models import LoraLM, NormBlock, StackLM, batches, lm_loss, make_model, placement_config
 
 import offload
 from offload.api import checkpoint_files
@@ -67,6 +67,9 @@ def _model(job: dict):
     if job.get("model") == "stack":
         torch.manual_seed(0)
         return StackLM(n=4), {"module_classes": ["StackBlock"]}
+    if job.get("model") == "norm":
+        torch.manual_seed(0)
+        return StackLM(n=3, block=NormBlock), {"module_classes": ["NormBlock"]}
     if job.get("model") == "lora":
         torch.manual_seed(0)
         return LoraLM(), {"module_classes": ["LoraBlock", "FrozenBlock"]}
@@ -239,6 +242,8 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
         "pools": sum(s.stats().get("host_reserved_bytes", 0) for s in runtime.stores.values()),
         "read_bytes": read,
         "log": log.events if log is not None else None,
+        # this rank's own buffers (running statistics differ between ranks)
+        "buffers": {k: v.flatten().tolist() for k, v in model.named_buffers()},
     }
     if job.get("restore"):  # back to a plain model (collective): the same values
         opt.close(restore=True)

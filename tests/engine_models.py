@@ -76,6 +76,18 @@ class StackBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(x)))
 
 
+class NormBlock(StackBlock):
+    """A block with running statistics (BatchNorm over the features): buffers training
+    changes, which differ between ranks."""
+
+    def __init__(self, dim: int = STACK_DIM) -> None:
+        super().__init__(dim)
+        self.norm = nn.BatchNorm1d(dim)
+
+    def forward(self, x):
+        return super().forward(self.norm(x.transpose(1, 2)).transpose(1, 2))
+
+
 class StackLM(nn.Module):
     """A plain stack: each unit runs once in the forward and once in the backward (what
     ``offload.plan.traffic`` assumes), one frozen parameter."""

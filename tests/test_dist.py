@@ -147,6 +147,9 @@ def two(root) -> Path:
         | {"eval_held": True},
         job("log", "cpu", "cpu", 3, steps=2, model="stack", accum=1, log=True),
         job("lora-s3-cpu-cpu", "cpu", "cpu", 3, steps=4, model="lora"),
+        job("norm-whole", "cpu", "nvme", 3, steps=4, model="norm"),
+        job("norm-first", "cpu", "nvme", 3, steps=2, model="norm", save=str(root / "ckN")),
+        job("norm-second", "cpu", "nvme", 3, steps=4, model="norm", load=str(root / "ckN")),
     ]
     run_ranks(2, jobs, root)
     return root
@@ -293,6 +296,19 @@ def test_same_world_resume_is_bitwise(two):
     whole, second = result(two, "whole"), result(two, "second")
     assert second["losses"] == whole["losses"][3:]
     a, b = _final(two, "whole"), _final(two, "second")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_same_world_resume_is_bitwise_with_each_rank_s_buffers(two):
+    """BatchNorm's running statistics, which differ between ranks, were not in checkpoints:
+    a resume at the same world size differed in them (and in everything they fed); each rank's
+    own are saved and read back now."""
+    for rank in range(2):
+        whole, second = result(two, "norm-whole", rank), result(two, "norm-second", rank)
+        assert second["losses"] == whole["losses"][2:]
+        assert second["buffers"] == whole["buffers"], rank
+    assert result(two, "norm-whole", 0)["buffers"] != result(two, "norm-whole", 1)["buffers"]
+    a, b = _final(two, "norm-whole"), _final(two, "norm-second")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

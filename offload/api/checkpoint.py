@@ -2,8 +2,8 @@
 
 Note: format and atomicity
     A checkpoint directory holds one ``unit_NNNNN.safetensors`` per unit (flat fp32 ``master``,
-    ``exp_avg``, ``exp_avg_sq`` over the trainable prefix, and the ``frozen`` compute params)
-    plus ``meta.json`` (layout, step counters, loss scale, hyperparameters, the caller's extra
+    ``exp_avg``, ``exp_avg_sq`` over the trainable prefix, and the ``frozen`` compute params),
+    ``buffers.safetensors`` (the persistent buffers, :func:`_buffers_file`) plus ``meta.json`` (layout, step counters, loss scale, hyperparameters, the caller's extra
     JSON, and every file's size and SHA-256). No pickle anywhere. Tensors are streamed piece by
     piece from wherever they live (NVMe-resident state is never pulled whole into RAM). The
     files, checksums, the commit (temp directory, fsync, rename, ``latest`` pointer) and the
@@ -44,6 +44,7 @@ Note: a load changes everything or nothing
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -60,6 +61,8 @@ from offload.runtime.safetensors import write_file
 from offload.runtime.values import FROZEN, ValueSource
 
 __all__ = ["CheckpointError", "export", "load_checkpoint", "save_checkpoint"]
+
+logger = logging.getLogger("offload.checkpoint")
 
 
 def _unit_file(unit: Unit | int, rank: int = 0, world: int = 1) -> str:
@@ -97,6 +100,69 @@ def _to_json(extra: dict) -> dict:
     return extra
 
 
+def _buffers_file(rank: int = 0, world: int = 1) -> str:
+    """The file of the model's persistent buffers (BatchNorm's running statistics, say), by
+    state-dict name, in the dtype the model holds them. Each rank's own with several ranks
+    (they may differ, as under FSDP): a load at the same world size reads its rank's, at
+    another rank 0's. A checkpoint written before they were kept has none: its load leaves the
+    buffers as they are and says so."""
+    return "buffers.safetensors" if world == 1 else f"buffers.rank_{rank:05d}.safetensors"
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(state-dict name, tensor)`` of every persistent buffer, in module order."""
+    out = []
+    for mname, module in model.named_modules():
+        for bname, buf in module._buffers.items():
+            if buf is not None and bname not in module._non_persistent_buffers_set:
+                out.append((f"{mname}.{bname}" if mname else bname, buf))
+    return out
+
+
+def _buffer_entries(model: nn.Module) -> list[files.Entry]:
+    """The buffers file's tensors; a dtype safetensors cannot hold is refused before anything
+    is written."""
+    entries = []
+    for name, buf in persistent_buffers(model):
+        if buf.dtype not in files.ST_DTYPES:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in files.ST_DTYPES)
+            raise TypeError(
+                f"save_checkpoint: buffer {name} is {str(buf.dtype).removeprefix('torch.')}, "
+                f"which a checkpoint cannot hold (it holds {allowed}); nothing was written"
+            )
+        produce = lambda b=buf: iter([b.detach().to("cpu").reshape(-1)])  # noqa: E731
+        entries.append((name, buf.dtype, list(buf.shape), produce))
+    return entries
+
+
+def _buffer_tensors(model: nn.Module) -> dict[str, tuple[tuple[str, ...], list[int]]]:
+    """What the buffers file must hold for ``model``: name -> (allowed dtype codes, shape);
+    floating ones convert on load (a checkpoint of another compute dtype)."""
+    floating = tuple(files.ST_DTYPES[d] for d in files.ST_DTYPES if d.is_floating_point)
+    return {
+        name: (floating if buf.is_floating_point() else (files.ST_DTYPES[buf.dtype],), [*buf.shape])
+        for name, buf in persistent_buffers(model)
+    }
+
+
+def _buffers_listed(meta: dict, model: nn.Module, fname: str) -> bool:
+    """Whether the checkpoint holds buffers; one written before they were kept, for a model
+    that has some, is said (its load leaves them as they are)."""
+    listed = fname in meta["files"]
+    if not listed and persistent_buffers(model):
+        logger.warning(
+            "load_checkpoint: the checkpoint holds no buffers (written before offload kept "
+            "them); the model's buffers (running statistics, say) are left as they are"
+        )
+    return listed
+
+
+def _apply_buffers(ckpt: files.VerifiedCheckpoint, model: nn.Module, fname: str) -> None:
+    with torch.no_grad():
+        for name, buf in persistent_buffers(model):
+            buf.copy_(ckpt.read(fname, name, 0, buf.numel()).view(buf.shape))
+
+
 def _unit_entries(engine, unit: Unit) -> list[files.Entry]:
     """The tensors of one unit's file, each produced piece by piece from its owner."""
     values = engine.values
@@ -122,12 +188,15 @@ def save_checkpoint(
     engine = _engine(model)
     engine.check_readable("save_checkpoint")
     _to_json(extra)
+    buffers = _buffer_entries(model)
     name = f"ckpt-{engine.step_count:08d}-{time.time_ns()}"
     if engine.comm.world > 1:
-        return _save_ranks(Path(directory), name, engine, optimizer, keep_last, extra)
+        return _save_ranks(Path(directory), name, engine, optimizer, keep_last, extra, buffers)
     with files.CheckpointWriter(Path(directory), name) as out:
         for unit in engine.units:
             out.add_file(_unit_file(unit), _unit_entries(engine, unit))
+        if buffers:
+            out.add_file(_buffers_file(), buffers)
         return out.commit(_meta(engine, optimizer, extra), keep_last)
 
 
@@ -164,7 +233,9 @@ def _agree(comm, error: BaseException | None, what: str, payload=None, cls=Runti
     return [p for _, p in said]
 
 
-def _save_ranks(root: Path, name: str, engine, optimizer, keep_last: int, extra: dict) -> Path:
+def _save_ranks(
+    root: Path, name: str, engine, optimizer, keep_last: int, extra: dict, buffers: list
+) -> Path:
     """The collective save (module Note on ranks): rank 0 owns the directory and commits once
     every rank's files are durable."""
     comm = engine.comm
@@ -183,6 +254,8 @@ def _save_ranks(root: Path, name: str, engine, optimizer, keep_last: int, extra:
             writer = files.CheckpointWriter(root, name, owner=False)
         for unit in engine.units:
             writer.add_file(_unit_file(unit, comm.rank, comm.world), _unit_entries(engine, unit))
+        if buffers:
+            writer.add_file(_buffers_file(comm.rank, comm.world), buffers)
         writer.sync()  # durable before this rank's records go to the owner
         records = {n: r.to_json() for n, r in writer.files.items()}
     except Exception as exc:  # noqa: BLE001
@@ -224,11 +297,11 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -
     if _saved_world(path, files.read_meta(path)) > 1:
         return _load_ranks(Path(directory), engine, optimizer)
     with files.open_checkpoint(path) as ckpt:  # (1)
-        files.check_layout(  # (2)
-            ckpt,
-            [_unit_meta(u) for u in engine.units],
-            {_unit_file(u): _unit_tensors(u) for u in engine.units},
-        )
+        tensors = {_unit_file(u): _unit_tensors(u) for u in engine.units}
+        buffers = _buffers_listed(ckpt.meta, model, _buffers_file())
+        if buffers:
+            tensors[_buffers_file()] = _buffer_tensors(model)
+        files.check_layout(ckpt, [_unit_meta(u) for u in engine.units], tensors)  # (2)
         counters = files.check_counters(
             ckpt, optimizer.param_groups[0], loss_scale=optimizer.scaler is not None
         )
@@ -242,6 +315,8 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -
                     "checkpoint's values, it and the rest may hold either, the counters are "
                     "unchanged: load a checkpoint again before training"
                 ) from exc
+        if buffers:
+            _apply_buffers(ckpt, model, _buffers_file())
     return _apply_counters(engine, optimizer, counters)
 
 
@@ -392,19 +467,26 @@ def _check_files(ckpt: files.VerifiedCheckpoint, saved: _Saved, plan: dict) -> N
         for fname, *_ in reads:
             by_file[fname] = index
     for fname, index in sorted(by_file.items()):
-        want = saved.tensors(index)
-        have = {
-            t: (files.ST_DTYPES[i.dtype], list(i.shape)) for t, i in ckpt.tensors(fname).items()
-        }
-        if set(have) != set(want) or any(
-            have[t][1] != want[t][1] or have[t][0] not in want[t][0] for t in want
-        ):
-            held = {t: {"dtype": d, "shape": sh} for t, (d, sh) in have.items()}
-            needed = {t: {"dtype": "|".join(d), "shape": sh} for t, (d, sh) in want.items()}
-            raise files._fail(
-                ckpt.path / fname,
-                f"holds {files._describe(held)}; its saved layout needs {files._describe(needed)}",
-            )
+        _check_holds(ckpt, fname, saved.tensors(index), "its saved layout")
+
+
+def _check_holds(ckpt: files.VerifiedCheckpoint, fname: str, want: dict, who: str) -> None:
+    """File ``fname`` holds exactly ``want``: name -> (allowed dtype codes, shape)."""
+    have = {t: (files.ST_DTYPES[i.dtype], list(i.shape)) for t, i in ckpt.tensors(fname).items()}
+    if set(have) != set(want) or any(
+        have[t][1] != want[t][1] or have[t][0] not in want[t][0] for t in want
+    ):
+        held = {t: {"dtype": d, "shape": sh} for t, (d, sh) in have.items()}
+        needed = {t: {"dtype": "|".join(d), "shape": sh} for t, (d, sh) in want.items()}
+        raise files._fail(
+            ckpt.path / fname,
+            f"holds {files._describe(held)}; {who} needs {files._describe(needed)}",
+        )
+
+
+def _whole(fname: str, tensors: dict) -> list[tuple[int, int]]:
+    """The byte ranges of every tensor of a file (``open_checkpoint``'s ``need``)."""
+    return [(i.begin, i.begin + i.numel * i.dtype.itemsize) for i in tensors.values()]
 
 
 class _Reads(ValueSource):
@@ -431,7 +513,7 @@ def _load_ranks(root: Path, engine, optimizer) -> dict:
     """The load at any world size (module Note on ranks); collective with several ranks."""
     comm = engine.comm
     ckpt = error = None
-    counters = plan = None
+    counters = plan = buffers = None
     try:
         path = files.resolve(root)
         paths = comm.all_gather_object(str(path), "the checkpoint to load")
@@ -440,10 +522,19 @@ def _load_ranks(root: Path, engine, optimizer) -> dict:
                 f"load_checkpoint: the ranks found different checkpoints in '{root}' "
                 f"({', '.join(sorted(set(paths)))}); is a save running?"
             )
-        saved = _Saved(path, files.read_meta(path), engine)  # (2), the layout
+        meta = files.read_meta(path)
+        saved = _Saved(path, meta, engine)  # (2), the layout
         plan = _load_plan(engine, saved)
-        ckpt = files.open_checkpoint(path, need=_needs(plan))  # (1), what this rank reads
+        need = _needs(plan)
+        buffers = _buffers_file(comm.rank if saved.world == comm.world else 0, saved.world)
+        if not _buffers_listed(meta, engine.model, buffers):
+            buffers = None
+        else:
+            need[buffers] = _whole
+        ckpt = files.open_checkpoint(path, need=need)  # (1), what this rank reads
         _check_files(ckpt, saved, plan)
+        if buffers:
+            _check_holds(ckpt, buffers, _buffer_tensors(engine.model), "the model")
         counters = files.check_counters(
             ckpt, optimizer.param_groups[0], loss_scale=optimizer.scaler is not None
         )
@@ -467,6 +558,8 @@ def _load_ranks(root: Path, engine, optimizer) -> dict:
                     f"after the checkpoint was verified ({exc}); load a checkpoint again before "
                     "training"
                 ) from exc
+        if buffers:
+            _apply_buffers(ckpt, engine.model, buffers)
     return _apply_counters(engine, optimizer, counters)
 
 
@@ -561,16 +654,10 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
                 for name in names[seg.param]:
                     produce = lambda p=seg.param, u=unit: iter([values.of(p, u).to(dtype)])  # noqa: E731
                     entries.append((name, dtype, list(seg.shape), produce))
-        for mname, module in model.named_modules():
-            for bname, buf in module._buffers.items():
-                if buf is None or bname in module._non_persistent_buffers_set:
-                    continue
-                full = f"{mname}.{bname}" if mname else bname
-                bdt = dtype if buf.is_floating_point() else buf.dtype
-                if bdt in files.ST_DTYPES:
-                    entries.append(
-                        (full, bdt, list(buf.shape), lambda b=buf, d=bdt: iter([b.to(d)]))
-                    )
+        for full, buf in persistent_buffers(model):
+            bdt = dtype if buf.is_floating_point() else buf.dtype
+            if bdt in files.ST_DTYPES:
+                entries.append((full, bdt, list(buf.shape), lambda b=buf, d=bdt: iter([b.to(d)])))
         write_file(path, entries, metadata={"format": "pt", "producer": "offload"})
 
     written_by_rank0(engine, "export", write)

@@ -4,7 +4,8 @@ jobs in one process group.
 Environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (``env://``, what
 torchrun sets). Argument: a JSON file ``{"out": DIR, "timeout": seconds, "jobs": [...]}``;
 each job wraps ``engine_models.make_model()`` (or ``StackLM`` with ``"model": "stack"``,
-``LoraLM`` with ``"model": "lora"``, ``StackLM`` of ``NormBlock`` with ``"model": "norm"``) with
+``LoraLM`` with ``"model": "lora"``, ``StackLM`` of ``NormBlock`` with ``"model": "norm"``, of ``BranchBlock`` with
+``"model": "branch"``: see ``skips``) with
 ``placement_config(param, optim, ...)`` and ``distributed.stage``, trains its slice of every
 global batch (``GLOBAL_BATCH`` rows split evenly over the ranks) and writes ``<name>.<rank>.json``
 (the mean loss over ranks per step, this rank's stats per step, its NVMe directories) and
@@ -41,7 +42,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from engine_models import LoraLM, NormBlock, StackLM, batches, lm_loss, make_model, placement_config
+from engine_models import (
+    BranchBlock,
+    LoraLM,
+    NormBlock,
+    StackLM,
+    batches,
+    lm_loss,
+    make_model,
+    placement_config,
+)
 
 import offload
 from offload.api import checkpoint_files
@@ -58,6 +68,12 @@ ORIGINAL = (
 )
 
 
+def skips(step: int, rank: int) -> bool:
+    """``"model": "branch"``: whether the rank skips the middle block's extra layer (rank 1,
+    from the second step on: a parameter that one rank leaves unused)."""
+    return rank == 1 and step >= 1
+
+
 def slice_of(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     per = batch.shape[0] // world
     return batch[rank * per : (rank + 1) * per]
@@ -67,6 +83,9 @@ def _model(job: dict):
     if job.get("model") == "stack":
         torch.manual_seed(0)
         return StackLM(n=4), {"module_classes": ["StackBlock"]}
+    if job.get("model") == "branch":
+        torch.manual_seed(0)
+        return StackLM(n=3, block=BranchBlock), {"module_classes": ["BranchBlock"]}
     if job.get("model") == "norm":
         torch.manual_seed(0)
         return StackLM(n=3, block=NormBlock), {"module_classes": ["NormBlock"]}
@@ -171,6 +190,8 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
                     time.sleep(600)
                 raise RuntimeError(f"injected failure on rank {rank} at step {s}")
             batch = slice_of(data[(s * accum + m) % len(data)], rank, world)
+            if job.get("model") == "branch":  # the middle block's extra layer, on one rank
+                model.blocks[1].skip = skips(s, rank)
             loss = lm_loss(model, batch) / accum
             if job.get("eval_held"):  # an evaluation (its gathers collective) under that loss
                 with torch.no_grad():

@@ -88,6 +88,20 @@ class NormBlock(StackBlock):
         return super().forward(self.norm(x.transpose(1, 2)).transpose(1, 2))
 
 
+class BranchBlock(StackBlock):
+    """A block with a layer its caller may skip (``skip``: a branch taken by the data, which
+    may differ between ranks)."""
+
+    def __init__(self, dim: int = STACK_DIM) -> None:
+        super().__init__(dim)
+        self.extra = nn.Linear(dim, dim)
+        self.skip = False
+
+    def forward(self, x):
+        h = super().forward(x)
+        return h if self.skip else h + self.extra(h)
+
+
 class StackLM(nn.Module):
     """A plain stack: each unit runs once in the forward and once in the backward (what
     ``offload.plan.traffic`` assumes), one frozen parameter."""

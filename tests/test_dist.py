@@ -29,6 +29,7 @@ from _dist_worker import GLOBAL_BATCH, STEPS_DATA, slice_of
 from children import ROOT, default_sigint
 from dist_harness import free_port, result, run_ranks, start_ranks, wait_all
 from engine_models import (
+    BranchBlock,
     LoraLM,
     StackLM,
     batches,
@@ -147,6 +148,8 @@ def two(root) -> Path:
         | {"eval_held": True},
         job("log", "cpu", "cpu", 3, steps=2, model="stack", accum=1, log=True),
         job("lora-s3-cpu-cpu", "cpu", "cpu", 3, steps=4, model="lora"),
+        job("branch-s2-cpu-cpu", "cpu", "cpu", 2, steps=4, model="branch"),
+        job("branch-s3-nvme-cpu", "nvme", "cpu", 3, steps=4, model="branch"),
         job("norm-whole", "cpu", "nvme", 3, steps=4, model="norm"),
         job("norm-first", "cpu", "nvme", 3, steps=2, model="norm", save=str(root / "ckN")),
         job("norm-second", "cpu", "nvme", 3, steps=4, model="norm", load=str(root / "ckN")),
@@ -189,6 +192,38 @@ def _final(out: Path, name: str) -> dict:
 
 
 # ------------------------------------------------------------------------------ parity
+@pytest.mark.parametrize("name", ["branch-s2-cpu-cpu", "branch-s3-nvme-cpu"])
+def test_a_parameter_one_rank_leaves_unused_is_averaged_as_zero(two, name):
+    """Rank 1 skips the middle block's extra layer from the second step on. That unit
+    completed only at the end of rank 1's backward, so its reduce-scatter went out after the
+    first block's there and before it on rank 0: the two were summed together (2.7e-2 off, no
+    error). The reductions now go out in one order on every rank; the result is data
+    parallel's, the unused gradient counting as zero."""
+    from _dist_worker import skips
+
+    torch.manual_seed(0)
+    model = StackLM(n=3, block=BranchBlock)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    data, losses = batches(STEPS_DATA, batch=GLOBAL_BATCH), []
+    for s in range(4):
+        total = 0.0
+        for m in range(ACCUM):
+            for rank in range(2):
+                model.blocks[1].skip = skips(s, rank)
+                batch = slice_of(data[(s * ACCUM + m) % len(data)], rank, 2)
+                loss = lm_loss(model, batch) / ACCUM / 2
+                loss.backward()
+                total += float(loss)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(total)
+    _losses_close(result(two, name)["losses"], losses)
+    _close(_final(two, name), model.state_dict())
+
+
 def test_frozen_layers_inside_sharded_units_pass_their_gradient_on(two):
     """LoRA at stage 3: each unit's frozen base layers run their backward after its adapters'
     last gradient; the unit is released only after them (its reduction waits too). Released
@@ -322,7 +357,7 @@ def test_no_rank_commits_until_every_rank_s_files_are_written(two):
     good = (root / "latest").read_text().strip()
     assert sorted(p.name for p in root.iterdir()) == sorted(["latest", good])
     offload_meta = json.loads((root / good / "meta.json").read_text())
-    assert offload_meta["world"] == 2 and len(offload_meta["files"]) == 2 * 5
+    assert offload_meta["world"] == 2 and len(offload_meta["files"]) == 2 * (5 + 1)  # + buffers
 
 
 def test_checkpoint_layout_records_the_world_and_every_rank_file(four):
@@ -331,7 +366,8 @@ def test_checkpoint_layout_records_the_world_and_every_rank_file(four):
     assert meta["world"] == 4 and meta["version"] == 3
     units = len(meta["units"])
     assert sorted(meta["files"]) == sorted(
-        f"unit_{u:05d}.rank_{r:05d}.safetensors" for u in range(units) for r in range(4)
+        [f"unit_{u:05d}.rank_{r:05d}.safetensors" for u in range(units) for r in range(4)]
+        + [f"buffers.rank_{r:05d}.safetensors" for r in range(4)]
     )
 
 

@@ -64,6 +64,9 @@ class Grads:
         """``unit``'s backward began (its gradients come next)."""
         self.owner.expect(unit, self.first_micro_step)
 
+    def forward_use(self, unit: Unit) -> None:
+        """``unit`` runs in a forward (not a recomputation)."""
+
     def taken(self) -> list[Unit]:
         """The units whose gradients their owner took since the last call (in that order)."""
         out, self._taken = self._taken, []
@@ -115,7 +118,15 @@ class _Flight:
 class ScatteredGrads(Grads):
     """Stages 2 and 3 (see the module docstring): one reduce-scatter per unit and micro-step,
     the previous unit's in flight while the next one's backward runs. Two device slots of the
-    largest unit's gradients (one being reduced, one being filled)."""
+    largest unit's gradients (one being reduced, one being filled).
+
+    Every rank must issue the reductions in one order (gloo pairs them by call order, and units
+    padded alike pair without a word). The order units complete is not always the same: one
+    whose parameter went unused on one rank (a branch taken by its data) completes only at the
+    backward's end there, and its gradients were summed with another unit's (2e-2 off, the
+    probe). So they go out in the reverse of the units' first use in the forwards (the same on
+    every rank, as the forwards are), then the units no forward used; a unit that completes
+    ahead of its turn waits in ``p.grad`` for the ones before it."""
 
     def __init__(self, owner, staging, units, comm, device, dtype) -> None:
         super().__init__(owner, staging, units, comm)
@@ -126,10 +137,27 @@ class ScatteredGrads(Grads):
         ]
         self._flight: _Flight | None = None
         self._next_slot = 0
+        self._used: dict[int, None] = {}  # units by first use in this micro-step's forwards
+        self._turns: list[Unit] | None = None  # this backward's order, from its first unit
+        self._done: set[int] = set()  # units complete, their reduction not issued yet
+
+    def forward_use(self, unit: Unit) -> None:
+        self._used.setdefault(unit.index)
 
     def unit_done(self, unit: Unit) -> None:
+        if self._turns is None:
+            used = [self.units[i] for i in reversed(self._used)]
+            self._turns = used + [u for u in reversed(self.units) if u.index not in self._used]
+        self._done.add(unit.index)
         with torch.profiler.record_function("offload::grads"):
-            self._reduce(unit, self.first_micro_step)
+            while self._turns and self._turns[0].index in self._done:
+                turn = self._turns.pop(0)
+                self._done.discard(turn.index)
+                self._reduce(turn, self.first_micro_step)
+
+    def _new_order(self) -> None:
+        """The next micro-step's forwards record their order afresh."""
+        self._used, self._turns, self._done = {}, None, set()
 
     def _reduce(self, unit: Unit, first: bool) -> None:
         """Flattens the unit's gradients, starts their reduce-scatter, then hands the previous
@@ -163,7 +191,12 @@ class ScatteredGrads(Grads):
 
     def backward_done(self) -> None:
         self.drain()
+        self._new_order()
         super().backward_done()
+
+    def backward_failed(self) -> None:
+        super().backward_failed()
+        self._new_order()
 
     def settle(self) -> None:
         self.drain()

@@ -361,6 +361,7 @@ class Runtime:
         else:  # an update starts only after the backward
             self.schedule.wait_unit(run.unit)
             self.params.refresh(run.unit)  # stages 1-2: the other ranks' updated shares
+            self.grads.forward_use(run.unit)  # (stages 2-3: the order of the reductions)
         run.gather(self.phase.phase.value)
 
     @_hook

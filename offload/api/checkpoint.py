@@ -3,8 +3,9 @@
 Note: format and atomicity
     A checkpoint directory holds one ``unit_NNNNN.safetensors`` per unit (flat fp32 ``master``,
     ``exp_avg``, ``exp_avg_sq`` over the trainable prefix, and the ``frozen`` compute params),
-    ``buffers.safetensors`` (the persistent buffers, :func:`_buffers_file`) plus ``meta.json`` (layout, step counters, loss scale, hyperparameters, the caller's extra
-    JSON, and every file's size and SHA-256). No pickle anywhere. Tensors are streamed piece by
+    ``buffers.safetensors`` (the persistent buffers, :func:`_buffers_file`) and ``meta.json``
+    (layout, step counters, loss scale, hyperparameters, the caller's extra JSON, and every
+    file's size and SHA-256). No pickle anywhere. Tensors are streamed piece by
     piece from wherever they live (NVMe-resident state is never pulled whole into RAM). The
     files, checksums, the commit (temp directory, fsync, rename, ``latest`` pointer) and the
     verifying reader live in :mod:`offload.api.checkpoint_files`; this module only knows which

@@ -214,7 +214,7 @@ def test_a_parameter_one_rank_leaves_unused_is_averaged_as_zero(two, name):
                 batch = slice_of(data[(s * ACCUM + m) % len(data)], rank, 2)
                 loss = lm_loss(model, batch) / ACCUM / 2
                 loss.backward()
-                total += float(loss)
+                total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         sched.step()

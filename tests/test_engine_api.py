@@ -515,6 +515,35 @@ def test_a_forward_whose_loss_is_let_go_is_dropped_and_training_goes_on(
         opt.close()
 
 
+@pytest.mark.parametrize("param_dev", ["none", "nvme"])
+def test_a_unit_called_by_itself_under_no_grad_is_an_inference(tmp_path, param_dev):
+    """A unit called outside the model under ``torch.no_grad()`` (probing one block) left the
+    engine in the forward: ``load_checkpoint`` was refused as if a loss were held, telling to
+    run such forwards under no_grad, as it was. It ends as the model's inference does, and
+    training goes on as with a model never probed."""
+    data = batches(3)
+    results = []
+    for probe in (True, False):
+        cfg = placement_config(param_dev, "cpu", tmp_path / str(probe))
+        model, opt = offload.wrap(make_model(), cfg)
+        runtime = engine_of(model)
+        try:
+            _steps(model, opt, data[:1], 1)
+            offload.save_checkpoint(tmp_path / f"ck{probe}", model, opt)
+            if probe:
+                with torch.no_grad():
+                    out = model.blocks[0](torch.randn(2, 5, 32))
+                assert out.abs().sum() > 0
+                offload.load_checkpoint(tmp_path / f"ck{probe}", model, opt)
+                assert not _gathered(runtime) or not runtime.params.releases
+            _steps(model, opt, data[1:], 1)
+            results.append({k: v.clone() for k, v in model.state_dict().items()})
+        finally:
+            opt.close()
+    for k, v in results[1].items():
+        assert torch.equal(results[0][k], v), k
+
+
 def test_a_loss_still_held_keeps_its_forward_and_says_how_to_let_it_go(tmp_path):
     """While a forward's loss is held, its backward may still come: loading is refused with
     what to do, reading state is allowed, and the backward and step then go on."""

@@ -406,6 +406,11 @@ class Runtime:
                 # does not read it again; the memory budget's next-unit slot holds it
                 return output
         run.residency.after_forward(run)
+        if not self._forward_open and not self._graphs_held():
+            # a unit called by itself, outside the model, that no backward can follow (under
+            # no_grad): an inference, ended here as the model's are (it stayed in FORWARD,
+            # and load_checkpoint was refused as if a loss were held)
+            self._end_forward()
         return output
 
     def _begin_backward(self) -> None:

@@ -125,6 +125,14 @@ class _Log:
                 return _Logged(real(out, inp, what), self.events, ["wait", name, what])
 
             setattr(comm, name, issue)
+        def embed_grad(grad) -> None:  # the backward reached the embedding: it is ending
+            self.events.append(["embed-grad"])
+
+        def hook_embed(module, args, out) -> None:
+            if out.requires_grad:
+                out.register_hook(embed_grad)
+
+        model.embed.register_forward_hook(hook_embed)
         for run in runtime.runs[1:]:
             label = run.unit.label
             run.unit.module.register_forward_pre_hook(

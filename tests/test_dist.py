@@ -148,6 +148,7 @@ def two(root) -> Path:
         | {"eval_held": True},
         job("log", "cpu", "cpu", 3, steps=2, model="stack", accum=1, log=True),
         job("lora-s3-cpu-cpu", "cpu", "cpu", 3, steps=4, model="lora"),
+        job("lora-log-s2", "none", "cpu", 2, steps=2, model="lora", log=True),
         job("branch-s2-cpu-cpu", "cpu", "cpu", 2, steps=4, model="branch"),
         job("branch-s3-nvme-cpu", "nvme", "cpu", 3, steps=4, model="branch"),
         job("norm-whole", "cpu", "nvme", 3, steps=4, model="norm"),
@@ -596,6 +597,18 @@ def test_next_gather_and_previous_reduction_overlap_compute(two):
         issued = first(backward, ("issue", "all_gather", f"{a} params"))
         waited = first(backward, ("wait", "all_gather", f"{a} params"))
         assert issued < first(backward, ("backward", a)) < waited
+
+
+def test_a_frozen_unit_does_not_hold_back_the_reductions(two):
+    """The reductions go out in one order on every rank (a unit that completes early waits
+    for its turn). A unit with nothing to reduce (all frozen, ``FrozenBlock``, here completing
+    only at the backward's end: params on the device) takes no turn: the first block's
+    gradients are reduced while the backward runs, not after it."""
+    events = [tuple(e) for e in result(two, "lora-log-s2")["log"]]
+    last = len(events) - 1 - events[::-1].index(("backward", "blocks.3"))  # the last backward
+    backward = events[last:]
+    issued = backward.index(("issue", "reduce_scatter", "blocks.0 gradients"))
+    assert issued < backward.index(("embed-grad",)), backward
 
 
 # ------------------------------------------------------------------------------ failures

@@ -145,9 +145,12 @@ class ScatteredGrads(Grads):
         self._used.setdefault(unit.index)
 
     def unit_done(self, unit: Unit) -> None:
+        if not unit.layout.trainable:
+            return  # nothing to reduce: no turn (a frozen unit must not hold the others)
         if self._turns is None:
             used = [self.units[i] for i in reversed(self._used)]
-            self._turns = used + [u for u in reversed(self.units) if u.index not in self._used]
+            rest = [u for u in reversed(self.units) if u.index not in self._used]
+            self._turns = [u for u in used + rest if u.layout.trainable]
         self._done.add(unit.index)
         with torch.profiler.record_function("offload::grads"):
             while self._turns and self._turns[0].index in self._done:

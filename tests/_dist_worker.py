@@ -125,6 +125,7 @@ class _Log:
                 return _Logged(real(out, inp, what), self.events, ["wait", name, what])
 
             setattr(comm, name, issue)
+
         def embed_grad(grad) -> None:  # the backward reached the embedding: it is ending
             self.events.append(["embed-grad"])
 

@@ -857,6 +857,30 @@ def test_model_load_state_dict_loads_into_the_homes(tmp_path, placement):
     opt.close()
 
 
+@pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
+def test_a_module_holding_the_wrapped_model_reads_and_loads_its_values(tmp_path, param_dev):
+    """A module around the wrapped model (a ``PeftModel`` around the transformers model it
+    calls, which is the one to wrap so that ``generate`` works too) asks its state dict with a
+    prefix: those entries read as released storage, zeros (the norms' weights 0 for 1, LoRA
+    adapters saved as zeros by ``save_pretrained``). They hold the values now, and load."""
+    data = batches(2)
+    model, opt = offload.wrap(make_model(), placement_config(param_dev, "cpu", tmp_path))
+    holder = torch.nn.ModuleDict({"inner": model})
+    try:
+        _steps(model, opt, data[:1], 1)
+        want = {f"inner.{k}": v for k, v in model.state_dict().items()}
+        got = holder.state_dict()
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+        changed = {k: v + 1 if v.is_floating_point() else v for k, v in got.items()}
+        holder.load_state_dict(changed)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, changed[f"inner.{k}"]), k
+    finally:
+        opt.close()
+
+
 def test_model_load_state_dict_partial_and_refused(tmp_path):
     """``strict=False`` with some keys loads those and keeps the rest; a missing key (strict)
     or a shape that differs is torch's error, and then no parameter was changed."""
@@ -1341,6 +1365,8 @@ def test_a_unit_s_layer_called_outside_the_unit_is_an_error(tmp_path, param_dev)
         model(tokens)
     with pytest.raises(RuntimeError, match=r"inner\.embed \(Embedding\) was called outside"):
         model.inner(tokens)  # (a root layer: the root is gathered in the root's forward)
+    with pytest.raises(RuntimeError, match=r"that\s+inner model wrapped instead"):
+        model.inner(tokens)  # (PeftModel.generate calls its inner model so: what to do)
     x = torch.randn(2, 5, model.inner.embed.embedding_dim)
     with torch.no_grad():  # a unit called whole gathers itself
         assert model.inner.blocks[1](x).abs().sum() > 0

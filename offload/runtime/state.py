@@ -216,11 +216,18 @@ class Runtime:
 
     def _check_gathered(self, run: UnitRun, name: str, module: nn.Module) -> None:
         if not run.home.gathered(run.unit) and not self.closed:
+            where = (
+                "Call the wrapped model itself; a model around it that calls a model inside it "
+                "directly (PeftModel.generate calls the transformers model it holds) needs that "
+                "inner model wrapped instead (peft_model.get_base_model())"
+                if run.unit.is_root
+                else "Call it from that unit's forward, or make it a unit of its own or leave "
+                "it out of every unit (wrap.module_classes)"
+            )
             raise RuntimeError(
                 f"offload: {name} ({type(module).__name__}) was called outside the forward of "
                 f"its unit {run.unit.label}, whose parameters are released there (they would "
-                "read as zeros). Call it from that unit's forward, or make it a unit of its "
-                "own or leave it out of every unit (wrap.module_classes)"
+                f"read as zeros). {where}"
             )
 
     def _settle_update_for_read(self) -> None:
@@ -792,16 +799,18 @@ class Runtime:
         return self.values.full(unit)
 
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
-        if prefix:  # only the root's own call sees the whole dict
-            return state_dict
+        """The model's entries (under ``prefix`` when a module holding the model asks: a
+        ``PeftModel`` around the wrapped transformers model, whose ``save_pretrained`` reads
+        the adapters so; they read as the released storage's zeros before) get the values."""
         self.schedule.check_access("model.state_dict()", self.backwards_since_step)  # (above)
         names = dict(self.model.named_parameters(remove_duplicate=False))
         values: dict[nn.Parameter, torch.Tensor] = {}
         for unit in self.units:
             values.update(self.full_values(unit))
         for name, p in names.items():
-            if name in state_dict and p in values:
-                state_dict[name] = values[p].to(self.orig_dtype.get(p, values[p].dtype))
+            if prefix + name in state_dict and p in values:
+                value = values[p].to(self.orig_dtype.get(p, values[p].dtype))
+                state_dict[prefix + name] = value
         return state_dict
 
     def _load_values(

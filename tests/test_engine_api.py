@@ -764,6 +764,8 @@ def test_stats_and_close(tmp_path):
     assert not list((tmp_path / "nvme_p").iterdir()) and not list((tmp_path / "nvme_o").iterdir())
     with pytest.raises(RuntimeError, match="closed"):
         model(data[0][:, :-1])
+    with pytest.raises(RuntimeError, match="closed"):  # it returned the released zeros
+        model.state_dict()
 
 
 def test_close_with_restore_gives_back_a_plain_model(tmp_path):

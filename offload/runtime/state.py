@@ -891,8 +891,9 @@ class Runtime:
                     m._buffers[name] = m._buffers[name].to(dt)
         self.closed = True
         self.remove_hooks()
-        if not restore:
+        if not restore:  # a forward or a state dict would read the released storage: zeros
             self._handles.append(self.model.register_forward_pre_hook(self._closed_hook))
+            self._handles.append(self.model._register_state_dict_hook(self._closed_hook))
         # Teardown goes on past errors: every pool, swap file and thread is released. IO errors
         # (already raised to the caller when they happened) are logged; any other is raised.
         first: BaseException | None = None
@@ -909,7 +910,7 @@ class Runtime:
             raise first
 
     @staticmethod
-    def _closed_hook(module, args):
+    def _closed_hook(module, *args):
         raise RuntimeError(
             "offload: this model's engine was closed (optimizer.close()); its parameters were "
             "released. Wrap it again, or close with optimizer.close(restore=True) to keep using it"

@@ -216,18 +216,10 @@ class Runtime:
 
     def _check_gathered(self, run: UnitRun, name: str, module: nn.Module) -> None:
         if not run.home.gathered(run.unit) and not self.closed:
-            where = (
-                "Call the wrapped model itself; a model around it that calls a model inside it "
-                "directly (PeftModel.generate calls the transformers model it holds) needs that "
-                "inner model wrapped instead (peft_model.get_base_model())"
-                if run.unit.is_root
-                else "Call it from that unit's forward, or make it a unit of its own or leave "
-                "it out of every unit (wrap.module_classes)"
-            )
             raise RuntimeError(
                 f"offload: {name} ({type(module).__name__}) was called outside the forward of "
                 f"its unit {run.unit.label}, whose parameters are released there (they would "
-                f"read as zeros). {where}"
+                f"read as zeros). {run.residency.called_outside}"
             )
 
     def _settle_update_for_read(self) -> None:

@@ -146,6 +146,10 @@ class Transient:
     # its countdown finishes its backward (its gradients taken; the unit released, here, or by
     # the step in backward, persistent ones too) before the backward ends
     finishes_in_backward = True
+    called_outside = (  # what to do when one of its layers is called outside its forward
+        "Call it from that unit's forward, or make it a unit of its own or leave it out of "
+        "every unit (wrap.module_classes)"
+    )
 
     def after_forward(self, run: UnitRun) -> None:
         run.release()
@@ -194,6 +198,11 @@ class Root(Transient):
         pass
 
     finishes_in_backward = False
+    called_outside = (
+        "Call the wrapped model itself; a model around it that calls a model inside it "
+        "directly (PeftModel.generate calls the transformers model it holds) needs that "
+        "inner model wrapped instead (peft_model.get_base_model())"
+    )
 
     def backward_begins(self, grads, run: UnitRun) -> None:
         pass  # its gradients come only at the end of the backward

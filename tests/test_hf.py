@@ -352,6 +352,37 @@ def test_trainer_clips_through_offload_for_every_placement(
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
 
 
+class _Holder(torch.nn.Module):
+    """A model around the wrapped one that calls it (as a PeftModel does its base model)."""
+
+    def __init__(self, inner) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        return self.inner(input_ids=input_ids, labels=labels, attention_mask=attention_mask)
+
+
+def test_trainer_takes_a_model_that_holds_the_wrapped_one(tmp_path, trainer_reference):
+    """PEFT: the transformers model inside the PeftModel is the one wrapped (so that generate
+    works), and the Trainer gets the PeftModel (so that it saves the adapters); it was refused
+    as "a model offload did not wrap"."""
+    d, (ref_losses, _) = trainer_reference
+    cfg = nvme_config(tmp_path, "cpu", "nvme")
+    cfg["optimizer"]["lr"] = LR
+    model, opt = offload.from_pretrained(d, cfg)
+    try:
+        trainer = offload.OffloadTrainer(
+            model=_Holder(model), args=_trainer_args(tmp_path / "o"), train_dataset=_dataset(),
+            optimizers=(opt, None),
+        )  # fmt: skip
+        trainer.train()
+        losses, _ = _history(trainer)
+    finally:
+        opt.close()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
 def test_trainer_scales_the_loss_with_fp16_compute(tmp_path, trainer_reference):
     """fp16 compute: the step and clipping divide the gradients by the loss scale, so the
     backward must be of the scaled loss. Trainer's plain backward left them 65536x small: the
@@ -436,7 +467,7 @@ def test_trainer_refuses_a_model_its_optimizer_does_not_train(tmp_path):
     d = write_model(tmp_path / "m")
     _, opt = offload.from_pretrained(d, nvme_config(tmp_path, "none", "cpu"))
     try:
-        with pytest.raises(TypeError, match="not the model this optimizer trains"):
+        with pytest.raises(TypeError, match="neither is nor holds the model this optimizer"):
             offload.OffloadTrainer(
                 model=AutoModelForCausalLM.from_pretrained(d), args=_trainer_args(tmp_path / "o"),
                 train_dataset=_dataset(), optimizers=(opt, None),

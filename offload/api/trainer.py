@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import transformers
 
 from offload.api.clipping import route_clipping
@@ -57,6 +58,18 @@ def _warn_unused_arguments(args, optimizer: OffloadOptimizer) -> None:
         )
 
 
+def _zero_grad_through(holder: torch.nn.Module, wrapped: torch.nn.Module) -> None:
+    """The Trainer clears gradients with ``model.zero_grad()``; a model holding the wrapped
+    one clears only ``p.grad``, not the gradients offload holds (the next backward is then
+    refused), so its ``zero_grad`` also calls the wrapped model's (offload's)."""
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        torch.nn.Module.zero_grad(holder, set_to_none)
+        wrapped.zero_grad(set_to_none)
+
+    holder.zero_grad = zero_grad
+
+
 class OffloadTrainer(transformers.Trainer):
     def __init__(self, *args, **kwargs) -> None:
         optimizers = kwargs.get("optimizers") or (None, None)
@@ -67,12 +80,18 @@ class OffloadTrainer(transformers.Trainer):
                 f"{type(optimizers[0]).__name__}"
             )
         model = kwargs.get("model", args[0] if args else None)
-        if model is not None and model is not optimizers[0]._engine.model:
+        wrapped = optimizers[0]._engine.model
+        # the wrapped model, or one holding it (a PeftModel around the transformers model
+        # that was wrapped: the Trainer then saves the adapters)
+        if model is not None and not any(m is wrapped for m in model.modules()):
             raise TypeError(
-                "OffloadTrainer: model= is not the model this optimizer trains; pass the model "
-                "offload.wrap / offload.from_pretrained returned with it (a model offload did "
-                f"not wrap would train nothing: got {type(model).__name__})"
+                "OffloadTrainer: model= neither is nor holds the model this optimizer trains; "
+                "pass the model offload.wrap / offload.from_pretrained returned with it, or a "
+                "model holding it (a PeftModel whose get_base_model() was wrapped): a model "
+                f"offload did not wrap would train nothing (got {type(model).__name__})"
             )
+        if model is not None and model is not wrapped:
+            _zero_grad_through(model, wrapped)
         self._offload_optimizer = optimizers[0]
         super().__init__(*args, **kwargs)
         _warn_unused_arguments(self.args, optimizers[0])

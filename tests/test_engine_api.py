@@ -883,6 +883,36 @@ def test_a_module_holding_the_wrapped_model_reads_and_loads_its_values(tmp_path,
         opt.close()
 
 
+@pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
+def test_a_part_s_state_dict_holds_its_values(tmp_path, param_dev):
+    """``model.blocks[0].state_dict()`` (a callback saving or logging one layer) read the
+    released storage: zeros of the right shape, no error. It holds the values now; the
+    model's own state dict reads each unit once, as before."""
+    data = batches(2)
+    model, opt = offload.wrap(make_model(), placement_config(param_dev, "cpu", tmp_path))
+    try:
+        _steps(model, opt, data[:1], 1)
+        whole = model.state_dict()
+        for part, prefix in (
+            (model.blocks[0], "blocks.0."),
+            (model.blocks[1].fc2, "blocks.1.fc2."),
+        ):
+            got = part.state_dict()
+            assert got.keys() == {k.removeprefix(prefix) for k in whole if k.startswith(prefix)}
+            for k, v in got.items():
+                assert torch.equal(v, whole[prefix + k]), k
+            assert any(v.abs().sum() > 0 for v in got.values())
+        reads = []
+        real = engine_of(model).values.full
+        engine_of(model).values.full = lambda unit: reads.append(unit.index) or real(unit)
+        model.state_dict()
+        assert sorted(reads) == [u.index for u in engine_of(model).units]  # each unit once
+    finally:
+        opt.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        model.blocks[0].state_dict()
+
+
 def test_model_load_state_dict_partial_and_refused(tmp_path):
     """``strict=False`` with some keys loads those and keeps the rest; a missing key (strict)
     or a shape that differs is torch's error, and then no parameter was changed."""

@@ -187,6 +187,8 @@ class Runtime:
         for i, run in enumerate(self.runs):
             for p in run.unit.trainable_params:
                 self._handles.append(p.register_post_accumulate_grad_hook(_grad_hook(me, i)))
+        self._model_state_dict = False  # inside the model's own state_dict() (_part_values)
+        self._handles.append(self.model.register_state_dict_pre_hook(self._state_dict_begins))
         self._handles.append(self.model._register_state_dict_hook(self._state_dict_hook))
         self._handles.append(self.model.register_load_state_dict_pre_hook(self._load_values))
         self._handles.append(self.model.register_load_state_dict_post_hook(self._loaded_values))
@@ -200,19 +202,43 @@ class Runtime:
         (outside the unit's forward: a parent calling ``block.proj`` directly, a root layer
         called before the model), would compute with storage that reads as zeros (the module
         Note of ``offload.device.pages``): it raises instead, naming the module and its unit.
-        The unit's own module is not guarded: its forward gathers it."""
+        The unit's own module is not guarded: its forward gathers it. Its ``state_dict()``
+        (a block's, a layer's) read those zeros too: it gets the values (:meth:`_part_values`)."""
         owner = {s.param: run for run in self.runs for s in run.unit.layout.segments}
         units = {run.unit.module for run in self.runs}
+        self._parts: list[nn.Module] = []
         for name, module in self.model.named_modules():
+            runs = {owner[p] for p in module._parameters.values() if p in owner}
+            if runs and module is not self.model:  # (the model's own state dict: below)
+                self._parts.append(module)
+                self._handles.append(
+                    module._register_state_dict_hook(
+                        lambda m, sd, prefix, meta, rs=tuple(runs): self._part_values(
+                            m, sd, prefix, rs
+                        )
+                    )
+                )
             if module in units:
                 continue
-            runs = {owner[p] for p in module._parameters.values() if p in owner}
             for run in runs:
                 self._handles.append(
                     module.register_forward_pre_hook(
                         lambda m, a, r=run, n=name: self._check_gathered(r, n, m)
                     )
                 )
+
+    def _part_values(self, module: nn.Module, state_dict: dict, prefix: str, runs) -> None:
+        """``state_dict()`` of a module inside the model: its own parameters get their values
+        (inside the model's own ``state_dict()`` call, that call's hook fills them all)."""
+        if self._model_state_dict:
+            return
+        self.schedule.check_access("state_dict()", self.backwards_since_step)
+        values: dict[nn.Parameter, torch.Tensor] = {}
+        for run in runs:
+            values.update(self.full_values(run.unit))
+        for name, p in module._parameters.items():
+            if p in values and prefix + name in state_dict:
+                state_dict[prefix + name] = values[p].to(self.orig_dtype.get(p, values[p].dtype))
 
     def _check_gathered(self, run: UnitRun, name: str, module: nn.Module) -> None:
         if not run.home.gathered(run.unit) and not self.closed:
@@ -790,10 +816,14 @@ class Runtime:
         self.flush_pending()
         return self.values.full(unit)
 
+    def _state_dict_begins(self, module, prefix, keep_vars) -> None:
+        self._model_state_dict = True
+
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
         """The model's entries (under ``prefix`` when a module holding the model asks: a
         ``PeftModel`` around the wrapped transformers model, whose ``save_pretrained`` reads
         the adapters so; they read as the released storage's zeros before) get the values."""
+        self._model_state_dict = False
         self.schedule.check_access("model.state_dict()", self.backwards_since_step)  # (above)
         names = dict(self.model.named_parameters(remove_duplicate=False))
         values: dict[nn.Parameter, torch.Tensor] = {}
@@ -885,7 +915,8 @@ class Runtime:
         self.remove_hooks()
         if not restore:  # a forward or a state dict would read the released storage: zeros
             self._handles.append(self.model.register_forward_pre_hook(self._closed_hook))
-            self._handles.append(self.model._register_state_dict_hook(self._closed_hook))
+            for module in (self.model, *self._parts):
+                self._handles.append(module._register_state_dict_hook(self._closed_hook))
         # Teardown goes on past errors: every pool, swap file and thread is released. IO errors
         # (already raised to the caller when they happened) are logged; any other is raised.
         first: BaseException | None = None

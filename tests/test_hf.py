@@ -352,6 +352,26 @@ def test_trainer_clips_through_offload_for_every_placement(
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
 
 
+def test_trainer_refuses_an_accumulation_the_step_in_backward_cannot_run(tmp_path):
+    """With the update in the step's last backward, a Trainer accumulating 4 micro-batches
+    over a config of 2 failed at the third, half way through a step."""
+    d = write_model(tmp_path / "m")
+    cfg = nvme_config(tmp_path, "cpu", "nvme") | {"gradient_accumulation_steps": 2}
+    model, opt = offload.from_pretrained(d, cfg)
+    try:
+        with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4 .* is 2"):
+            offload.OffloadTrainer(
+                model=model, args=_trainer_args(tmp_path / "o", gradient_accumulation_steps=4),
+                train_dataset=_dataset(), optimizers=(opt, None),
+            )  # fmt: skip
+        offload.OffloadTrainer(  # the same: fine
+            model=model, args=_trainer_args(tmp_path / "o", gradient_accumulation_steps=2),
+            train_dataset=_dataset(), optimizers=(opt, None),
+        )  # fmt: skip
+    finally:
+        opt.close()
+
+
 class _Holder(torch.nn.Module):
     """A model around the wrapped one that calls it (as a PeftModel does its base model)."""
 

@@ -93,6 +93,12 @@ class OffloadTrainer(transformers.Trainer):
         if model is not None and model is not wrapped:
             _zero_grad_through(model, wrapped)
         self._offload_optimizer = optimizers[0]
+        targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if targs is not None:  # (a mismatch would fail at the step's extra micro-batch)
+            optimizers[0]._engine.schedule.check_accumulation(
+                targs.gradient_accumulation_steps,
+                f"OffloadTrainer: gradient_accumulation_steps={targs.gradient_accumulation_steps}",
+            )
         super().__init__(*args, **kwargs)
         _warn_unused_arguments(self.args, optimizers[0])
 

@@ -268,6 +268,9 @@ class StepSchedule:
     def check_grad_norm(self) -> None:
         """Raises if the gradients cannot be inspected as a whole."""
 
+    def check_accumulation(self, backwards: int, who: str) -> None:
+        """Raises if a loop of ``backwards`` backwards per step (``who`` says it) cannot run."""
+
     @property
     def failure(self) -> str | None:
         """What made an update fail part way (its state is then mixed), until state is loaded."""
@@ -548,6 +551,15 @@ class InBackward(Background):
 
     def check_grad_norm(self) -> None:
         self._norm_asked = True
+
+    def check_accumulation(self, backwards: int, who: str) -> None:
+        if self.accumulation is not None and self.accumulation != backwards:
+            raise ValueError(
+                f"{who} makes a step of {backwards} backwards, but offload's "
+                f"gradient_accumulation_steps is {self.accumulation}: with "
+                "offload_optimizer.step_in_backward the update runs in the step's last "
+                f'backward, so they must agree (set the config\'s to {backwards} or "auto")'
+            )
 
 
 def _diff(a: Hyper, b: Hyper):

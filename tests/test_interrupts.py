@@ -102,3 +102,85 @@ def test_ctrl_c_anywhere_then_training_goes_on(tmp_path, seed, accum):
     assert result["pinned"] == [] and result["finite"], result
     left = [p for d in ("nvme_p", "nvme_o") for p in (tmp_path / d).iterdir()]
     assert left == [], left
+
+
+@pytest.mark.parametrize("where", ["release", "lock", "borrow"])
+def test_a_ctrl_c_right_after_a_gradient_is_summed_leaves_no_pin(
+    tmp_path, monkeypatch, python_ctrl_c, where
+):
+    """The step in backward sums a unit's gradient piece into its pinned buffer, then hands the
+    buffer to the update or releases it. A Ctrl-C landing in between (at the release's first
+    line, or as the backward takes the hand-over's lock) left the piece neither handed over
+    nor released: pinned for good (``_notebook_worker.py``, one run in many: ``grad.u3.0``).
+    The same at the release that ends ``TieredStore.borrow`` (the gradients summed on NVMe,
+    outside a hand-over: ``borrow``, in the first step, which counts the backwards). The
+    Ctrl-C is sent at exactly that point here; after ``zero_grad()`` and two more steps
+    nothing may stay pinned."""
+    from engine_models import batches, lm_loss, make_model, placement_config
+
+    import offload
+    from offload.api.wrap import engine_of
+    from offload.homes.grads import HeldNvmeGrads
+    from offload.store import Tier, TieredStore
+
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
+    runtime = engine_of(model)
+    data = batches(4)
+
+    def one_step(s: int) -> None:
+        lm_loss(model, data[s % len(data)]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    fired = []
+    main = threading.main_thread()
+    try:
+        owner = runtime.grads.owner
+        assert isinstance(owner, HeldNvmeGrads)
+        if where != "borrow":
+            one_step(0)  # counts the backwards
+            one_step(1)  # the step in backward from now on
+        if where in ("release", "borrow"):
+            real_release = TieredStore.release
+
+            def release(self, key, tier=Tier.HOST, **kw):
+                if not fired and key.startswith("grad.") and kw.get("dirty"):
+                    if threading.current_thread() is main:
+                        fired.append(key)
+                        _ctrl_c()  # raised here, before the real release runs
+                return real_release(self, key, tier, **kw)
+
+            monkeypatch.setattr(TieredStore, "release", release)
+        else:
+            real_cond = owner._cond
+
+            class Cond:  # the hand-over's lock; a Ctrl-C as the backward takes it for a piece
+                def __enter__(self):
+                    caller = sys._getframe(1)
+                    if not fired and caller.f_code.co_name == "absorb":
+                        if "buf" in caller.f_locals:  # not absorb's wait, before any pin
+                            fired.append("lock")
+                            _ctrl_c()
+                    return real_cond.__enter__()
+
+                def __exit__(self, *exc):
+                    return real_cond.__exit__(*exc)
+
+                def __getattr__(self, name):
+                    return getattr(real_cond, name)
+
+            monkeypatch.setattr(owner, "_cond", Cond())
+        with pytest.raises(KeyboardInterrupt):
+            one_step(2)
+        assert fired
+        opt.zero_grad()
+        monkeypatch.undo()
+        one_step(3)
+        one_step(4)
+        opt.synchronize()
+        pinned = sorted(
+            k for st in runtime.stores.values() for k, sh in st._shards.items() if sh.pins
+        )
+        assert pinned == []
+    finally:
+        opt.close()

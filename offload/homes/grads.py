@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from offload._interrupts import interrupts_deferred
 from offload.optim import accumulate_grad, adam_step
 from offload.optim.kernels import AdamGroup
 from offload.plan import Plan, Unit
@@ -365,18 +366,25 @@ class HeldNvmeGrads(NvmeGrads):
             if not first:  # added to what the earlier backwards of this step left on NVMe
                 self.store.use(key, self.tier)
             buf = self.store.take(key, self.tier, read=not first)
+            settled = False  # the buffer handed to the update, or released
             try:
                 recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
+                # a Ctrl-C landing between the sum and the release (at the release's first
+                # line, say) would leave the buffer neither handed over nor released: pinned
+                # for good. Held back over the hand-over or the release, whichever it is
+                with interrupts_deferred():
+                    with self._cond:
+                        keep = self.handing and self._held < self.hold
+                        if keep:
+                            self._held += 1
+                            self._handed[key] = buf
+                    if not keep:
+                        self.store.release(key, self.tier, dirty=True)
+                    settled = True
             except BaseException:  # a failed backward: zero_grad() overwrites what it summed
-                self.store.release(key, self.tier, discard=True)
+                if not settled:
+                    self.store.release(key, self.tier, discard=True)
                 raise
-            with self._cond:
-                keep = self.handing and self._held < self.hold
-                if keep:
-                    self._held += 1
-                    self._handed[key] = buf
-            if not keep:
-                self.store.release(key, self.tier, dirty=True)
         _drop_device_grads(unit)
 
     def fetch(self, unit: Unit, lo: int):

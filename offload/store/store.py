@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from offload._interrupts import interrupts_deferred
 from offload.store.budget import round_up
 from offload.store.fetch import Fetch
 from offload.store.prefetch import TracePrefetcher
@@ -288,12 +289,17 @@ class TieredStore:
         dirty when it ends. If the block (or the read) fails, the copy is dropped unwritten
         (the shard keeps its value from before) and the error goes up."""
         buf = self.take(key, read=read)
+        released = False
         try:
             yield buf
+            # a Ctrl-C at the release's first line would leave the shard pinned for good
+            with interrupts_deferred():
+                self.release(key, Tier.HOST, dirty=True)
+                released = True
         except BaseException:
-            self.release(key, Tier.HOST, discard=True)
+            if not released:
+                self.release(key, Tier.HOST, discard=True)
             raise
-        self.release(key, Tier.HOST, dirty=True)
 
     # the Fetch's side (see fetch.Driver)
     def drive(self, shard: Shard, read: bool, blocking: bool, readonly: bool = False) -> bool:

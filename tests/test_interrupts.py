@@ -184,3 +184,20 @@ def test_a_ctrl_c_right_after_a_gradient_is_summed_leaves_no_pin(
         assert pinned == []
     finally:
         opt.close()
+
+
+def test_a_ctrl_c_in_a_completion_callback_is_not_the_request_s_error(python_ctrl_c):
+    """A Ctrl-C landing in an IO completion's callback on the main thread was caught as the
+    request's error: the callbacks after it never ran, and every later wait raised the
+    KeyboardInterrupt again, on the update's thread too, whose pins then leaked. It comes out
+    of that wait once the callbacks have run, and the request succeeded."""
+    from offload.io.async_io import IOHandle
+
+    ran = []
+    handle = IOHandle(None, None, "/nowhere", "a test request")
+    handle.add_done_callback(lambda: (_ctrl_c(), ran.append(1)))
+    handle.add_done_callback(lambda: ran.append(2))
+    with pytest.raises(KeyboardInterrupt):
+        handle.wait()
+    assert ran == [1, 2]
+    handle.wait()  # done, without error, for every later waiter

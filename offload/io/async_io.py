@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from offload import _native
+from offload._interrupts import interrupts_deferred
 from offload.io import lifecycle
 from offload.io._thread_engine import ALIGN, ThreadEngine
 
@@ -129,18 +130,22 @@ class IOHandle:
             self._error = OSError(req.error(), self._describe(req), self._path)
         self._tensor = None
         self._finished = True
-        if self._error is None:
-            for fn in self._callbacks:
-                try:
-                    fn()
-                except BaseException as exc:  # becomes this handle's error, raised on wait
-                    self._error = exc
-                    break
-        else:
-            for on_error in self._errbacks:
-                on_error(self._error)
-        self._callbacks = []
-        self._errbacks = []
+        callbacks, errbacks = self._callbacks, self._errbacks
+        self._callbacks, self._errbacks = [], []
+        # A Ctrl-C on the main thread waits for the completion's bookkeeping: caught below,
+        # it became this handle's error, raised again to every later waiter (the update's
+        # thread, whose pins then leaked), and the callbacks after it never ran
+        with interrupts_deferred():
+            if self._error is None:
+                for fn in callbacks:
+                    try:
+                        fn()
+                    except BaseException as exc:  # becomes this handle's error, raised on wait
+                        self._error = exc
+                        break
+            else:
+                for on_error in errbacks:
+                    on_error(self._error)
 
     def _describe(self, req: Any) -> str:
         """What failed, for the OSError: the request, then the engine's account of the piece."""

@@ -169,3 +169,26 @@ def test_release_rejects_foreign_and_double():
     pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         pool.acquire()
+
+
+def test_a_ctrl_c_as_the_pool_s_lock_is_taken_does_not_leave_it_held(monkeypatch):
+    """``with condition:`` runs ``Condition.__enter__``, Python code: a Ctrl-C landing on the
+    main thread after it acquired the lock and before the block began left the lock held for
+    good, and the update's thread hung in ``release`` (the pin-leak probe saw it once). The
+    pool enters its C lock directly; a Condition's ``__enter__`` that is interrupted so is
+    never run."""
+    pool = BufferPool(2, 4096)
+    buf = pool.acquire()
+
+    def interrupted_enter(self):
+        self._lock.acquire()
+        raise KeyboardInterrupt  # the Ctrl-C at the line after the acquire
+
+    monkeypatch.setattr(threading.Condition, "__enter__", interrupted_enter)
+    pool.release(buf)
+    monkeypatch.undo()
+    other = threading.Thread(target=lambda: pool.release(pool.acquire(timeout=1.0)))
+    other.start()
+    other.join(timeout=5.0)
+    assert not other.is_alive()  # the lock was free
+    pool.close()

@@ -50,7 +50,11 @@ class BufferPool:
         ]
         self._index = {b.data_ptr(): i for i, b in enumerate(self._buffers)}
         self._free = list(range(buffer_count - 1, -1, -1))  # stack: lowest index first
-        self._cond = threading.Condition()
+        # Entered as `with self._lock`: a C lock's __enter__ runs no Python line after it
+        # acquires, where a Ctrl-C on the main thread would leave the lock held for good (as
+        # Condition.__enter__ can: then every other thread's release hangs)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
 
     @staticmethod
     def required_bytes(buffer_count: int, buffer_size: int) -> int:
@@ -71,7 +75,7 @@ class BufferPool:
     @property
     def free_count(self) -> int:
         """Buffers available to :meth:`acquire` right now (count)."""
-        with self._cond:
+        with self._lock:
             return len(self._free)
 
     def acquire(self, timeout: float | None = None) -> torch.Tensor:
@@ -84,7 +88,7 @@ class BufferPool:
             PoolExhaustedError: still no free buffer after ``timeout`` seconds.
         """
         wait_s = self.timeout if timeout is None else timeout
-        with self._cond:
+        with self._lock:
             if self._storage is None:
                 raise RuntimeError("BufferPool is closed")
             limit = None if wait_s == float("inf") else wait_s
@@ -100,7 +104,7 @@ class BufferPool:
     def release(self, buf: torch.Tensor) -> None:
         """Return a buffer obtained from :meth:`acquire` (the same tensor or a view at its start)."""
         i = self._index.get(buf.data_ptr())
-        with self._cond:
+        with self._lock:
             if i is None:
                 raise ValueError(
                     f"BufferPool.release: tensor at 0x{buf.data_ptr():x} is not a buffer of this pool"
@@ -112,7 +116,7 @@ class BufferPool:
 
     def close(self) -> None:
         """Drop the pool's memory (buffers still held by callers stay valid until dropped)."""
-        with self._cond:
+        with self._lock:
             self._storage = None
             self._buffers = []
             self._free = []

@@ -152,24 +152,24 @@ def test_a_ctrl_c_right_after_a_gradient_is_summed_leaves_no_pin(
 
             monkeypatch.setattr(TieredStore, "release", release)
         else:
-            real_cond = owner._cond
+            real_lock = owner._lock
 
-            class Cond:  # the hand-over's lock; a Ctrl-C as the backward takes it for a piece
+            class Lock:  # the hand-over's lock; a Ctrl-C as the backward takes it for a piece
                 def __enter__(self):
                     caller = sys._getframe(1)
                     if not fired and caller.f_code.co_name == "absorb":
                         if "buf" in caller.f_locals:  # not absorb's wait, before any pin
                             fired.append("lock")
                             _ctrl_c()
-                    return real_cond.__enter__()
+                    return real_lock.__enter__()
 
                 def __exit__(self, *exc):
-                    return real_cond.__exit__(*exc)
+                    return real_lock.__exit__(*exc)
 
                 def __getattr__(self, name):
-                    return getattr(real_cond, name)
+                    return getattr(real_lock, name)
 
-            monkeypatch.setattr(owner, "_cond", Cond())
+            monkeypatch.setattr(owner, "_lock", Lock())
         with pytest.raises(KeyboardInterrupt):
             one_step(2)
         assert fired

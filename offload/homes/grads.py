@@ -338,7 +338,8 @@ class HeldNvmeGrads(NvmeGrads):
         self.retain = False
         self._handed: dict[str, torch.Tensor] = {}
         self._held = 0
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # entered directly: see BufferPool's
+        self._cond = threading.Condition(self._lock)
 
     def hand_over(self, retain: bool) -> None:
         """The next units' gradients go to the update running in this backward."""
@@ -350,7 +351,7 @@ class HeldNvmeGrads(NvmeGrads):
 
     def absorb(self, unit: Unit, parts: PartsSource, first: bool) -> None:
         pieces = self.plan.trainable_pieces(unit)
-        with self._cond:
+        with self._lock:
             while self.handing and self._held and self._held + len(pieces) > self.hold:
                 self._cond.wait()
             handing = self.handing  # an update that failed meanwhile ended the hand-over
@@ -373,7 +374,7 @@ class HeldNvmeGrads(NvmeGrads):
                 # line, say) would leave the buffer neither handed over nor released: pinned
                 # for good. Held back over the hand-over or the release, whichever it is
                 with interrupts_deferred():
-                    with self._cond:
+                    with self._lock:
                         keep = self.handing and self._held < self.hold
                         if keep:
                             self._held += 1
@@ -389,7 +390,7 @@ class HeldNvmeGrads(NvmeGrads):
 
     def fetch(self, unit: Unit, lo: int):
         key = self.key(unit, lo)
-        with self._cond:
+        with self._lock:
             buf = self._handed.pop(key, None)
         return self.store.fetch(key, self.tier) if buf is None else _Ready(buf)
 
@@ -401,7 +402,7 @@ class HeldNvmeGrads(NvmeGrads):
         else:  # kept for a redo (written, if it was still only in its buffer)
             self.store.release(key, self.tier, dirty=handed)
         if handed:
-            with self._cond:
+            with self._lock:
                 self._held -= 1
                 self._cond.notify_all()
 
@@ -409,7 +410,7 @@ class HeldNvmeGrads(NvmeGrads):
         """The update stopped (failed, or went over every unit): the backward must not wait
         on it, nor hand it more pieces; the rest of a backward accumulates on NVMe (its error
         is raised once the worker has recorded it, at the next unit or the backward's end)."""
-        with self._cond:
+        with self._lock:
             left, self._handed = list(self._handed), {}
             self._held = 0
             self.handing = False

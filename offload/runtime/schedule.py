@@ -75,14 +75,15 @@ class UnitFeed(Units):
     (None: the feed is closed and empty)."""
 
     def __init__(self, units: list[Unit]) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # entered directly: see BufferPool's
+        self._cond = threading.Condition(self._lock)
         self._items: deque[Unit] = deque()
         self._expected = {u.index for u in units}  # not given yet
         self._closed = False
 
     def put(self, unit: Unit) -> None:
         """Hands ``unit`` in (once; a unit the update does not go over is ignored)."""
-        with self._cond:
+        with self._lock:
             if unit.index in self._expected:
                 self._expected.discard(unit.index)
                 self._items.append(unit)
@@ -91,7 +92,7 @@ class UnitFeed(Units):
     def close(self, rest: list[Unit] = (), reorder=None) -> None:
         """No more units after ``rest`` (those of them not given yet); ``reorder`` (a sort key)
         reorders the units not taken yet."""
-        with self._cond:
+        with self._lock:
             self._items.extend(u for u in rest if u.index in self._expected)
             self._expected.clear()
             if reorder is not None:
@@ -100,11 +101,11 @@ class UnitFeed(Units):
             self._cond.notify_all()
 
     def poll(self) -> Unit | None:
-        with self._cond:
+        with self._lock:
             return self._items.popleft() if self._items else None
 
     def take(self) -> Unit | None:
-        with self._cond:
+        with self._lock:
             while not self._items and not self._closed:
                 self._cond.wait()
             return self._items.popleft() if self._items else None

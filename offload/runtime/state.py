@@ -227,19 +227,6 @@ class Runtime:
                     )
                 )
 
-    def _part_values(self, module: nn.Module, state_dict: dict, prefix: str, runs) -> None:
-        """``state_dict()`` of a module inside the model: its own parameters get their values
-        (inside the model's own ``state_dict()`` call, that call's hook fills them all)."""
-        if self._model_state_dict:
-            return
-        self.schedule.check_access("state_dict()", self.backwards_since_step)
-        values: dict[nn.Parameter, torch.Tensor] = {}
-        for run in runs:
-            values.update(self.full_values(run.unit))
-        for name, p in module._parameters.items():
-            if p in values and prefix + name in state_dict:
-                state_dict[prefix + name] = values[p].to(self.orig_dtype.get(p, values[p].dtype))
-
     def _check_gathered(self, run: UnitRun, name: str, module: nn.Module) -> None:
         if not run.home.gathered(run.unit) and not self.closed:
             raise RuntimeError(
@@ -825,15 +812,27 @@ class Runtime:
         the adapters so; they read as the released storage's zeros before) get the values."""
         self._model_state_dict = False
         self.schedule.check_access("model.state_dict()", self.backwards_since_step)  # (above)
-        names = dict(self.model.named_parameters(remove_duplicate=False))
-        values: dict[nn.Parameter, torch.Tensor] = {}
-        for unit in self.units:
-            values.update(self.full_values(unit))
-        for name, p in names.items():
-            if prefix + name in state_dict and p in values:
-                value = values[p].to(self.orig_dtype.get(p, values[p].dtype))
-                state_dict[prefix + name] = value
+        named = self.model.named_parameters(remove_duplicate=False)
+        self._fill(state_dict, prefix, named, self.units)
         return state_dict
+
+    def _part_values(self, module: nn.Module, state_dict: dict, prefix: str, runs) -> None:
+        """``state_dict()`` of a module inside the model: its own parameters get their values
+        (inside the model's own ``state_dict()`` call, that call's hook fills them all)."""
+        if self._model_state_dict:
+            return
+        self.schedule.check_access("state_dict()", self.backwards_since_step)
+        self._fill(state_dict, prefix, module._parameters.items(), [r.unit for r in runs])
+
+    def _fill(self, state_dict: dict, prefix: str, named, units) -> None:
+        """The entries ``prefix + name`` of ``named`` parameters get their current values
+        (each of ``units`` read once), in the parameters' dtype before wrap."""
+        values: dict[nn.Parameter, torch.Tensor] = {}
+        for unit in units:
+            values.update(self.full_values(unit))
+        for name, p in named:
+            if p in values and prefix + name in state_dict:
+                state_dict[prefix + name] = values[p].to(self.orig_dtype.get(p, values[p].dtype))
 
     def _load_values(
         self, module, state_dict, prefix, metadata, strict, missing, unexpected, errors

@@ -605,3 +605,72 @@ def test_accelerate_loop_clips_through_route_clipping(tmp_path):
             assert norms[0] > CLIP and norms[1] == pytest.approx(norms[0], rel=1e-5)
     finally:
         opt.close()
+
+
+@pytest.mark.heavy
+def test_peft_lora_through_offload_trainer_matches_the_plain_trainer(tmp_path):
+    """The README's PEFT recipe, when peft is installed (it is not a test dependency): wrap
+    ``peft_model.get_base_model()``, give ``OffloadTrainer`` the PeftModel. Params and
+    optimizer on NVMe (the step in backward), accumulation 2, clipping: the losses and the
+    adapters ``save_model`` writes are the plain Trainer's, and greedy ``generate`` too."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+    )  # fmt: skip
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(LlamaForCausalLM(cfg), lora)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # (LoRA starts at zero; here it must not)
+            torch.nn.init.normal_(p, std=0.1)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(3, 64, (12,), generator=g) for _ in range(16)]
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+
+    def args(out):
+        return TrainingArguments(
+            output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            max_steps=4, learning_rate=1e-2, weight_decay=0.0, max_grad_norm=1.0,
+            lr_scheduler_type="constant", logging_steps=1, report_to=[], save_strategy="no",
+            use_cpu=True, seed=0, disable_tqdm=True,
+        )  # fmt: skip
+
+    config = nvme_config(tmp_path, "nvme", "nvme") | {"gradient_accumulation_steps": 2}
+    config["optimizer"] = {"type": "adamw", "lr": 1e-2, "weight_decay": 0.0}
+    config["wrap"] = {"module_classes": ["LlamaDecoderLayer"]}
+    _, opt = offload.wrap(model.get_base_model(), config)
+    try:
+        ours = offload.OffloadTrainer(
+            model=model, args=args(tmp_path / "a"), train_dataset=data, optimizers=(opt, None)
+        )
+        ours.train()
+        ours.save_model(str(tmp_path / "a_out"))
+        ref_opt = torch.optim.AdamW(
+            [p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0,
+            foreach=False,
+        )  # fmt: skip
+        theirs = Trainer(
+            model=ref, args=args(tmp_path / "b"), train_dataset=data, optimizers=(ref_opt, None)
+        )
+        theirs.train()
+        theirs.save_model(str(tmp_path / "b_out"))
+        assert _history(ours)[0] == pytest.approx(_history(theirs)[0], rel=1e-5)
+        got = load_file(tmp_path / "a_out" / "adapter_model.safetensors")
+        want = load_file(tmp_path / "b_out" / "adapter_model.safetensors")
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        prompt = torch.stack(tokens[:2])[:, :4]
+        mask = torch.ones_like(prompt)
+        assert torch.equal(
+            model.generate(
+                input_ids=prompt, attention_mask=mask, max_new_tokens=5, do_sample=False
+            ),
+            ref.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=5, do_sample=False),
+        )
+    finally:
+        opt.close()

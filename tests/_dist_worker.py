@@ -46,6 +46,7 @@ from engine_models import (
     BranchBlock,
     LoraLM,
     NormBlock,
+    SkipLM,
     StackLM,
     batches,
     lm_loss,
@@ -57,6 +58,7 @@ import offload
 from offload.api import checkpoint_files
 from offload.api.wrap import engine_of
 from offload.dist import init_process_group
+from offload.runtime.grads import UnitOrderError
 from offload.runtime.phase import PhaseError
 
 GLOBAL_BATCH = 8
@@ -74,6 +76,12 @@ def skips(step: int, rank: int) -> bool:
     return rank == 1 and step >= 1
 
 
+def skips_unit(step: int, micro: int, rank: int) -> int | None:
+    """``"model": "unitskip"``: the block rank 1 leaves out (the third, in step 1's first
+    micro-step: a whole unit one rank skips)."""
+    return 2 if (rank, step, micro) == (1, 1, 0) else None
+
+
 def slice_of(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     per = batch.shape[0] // world
     return batch[rank * per : (rank + 1) * per]
@@ -89,6 +97,9 @@ def _model(job: dict):
     if job.get("model") == "norm":
         torch.manual_seed(0)
         return StackLM(n=3, block=NormBlock), {"module_classes": ["NormBlock"]}
+    if job.get("model") == "unitskip":
+        torch.manual_seed(0)
+        return SkipLM(n=4), {"module_classes": ["StackBlock"]}
     if job.get("model") == "lora":
         torch.manual_seed(0)
         return LoraLM(), {"module_classes": ["LoraBlock", "FrozenBlock"]}
@@ -189,7 +200,7 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
         start = extra["step"]
     data = batches(STEPS_DATA, batch=GLOBAL_BATCH)
     accum, clip = job.get("accum", 2), job.get("clip", 1.0)
-    losses, stats, norms = [], [], []
+    losses, stats, norms, refused = [], [], [], []
     fail = job.get("fail_at") or {}
     for s in range(start, job["steps"]):
         total = 0.0
@@ -201,11 +212,18 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
             batch = slice_of(data[(s * accum + m) % len(data)], rank, world)
             if job.get("model") == "branch":  # the middle block's extra layer, on one rank
                 model.blocks[1].skip = skips(s, rank)
+            if job.get("model") == "unitskip":
+                model.skip = skips_unit(s, m, rank)
             loss = lm_loss(model, batch) / accum
             if job.get("eval_held"):  # an evaluation (its gathers collective) under that loss
                 with torch.no_grad():
                     assert lm_loss(model, batch).item() > 0
-            loss.backward()
+            try:
+                loss.backward()
+            except UnitOrderError as exc:  # refused on every rank: the micro-step is dropped
+                refused.append([s, m, str(exc)])
+                opt.zero_grad()
+                continue
             total += float(loss.detach())
         if job.get("peek"):  # a forward (its gathers collective) no backward follows
             batch = slice_of(data[s % len(data)], rank, world)
@@ -265,6 +283,7 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
         "losses": mean.tolist(),
         "norms": norms,
         "save_error": save_error,
+        "refused": refused,
         "stats": stats,
         "rank": rank,
         "world": world,

@@ -118,6 +118,20 @@ class StackLM(nn.Module):
         return self.head(self.blocks(self.embed(tokens)))
 
 
+class SkipLM(StackLM):
+    """A stack whose caller may leave out one whole block (``skip``: its index; a
+    data-dependent branch around a unit, as MoE experts made units are)."""
+
+    skip: int | None = None
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for i, block in enumerate(self.blocks):
+            if i != self.skip:
+                x = block(x)
+        return self.head(x)
+
+
 class LoraBlock(nn.Module):
     """A frozen base layer with a trainable low-rank adapter beside it (LoRA), a frozen layer
     whose only gradient is the one it passes to its input (``mid``), and a trainable layer:

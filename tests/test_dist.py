@@ -31,6 +31,7 @@ from dist_harness import free_port, result, run_ranks, start_ranks, wait_all
 from engine_models import (
     BranchBlock,
     LoraLM,
+    SkipLM,
     StackLM,
     batches,
     lm_loss,
@@ -151,6 +152,8 @@ def two(root) -> Path:
         job("lora-log-s2", "none", "cpu", 2, steps=2, model="lora", log=True),
         job("branch-s2-cpu-cpu", "cpu", "cpu", 2, steps=4, model="branch"),
         job("branch-s3-nvme-cpu", "nvme", "cpu", 3, steps=4, model="branch"),
+        job("unitskip-s2-cpu-cpu", "cpu", "cpu", 2, steps=3, model="unitskip"),
+        job("unitskip-s2-nvme-nvme", "nvme", "nvme", 2, steps=3, model="unitskip"),
         job("norm-whole", "cpu", "nvme", 3, steps=4, model="norm"),
         job("norm-first", "cpu", "nvme", 3, steps=2, model="norm", save=str(root / "ckN")),
         job("norm-second", "cpu", "nvme", 3, steps=4, model="norm", load=str(root / "ckN")),
@@ -212,6 +215,47 @@ def test_a_parameter_one_rank_leaves_unused_is_averaged_as_zero(two, name):
         for m in range(ACCUM):
             for rank in range(2):
                 model.blocks[1].skip = skips(s, rank)
+                batch = slice_of(data[(s * ACCUM + m) % len(data)], rank, 2)
+                loss = lm_loss(model, batch) / ACCUM / 2
+                loss.backward()
+                total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(total)
+    _losses_close(result(two, name)["losses"], losses)
+    _close(_final(two, name), model.state_dict())
+
+
+@pytest.mark.parametrize("name", ["unitskip-s2-cpu-cpu", "unitskip-s2-nvme-nvme"])
+def test_a_unit_one_rank_skips_is_refused_on_every_rank(two, name):
+    """Rank 1 leaves out a whole block in one micro-step (a branch around a unit). It was
+    reduced last there: the ranks' reductions paired blocks of the same size without a word,
+    and the rest ended in gloo aborting rank 1 (``EnforceNotMet``). Now that backward is
+    refused on both ranks, naming the units, before it reduces anything; the worker drops the
+    micro-step (``zero_grad``) and training goes on as data parallel without it."""
+    from _dist_worker import skips_unit
+
+    for rank in range(2):
+        refused = result(two, name, rank)["refused"]
+        assert [r[:2] for r in refused] == [[1, 0]], refused
+        message = refused[0][2]
+        assert "ranks' forwards ran different units" in message, message
+        assert "rank 1 ['blocks.3', 'blocks.1', 'blocks.0', '<root>', 'blocks.2']" in message
+        assert "rank 0 ['blocks.3', 'blocks.2', 'blocks.1'" in message
+        assert "distributed.stage 1" in message
+    torch.manual_seed(0)
+    model = SkipLM(n=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    data, losses = batches(STEPS_DATA, batch=GLOBAL_BATCH), []
+    for s in range(3):
+        total = 0.0
+        for m in range(ACCUM):
+            if any(skips_unit(s, m, rank) is not None for rank in range(2)):
+                continue
+            for rank in range(2):
                 batch = slice_of(data[(s * ACCUM + m) % len(data)], rank, 2)
                 loss = lm_loss(model, batch) / ACCUM / 2
                 loss.backward()

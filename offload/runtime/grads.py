@@ -38,6 +38,7 @@ from offload.device import GradStaging
 from offload.dist import Comm, Handle, LocalComm
 from offload.homes.grads import GradHome
 from offload.plan import Unit
+from offload.runtime.phase import PhaseError
 
 
 class Grads:
@@ -66,6 +67,9 @@ class Grads:
 
     def forward_use(self, unit: Unit) -> None:
         """``unit`` runs in a forward (not a recomputation)."""
+
+    def backward_begins(self) -> None:
+        """A backward begins, before it reduces anything."""
 
     def taken(self) -> list[Unit]:
         """The units whose gradients their owner took since the last call (in that order)."""
@@ -106,6 +110,11 @@ class Grads:
                 p.grad = None
 
 
+class UnitOrderError(PhaseError):
+    """The ranks' forwards ran different units (:meth:`ScatteredGrads.backward_begins`): the
+    backward is refused before it takes anything, as a misuse of the phases is."""
+
+
 class _Flight:
     """One unit's reduce-scatter in flight: what the owner takes when it lands."""
 
@@ -144,13 +153,46 @@ class ScatteredGrads(Grads):
     def forward_use(self, unit: Unit) -> None:
         self._used.setdefault(unit.index)
 
+    def backward_begins(self) -> None:
+        """The order this backward reduces in, the same on every rank or an error on each
+        before any reduction. A rank whose forwards skipped a whole unit (a data-dependent
+        branch around it: MoE experts made units) reduced it last, so the ranks' reductions
+        paired units of the same size silently and the rest ended in gloo aborting one
+        process (``EnforceNotMet``) or in ``distributed.timeout``. One small gather of each
+        rank's order, not counted with the gradients' collectives (``offload.dist``). At stage 3
+        the forward's gathers already differ (one rank gathers a unit the other does not), so
+        the check is reached only where they happened to pair (the look-ahead gathered the
+        skipped unit anyway); otherwise gloo aborts a process, as before."""
+        if self._turns is not None:
+            return  # (a backward that was entered twice before its first unit)
+        used = [self.units[i] for i in reversed(self._used)]
+        rest = [u for u in reversed(self.units) if u.index not in self._used]
+        self._turns = [u for u in used + rest if u.layout.trainable]
+        mine = [u.index for u in self._turns]
+        orders = self.comm.all_gather_object(mine, what="the units of this backward's forwards")
+        for rank, theirs in enumerate(orders):
+            if theirs != mine:
+                raise UnitOrderError(self._describe(orders, rank))
+
+    def _describe(self, orders: list[list[int]], other: int) -> str:
+        me = self.comm.rank
+        label = {u.index: u.label for u in self.units}
+        used = {r: [label[i] for i in order] for r, order in enumerate(orders)}
+        return (
+            f"offload: the ranks' forwards ran different units before this backward (units "
+            f"in the order their gradients are reduced, those no forward ran last: rank {me} "
+            f"{used[me]}, rank {other} {used[other]}). Stages 2 and 3 reduce each unit's "
+            "gradients across ranks in the order the forwards used them, which must be the "
+            "same on every rank: a data-dependent branch around a whole unit is not "
+            "supported. Keep such branches inside one unit (wrap.module_classes: a parent "
+            "module of the branch), or use distributed.stage 1"
+        )
+
     def unit_done(self, unit: Unit) -> None:
         if not unit.layout.trainable:
             return  # nothing to reduce: no turn (a frozen unit must not hold the others)
         if self._turns is None:
-            used = [self.units[i] for i in reversed(self._used)]
-            rest = [u for u in reversed(self.units) if u.index not in self._used]
-            self._turns = [u for u in used + rest if u.layout.trainable]
+            self.backward_begins()
         self._done.add(unit.index)
         with torch.profiler.record_function("offload::grads"):
             while self._turns and self._turns[0].index in self._done:
@@ -216,6 +258,9 @@ class StepScatteredGrads(ScatteredGrads):
 
     def unit_begins(self, unit: Unit) -> None:
         pass  # its gradients go to the owner at the step, not at the end of this backward
+
+    def backward_begins(self) -> None:
+        pass  # every unit is reduced at the step, in the units' own order
 
     def unit_done(self, unit: Unit) -> None:
         self._settled = False  # autograd accumulated this backward's gradients in p.grad

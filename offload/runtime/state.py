@@ -434,8 +434,10 @@ class Runtime:
             self._check_scaled()
             self._check_zeroed()
             self._check_trainable()
+            self.grads.backward_begins()
             self.schedule.backward_begins(self._step_hyper, self.backwards_since_step)
         except PhaseError:
+            self.grads.backward_failed()
             for run in self.runs:  # back to between steps: step() can still close the first
                 run.residency.end_of_pass(run)
             self.phase.to(Phase.IDLE)

@@ -13,8 +13,10 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from engine_models import (
+    STACK_DIM,
     StackBlock,
     StackLM,
     batches,
@@ -26,6 +28,7 @@ from engine_models import (
 )
 
 import offload
+from offload.runtime.phase import PhaseError
 
 STEPS, ACCUM, CLIP = 30, 4, 1.0
 PLACEMENTS = [(p, o) for p in ("none", "cpu", "nvme") for o in ("cpu", "nvme")]
@@ -252,5 +255,46 @@ def test_dataclass_outputs_train_as_torch(tmp_path, param_dev):
                 o.step()
                 o.zero_grad()
         _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("param_dev", ["none", "cpu", "nvme"])
+@pytest.mark.parametrize("wrt", ["input", "params"])
+def test_a_gradient_penalty_trains_as_torch_or_is_refused(tmp_path, param_dev, wrt):
+    """A loss holding a gradient (``autograd.grad(create_graph=True)``: WGAN-GP's penalty on
+    the input's gradient, a penalty on the parameters' gradient). Its backward goes through
+    the graph the first one built, which holds the parameters: released ones read zeros (5e-2
+    to 8e-2 off torch after one step, no error). Refused where offload releases them, before
+    anything is taken (a plain step follows); as torch where they stay on the device."""
+    torch.manual_seed(0)
+    model = nn.Sequential(StackBlock(), StackBlock(), nn.Linear(STACK_DIM, 1))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    cfg = placement_config(param_dev, "cpu", tmp_path)
+    cfg["wrap"] = {"module_classes": ["StackBlock"]}
+    model, opt = offload.wrap(model, cfg)
+    x = torch.randn(4, 3, STACK_DIM, generator=torch.Generator().manual_seed(1))
+
+    def penalized(m):
+        h = x.clone().requires_grad_(True)
+        out = m(h).pow(2).mean()
+        wrt_what = [h] if wrt == "input" else list(m[1].parameters())
+        grads = torch.autograd.grad(out, wrt_what, create_graph=True)
+        return out + sum(g.pow(2).sum() for g in grads)
+
+    try:
+        penalized(ref).backward()
+        ref_opt.step()
+        if param_dev == "none":
+            penalized(model).backward()
+            opt.step()
+            _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
+            return
+        with pytest.raises(PhaseError, match="create_graph=True .* released parameters"):
+            penalized(model).backward()
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()  # the engine is between steps: a plain step runs
+        opt.step()
     finally:
         opt.close()

@@ -435,6 +435,7 @@ class Runtime:
             self._check_scaled()
             self._check_zeroed()
             self._check_trainable()
+            self._check_no_create_graph()
             self.grads.backward_begins()
             self.schedule.backward_begins(self._step_hyper, self.backwards_since_step)
         except PhaseError:
@@ -503,6 +504,27 @@ class Runtime:
                         "parameters train at wrap. Set requires_grad before offload.wrap "
                         "(offload.from_pretrained: its before_wrap= callable), or wrap again"
                     )
+
+    def _check_no_create_graph(self) -> None:
+        """A backward that builds a graph of its own (``create_graph=True``: a gradient
+        penalty, WGAN-GP, R1, a Hessian-vector product) saves the parameters in that graph,
+        and offload releases them after it: the backward through it then computed with
+        zeros (5e-2 to 8e-2 off torch after one step, no error). Refused where the
+        parameters are released; autograd runs such a backward with grad mode on, which a
+        hook sees (the engine sets it from ``create_graph``)."""
+        if not torch.is_grad_enabled():
+            return
+        released = [run.unit.label for run in self.runs if run.home.releases]
+        if released:
+            raise PhaseError(
+                "offload: a backward with create_graph=True (torch.autograd.grad or "
+                "backward with create_graph=True: a gradient penalty, a gradient of a "
+                "gradient) over units whose parameters offload releases after the backward "
+                f"({', '.join(released[:3])}{', ...' if len(released) > 3 else ''}): the graph "
+                "it builds would read released parameters. Keep the parameters on the "
+                "device (offload_param.device: none, distributed.stage 1 or 2) to train "
+                "with such a loss"
+            )
 
     def _hook_outputs(self, run: UnitRun, output) -> None:
         """The pre-backward gather: fires when backward reaches ``run``'s outputs. The hooks

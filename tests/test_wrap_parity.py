@@ -298,3 +298,47 @@ def test_a_gradient_penalty_trains_as_torch_or_is_refused(tmp_path, param_dev, w
         opt.step()
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize(
+    "param_dev,opt_dev", [("none", "nvme"), ("nvme", "nvme"), ("cpu", "cpu"), ("cpu", "nvme")]
+)
+def test_a_backward_to_the_inputs_only_is_not_a_micro_step(tmp_path, param_dev, opt_dev):
+    """Adversarial training: each step first takes the input's gradient (``autograd.grad`` with
+    respect to the input; ``backward(inputs=[x])``), then trains on the perturbed input.
+    That backward was counted as one of the step's: with the update in the last backward
+    (NVMe optimizer, "auto" accumulation learned as 1 from a first step without it) it ran the
+    update, and the training forward after it was refused. It reaches no parameter now: the
+    units are gathered for it and released, the gradients and the count left alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(StackBlock(), StackBlock(), nn.Linear(STACK_DIM, 1))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    cfg = placement_config(param_dev, opt_dev, tmp_path)
+    cfg["wrap"] = {"module_classes": ["StackBlock"]}
+    model, opt = offload.wrap(model, cfg)
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randn(4, 3, STACK_DIM, generator=gen) for _ in range(4)]
+
+    def step(m, o, x, s):
+        if s >= 1:  # (the first step has none: "auto" counts one backward)
+            xi = x.clone().requires_grad_(True)
+            if s % 2:
+                (g,) = torch.autograd.grad(m(xi).sum(), xi)
+            else:
+                m(xi).sum().backward(inputs=[xi])
+                g = xi.grad
+            x = (x + 0.1 * g).detach()
+        (m(x) - 1).pow(2).mean().backward()
+        o.step()
+        o.zero_grad()
+
+    try:
+        for s, x in enumerate(data):
+            step(ref, ref_opt, x, s)
+            step(model, opt, x, s)
+        _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
+        if param_dev != "none":
+            assert not any(opt._engine.params.gathered(u) for u in opt._engine.units[1:])
+    finally:
+        opt.close()

@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from offload.device import Transfers
@@ -50,7 +51,7 @@ from offload.runtime.grads import Grads
 from offload.runtime.phase import Phase, PhaseError, PhaseTracker
 from offload.runtime.schedule import StepSchedule
 from offload.runtime.telemetry import Telemetry
-from offload.runtime.units import OffloadUnitInputs, UnitRun
+from offload.runtime.units import OffloadUnitInputs, UnitRun, will_run
 from offload.runtime.values import GivenValues, Values
 
 logger = logging.getLogger("offload.runtime")
@@ -135,6 +136,7 @@ class Runtime:
         self._ran_last: UnitRun | None = None
         self._backward_first: UnitRun | None = self.runs[-1] if self._keeps else None
         self._callback_queued = False
+        self._grad_free = False  # the backward running reaches no trainable parameter
         # a backward failed part way: its gradients are incomplete until zero_grad()
         self._grads_incomplete = False
         # zero_grad() was called since the last step (or no step ran yet): see _check_zeroed
@@ -431,20 +433,22 @@ class Runtime:
         grads are pending, the root is gathered, one end-of-backward callback is queued."""
         self._stop_timer("_fwd_start", "forward_seconds")
         self.transfers.capture_stream()
+        self._grad_free = not self._reaches_trainable()
         try:
-            self._check_scaled()
-            self._check_zeroed()
             self._check_trainable()
             self._check_no_create_graph()
-            self.grads.backward_begins()
-            self.schedule.backward_begins(self._step_hyper, self.backwards_since_step)
+            if not self._grad_free:
+                self._check_scaled()
+                self._check_zeroed()
+                self.grads.backward_begins()
+                self.schedule.backward_begins(self._step_hyper, self.backwards_since_step)
         except PhaseError:
             self.grads.backward_failed()
             for run in self.runs:  # back to between steps: step() can still close the first
                 run.residency.end_of_pass(run)
             self.phase.to(Phase.IDLE)
             raise
-        if self.backwards_since_step == 0:
+        if self.backwards_since_step == 0 and not self._grad_free:
             for store in self._trace_starts.get("backward", ()):
                 store.begin_iteration()
         self.phase.to(Phase.BACKWARD)
@@ -455,6 +459,24 @@ class Runtime:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _reaches_trainable(self) -> bool:
+        """Whether the backward starting now accumulates a trainable parameter's gradient.
+        One that does not (``torch.autograd.grad`` with respect to the inputs: an adversarial
+        example, a saliency map; ``backward(inputs=...)`` naming no parameter) is not a
+        micro-step of the step: it gathers and releases the units and leaves the gradients,
+        the step's count of backwards and the update in backward alone. Counted, it was taken
+        for the step's last backward and ran the update in it (the next forward refused).
+        Asked of autograd per parameter's accumulation node (private: ``will_run``);
+        inside ``autograd.grad`` no parameter accumulates, and torch refuses the question."""
+        for run in self.runs:
+            for p in run.unit.trainable_params:
+                try:
+                    if will_run(get_gradient_edge(p).node):
+                        return True
+                except RuntimeError:  # "... currently running autograd.grad()"
+                    return False
+        return False
 
     def mark_scaled(self) -> None:
         """The backward now starting begins at a loss ``scale_loss`` scaled (its hook)."""
@@ -546,7 +568,8 @@ class Runtime:
             self._begin_backward()
         if not run.backward_done:
             run.gather(Phase.BACKWARD.value)
-            run.residency.backward_begins(self.grads, run)
+            if not self._grad_free:
+                run.residency.backward_begins(self.grads, run)
 
     @_hook
     def _grad_ready(self, run: UnitRun) -> None:
@@ -612,6 +635,9 @@ class Runtime:
         reduction across ranks lands), then the residency and the schedule say what happens to
         the unit, and the schedule hears of the units whose gradients were taken."""
         run.backward_done = True
+        if self._grad_free:  # (_reaches_trainable): nothing to take
+            run.residency.backward_done(run, self.schedule)
+            return
         self.grads.unit_done(run.unit)
         run.residency.backward_done(run, self.schedule)
         self._hand_over()
@@ -627,11 +653,12 @@ class Runtime:
         for run in reversed(self.runs):
             if not run.backward_done:
                 self.finish_unit_backward(run)
-        self.grads.backward_done()  # the last reductions land
-        self._hand_over()
+        if not self._grad_free:
+            self.grads.backward_done()  # the last reductions land
+            self._hand_over()
         self.schedule.backward_ends(self.runs)
         self._callback_queued = False
-        self.backwards_since_step += 1
+        self.backwards_since_step += not self._grad_free
         self._stop_timer("_bwd_start", "backward_seconds")
         self.phase.to(Phase.IDLE)
 

@@ -80,7 +80,7 @@ class UnitRun:
         if self.inputs:  # (in the task the backward began in: see inputs_passed)
             task = torch._C._current_graph_task_id()
             for node in self._live_inputs():
-                node.expected = task if _will_run(node) else None
+                node.expected = task if will_run(node) else None
 
     def grad_ready(self) -> bool:
         """One of the unit's gradients is final; True when that was the last one."""
@@ -105,12 +105,12 @@ class UnitRun:
         for node in self._live_inputs():
             if node.task == task:
                 continue
-            if (node.expected is not None and node.task != node.expected) or _will_run(node):
+            if (node.expected is not None and node.task != node.expected) or will_run(node):
                 return False
         return True
 
 
-def _will_run(node) -> bool:
+def will_run(node) -> bool:
     """Whether the backward running now goes through ``node``: private in torch, and what
     ``torch.autograd.graph.register_multi_grad_hook`` asks the same way."""
     return torch._C._will_engine_execute_node(node)

@@ -62,6 +62,7 @@ def _hook(method):
 
     @functools.wraps(method)
     def timed(self, *args):
+        self._check_open()  # a hook a closed engine left on a graph (a loss kept past close())
         start = time.perf_counter()
         try:
             return method(self, *args)
@@ -83,7 +84,7 @@ def _grad_hook(runtime: weakref.ref, index: int):
                 "freed (the model and its optimizer were let go of without close()); optimizer."
                 "close(restore=True) before letting go keeps the parameters usable as plain tensors"
             )
-        me._grad_ready(me.runs[index])
+        me._grad_ready(me.runs[index])  # (closed: _hook raises)
 
     return hook
 
@@ -137,6 +138,7 @@ class Runtime:
         self._backward_first: UnitRun | None = self.runs[-1] if self._keeps else None
         self._callback_queued = False
         self._grad_free = False  # the backward running reaches no trainable parameter
+        self.released = False  # closed without restore: the parameters' values are gone
         # a backward failed part way: its gradients are incomplete until zero_grad()
         self._grads_incomplete = False
         # zero_grad() was called since the last step (or no step ran yet): see _check_zeroed
@@ -841,6 +843,7 @@ class Runtime:
         """The gradients are dropped, and with them the backwards since the step (they no
         longer count toward it): an update that ran speculatively in the last one is undone,
         as no step was taken for it."""
+        self._check_open()
         self._settle_backward()
         self.schedule.abandon_step()
         self.grads.zero()
@@ -944,7 +947,20 @@ class Runtime:
     # ---------------------------------------------------------------- lifecycle
     def _check_open(self) -> None:
         if self.closed:
-            raise RuntimeError("offload: this model's engine was closed; wrap the model again")
+            raise RuntimeError(
+                "offload: this model's engine was closed (optimizer.close()): its optimizer, "
+                "and a loss computed before the close, cannot be used any more. "
+                + self._closed_advice()
+            )
+
+    def _closed_advice(self) -> str:
+        if not self.released:
+            return "Wrap the model again to train it"
+        return (
+            "Its parameters were released (close() without restore): their values are gone. "
+            "Wrap it again with weights= (what offload.export or save_pretrained wrote), or "
+            "close with optimizer.close(restore=True) to keep using it"
+        )
 
     def close(self, restore: bool = False) -> None:
         """Removes the hooks and frees pools and swap files. With ``restore`` every parameter
@@ -963,6 +979,8 @@ class Runtime:
                 if m._buffers.get(name) is not None:
                     m._buffers[name] = m._buffers[name].to(dt)
         self.closed = True
+        # the parameters' values went with the engine (where it released them)
+        self.released = not restore and any(run.home.releases for run in self.runs)
         self.remove_hooks()
         if not restore:  # a forward or a state dict would read the released storage: zeros
             self._handles.append(self.model.register_forward_pre_hook(self._closed_hook))
@@ -983,12 +1001,15 @@ class Runtime:
         if first is not None and not isinstance(first, OSError | RuntimeError):
             raise first
 
-    @staticmethod
-    def _closed_hook(module, *args):
+    def _closed_hook(self, module, *args):
         raise RuntimeError(
-            "offload: this model's engine was closed (optimizer.close()); its parameters were "
-            "released. Wrap it again, or close with optimizer.close(restore=True) to keep using it"
+            "offload: this model's engine was closed (optimizer.close()). " + self._closed_advice()
         )
+
+    def forget(self) -> None:
+        """The closed engine lets its model go: a new ``wrap`` of it (with its values given
+        again) takes over, so the hooks that refuse the released storage go."""
+        self.remove_hooks()
 
 
 class _RootOverrides:

@@ -34,6 +34,7 @@ import functools
 import logging
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable
 
@@ -1052,20 +1053,20 @@ class _RootOverrides:
         cls = type(model)
         waiting = threading.local()  # inside zero_grad: its parameters() call reads nothing
 
-        def named_parameters(*args, **kwargs):
+        def named_parameters(self, *args, **kwargs):
             if not getattr(waiting, "off", False):
                 settle()
-            return cls.named_parameters(model, *args, **kwargs)
+            return cls.named_parameters(self, *args, **kwargs)
 
-        def zero_grad(*args, **kwargs):
+        def zero_grad(self, *args, **kwargs):
             zero()  # the gradients offload holds outside p.grad go too
             waiting.off = True
             try:
-                return cls.zero_grad(model, *args, **kwargs)
+                return cls.zero_grad(self, *args, **kwargs)
             finally:
                 waiting.off = False
 
-        def deepcopy(memo):
+        def deepcopy(self, memo):
             raise TypeError(
                 f"offload: a wrapped model ({cls.__name__}) cannot be deep-copied: its engine "
                 "holds threads, buffers and swap files. Copy it before offload.wrap (an EMA: "
@@ -1073,8 +1074,10 @@ class _RootOverrides:
                 "optimizer.close(restore=True) to get a plain PyTorch model back"
             )
 
+        # bound methods, as the class's are (torch.compile reads ``named_parameters.__func__``:
+        # plain functions here made it fail inside dynamo)
         for name, fn in zip(self.NAMES, (named_parameters, zero_grad, deepcopy), strict=True):
-            model.__dict__[name] = fn
+            model.__dict__[name] = types.MethodType(fn, model)
 
     def remove(self) -> None:
         for name in self.NAMES:

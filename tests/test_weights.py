@@ -252,3 +252,41 @@ def test_bad_files_are_named(tmp_path):
     short.write_bytes(short.read_bytes()[:-100])
     with pytest.raises(SafetensorsError, match=r"short\.safetensors.*'x' lies outside the file"):
         SafetensorsFile(short)
+
+
+class _ScaledEmbedding(nn.Embedding):
+    """An embedding with a computed buffer beside its weight (Gemma's scaled embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 4)
+        self.register_buffer("scale", torch.tensor(1.0), persistent=False)
+
+
+class _ScaledModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = _ScaledEmbedding()
+
+    def _init_weights(self, module):  # what Hugging Face's does: parameters and buffers
+        if isinstance(module, _ScaledEmbedding):
+            module.weight.fill_(7.0)
+            module.scale.fill_(2.0)
+
+
+@pytest.mark.parametrize("params_on", ["meta", "cpu"])
+def test_a_computed_buffer_beside_parameters_is_filled_and_they_are_not_touched(params_on):
+    from offload.runtime.weights import fill_computed_buffers  # noqa: PLC0415
+
+    model = _ScaledModel()
+    weight = model.embed.weight
+    before = weight.detach().clone()
+    with torch.device("meta"):
+        model.embed.scale = torch.empty(())
+    model.embed._non_persistent_buffers_set.add("scale")
+    if params_on == "meta":
+        model.embed.weight = weight = nn.Parameter(weight.to("meta"))
+    fill_computed_buffers(model)
+    assert model.embed.scale.item() == 2.0 and model.embed.scale.device.type == "cpu"
+    assert model.embed.weight is weight
+    if params_on == "cpu":
+        assert torch.equal(weight, before)

@@ -26,12 +26,17 @@ Note: what the file must hold
 Note: buffers the model computes
     A non-persistent buffer is not in the file. On a model built on the meta device it has no
     value either; like ``from_pretrained``, it is given storage and the model's own
-    ``_init_weights(module)`` (Hugging Face's, which computes rotary ``inv_freq``) fills it. A
-    buffer still unfilled after that is an error naming it and the fix.
+    ``_init_weights(module)`` (Hugging Face's, which computes rotary ``inv_freq`` and Gemma's
+    ``embed_scale``) fills it. The module's parameters, and its submodules', are hidden behind
+    meta stand-ins while it runs (``_parameters_hidden``), so a module that holds parameters
+    too (Gemma's scaled embedding) has its buffers filled and its parameters untouched, whether
+    they are on the meta device or hold values. A buffer still unfilled after that is an error
+    naming it and the fix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -286,6 +291,35 @@ def _unfilled(buf: torch.Tensor) -> bool:
     return bool((buf == torch.iinfo(buf.dtype).min).any())
 
 
+@contextlib.contextmanager
+def _parameters_hidden(module: nn.Module):
+    """Every parameter of ``module`` and of its submodules replaced by a meta stand-in of its
+    shape and dtype for the block: an ``_init_weights`` run inside writes nothing to them."""
+    saved = [(m, dict(m._parameters)) for m in module.modules()]
+    try:
+        for m, params in saved:
+            for name, p in params.items():
+                if p is not None:
+                    m._parameters[name] = nn.Parameter(
+                        torch.empty_like(p, device="meta"), requires_grad=p.requires_grad
+                    )
+        yield
+    finally:
+        for m, params in saved:
+            m._parameters.clear()
+            m._parameters.update(params)
+
+
+def _init_buffers_only(init, module: nn.Module) -> None:
+    """Runs the model's ``_init_weights(module)`` for its buffers alone (the module Note): its
+    parameters, on the meta device or holding values, are hidden behind meta stand-ins."""
+    with _parameters_hidden(module), torch.no_grad():
+        try:
+            init(module)
+        except Exception:  # noqa: BLE001 - reported by the caller as a buffer it cannot fill
+            pass
+
+
 def fill_computed_buffers(model: nn.Module) -> None:
     """Gives every non-persistent buffer on the meta device storage and its value from the
     model's own ``_init_weights`` (see the module Note); raises naming those it cannot fill."""
@@ -301,13 +335,8 @@ def fill_computed_buffers(model: nn.Module) -> None:
             continue
         for b in metas:
             module._buffers[b] = _sentinel(module._buffers[b])
-        # only a module without parameters of its own: theirs are not materialized yet
-        if init is not None and not any(True for _ in module.parameters(recurse=False)):
-            try:
-                with torch.no_grad():
-                    init(module)
-            except Exception:  # noqa: BLE001 - reported below as a buffer it cannot fill
-                pass
+        if init is not None:
+            _init_buffers_only(init, module)
         unfilled += [f"{mname}.{b}" if mname else b for b in metas if _unfilled(module._buffers[b])]
     if unfilled:
         raise WeightsError(

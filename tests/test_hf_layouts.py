@@ -58,3 +58,123 @@ def test_gemma_embed_scale_is_computed_on_the_embedding_that_holds_the_weight(tm
     model, opt = offload.from_pretrained(d, nvme_config(tmp_path, "cpu", "cpu"))
     assert model.model.embed_tokens.embed_scale.item() == pytest.approx(32**0.5)
     _logits_match(d, model, opt)
+
+
+# ------------------------------------------------------------- transformers' conversion mapping
+def _moe_config(arch):
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+        )  # fmt: skip
+    return transformers.OlmoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2)
+
+
+def _file_keys(directory):
+    from safetensors import safe_open  # noqa: PLC0415
+
+    keys = []
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(f, "pt") as sf:
+            keys += list(sf.keys())
+    return keys
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "olmoe"])
+def test_moe_experts_saved_per_expert_load_into_the_fused_parameters(tmp_path, arch, monkeypatch):
+    from offload.api import engine_of  # noqa: PLC0415
+    from offload.runtime import conversion  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_moe_config(arch))
+    d = tmp_path / "m"
+    model.save_pretrained(d, max_shard_size="40KB")  # several shards and an index
+    keys = _file_keys(d)
+    assert (d / "model.safetensors.index.json").is_file()
+    assert any(".experts.1." in k for k in keys) and not any("gate_up_proj" in k for k in keys)
+    reads = []  # elements asked of the fused experts at once
+    real_read = conversion.Cat.read
+    monkeypatch.setattr(
+        conversion.Cat,
+        "read",
+        lambda self, lo, hi: reads.append(hi - lo) or real_read(self, lo, hi),
+    )
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path, "nvme", "nvme"))
+    piece = engine_of(model).plan.placement.piece_numel
+    experts = model.model.layers[0].mlp.experts
+    assert piece < experts.gate_up_proj.numel() and reads and max(reads) <= piece
+    _logits_match(d, model, opt)
+
+
+def test_vit_checkpoint_keys_are_renamed_as_transformers_does(tmp_path):
+    config = transformers.ViTConfig(
+        image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, num_labels=5,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    d = _save(tmp_path / "m", transformers.ViTForImageClassification(config))
+    assert any("attention.attention.query" in k for k in _file_keys(d))
+    with torch.device("meta"):
+        meta = transformers.ViTForImageClassification(config)
+    model, opt = offload.wrap(meta, nvme_config(tmp_path, "cpu", "cpu"), weights=d)
+    ref = transformers.ViTForImageClassification.from_pretrained(d).eval()
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    try:
+        model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x).logits, ref(x).logits, rtol=1e-5, atol=1e-5)
+    finally:
+        opt.close()
+
+
+def test_save_pretrained_of_a_converted_model_round_trips(tmp_path):
+    torch.manual_seed(0)
+    d = _save(tmp_path / "m", transformers.AutoModelForCausalLM.from_config(_moe_config("mixtral")))
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path, "cpu", "cpu"))
+    try:
+        offload.save_pretrained(model, tmp_path / "out")
+    finally:
+        opt.close()
+    # written under the in-memory names, which both loaders take as they are
+    assert any("experts.gate_up_proj" in k for k in _file_keys(tmp_path / "out"))
+    model, opt = offload.from_pretrained(tmp_path / "out", nvme_config(tmp_path, "cpu", "cpu"))
+    _logits_match(d, model, opt)
+    _logits_match(d, *offload.wrap(
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out"),
+        nvme_config(tmp_path, "cpu", "cpu"),
+    ))  # fmt: skip
+
+
+def test_a_conversion_offload_cannot_stream_is_named_with_the_route_that_works(
+    tmp_path, monkeypatch
+):
+    from transformers import conversion_mapping  # noqa: PLC0415
+    from transformers.core_model_loading import (  # noqa: PLC0415
+        MergeModulelist,
+        Transpose,
+        WeightConverter,
+    )
+
+    from offload.runtime.weights import WeightsError  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    d = _save(tmp_path / "m", transformers.AutoModelForCausalLM.from_config(_moe_config("mixtral")))
+    real = conversion_mapping.get_model_conversion_mapping
+
+    def with_a_transpose(model, *args, **kwargs):
+        out = real(model, *args, **kwargs)
+        down = next(t for t in out if ".experts.*.w2.weight" in t.source_patterns)
+        out[out.index(down)] = WeightConverter(
+            ".experts.*.w2.weight", ".experts.down_proj", [MergeModulelist(0), Transpose(1, 2)]
+        )
+        return out
+
+    monkeypatch.setattr(conversion_mapping, "get_model_conversion_mapping", with_a_transpose)
+    with pytest.raises(WeightsError) as err:
+        offload.from_pretrained(d, nvme_config(tmp_path, "cpu", "cpu"))
+    msg = str(err.value)
+    assert "'model.layers.0.mlp.experts.down_proj' (from model.layers.0.block_sparse_moe" in msg
+    assert "cannot stream Transpose yet" in msg and "gate_up_proj" not in msg
+    assert "Load the model with transformers (from_pretrained) and pass it to offload.wrap" in msg

@@ -290,3 +290,35 @@ def test_a_computed_buffer_beside_parameters_is_filled_and_they_are_not_touched(
     assert model.embed.weight is weight
     if params_on == "cpu":
         assert torch.equal(weight, before)
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_lazy_cat_and_narrow_read_any_range_like_torch(dim):
+    from offload.runtime.conversion import Cat, Narrow, _Unsqueezed  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(dim)
+    shapes = [[3, 5, 7], [3, 5, 7]]
+    for s, n in zip(shapes, (1, 4)):
+        s[dim] = n
+    parts = [torch.randn(s, generator=g) for s in shapes]
+    whole = torch.cat(parts, dim)
+    same = [torch.randn(3, 5, 7, generator=g) for _ in range(3)]
+    stacked = Cat([_Unsqueezed(t, dim) for t in same], dim)  # MergeModulelist
+    cases = [
+        (Cat(parts, dim), whole),
+        (Narrow(Cat(parts, dim), dim, 1, 3), whole.narrow(dim, 1, 3)),
+        (stacked, torch.stack(same, dim)),
+    ]
+    for got, want in cases:
+        assert got.shape == want.shape and got.dtype == want.dtype
+        flat = want.reshape(-1)
+        for lo, hi in [
+            (0, flat.numel()),
+            (0, 1),
+            (6, 23),
+            (flat.numel() - 1, flat.numel()),
+            (9, 9),
+        ]:
+            assert torch.equal(got[lo:hi], flat[lo:hi]), (lo, hi)
+    with pytest.raises(ValueError, match="shapes"):
+        Cat([torch.ones(2, 3), torch.ones(2, 4)], 0)

@@ -3,7 +3,8 @@
 ``weights`` is a ``.safetensors`` file, a directory holding ``model.safetensors`` or a sharded
 ``model.safetensors.index.json`` (what Hugging Face writes), or a mapping of names to tensors
 (torch tensors, or :class:`LazyTensor` s that produce their elements on demand). Names are those
-of ``model.state_dict()``.
+of ``model.state_dict()``, or, for a ``transformers`` model, those of its checkpoints on disk, which
+``offload.runtime.conversion`` renames and combines as ``transformers``' own loader does.
 
 Note: streamed, checked first
     :class:`ModelWeights` is one more :class:`~offload.runtime.values.ParamValues`: the homes ask
@@ -186,6 +187,10 @@ class ModelWeights(ParamValues):
         super().__init__(compute_dtype)
         self.tensors, self.files, self.where = open_weights(source)
         try:
+            # a Hugging Face model's checkpoint under its in-memory names (offload.runtime.conversion)
+            from offload.runtime.conversion import convert_checkpoint  # noqa: PLC0415
+
+            self.tensors = convert_checkpoint(model, self.tensors, self.where)
             self._name: dict[nn.Parameter, str] = {}
             self._buffers: dict[str, tuple[nn.Module, str]] = {}
             self._check(model)

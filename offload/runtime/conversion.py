@@ -1,0 +1,245 @@
+"""A Hugging Face checkpoint read under the model's own names: ``transformers`` 5's conversion
+mapping, applied lazily.
+
+``transformers`` 5 keeps some models in memory under other names and shapes than their
+checkpoints on disk (and than what its own ``save_pretrained`` writes): Mixtral's experts are
+``experts.{e}.w1/w2/w3.weight`` on disk and two fused parameters ``experts.gate_up_proj`` and
+``experts.down_proj`` in memory (Qwen2-MoE, OLMoE, Qwen3-MoE... alike), ViT's
+``encoder.layer.{i}.attention.attention.query`` is ``layers.{i}.attention.q_proj``. Its
+``from_pretrained`` converts with a list of transforms per architecture
+(``transformers.conversion_mapping.get_model_conversion_mapping``): ``WeightRenaming`` (a key
+renamed) and ``WeightConverter`` (keys gathered per target and combined by ``operations``).
+
+Note: the same names, lazily combined
+    :func:`convert_checkpoint` asks ``transformers`` for the model's transforms and renames each
+    file key with ``transformers``' own ``rename_source_key`` (renamings, then at most one
+    converter, the base model's prefix added or dropped), exactly as its loader does, keys in
+    its natural order. A renamed key keeps its file tensor. A converter's keys are combined
+    into one :class:`~offload.runtime.weights.LazyTensor` per target that reads only the
+    elements asked for from its sources (:class:`Cat`, :class:`Narrow`), so a piece is still
+    the most that is read at once (``offload.runtime.weights``' Note: streamed). The operations
+    that combine this way are the ones that move whole blocks of elements:
+    ``MergeModulelist`` (a stack: blocks one after another), ``Concatenate`` and ``Chunk``
+    (cuts along a dimension). Any other (a transpose, a permutation for rope, a dequantization)
+    is refused before anything is read, naming the keys and the operation, and the route that
+    works: load with ``transformers`` and pass the model to ``offload.wrap``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+
+from offload.runtime.weights import LazyTensor, WeightsError
+
+
+def _read(t, lo: int, hi: int) -> torch.Tensor:
+    return t.reshape(-1)[lo:hi] if isinstance(t, torch.Tensor) else t[lo:hi]
+
+
+class _Blocks(LazyTensor):
+    """A tensor whose flat elements are, for each index of its dimensions before ``dim`` (a
+    row), one block from each part: the shape of a concatenation or of a cut along ``dim``.
+    ``blocks`` is ``(part, length per row, offset of the block within the part's row, the
+    part's row length)``."""
+
+    def __init__(self, shape, dtype, rows: int, blocks: list[tuple]) -> None:
+        self.shape, self.dtype = torch.Size(shape), dtype
+        self.rows, self.blocks = rows, blocks
+        self.row = sum(b[1] for b in blocks)
+
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        out = []
+        for r in range(lo // self.row, -(-hi // self.row) if hi > lo else lo // self.row):
+            at = r * self.row
+            for part, length, offset, stride in self.blocks:
+                a, b = max(lo, at), min(hi, at + length)
+                if a < b:
+                    base = r * stride + offset - at
+                    out.append(_read(part, base + a, base + b))
+                at += length
+        return torch.cat(out) if out else torch.empty(0, dtype=self.dtype)
+
+
+class Cat(_Blocks):
+    """``torch.cat(parts, dim)`` of tensors or lazy tensors, read lazily."""
+
+    def __init__(self, parts: list, dim: int) -> None:
+        first = parts[0]
+        dtypes = {p.dtype for p in parts}
+        if len(dtypes) != 1:
+            raise ValueError(f"parts of dtypes {sorted(map(str, dtypes))}")
+        if any(len(p.shape) != len(first.shape) for p in parts) or any(
+            tuple(p.shape[:dim]) != tuple(first.shape[:dim])
+            or tuple(p.shape[dim + 1 :]) != tuple(first.shape[dim + 1 :])
+            for p in parts
+        ):
+            raise ValueError(f"parts of shapes {[list(p.shape) for p in parts]} along dim {dim}")
+        shape = list(first.shape)
+        shape[dim] = sum(p.shape[dim] for p in parts)
+        rows = math.prod(first.shape[:dim])
+        blocks = [(p, math.prod(p.shape[dim:]), 0, math.prod(p.shape[dim:])) for p in parts]
+        super().__init__(shape, first.dtype, rows, blocks)
+
+
+class Narrow(_Blocks):
+    """``source.narrow(dim, start, length)``, read lazily."""
+
+    def __init__(self, source, dim: int, start: int, length: int) -> None:
+        inner = math.prod(source.shape[dim + 1 :])
+        shape = list(source.shape)
+        shape[dim] = length
+        rows = math.prod(source.shape[:dim])
+        block = (source, length * inner, start * inner, math.prod(source.shape[dim:]))
+        super().__init__(shape, source.dtype, rows, [block])
+
+
+class _Unsqueezed(LazyTensor):
+    """``source.unsqueeze(dim)``: the same elements."""
+
+    def __init__(self, source, dim: int) -> None:
+        shape = list(source.shape)
+        shape.insert(dim, 1)
+        self.shape, self.dtype, self.source = torch.Size(shape), source.dtype, source
+
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        return _read(self.source, lo, hi)
+
+
+class _Unsupported(Exception):
+    """An operation that does not combine by blocks (see the module Note)."""
+
+
+def _run(operations, inputs: dict[str, list], sources: list[str], targets: list[str]) -> dict:
+    """What ``operations`` make of ``inputs`` (source pattern -> tensors, in order), lazily:
+    ``transformers``' ``MergeModulelist``, ``Concatenate`` and ``Chunk``, same names out."""
+    from transformers.core_model_loading import (  # noqa: PLC0415
+        Chunk,
+        Concatenate,
+        MergeModulelist,
+    )
+
+    values: dict = dict(inputs)
+    for op in operations:
+        if type(op) is MergeModulelist:
+            n = len(values)
+            if n == 1 and len(targets) != 1:
+                raise _Unsupported(op)
+            values = {
+                (targets[0] if n == 1 else k): (
+                    v
+                    if not isinstance(v, list)
+                    else Cat([_Unsqueezed(t, op.dim) for t in v], op.dim)
+                )
+                for k, v in values.items()
+            }
+        elif type(op) is Concatenate and len(targets) == 1:
+            parts = []
+            for pattern in sources:
+                v = values.pop(pattern, None)
+                if v is not None:
+                    parts += v if isinstance(v, list) else [v]
+            values = {targets[0]: Cat(parts, op.dim)}
+        elif type(op) is Chunk and op.num_shards_attribute is None and len(values) == 1:
+            (v,) = values.values()
+            t = v[0] if isinstance(v, list) else v
+            n, dim = len(targets), op.dim
+            size = -(-t.shape[dim] // n)  # torch.chunk's sizes
+            starts = range(0, t.shape[dim], size)
+            values = {
+                k: Narrow(t, dim, s, min(size, t.shape[dim] - s)) for k, s in zip(targets, starts)
+            }
+        else:
+            raise _Unsupported(op)
+    return values
+
+
+def _short(keys: list[str]) -> str:
+    return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+
+
+def _full_names(target: str, made: dict) -> dict:
+    """The converter's outputs (named by target pattern) under full names: the prefix and
+    suffix around the pattern in ``target``, the key it was renamed to (as ``transformers``'
+    ``WeightConverter.convert`` names them)."""
+    for pattern in made:
+        if pattern in target:
+            head, _, tail = target.partition(pattern)
+            return {head + k + tail: v for k, v in made.items()}
+    return made
+
+
+def _transforms(model: nn.Module):
+    """``(renamings, converters)`` that ``transformers`` loads ``model`` with, or None when it
+    is not a ``transformers`` model (or there is no ``transformers``)."""
+    try:
+        from transformers import PreTrainedModel  # noqa: PLC0415
+        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: PLC0415
+        from transformers.core_model_loading import WeightConverter, WeightRenaming  # noqa: PLC0415
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    return renamings, converters
+
+
+def convert_checkpoint(model: nn.Module, tensors: dict, where: str) -> dict:
+    """``tensors`` (file key -> tensor or lazy tensor) under ``model``'s state-dict names, as
+    ``transformers`` converts them at load (the module Note); keys that map to nothing keep
+    their name (and are then reported unexpected). Unchanged for a model that is not a
+    ``transformers`` one."""
+    transforms = _transforms(model)
+    if transforms is None:
+        return tensors
+    from transformers.core_model_loading import dot_natural_key, rename_source_key  # noqa: PLC0415
+
+    renamings, converters = transforms
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    state = model.state_dict()
+    prefix = model.base_model_prefix
+    out: dict = {}
+    groups: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    group_converter: dict = {}
+    group_keys: dict[str, list[str]] = defaultdict(list)
+    for key in sorted(tensors, key=dot_natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, state)
+        if renamed not in state and key in state:  # as transformers: keep a name already right
+            renamed, pattern = rename_source_key(key, [], [], prefix, state)
+        if renamed not in state:
+            out[key] = tensors[key]  # unexpected, under the file's name
+        elif pattern is None:
+            out[renamed] = tensors[key]
+        else:
+            groups[renamed][pattern].append(tensors[key])
+            group_converter[renamed] = by_pattern[pattern]
+            group_keys[renamed].append(key)
+    refused = []
+    for target, inputs in groups.items():
+        conv = group_converter[target]
+        keys = _short(group_keys[target])
+        try:
+            made = _run(conv.operations, inputs, conv.source_patterns, conv.target_patterns)
+        except _Unsupported as exc:
+            refused.append(
+                f"'{target}' (from {keys}): offload cannot stream {type(exc.args[0]).__name__} yet"
+            )
+            continue
+        except ValueError as exc:
+            refused.append(f"'{target}' (from {keys}): {exc}")
+            continue
+        out.update(_full_names(target, made))
+    if refused:
+        raise WeightsError(
+            f"offload.wrap: weights={where} store {type(model).__name__}'s tensors in a layout "
+            "that transformers converts at load, and offload cannot convert it yet:\n  "
+            + "\n  ".join(refused)
+            + "\nLoad the model with transformers (from_pretrained) and pass it to offload.wrap "
+            "without weights="
+        )
+    return out

@@ -178,3 +178,21 @@ def test_a_conversion_offload_cannot_stream_is_named_with_the_route_that_works(
     assert "'model.layers.0.mlp.experts.down_proj' (from model.layers.0.block_sparse_moe" in msg
     assert "cannot stream Transpose yet" in msg and "gate_up_proj" not in msg
     assert "Load the model with transformers (from_pretrained) and pass it to offload.wrap" in msg
+
+
+# ------------------------------------------------------------- tied weights init_empty_weights untied
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_init_empty_weights_with_tied_embeddings_loads_tied(tmp_path, arch):
+    accelerate = pytest.importorskip("accelerate")
+    from hf_models import hf_config  # noqa: PLC0415
+
+    config = (
+        hf_config(tie=True) if arch == "llama" else transformers.GemmaConfig(**SMALL, head_dim=8)
+    )
+    torch.manual_seed(0)
+    d = _save(tmp_path / "m", transformers.AutoModelForCausalLM.from_config(config))
+    with accelerate.init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model, opt = offload.wrap(model, nvme_config(tmp_path, "nvme", "nvme"), weights=d)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    _logits_match(d, model, opt)

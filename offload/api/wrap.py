@@ -69,7 +69,7 @@ from offload.runtime.grads import Grads, ScatteredGrads, StepScatteredGrads
 from offload.runtime.schedule import Background, Immediate, InBackward
 from offload.runtime.telemetry import Telemetry, check_jsonl_path
 from offload.runtime.values import LiveParams, ParamValues
-from offload.runtime.weights import ModelWeights
+from offload.runtime.weights import ModelWeights, tie_declared
 
 logger = logging.getLogger("offload.api")
 
@@ -519,6 +519,8 @@ def wrap(
     cfg = load_config(config)
     _collect_dropped_engines()
     _check_model(model, weights is not None)
+    if weights is not None:  # before the plan: tying replaces a parameter
+        tie_declared(model, weights)
     check_jsonl_path(cfg.telemetry.jsonl_path)
     comm = comm_for(process_group, cfg.distributed.timeout, one_rank=_one_rank_collectives)
     cfg = _resolve_cuda(cfg, comm)

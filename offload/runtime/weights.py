@@ -24,6 +24,15 @@ Note: what the file must hold
     compute params, an fp32 file bf16 compute params); an integer tensor for a floating
     parameter is an error.
 
+Note: tied weights the model forgot
+    ``transformers`` 5 ties a model's declared weights (``lm_head.weight`` to
+    ``model.embed_tokens.weight`` with ``tie_word_embeddings``) when it builds it, but a model
+    built under ``accelerate.init_empty_weights()`` comes out with two untied meta parameters,
+    and the file holds only one of them. Before the model is planned, :func:`tie_declared`
+    ties them the way ``from_pretrained`` does: ``model.tie_weights(missing_keys=...)``, with
+    the names the file lacks, so the one in the file is kept (either side), and a pair the
+    file holds both of is left untied (both read).
+
 Note: buffers the model computes
     A non-persistent buffer is not in the file. On a model built on the meta device it has no
     value either; like ``from_pretrained``, it is given storage and the model's own
@@ -277,6 +286,34 @@ class ModelWeights(ParamValues):
     def close(self) -> None:
         for f in self.files:
             f.close()
+
+
+def tie_declared(model: nn.Module, source) -> None:
+    """Ties the parameters a ``transformers`` model declares tied (``tie_word_embeddings``) but
+    holds as two meta parameters, with ``model.tie_weights(missing_keys=...)`` as its
+    ``from_pretrained`` does (the module Note: tied weights the model forgot). Call before the
+    model is planned: tying replaces a parameter."""
+    declared = getattr(model, "get_expanded_tied_weights_keys", None)
+    if declared is None or not hasattr(model, "tie_weights"):
+        return
+    untied = False
+    for target, tied_to in declared(all_submodels=True).items():
+        try:
+            a, b = model.get_parameter(target), model.get_parameter(tied_to)
+        except AttributeError:
+            continue
+        untied |= a is not b and (a.is_meta or b.is_meta)
+    if not untied:
+        return
+    from offload.runtime.conversion import convert_checkpoint  # noqa: PLC0415
+
+    tensors, files, where = open_weights(source)
+    try:
+        names = set(convert_checkpoint(model, tensors, where))
+    finally:
+        for f in files:
+            f.close()
+    model.tie_weights(missing_keys={n for n in model.state_dict() if n not in names})
 
 
 def _sentinel(buf: torch.Tensor) -> torch.Tensor:

@@ -1405,6 +1405,29 @@ def test_a_unit_s_layer_called_outside_the_unit_is_an_error(tmp_path, param_dev)
     opt.close()
 
 
+@pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
+def test_a_part_called_outside_its_unit_under_no_grad_gathers_it_for_the_call(tmp_path, param_dev):
+    """An inference that calls part of the model by itself (Hugging Face's ``generate`` runs
+    an encoder-decoder's encoder so, whose embedding is the root's): under ``no_grad`` between
+    steps the part gathers its unit for the call and releases it after (it raised, as it
+    still does with gradients on: above)."""
+    torch.manual_seed(0)
+    plain = _Parent()
+    cfg = placement_config(param_dev, "cpu", tmp_path)
+    model, opt = offload.wrap(copy.deepcopy(plain), cfg)
+    runtime = opt._engine
+    tokens = batches(1)[0][:, :-1]
+    x = torch.randn(2, 5, plain.inner.embed.embedding_dim)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model.inner(tokens), plain.inner(tokens), rtol=0, atol=0)
+            got = model.inner.blocks[1].fc1(x)  # a layer of a unit, by itself
+            torch.testing.assert_close(got, plain.inner.blocks[1].fc1(x), rtol=0, atol=0)
+        assert not any(runtime.params.gathered(u) for u in runtime.units)
+    finally:
+        opt.close()
+
+
 class _TwiceCheckpointed(nn.Module):
     """One unit called twice, each call under activation checkpointing."""
 

@@ -268,6 +268,32 @@ def test_init_empty_weights_and_a_meta_context_both_load(tmp_path):
             opt.close()
 
 
+@pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
+def test_an_encoder_decoder_generates_as_transformers(tmp_path, param_dev):
+    """``generate`` on a wrapped T5 raised: it runs the encoder by itself
+    (``model.get_encoder()(...)``), whose embedding is the root unit's, released outside the
+    model's forward. Under ``no_grad`` such a part gathers its unit for the call now; the
+    tokens are transformers' own, and a training step follows."""
+    from transformers import T5Config, T5ForConditionalGeneration  # noqa: PLC0415
+
+    cfg = T5Config(
+        vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = T5ForConditionalGeneration(cfg).eval()
+    ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(1))
+    want = ref.generate(ids, max_new_tokens=6, do_sample=False)
+    model, opt = offload.wrap(copy.deepcopy(ref), nvme_config(tmp_path, param_dev, "cpu"))
+    try:
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want)
+        model.train()
+        model(input_ids=ids, labels=want[:, 1:].contiguous()).loss.backward()
+        opt.step()
+    finally:
+        opt.close()
+
+
 # ------------------------------------------------------------------------------- clipping
 PLACEMENTS = [(p, o) for p in ("none", "cpu", "nvme") for o in ("cpu", "nvme")]
 

@@ -139,6 +139,8 @@ class Runtime:
         self._backward_first: UnitRun | None = self.runs[-1] if self._keeps else None
         self._callback_queued = False
         self._grad_free = False  # the backward running reaches no trainable parameter
+        # (part, its unit) gathered for a call outside the unit's forward (_check_gathered)
+        self._gathered_for_call: list[tuple[nn.Module, UnitRun]] = []
         self.released = False  # closed without restore: the parameters' values are gone
         # a backward failed part way: its gradients are incomplete until zero_grad()
         self._grads_incomplete = False
@@ -232,14 +234,35 @@ class Runtime:
                         lambda m, a, r=run, n=name: self._check_gathered(r, n, m)
                     )
                 )
+                self._handles.append(
+                    module.register_forward_hook(
+                        lambda m, a, o, r=run: self._release_after_call(r, m), always_call=True
+                    )
+                )
 
     def _check_gathered(self, run: UnitRun, name: str, module: nn.Module) -> None:
-        if not run.home.gathered(run.unit) and not self.closed:
-            raise RuntimeError(
-                f"offload: {name} ({type(module).__name__}) was called outside the forward of "
-                f"its unit {run.unit.label}, whose parameters are released there (they would "
-                f"read as zeros). {run.residency.called_outside}"
-            )
+        """Called outside its unit's forward under ``no_grad`` between steps (an inference
+        that calls part of the model: Hugging Face's ``generate`` runs an encoder-decoder's
+        encoder by itself, ``model.get_encoder()(...)``, whose embedding is the root unit's),
+        the part gathers its unit for the call; with gradients on it raises (the unit's
+        backward would not follow it)."""
+        if run.home.gathered(run.unit) or self.closed:
+            return
+        if not torch.is_grad_enabled() and self.phase.phase is Phase.IDLE:
+            run.gather(Phase.FORWARD.value)
+            self._gathered_for_call.append((module, run))
+            return
+        raise RuntimeError(
+            f"offload: {name} ({type(module).__name__}) was called outside the forward of "
+            f"its unit {run.unit.label}, whose parameters are released there (they would "
+            f"read as zeros). {run.residency.called_outside}"
+        )
+
+    def _release_after_call(self, run: UnitRun, module: nn.Module) -> None:
+        calls = self._gathered_for_call
+        if calls and calls[-1][0] is module and calls[-1][1] is run:
+            calls.pop()
+            run.release()
 
     def _settle_update_for_read(self) -> None:
         """The parameters are read through the model between a step and the next forward (an

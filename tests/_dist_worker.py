@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from engine_models import (
+    STACK_DIM,
     BranchBlock,
     LoraLM,
     NormBlock,
@@ -224,6 +225,9 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
                 refused.append([s, m, str(exc)])
                 opt.zero_grad()
                 continue
+            if job.get("probe_one_rank") and rank == 1:  # a unit called by itself, one rank
+                with torch.no_grad():
+                    model.blocks[1](torch.zeros(1, 2, STACK_DIM))
             total += float(loss.detach())
         if job.get("peek"):  # a forward (its gathers collective) no backward follows
             batch = slice_of(data[s % len(data)], rank, world)

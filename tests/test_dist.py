@@ -154,6 +154,8 @@ def two(root) -> Path:
         job("branch-s3-nvme-cpu", "nvme", "cpu", 3, steps=4, model="branch"),
         job("unitskip-s2-cpu-cpu", "cpu", "cpu", 2, steps=3, model="unitskip"),
         job("unitskip-s2-nvme-nvme", "nvme", "nvme", 2, steps=3, model="unitskip"),
+        job("probe-s2", "cpu", "cpu", 2, steps=2, model="stack", probe_one_rank=True),
+        job("unprobed-s2", "cpu", "cpu", 2, steps=2, model="stack"),
         job("norm-whole", "cpu", "nvme", 3, steps=4, model="norm"),
         job("norm-first", "cpu", "nvme", 3, steps=2, model="norm", save=str(root / "ckN")),
         job("norm-second", "cpu", "nvme", 3, steps=4, model="norm", load=str(root / "ckN")),
@@ -267,6 +269,15 @@ def test_a_unit_one_rank_skips_is_refused_on_every_rank(two, name):
         losses.append(total)
     _losses_close(result(two, name)["losses"], losses)
     _close(_final(two, name), model.state_dict())
+
+
+def test_a_unit_one_rank_calls_under_no_grad_does_not_change_the_reductions(two):
+    """Rank 1 calls one block by itself under ``no_grad`` after each backward (a probe, no
+    collective at stage 2): it took its place in the order of the next backward's reductions
+    there, and that backward was refused as if the ranks had run different units."""
+    assert result(two, "probe-s2", 1)["refused"] == []
+    assert result(two, "probe-s2")["losses"] == result(two, "unprobed-s2")["losses"]
+    _close(_final(two, "probe-s2"), _final(two, "unprobed-s2"), rtol=0, atol=0)
 
 
 def test_frozen_layers_inside_sharded_units_pass_their_gradient_on(two):

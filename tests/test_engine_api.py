@@ -1428,6 +1428,32 @@ def test_a_part_called_outside_its_unit_under_no_grad_gathers_it_for_the_call(tm
         opt.close()
 
 
+def test_a_part_called_right_after_step_reads_the_stepped_values(tmp_path):
+    """The NVMe update runs on after ``step()``; a part called by itself gathered its unit
+    without waiting for the unit's update, and computed with the values of before the step
+    (9.4e-2 off torch, no error), where the unit's own forward waits."""
+    from engine_models import STACK_DIM, StackBlock  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    cfg = placement_config("nvme", "nvme", tmp_path)
+    cfg["wrap"] = {"module_classes": ["StackBlock"]}
+    model, opt = offload.wrap(
+        nn.Sequential(StackBlock(), StackBlock(), nn.Linear(STACK_DIM, 1)), cfg
+    )
+    x = torch.randn(2, 5, STACK_DIM)
+    try:
+        model(x).pow(2).mean().backward()
+        opt.clip_grad_norm_(1e-3)  # (clipping: the update runs after the backward)
+        opt.step()
+        with torch.no_grad():
+            got = model[1].fc1(x)
+        values = model.state_dict()  # (waits for the update)
+        w, b = values["1.fc1.weight"], values["1.fc1.bias"]
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=0, atol=1e-6)
+    finally:
+        opt.close()
+
+
 class _TwiceCheckpointed(nn.Module):
     """One unit called twice, each call under activation checkpointing."""
 

@@ -259,20 +259,24 @@ def test_dataclass_outputs_train_as_torch(tmp_path, param_dev):
         opt.close()
 
 
-@pytest.mark.parametrize("param_dev", ["none", "cpu", "nvme"])
+@pytest.mark.parametrize("param_dev", ["none", "cpu", "nvme", "persistent"])
 @pytest.mark.parametrize("wrt", ["input", "params"])
 def test_a_gradient_penalty_trains_as_torch_or_is_refused(tmp_path, param_dev, wrt):
     """A loss holding a gradient (``autograd.grad(create_graph=True)``: WGAN-GP's penalty on
     the input's gradient, a penalty on the parameters' gradient). Its backward goes through
     the graph the first one built, which holds the parameters: released ones read zeros (5e-2
     to 8e-2 off torch after one step, no error). Refused where offload releases them, before
-    anything is taken (a plain step follows); as torch where they stay on the device."""
+    anything is taken (a plain step follows); as torch where they stay on the device, and
+    where every unit is persistent (kept to the step) and the root holds no parameter."""
     torch.manual_seed(0)
     model = nn.Sequential(StackBlock(), StackBlock(), nn.Linear(STACK_DIM, 1))
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    cfg = placement_config(param_dev, "cpu", tmp_path)
-    cfg["wrap"] = {"module_classes": ["StackBlock"]}
+    persistent = param_dev == "persistent"
+    cfg = placement_config("cpu" if persistent else param_dev, "cpu", tmp_path)
+    cfg["wrap"] = {"module_classes": ["StackBlock", "Linear"] if persistent else ["StackBlock"]}
+    if persistent:
+        cfg["offload_param"]["persistence_threshold"] = 10**6
     model, opt = offload.wrap(model, cfg)
     x = torch.randn(4, 3, STACK_DIM, generator=torch.Generator().manual_seed(1))
 
@@ -286,7 +290,7 @@ def test_a_gradient_penalty_trains_as_torch_or_is_refused(tmp_path, param_dev, w
     try:
         penalized(ref).backward()
         ref_opt.step()
-        if param_dev == "none":
+        if param_dev in ("none", "persistent"):
             penalized(model).backward()
             opt.step()
             _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)

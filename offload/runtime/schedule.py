@@ -213,6 +213,9 @@ class _Worker:
 class StepSchedule:
     """Interface of the schedules; the defaults are those of a step after backward."""
 
+    # whether a backward may release persistent units (the update in it does)
+    releases_persistent = False
+
     def __init__(
         self, optim: OptimHome, params: ParamHome, stepped: list[Unit], timers: dict[str, float]
     ) -> None:
@@ -325,6 +328,8 @@ class InBackward(Background):
     update would not have been kept makes the next one update after its backward (no redo to
     pay while the loop clips every step); one that would have been kept makes the next
     speculative again."""
+
+    releases_persistent = True
 
     def __init__(
         self, optim, params, stepped, timers, *, grads, accumulation: int | None, retain: bool

@@ -249,6 +249,7 @@ class Runtime:
         if run.home.gathered(run.unit) or self.closed:
             return
         if not torch.is_grad_enabled() and self.phase.phase is Phase.IDLE:
+            self._ready_for_forward(run)
             run.gather(Phase.FORWARD.value)
             self._gathered_for_call.append((module, run))
             return
@@ -400,10 +401,16 @@ class Runtime:
         if self.phase.phase is Phase.BACKWARD:
             self._check_one_backward(run)
         else:  # an update starts only after the backward
-            self.schedule.wait_unit(run.unit)
-            self.params.refresh(run.unit)  # stages 1-2: the other ranks' updated shares
-            self.grads.forward_use(run.unit)  # (stages 2-3: the order of the reductions)
+            self._ready_for_forward(run)
+            if torch.is_grad_enabled():  # (stages 2-3: the order of the reductions)
+                self.grads.forward_use(run.unit)
         run.gather(self.phase.phase.value)
+
+    def _ready_for_forward(self, run: UnitRun) -> None:
+        """The unit's values are the last step's: its update done (it may still run after
+        ``step()``), and at stages 1-2 the other ranks' updated shares in."""
+        self.schedule.wait_unit(run.unit)
+        self.params.refresh(run.unit)
 
     @_hook
     def _watch_inputs(self, run: UnitRun, args, kwargs):
@@ -562,7 +569,13 @@ class Runtime:
         hook sees (the engine sets it from ``create_graph``)."""
         if not torch.is_grad_enabled():
             return
-        released = [run.unit.label for run in self.runs if run.home.releases]
+        released = [
+            run.unit.label
+            for run in self.runs
+            if run.home.releases
+            and run.unit.layout.segments
+            and (run.residency.released_by_backward or self.schedule.releases_persistent)
+        ]
         if released:
             raise PhaseError(
                 "offload: a backward with create_graph=True (torch.autograd.grad or "

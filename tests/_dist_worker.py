@@ -78,9 +78,11 @@ def skips(step: int, rank: int) -> bool:
 
 
 def skips_unit(step: int, micro: int, rank: int) -> int | None:
-    """``"model": "unitskip"``: the block rank 1 leaves out (the third, in step 1's first
-    micro-step: a whole unit one rank skips)."""
-    return 2 if (rank, step, micro) == (1, 1, 0) else None
+    """``"model": "unitskip"``: the block rank 1 leaves out (the third, in step 1's second
+    micro-step: a whole unit one rank skips, in a forward that gathers nothing; the first
+    forward after a step gathers each unit's updated shares as it uses it, which a skip
+    would make differ)."""
+    return 2 if (rank, step, micro) == (1, 1, 1) else None
 
 
 def slice_of(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -221,9 +223,8 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
                     assert lm_loss(model, batch).item() > 0
             try:
                 loss.backward()
-            except UnitOrderError as exc:  # refused on every rank: the micro-step is dropped
-                refused.append([s, m, str(exc)])
-                opt.zero_grad()
+            except UnitOrderError as exc:  # refused on every rank before it took anything:
+                refused.append([s, m, str(exc)])  # the micro-step is left out, the earlier kept
                 continue
             if job.get("probe_one_rank") and rank == 1:  # a unit called by itself, one rank
                 with torch.no_grad():

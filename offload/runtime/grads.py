@@ -159,10 +159,12 @@ class ScatteredGrads(Grads):
         branch around it: MoE experts made units) reduced it last, so the ranks' reductions
         paired units of the same size silently and the rest ended in gloo aborting one
         process (``EnforceNotMet``) or in ``distributed.timeout``. One small gather of each
-        rank's order, not counted with the gradients' collectives (``offload.dist``). At stage 3
-        the forward's gathers already differ (one rank gathers a unit the other does not), so
-        the check is reached only where they happened to pair (the look-ahead gathered the
-        skipped unit anyway); otherwise gloo aborts a process, as before."""
+        rank's order, not counted with the gradients' collectives (``offload.dist``). Where the
+        forward gathers (stage 3; at stage 2 the first forward after a step, which gathers each
+        unit's updated shares as it uses it) the ranks' gathers already differ (one rank
+        gathers a unit the other does not), so the check is reached only where they happened
+        to pair (the look-ahead gathered the skipped unit anyway); otherwise the ranks stop at
+        ``distributed.timeout`` or gloo aborts a process, as before."""
         if self._turns is not None:
             return  # (a backward that was entered twice before its first unit)
         used = [self.units[i] for i in reversed(self._used)]

@@ -67,7 +67,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the global L2 norm of the accumulated gradients to ``max_norm`` (applied inside
-        the next ``step()``, fused into the Adam kernel); returns the norm before clipping."""
+        the next ``step()``, fused into the Adam kernel); returns the norm before this call's
+        clipping. As with torch's in-place clipping, a second call before ``step()`` sees the
+        gradients the first one clipped: it returns their norm and clips further only if that
+        is above its ``max_norm`` (the coefficients multiply)."""
         if norm_type != 2.0:
             raise ValueError(f"clip_grad_norm_: norm_type={norm_type!r} is not supported; only 2.0")
         if not max_norm > 0:
@@ -77,20 +80,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
             torch.tensor(max_norm, dtype=torch.float32)
             / torch.tensor(norm + 1e-6, dtype=torch.float32)
         )
-        self._clip_coef = min(coef, 1.0)
+        self._clip_coef = self._pending_coef() * min(coef, 1.0)
         return torch.tensor(norm, dtype=torch.float32)
 
     def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of the accumulated gradients (loss scale removed), clipping
-        nothing: what ``clip_grad_norm_`` returns."""
+        """The global L2 norm of the accumulated gradients (loss scale removed, any clipping
+        asked since the last step applied), clipping nothing: what ``clip_grad_norm_``
+        returns."""
         return torch.tensor(self._norm(), dtype=torch.float32)
 
+    def _pending_coef(self) -> float:
+        """The clipping asked since the last step (1: none)."""
+        return 1.0 if self._clip_coef is None else self._clip_coef
+
     def _norm(self) -> float:
+        """The norm of the gradients the next step would apply: loss scale removed, and times
+        the clipping asked so far (torch's clipping scales ``p.grad`` in place)."""
         found_inf, ss = self._engine.grad_norm_sq()
         norm = math.sqrt(ss) if not found_inf else math.inf
         if self.scaler is not None:
             norm /= self.scaler.scale
-        return norm
+        return norm * self._pending_coef()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -112,7 +122,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             inv_scale = 1.0 / self.scaler.scale
         if self._clip_coef is None and self.gradient_clipping > 0:
             self.clip_grad_norm_(self.gradient_clipping)
-        coef = 1.0 if self._clip_coef is None else self._clip_coef
+        coef = self._pending_coef()
         try:
             engine.step(grad_scale=inv_scale * coef, clipped=coef < 1.0)
         finally:

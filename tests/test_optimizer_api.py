@@ -1,0 +1,64 @@
+"""The optimizer ``offload.wrap`` returns, as torch code uses it: clipping called twice, param
+groups, torch's clipping functions bound by name, ``state_dict`` to and from
+``torch.optim.AdamW``, ``zero_grad(set_to_none=False)`` and ``torch.amp.GradScaler``. Numbers
+are compared against plain torch on a deep copy of the same model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_models import batches, lm_loss, make_model, placement_config
+
+import offload
+
+# (param_dev, opt_dev, keep_grads): where the gradients live, each of the three owners
+GRAD_OWNERS = {
+    "autograd": ("none", "cpu", None),  # p.grad
+    "host": ("none", "cpu", False),  # offload's host buffer
+    "nvme": ("cpu", "nvme", None),  # NVMe shards
+}
+
+
+def _wrap(tmp_path, owner: str, model=None, **over):
+    param_dev, opt_dev, keep = GRAD_OWNERS[owner]
+    cfg = placement_config(param_dev, opt_dev, tmp_path, **over)
+    kw = {} if keep is None else {"_keep_grads": keep}
+    return offload.wrap(make_model() if model is None else model, cfg, **kw)
+
+
+def _torch_adamw(model, lr=1e-2, wd=0.1):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=wd, foreach=False)
+
+
+def _assert_close(sd, ref_sd, rtol=1e-5, atol=1e-7):
+    assert set(sd) == set(ref_sd)
+    for name, ref in ref_sd.items():
+        torch.testing.assert_close(sd[name].float(), ref.float(), rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("owner", list(GRAD_OWNERS))
+def test_clipping_twice_clips_the_clipped_gradients_as_torch(tmp_path, owner):
+    """A second ``clip_grad_norm_`` before ``step()`` sees the gradients the first one clipped,
+    as torch's in-place clipping does (it replaced the first coefficient and returned the
+    unclipped norm: clip(0.1) then clip(1.0) clipped to 1.0)."""
+    data = batches(3)
+    ref = make_model()
+    ref_opt = _torch_adamw(ref)
+    ref_params = [p for p in ref.parameters() if p.requires_grad]
+    model, opt = _wrap(tmp_path, owner)
+    try:
+        for tokens in data:
+            lm_loss(ref, tokens).backward()
+            want = [torch.nn.utils.clip_grad_norm_(ref_params, m) for m in (0.1, 1.0, 0.05, 0.05)]
+            ref_opt.step()
+            ref_opt.zero_grad()
+            lm_loss(model, tokens).backward()
+            got = [opt.clip_grad_norm_(m) for m in (0.1, 1.0, 0.05, 0.05)]
+            torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-4, atol=0)
+            torch.testing.assert_close(opt.grad_norm(), want[-1], rtol=1e-4, atol=0)
+            opt.step()
+            opt.zero_grad()
+        _assert_close(model.state_dict(), ref.state_dict())
+    finally:
+        opt.close()

@@ -62,3 +62,43 @@ def test_clipping_twice_clips_the_clipped_gradients_as_torch(tmp_path, owner):
         _assert_close(model.state_dict(), ref.state_dict())
     finally:
         opt.close()
+
+
+def test_param_groups_are_fixed_at_wrap(tmp_path):
+    """``add_param_group`` after wrap, and a changed ``param_groups``, are refused (were
+    accepted and ignored: a parameter added never moved, a no-decay group decayed, and
+    ``state_dict()`` raised a KeyError with a tensor for its message)."""
+    data = batches(2)
+    model, opt = _wrap(tmp_path, "autograd")
+    try:
+        extra = torch.nn.Parameter(torch.ones(()))
+        with pytest.raises(ValueError, match="add_param_group.*one param group.*before offload"):
+            opt.add_param_group({"params": [extra], "lr": 0.1})
+        assert len(opt.param_groups) == 1
+        lm_loss(model, data[0]).backward()
+        opt.step()  # the refused call changed nothing
+        opt.zero_grad()
+
+        group = opt.param_groups[0]
+        params = list(group["params"])
+        biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        nobias = [p for p in params if all(p is not b for b in biases)]
+        for change in (
+            lambda: group.__setitem__("params", nobias),
+            lambda: group["params"].append(extra),
+            lambda: opt.param_groups.append({**group, "params": biases}),
+            lambda: opt.param_groups.__setitem__(0, dict(group)),
+        ):
+            change()
+            lm_loss(model, data[1]).backward()
+            for call in (opt.step, opt.state_dict):
+                with pytest.raises(ValueError, match="param_groups was changed.*one param group"):
+                    call()
+            opt.param_groups[:] = [group]
+            group["params"] = list(params)
+            opt.step()  # put back, it trains
+            opt.zero_grad()
+        group["lr"] = 1e-3  # a hyperparameter (a scheduler's change) is fine
+        opt.state_dict()
+    finally:
+        opt.close()

@@ -39,6 +39,30 @@ class OffloadOptimizer(torch.optim.Optimizer):
         runtime.needs_scaled_loss = scaler is not None
         self._clip_coef: float | None = None
         self.skipped_steps = 0
+        self._group, self._params = self.param_groups[0], tuple(self.param_groups[0]["params"])
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Torch's for the one group ``wrap`` builds; refused after (:meth:`_check_groups`)."""
+        if "_engine" not in self.__dict__:  # torch's __init__ adding wrap's group
+            return super().add_param_group(param_group)
+        raise ValueError(_ONE_GROUP.format(what="optimizer.add_param_group() after offload.wrap"))
+
+    def _check_groups(self, what: str) -> None:
+        """The runtime trains the group ``wrap`` built, fixed then; a change to ``param_groups``
+        other than its hyperparameters would be ignored, so it is refused here."""
+        groups = self.param_groups
+        if len(groups) == 1 and groups[0] is self._group:
+            params = groups[0]["params"]
+            if len(params) == len(self._params) and all(
+                a is b for a, b in zip(params, self._params, strict=True)
+            ):
+                return
+        raise ValueError(
+            _ONE_GROUP.format(
+                what=f"{what}: optimizer.param_groups was changed after offload.wrap (groups or "
+                "their 'params')"
+            )
+        )
 
     @staticmethod
     def hyper_of(group: dict, scaler: DynamicLossScaler | None = None) -> dict:
@@ -109,6 +133,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         engine = self._engine
+        self._check_groups("optimizer.step()")
         engine.check_can_step()
         inv_scale = 1.0
         if self.scaler is not None:
@@ -170,6 +195,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         fp32 ``master``), gathered from wherever it lives. This pulls the whole optimizer state
         into RAM; use ``offload.save_checkpoint`` for models whose state does not fit."""
         engine = self._engine
+        self._check_groups("optimizer.state_dict()")
         engine.check_readable("optimizer.state_dict()")
         index = {p: i for i, p in enumerate(self.param_groups[0]["params"])}
         state: dict[int, dict] = {}
@@ -189,6 +215,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         engine = self._engine
+        self._check_groups("optimizer.load_state_dict()")
         engine.check_idle("optimizer.load_state_dict()", restoring=True)
         params = self.param_groups[0]["params"]
         state = state_dict["state"]
@@ -222,6 +249,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.scaler is not None and "loss_scaler" in extra:
             self.scaler.load_state_dict(extra["loss_scaler"])
         engine.state_restored()
+
+
+_ONE_GROUP = (
+    "{what} is not supported: offload's optimizer has one param group, fixed at wrap: all of "
+    "the model's trainable parameters with the config's optimizer hyperparameters (lr, betas, "
+    "eps, weight_decay; a scheduler may change them, for all parameters together). A "
+    "parameter outside the model cannot be added: make it part of the model (an nn.Parameter "
+    "of one of its modules) before offload.wrap. Per-group hyperparameters (no weight decay "
+    "for biases and norms) are not supported; a parameter that should not train is frozen "
+    "with requires_grad_(False) before offload.wrap"
+)
 
 
 def _mark_scaled(runtime: weakref.ref):

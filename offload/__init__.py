@@ -12,7 +12,10 @@ Everything else lives in subpackages (``offload.optim``, ``offload.io``, ``offlo
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.abc
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -73,3 +76,74 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(modname), name)
     globals()[name] = value
     return value
+
+
+# ------------------------------------------------------------------ torch's clipping, guarded
+# (offload.api.clipping's Note on the guard). It is installed here, at `import offload`, so a
+# script's `from torch.nn.utils import clip_grad_norm_` after it binds the guarded function;
+# without torch loaded yet it is installed as torch finishes loading (importing torch here
+# would cost every `import offload` ~2 s). Until a wrap registers a model whose gradients
+# live outside .grad the guard only passes the call on to torch.
+_CLIP_GUARDED = ("clip_grad_norm_", "clip_grad_value_")
+
+
+def _guard_torch_clipping() -> None:
+    """Puts :func:`_clip_guard` around ``torch.nn.utils``' clipping functions (idempotent)."""
+    import torch.nn.utils  # noqa: PLC0415 - loaded already: called once torch is
+    import torch.nn.utils.clip_grad  # noqa: PLC0415
+
+    for module in (torch.nn.utils, torch.nn.utils.clip_grad):
+        for name in _CLIP_GUARDED:
+            fn = getattr(module, name)
+            if not getattr(fn, "_offload_guard", False):
+                setattr(module, name, _clip_guard(fn, name))
+
+
+def _clip_guard(torch_fn, name: str):
+    """``torch_fn``, refusing parameters offload holds the gradients of
+    (``offload.api.clipping.refuse``; before anything imported that, no model was wrapped)."""
+
+    @functools.wraps(torch_fn)
+    def clip(parameters, *args, **kwargs):
+        clipping = sys.modules.get("offload.api.clipping")
+        if clipping is not None:
+            parameters = clipping.refuse(parameters, f"torch.nn.utils.{name}")
+        return torch_fn(parameters, *args, **kwargs)
+
+    clip._offload_guard = True
+    return clip
+
+
+class _GuardOnTorchImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`_guard_torch_clipping` once ``torch`` is loaded, then leaves
+    ``sys.meta_path`` (as ``offload.api.clipping._GuardOnImport`` does for Accelerate; a spec
+    found but not loaded, ``importlib.util.find_spec("torch")``, leaves it in place)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch":
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = None if finder is self or find is None else find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            load(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            _guard_torch_clipping()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "torch" in sys.modules:
+    _guard_torch_clipping()
+elif not any(isinstance(f, _GuardOnTorchImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _GuardOnTorchImport())

@@ -5,6 +5,11 @@ are compared against plain torch on a deep copy of the same model."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from engine_models import batches, lm_loss, make_model, placement_config
@@ -102,3 +107,50 @@ def test_param_groups_are_fixed_at_wrap(tmp_path):
         opt.state_dict()
     finally:
         opt.close()
+
+
+TESTS = Path(__file__).resolve().parent
+
+_BOUND_BY_NAME = """
+import importlib.util, sys
+{first}
+assert importlib.util.find_spec("torch")  # a spec asked for, not loaded (transformers does)
+from torch.nn.utils import clip_grad_norm_, clip_grad_value_
+from torch.nn.utils.clip_grad import clip_grad_norm_ as clip_norm_2
+import torch
+sys.path.insert(0, {tests!r})
+from engine_models import batches, lm_loss, make_model, placement_config
+from offload.api.clipping import ClipError
+
+plain = torch.nn.Linear(5, 3)  # no offload model: torch's clipping, unchanged
+plain(torch.ones(2, 5)).square().sum().backward()
+norm = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in plain.parameters()]))
+got = clip_grad_norm_(plain.parameters(), 0.5)
+after = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in plain.parameters()]))
+assert torch.allclose(got, norm) and torch.allclose(after, torch.tensor(0.5)), (got, norm, after)
+cfg = placement_config("none", "cpu", None, dtype="bf16")  # offload holds the gradients
+model, opt = offload.wrap(make_model(), cfg)
+lm_loss(model, batches(1)[0]).backward()
+for clip, arg in ((clip_grad_norm_, 1.0), (clip_norm_2, 1.0), (clip_grad_value_, 0.1)):
+    try:
+        print(float(clip(model.parameters(), arg)))
+    except ClipError:
+        print("refused")
+opt.close()
+"""
+
+
+@pytest.mark.parametrize("first", ["import offload", "import torch, offload"])
+def test_torch_clipping_bound_by_name_after_import_offload_is_guarded(first):
+    """``from torch.nn.utils import clip_grad_norm_`` after ``import offload`` and before the
+    first wrap binds the guarded function, torch loaded before offload or not (the guard was
+    installed at the first wrap: the name kept torch's, which returned 0.0 and clipped
+    nothing where offload holds the gradients); other parameters go to torch unchanged. A
+    fresh process: here torch and offload are imported already."""
+    script = _BOUND_BY_NAME.format(first=first, tests=str(TESTS))
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent))
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["refused"] * 3, out.stdout

@@ -11,14 +11,17 @@ Note: why torch's clipping sees nothing
     the coefficient fused into the next ``step()``.
 
 Note: the guard
-    From the first ``wrap`` whose gradients are held elsewhere, ``torch.nn.utils``'s
-    ``clip_grad_norm_`` and ``clip_grad_value_`` (under ``torch.nn.utils`` and
-    ``torch.nn.utils.clip_grad``) go through :func:`_guard`: a call passing parameters of an
-    open offload model whose gradients live elsewhere raises :class:`ClipError` naming the call
+    From ``import offload`` on (or, if torch is not loaded yet then, from when it is:
+    ``offload._GuardOnTorchImport``), ``torch.nn.utils``'s ``clip_grad_norm_`` and
+    ``clip_grad_value_`` (under ``torch.nn.utils`` and ``torch.nn.utils.clip_grad``) go
+    through ``offload._clip_guard`` and :func:`refuse`: a call passing parameters of an open
+    offload model whose gradients live elsewhere raises :class:`ClipError` naming the call
     to use. That is detected exactly (the parameters are the runtime's; their gradients are
     not in ``.grad``), so it is an error, not a warning that would scroll by while the run
-    trains unclipped. Every other call goes to torch unchanged. Code that imported the function
-    by name before offload was imported (``from torch.nn.utils import clip_grad_norm_``) keeps
+    trains unclipped. Every other call goes to torch unchanged. Installing it only at the
+    first ``wrap`` let a script's usual ``from torch.nn.utils import clip_grad_norm_`` (after
+    ``import offload``, before the wrap) keep torch's own, which returned 0.0 and clipped
+    nothing. Code that imported the function by name before offload was imported keeps
     torch's own; it is not guarded. ``accelerate.Accelerator.clip_grad_norm_`` is guarded the
     same way (:func:`_guard_accelerate`, at the first ``wrap`` or, if Accelerate is imported
     only later, as it loads: :class:`_GuardOnImport`): from Accelerate 1.16 (with
@@ -48,13 +51,12 @@ import weakref
 
 import torch
 import torch.nn.utils
-import torch.nn.utils.clip_grad
 
+import offload
 from offload.plan import GradOwner
 
 # optimizers whose runtime keeps gradients outside .grad (weak: a closed, dropped model goes)
 _HELD: weakref.WeakSet = weakref.WeakSet()
-_GUARDED = ("clip_grad_norm_", "clip_grad_value_")
 _WHERE = {GradOwner.HOST: "a host buffer", GradOwner.NVME: "NVMe shards"}
 
 
@@ -71,11 +73,7 @@ def register(optimizer) -> None:
 
 
 def _install() -> None:
-    for module in (torch.nn.utils, torch.nn.utils.clip_grad):
-        for name in _GUARDED:
-            fn = getattr(module, name)
-            if not getattr(fn, "_offload_guard", False):
-                setattr(module, name, _guard(fn, name))
+    offload._guard_torch_clipping()  # done at `import offload` already (module Note)
     if "accelerate" in sys.modules:
         _guard_accelerate()
     elif not any(isinstance(f, _GuardOnImport) for f in sys.meta_path):
@@ -175,15 +173,12 @@ def _refuse(params: list, call: str) -> None:
         )
 
 
-def _guard(torch_fn, name: str):
-    @functools.wraps(torch_fn)
-    def clip(parameters, *args, **kwargs):
-        params = _as_list(parameters)
-        _refuse(params, f"torch.nn.utils.{name}")
-        return torch_fn(params, *args, **kwargs)
-
-    clip._offload_guard = True
-    return clip
+def refuse(parameters, call: str) -> list:
+    """``parameters`` as a list, after :func:`_refuse`: the check of the guard on torch's
+    clipping functions (``offload._clip_guard``, installed at ``import offload``)."""
+    params = _as_list(parameters)
+    _refuse(params, call)
+    return params
 
 
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, fallback=None):

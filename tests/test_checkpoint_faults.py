@@ -337,7 +337,11 @@ def test_intact_copy_loads_and_the_snapshot_sees_it(world, tmp_path):
     for part in ("model", "engine"):
         for k, v in expected[part].items():
             assert torch.equal(v, after[part][k]), (part, k)
-    assert after["opt_counters"] == {"step_count": 2, "skipped_steps": 0}
+    assert after["opt_counters"] == {
+        "param_order": "model.parameters",
+        "step_count": 2,
+        "skipped_steps": 0,
+    }
     assert after["opt_groups"] == expected["opt_groups"]
 
 

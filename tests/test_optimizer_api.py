@@ -5,6 +5,7 @@ are compared against plain torch on a deep copy of the same model."""
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import torch
 from engine_models import batches, lm_loss, make_model, placement_config
 
 import offload
+from offload.api.wrap import engine_of
 
 # (param_dev, opt_dev, keep_grads): where the gradients live, each of the three owners
 GRAD_OWNERS = {
@@ -154,3 +156,101 @@ def test_torch_clipping_bound_by_name_after_import_offload_is_guarded(first):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["refused"] * 3, out.stdout
+
+
+def _train(model, opt, data):
+    for tokens in data:
+        lm_loss(model, tokens).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("owner", ["autograd", "nvme"])
+def test_state_dict_numbers_parameters_as_torch_does(tmp_path, owner):
+    """``optimizer.state_dict()`` loads into ``torch.optim.AdamW(trainable parameters)`` and
+    training goes on as torch's own run (its parameters were numbered in the units' order, the
+    root unit first: AdamW took it silently where shapes matched, each parameter getting
+    another's moments, 1.5e-1 rel off after 3 more steps)."""
+    data = batches(6)
+    ref = make_model()
+    ref_opt = _torch_adamw(ref)
+    model, opt = _wrap(tmp_path, owner)
+    try:
+        _train(ref, ref_opt, data[:3])
+        _train(model, opt, data[:3])
+        names = {p: n for n, p in model.named_parameters()}
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        assert [names[p] for p in opt.param_groups[0]["params"]] == trainable
+        sd = opt.state_dict()
+        plain = make_model()
+        plain.load_state_dict(model.state_dict())
+    finally:
+        opt.close()
+    plain_opt = _torch_adamw(plain)
+    plain_opt.load_state_dict(sd)
+    want = ref_opt.state_dict()["state"]
+    for i, name in enumerate(trainable):
+        for k in ("exp_avg", "exp_avg_sq"):
+            got = plain_opt.state_dict()["state"][i][k]
+            torch.testing.assert_close(got, want[i][k], rtol=1e-5, atol=1e-8, msg=name)
+    _train(plain, plain_opt, data[3:])
+    _train(ref, ref_opt, data[3:])
+    _assert_close(plain.state_dict(), ref.state_dict())
+
+
+@pytest.mark.parametrize("owner", ["autograd", "nvme"])
+def test_torch_adamw_state_dict_loads(tmp_path, owner):
+    """A ``torch.optim.AdamW`` state dict (a run resumed from torch) loads: its moments and
+    step, the master being the model's values (was: a bare KeyError 'master'; with 'master'
+    added by hand, the moments of other parameters and step 0)."""
+    data = batches(6)
+    ref = make_model()
+    ref_opt = _torch_adamw(ref)
+    _train(ref, ref_opt, data[:3])
+    model, opt = _wrap(tmp_path, owner, model=copy.deepcopy(ref))
+    try:
+        opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+        _train(model, opt, data[3:])
+        _train(ref, ref_opt, data[3:])
+        _assert_close(model.state_dict(), ref.state_dict())
+        amsgrad = torch.optim.AdamW(
+            [p for p in make_model().parameters() if p.requires_grad], amsgrad=True
+        )
+        with pytest.raises(ValueError, match="amsgrad.*loads the state of torch.optim.AdamW"):
+            opt.load_state_dict(amsgrad.state_dict())
+        moments = ref_opt.state_dict()
+        moments["offload"] = {"step_count": 3}  # offload's own, without 'master'
+        with pytest.raises(ValueError, match=r"no \['master'\].*torch.optim.AdamW"):
+            opt.load_state_dict(moments)
+    finally:
+        opt.close()
+
+
+def test_state_dict_of_before_the_torch_order_still_loads(tmp_path):
+    """A state dict saved before the parameters were numbered in ``model.parameters()`` order
+    (no ``param_order`` in its ``offload`` entry: the units' order) loads as it was meant."""
+    data = batches(4)
+    model, opt = _wrap(tmp_path, "autograd")
+    try:
+        _train(model, opt, data[:2])
+        sd = opt.state_dict()
+        units_order = [p for u in engine_of(model).plan.units for p in u.trainable_params]
+        index = {p: i for i, p in enumerate(opt.param_groups[0]["params"])}
+        assert [id(p) for p in index] != [id(p) for p in units_order]  # this model tells them apart
+        old = copy.deepcopy(sd)
+        old["state"] = {j: sd["state"][index[p]] for j, p in enumerate(units_order)}
+        del old["offload"]["param_order"]
+        _train(model, opt, data[2:])
+        want = model.state_dict()
+    finally:
+        opt.close()
+    for saved in (sd, old):
+        model, opt = _wrap(tmp_path / "again", "autograd")
+        try:
+            _train(model, opt, data[:1])  # other state, replaced by the load
+            opt.load_state_dict(copy.deepcopy(saved))
+            assert engine_of(model).step_count == 2
+            _train(model, opt, data[2:])
+            _assert_close(model.state_dict(), want, rtol=0, atol=0)
+        finally:
+            opt.close()

@@ -10,15 +10,18 @@ scaling::
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 
 import torch
 
 from offload.api.loss_scale import DynamicLossScaler
-from offload.homes.optim import KINDS
+from offload.homes.optim import KINDS, MOMENTS
 from offload.runtime import Runtime
 from offload.runtime.values import ParamTensors
+
+logger = logging.getLogger("offload.api")
 
 
 class OffloadOptimizer(torch.optim.Optimizer):
@@ -192,8 +195,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
         """Per-parameter state in torch's layout (``exp_avg``, ``exp_avg_sq``, ``step``, and the
-        fp32 ``master``), gathered from wherever it lives. This pulls the whole optimizer state
-        into RAM; use ``offload.save_checkpoint`` for models whose state does not fit."""
+        fp32 ``master``), gathered from wherever it lives, the parameters numbered as torch
+        numbers them (the trainable ones in ``model.parameters()`` order: the group's order),
+        so ``torch.optim.AdamW`` over them loads it. This pulls the whole optimizer state into
+        RAM; use ``offload.save_checkpoint`` for models whose state does not fit."""
         engine = self._engine
         self._check_groups("optimizer.state_dict()")
         engine.check_readable("optimizer.state_dict()")
@@ -208,47 +213,109 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     state[index[seg.param]] = entry
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         groups[0]["params"] = list(range(len(index)))
-        extra = {"step_count": engine.step_count, "skipped_steps": self.skipped_steps}
+        extra = {
+            "param_order": _MODEL_ORDER,
+            "step_count": engine.step_count,
+            "skipped_steps": self.skipped_steps,
+        }
         if self.scaler is not None:
             extra["loss_scaler"] = self.scaler.state_dict()
         return {"state": state, "param_groups": groups, "offload": extra}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Loads :meth:`state_dict`'s (also one saved before its parameters were numbered in
+        ``model.parameters()`` order: without ``param_order`` they are in the order of the
+        units), or a ``torch.optim.AdamW`` / ``Adam`` state dict over the same trainable
+        parameters in ``model.parameters()`` order: its moments and step, the fp32 master
+        staying the model's current values (load the weights with ``model.load_state_dict``)."""
         engine = self._engine
         self._check_groups("optimizer.load_state_dict()")
         engine.check_idle("optimizer.load_state_dict()", restoring=True)
         params = self.param_groups[0]["params"]
-        state = state_dict["state"]
-        if len(state_dict["param_groups"]) != 1 or len(
-            state_dict["param_groups"][0]["params"]
-        ) != len(params):
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != 1 or len(saved_groups[0]["params"]) != len(params):
             raise ValueError(
                 "load_state_dict: the saved optimizer has "
-                f"{sum(len(g['params']) for g in state_dict['param_groups'])} parameters in "
-                f"{len(state_dict['param_groups'])} group(s); this one has {len(params)} in 1"
+                f"{sum(len(g['params']) for g in saved_groups)} parameters in "
+                f"{len(saved_groups)} group(s); this one has {len(params)} in 1"
             )
-        by_param = {}
-        for i, p in enumerate(params):
+        saved_group, extra = saved_groups[0], state_dict.get("offload")
+        ids = saved_group["params"]
+        state = state_dict["state"]
+        if extra is None:  # torch.optim's
+            kinds, step_count = MOMENTS, self._check_torch(saved_group, state)
+        else:
+            kinds, step_count = KINDS, int(extra.get("step_count", engine.step_count))
+            if extra.get("param_order") != _MODEL_ORDER:  # saved in the units' order
+                params = [p for u in engine.plan.units for p in u.trainable_params]
+        values: dict[str, dict] = {k: {} for k in kinds}
+        for i, p in zip(ids, params, strict=True):
             entry = state.get(i, state.get(str(i)))
+            if entry is None and extra is None:  # torch: no gradient yet, no state yet
+                entry = {k: torch.zeros(p.shape) for k in MOMENTS}
             if entry is None:
                 raise ValueError(f"load_state_dict: no saved state for parameter index {i}")
-            by_param[p] = entry
-        source = ParamTensors(
-            {k: {p: s[k] for p, s in by_param.items()} for k in KINDS}, "load_state_dict"
-        )
+            missing = [k for k in kinds if k not in entry]
+            if missing:
+                raise ValueError(
+                    f"load_state_dict: the state of parameter index {i} has no {missing} "
+                    f"(it has {sorted(entry)}); offload loads its own optimizer.state_dict() "
+                    "(with 'master') or a torch.optim.AdamW / Adam one"
+                )
+            for k in kinds:
+                values[k][p] = entry[k]
+        source = ParamTensors(values, "load_state_dict")
         for run in engine.runs:
             engine.values.load(run.unit, source)
             run.release()  # a gathered copy would be stale
-        saved_group = state_dict["param_groups"][0]
         for k, v in saved_group.items():
-            if k != "params":
+            if k != "params" and (extra is not None or k not in _TORCH_FLAGS):
                 self.param_groups[0][k] = tuple(v) if k == "betas" else v
-        extra = state_dict.get("offload", {})
-        engine.step_count = int(extra.get("step_count", engine.step_count))
+        extra = extra or {}
+        engine.step_count = step_count
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         if self.scaler is not None and "loss_scaler" in extra:
             self.scaler.load_state_dict(extra["loss_scaler"])
         engine.state_restored()
+
+    def _check_torch(self, group: dict, state: dict) -> int:
+        """A ``torch.optim.Adam`` / ``AdamW`` state dict's step (one for all parameters, as
+        here: the largest of theirs), after refusing what offload's Adam does not do."""
+        unsupported = [k for k in ("amsgrad", "maximize") if group.get(k)]
+        decoupled = group.get("decoupled_weight_decay")
+        if (
+            decoupled is not None
+            and bool(decoupled) != self.param_groups[0]["adamw_mode"]
+            and float(group.get("weight_decay", 0.0))
+        ):
+            unsupported.append(f"decoupled_weight_decay={bool(decoupled)}")
+        if unsupported:
+            kind = "adamw" if self.param_groups[0]["adamw_mode"] else "adam"
+            raise ValueError(
+                f"load_state_dict: the torch optimizer's state dict has {unsupported}; "
+                f"offload's optimizer (type {kind!r}) has no such option: it loads the state of "
+                "torch.optim.AdamW, or Adam, without amsgrad and maximize ('adamw' decouples "
+                "weight decay as AdamW does, 'adam' adds it to the gradient as Adam does)"
+            )
+        steps = {int(float(entry["step"])) for entry in state.values() if "step" in entry}
+        if len(steps) > 1:
+            logger.warning(
+                "load_state_dict: the torch optimizer's parameters took %s steps; offload "
+                "counts one step for all of them (Adam's bias correction) and takes %d",
+                sorted(steps),
+                max(steps),
+            )
+        return max(steps, default=0)
+
+
+# optimizer.state_dict()'s "offload" entry: its parameters are numbered in model.parameters()
+# order (torch's); before this entry they were numbered in the units' order
+_MODEL_ORDER = "model.parameters"
+# torch.optim.Adam/AdamW's implementation options, not hyperparameters offload reads
+_TORCH_FLAGS = frozenset(
+    ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
+    + ("decoupled_weight_decay",)
+)
 
 
 _ONE_GROUP = (

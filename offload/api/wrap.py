@@ -529,7 +529,9 @@ def wrap(
     if comm.world > 1:
         _check_ranks(comm, model, cfg, plan, weights)
     placement = plan.placement
-    trainable = [p for u in plan.units for p in u.trainable_params]
+    # the optimizer's order is torch's (state_dict numbers them so): model.parameters()
+    order = {p: i for i, p in enumerate(model.parameters())}
+    trainable = sorted((p for u in plan.units for p in u.trainable_params), key=order.__getitem__)
     if not trainable:
         raise ValueError(
             "offload.wrap: the model has no trainable parameters (all requires_grad=False)"

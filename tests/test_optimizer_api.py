@@ -254,3 +254,27 @@ def test_state_dict_of_before_the_torch_order_still_loads(tmp_path):
             _assert_close(model.state_dict(), want, rtol=0, atol=0)
         finally:
             opt.close()
+
+
+def test_zero_grad_set_to_none_false_zeroes_p_grad_in_place(tmp_path):
+    """``zero_grad(set_to_none=False)`` where the gradients stay in ``p.grad`` zeroes them in
+    place, as torch's (it set them to None: code adding to ``p.grad`` then failed), and
+    training goes on as torch's with the same calls."""
+    data = batches(3)
+    ref = make_model()
+    ref_opt = _torch_adamw(ref)
+    model, opt = _wrap(tmp_path, "autograd")
+    try:
+        for tokens in data:
+            for m, o in ((ref, ref_opt), (model, opt)):
+                lm_loss(m, tokens).backward()
+                o.step()
+                before = {p: p.grad for p in m.parameters() if p.grad is not None}
+                o.zero_grad(set_to_none=False)
+                for p in m.parameters():
+                    if p.requires_grad:
+                        assert p.grad is before[p] and not p.grad.any()
+                        assert not p.grad.requires_grad
+        _assert_close(model.state_dict(), ref.state_dict())
+    finally:
+        opt.close()

@@ -278,3 +278,37 @@ def test_zero_grad_set_to_none_false_zeroes_p_grad_in_place(tmp_path):
         _assert_close(model.state_dict(), ref.state_dict())
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("owner", list(GRAD_OWNERS))
+def test_torch_grad_scaler(tmp_path, owner):
+    """``torch.amp.GradScaler`` works where the gradients stay in ``p.grad`` (as with torch's
+    optimizer) and is refused by name where offload holds them (torch raised a bare
+    ``AssertionError: No inf checks were recorded for this optimizer``); bf16 too."""
+    data = batches(3)
+    ref = make_model()
+    ref_opt = _torch_adamw(ref)
+    over = {"dtype": "bf16"} if owner == "host" else {}
+    model, opt = _wrap(tmp_path, owner, **over)
+    try:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+            for tokens in data:
+                scaler.scale(lm_loss(m, tokens)).backward()
+                if owner != "autograd" and o is opt:
+                    with pytest.raises(RuntimeError, match="GradScaler.*optimizer.scale_loss"):
+                        scaler.step(o)
+                    assert not hasattr(o, "found_inf") and not hasattr(o, "grad_scale")
+                    o.zero_grad()
+                    break
+                scaler.unscale_(o)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+                scaler.step(o)
+                scaler.update()
+                o.zero_grad()
+        if owner == "autograd":
+            _assert_close(model.state_dict(), ref.state_dict())
+        lm_loss(model, data[0]).backward()  # without the scaler, it trains
+        opt.step()
+    finally:
+        opt.close()

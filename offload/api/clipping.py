@@ -53,11 +53,11 @@ import torch
 import torch.nn.utils
 
 import offload
+from offload.api.optimizer import GRADS_HELD_IN
 from offload.plan import GradOwner
 
 # optimizers whose runtime keeps gradients outside .grad (weak: a closed, dropped model goes)
 _HELD: weakref.WeakSet = weakref.WeakSet()
-_WHERE = {GradOwner.HOST: "a host buffer", GradOwner.NVME: "NVMe shards"}
 
 
 class ClipError(RuntimeError):
@@ -160,7 +160,7 @@ def _refuse(params: list, call: str) -> None:
     owned = _owned(params)
     if owned:
         opt, hit = next(iter(owned.items()))
-        where = _WHERE.get(opt._engine.plan.placement.grads, "offload's buffers")
+        where = GRADS_HELD_IN.get(opt._engine.plan.placement.grads, "offload's buffers")
         raise ClipError(
             f"{call}: {sum(len(h) for h in owned.values())} of the "
             f"{len(params)} parameters passed are trained by offload, which keeps their "

@@ -18,6 +18,7 @@ import torch
 
 from offload.api.loss_scale import DynamicLossScaler
 from offload.homes.optim import KINDS, MOMENTS
+from offload.plan import GradOwner
 from offload.runtime import Runtime
 from offload.runtime.values import ParamTensors
 
@@ -43,6 +44,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._clip_coef: float | None = None
         self.skipped_steps = 0
         self._group, self._params = self.param_groups[0], tuple(self.param_groups[0]["params"])
+        # torch.amp.GradScaler.step hands an optimizer that says this its scale in
+        # ``grad_scale`` / ``found_inf`` before step(), which refuses it (_refuse_grad_scaler);
+        # gradients in p.grad are GradScaler's to unscale, as with any torch optimizer
+        self._step_supports_amp_scaling = runtime.plan.placement.grads is not GradOwner.AUTOGRAD
 
     def add_param_group(self, param_group: dict) -> None:
         """Torch's for the one group ``wrap`` builds; refused after (:meth:`_check_groups`)."""
@@ -131,6 +136,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        self._refuse_grad_scaler()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -158,6 +164,25 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
         return loss
+
+    def _refuse_grad_scaler(self) -> None:
+        """``torch.amp.GradScaler.step(optimizer)`` where offload holds the gradients: it can
+        neither unscale nor check them (not in ``p.grad``; torch's own error was a bare
+        ``AssertionError: No inf checks were recorded``), so the step is refused, naming what
+        to use (the attributes it set are taken off, as it would)."""
+        if "found_inf" not in self.__dict__:
+            return
+        self.__dict__.pop("grad_scale", None)
+        self.__dict__.pop("found_inf")
+        where = GRADS_HELD_IN.get(self._engine.plan.placement.grads, "offload's buffers")
+        raise RuntimeError(
+            "torch.amp.GradScaler cannot scale offload's gradients: offload keeps them in "
+            f"{where}, not in p.grad, where GradScaler unscales them and looks for infs. bf16 "
+            "and fp32 need no loss scaling: drop the GradScaler (loss.backward(), "
+            "optimizer.step()). With fp16 offload scales the loss itself: "
+            "optimizer.scale_loss(loss).backward(), then optimizer.step(), tuned by the "
+            "config's loss_scale section"
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients (and the backwards since the step). ``set_to_none=False``: a
@@ -329,6 +354,8 @@ _TORCH_FLAGS = frozenset(
 )
 
 
+# where offload holds gradients that are not in p.grad, in words (errors name it)
+GRADS_HELD_IN = {GradOwner.HOST: "a host buffer", GradOwner.NVME: "NVMe shards"}
 _ONE_GROUP = (
     "{what} is not supported: offload's optimizer has one param group, fixed at wrap: all of "
     "the model's trainable parameters with the config's optimizer hyperparameters (lr, betas, "

@@ -256,10 +256,11 @@ def test_state_dict_of_before_the_torch_order_still_loads(tmp_path):
             opt.close()
 
 
-def test_zero_grad_set_to_none_false_zeroes_p_grad_in_place(tmp_path):
-    """``zero_grad(set_to_none=False)`` where the gradients stay in ``p.grad`` zeroes them in
-    place, as torch's (it set them to None: code adding to ``p.grad`` then failed), and
-    training goes on as torch's with the same calls."""
+@pytest.mark.parametrize("through", ["optimizer", "model"])
+def test_zero_grad_set_to_none_false_zeroes_p_grad_in_place(tmp_path, through):
+    """``zero_grad(set_to_none=False)`` (the optimizer's or the model's) where the gradients
+    stay in ``p.grad`` zeroes them in place, as torch's (it set them to None: code adding to
+    ``p.grad`` then failed), and training goes on as torch's with the same calls."""
     data = batches(3)
     ref = make_model()
     ref_opt = _torch_adamw(ref)
@@ -270,7 +271,7 @@ def test_zero_grad_set_to_none_false_zeroes_p_grad_in_place(tmp_path):
                 lm_loss(m, tokens).backward()
                 o.step()
                 before = {p: p.grad for p in m.parameters() if p.grad is not None}
-                o.zero_grad(set_to_none=False)
+                (o if through == "optimizer" else m).zero_grad(set_to_none=False)
                 for p in m.parameters():
                     if p.requires_grad:
                         assert p.grad is before[p] and not p.grad.any()

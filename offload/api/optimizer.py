@@ -188,16 +188,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Drops the gradients (and the backwards since the step). ``set_to_none=False``: a
         ``p.grad`` that is set (where the gradients stay there) is zeroed in place instead, as
         torch's; gradients offload holds elsewhere have no ``p.grad`` and are dropped."""
-        kept = [] if set_to_none else [p for p in self._params if p.grad is not None]
-        grads = [p.grad for p in kept]
-        self._engine.zero_grad()
+        self._engine.zero_grad(set_to_none)
         self._clip_coef = None
-        for p, g in zip(kept, grads, strict=True):
-            if g.grad_fn is not None:
-                g.detach_()
-            else:
-                g.requires_grad_(False)
-            p.grad = g.zero_()
 
     def stats(self) -> dict:
         """The last step's counters: seconds per phase, bytes per tier pair, collectives (bytes

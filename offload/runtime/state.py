@@ -876,14 +876,24 @@ class Runtime:
         self._step_started = time.perf_counter()
         self.telemetry.rebase(self._counters())
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """The gradients are dropped, and with them the backwards since the step (they no
         longer count toward it): an update that ran speculatively in the last one is undone,
-        as no step was taken for it."""
+        as no step was taken for it. ``set_to_none=False``: a ``p.grad`` that is set (where
+        the gradients stay there) is zeroed in place instead, as torch's; gradients offload
+        holds elsewhere have no ``p.grad`` and are dropped."""
         self._check_open()
         self._settle_backward()
         self.schedule.abandon_step()
+        params = [p for u in self.units for p in u.trainable_params]
+        kept = [(p, p.grad) for p in params if not set_to_none and p.grad is not None]
         self.grads.zero()
+        for p, g in kept:
+            if g.grad_fn is not None:
+                g.detach_()
+            else:
+                g.requires_grad_(False)
+            p.grad = g.zero_()
         self.backwards_since_step = 0
         self._grads_incomplete = False
         self._zeroed = True
@@ -1083,7 +1093,7 @@ class _RootOverrides:
     NAMES = ("named_parameters", "zero_grad", "__deepcopy__")
 
     def __init__(
-        self, model: nn.Module, settle: Callable[[], None], zero: Callable[[], None]
+        self, model: nn.Module, settle: Callable[[], None], zero: Callable[[bool], None]
     ) -> None:
         self.model = model
         cls = type(model)
@@ -1094,11 +1104,11 @@ class _RootOverrides:
                 settle()
             return cls.named_parameters(self, *args, **kwargs)
 
-        def zero_grad(self, *args, **kwargs):
-            zero()  # the gradients offload holds outside p.grad go too
+        def zero_grad(self, set_to_none: bool = True):
+            zero(set_to_none)  # the gradients offload holds outside p.grad go too
             waiting.off = True
             try:
-                return cls.zero_grad(self, *args, **kwargs)
+                return cls.zero_grad(self, set_to_none)
             finally:
                 waiting.off = False
 

@@ -139,6 +139,7 @@ class Runtime:
         self._backward_first: UnitRun | None = self.runs[-1] if self._keeps else None
         self._callback_queued = False
         self._grad_free = False  # the backward running reaches no trainable parameter
+        self.load_strict = False  # inside the root's load_state_dict(strict=True)
         # (part, its unit) gathered for a call outside the unit's forward (_check_gathered)
         self._gathered_for_call: list[tuple[nn.Module, UnitRun]] = []
         self.released = False  # closed without restore: the parameters' values are gone
@@ -202,7 +203,7 @@ class Runtime:
         self._handles.append(self.model.register_load_state_dict_post_hook(self._loaded_values))
         self._loaded_keys: set[str] = set()
         self._handles.append(
-            _RootOverrides(self.model, self._settle_update_for_read, self.zero_grad)
+            _RootOverrides(self.model, self._settle_update_for_read, self.zero_grad, self)
         )
 
     def _guard_parts(self) -> None:
@@ -946,8 +947,11 @@ class Runtime:
         step would start from the old master. Their keys are taken out of the dict (torch
         loads the buffers) and out of its missing keys (:meth:`_loaded_values`). The moments
         stay, as torch's load leaves the optimizer alone. A key whose shape differs is
-        reported in torch's words, and then, or when a key is missing (``strict``), no
-        parameter is changed (torch's load would have changed the others)."""
+        reported in torch's words, and then, or when a key is missing from a strict load of
+        the model itself (``load_strict``, :class:`_RootOverrides`), no parameter is changed
+        (torch's load would have changed the others). The hook's own ``strict`` is always True
+        (torch's), so a partial ``strict=False`` load loaded nothing, silently (PEFT's
+        ``load_adapter`` and the Trainer's ``load_best_model_at_end`` load so)."""
         self.check_idle("model.load_state_dict()")
         segments = {s.param: s for u in self.units for s in u.layout.segments}
         given: dict[nn.Parameter, torch.Tensor] = {}
@@ -970,7 +974,7 @@ class Runtime:
                 )
             else:
                 given[p] = value.detach()
-        if strict:  # torch raises for a missing key after loading the others: not here
+        if self.load_strict:  # torch raises for a missing key after loading the others
             absent = [
                 prefix + n
                 for n, p in self.model.named_parameters()
@@ -1088,12 +1092,21 @@ class _RootOverrides:
         ``copy.deepcopy`` of the wrapped model (an EMA's usual start) would copy the engine its
         hooks hold, threads and open files included, and fail deep inside ``copy``; it raises
         a clear error instead, which says to copy the model before ``wrap``.
+
+    Note: model.load_state_dict(strict=...)
+        torch calls each module's load hooks with ``strict=True`` whatever the caller gave,
+        and applies ``strict`` only at the end; the root's ``load_state_dict`` records the
+        caller's for :meth:`Runtime._load_values`.
     """
 
-    NAMES = ("named_parameters", "zero_grad", "__deepcopy__")
+    NAMES = ("named_parameters", "zero_grad", "__deepcopy__", "load_state_dict")
 
     def __init__(
-        self, model: nn.Module, settle: Callable[[], None], zero: Callable[[bool], None]
+        self,
+        model: nn.Module,
+        settle: Callable[[], None],
+        zero: Callable[[bool], None],
+        runtime: Runtime,
     ) -> None:
         self.model = model
         cls = type(model)
@@ -1120,9 +1133,17 @@ class _RootOverrides:
                 "optimizer.close(restore=True) to get a plain PyTorch model back"
             )
 
+        def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+            runtime.load_strict = strict
+            try:
+                return cls.load_state_dict(self, state_dict, strict=strict, assign=assign)
+            finally:
+                runtime.load_strict = False
+
         # bound methods, as the class's are (torch.compile reads ``named_parameters.__func__``:
         # plain functions here made it fail inside dynamo)
-        for name, fn in zip(self.NAMES, (named_parameters, zero_grad, deepcopy), strict=True):
+        methods = (named_parameters, zero_grad, deepcopy, load_state_dict)
+        for name, fn in zip(self.NAMES, methods, strict=True):
             model.__dict__[name] = types.MethodType(fn, model)
 
     def remove(self) -> None:

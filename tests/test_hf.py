@@ -481,6 +481,34 @@ def test_trainer_says_which_training_arguments_do_not_apply(tmp_path, caplog):
         opt.close()
 
 
+def test_trainer_says_the_decay_reaches_what_transformers_leaves_undecayed(tmp_path, caplog):
+    """transformers' Trainer leaves biases and norm weights undecayed (two groups); offload's
+    one group decays them: 1.5e-2 off the Trainer's norm weights after 3 steps at decay 0.5,
+    without a word. One warning names them where the decay is not 0."""
+    model, opt = offload.from_pretrained(
+        write_model(tmp_path / "m"), nvme_config(tmp_path, "none", "cpu")
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            offload.OffloadTrainer(
+                model=model, args=_trainer_args(tmp_path / "a", weight_decay=0.1),
+                train_dataset=_dataset(), optimizers=(opt, None),
+            )  # fmt: skip
+        said = [r.getMessage() for r in caplog.records if "undecayed" in r.getMessage()]
+        assert len(said) == 1 and "weight_decay=0.1 applies to every" in said[0], said
+        assert "norm.weight" in said[0]
+        caplog.clear()
+        opt.param_groups[0]["weight_decay"] = 0.0
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            offload.OffloadTrainer(
+                model=model, args=_trainer_args(tmp_path / "b", weight_decay=0.0),
+                train_dataset=_dataset(), optimizers=(opt, None),
+            )  # fmt: skip
+        assert "undecayed" not in caplog.text
+    finally:
+        opt.close()
+
+
 def test_from_pretrained_freezes_before_wrap(tmp_path):
     """``before_wrap`` runs on the meta-device model before wrap fixes which parameters train:
     the frozen embedding stays as loaded through steps on NVMe (frozen after wrap it moved)."""

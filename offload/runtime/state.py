@@ -575,7 +575,7 @@ class Runtime:
             for run in self.runs
             if run.home.releases
             and run.unit.layout.segments
-            and (run.residency.released_by_backward or self.schedule.releases_persistent)
+            and run.residency.backward_releases(self.schedule)
         ]
         if released:
             raise PhaseError(

@@ -146,9 +146,12 @@ class Transient:
     # its countdown finishes its backward (its gradients taken; the unit released, here, or by
     # the step in backward, persistent ones too) before the backward ends
     finishes_in_backward = True
-    # released by a backward (the root at its end); a persistent unit only by the step (or by
-    # an update in the backward: StepSchedule.releases_persistent)
-    released_by_backward = True
+
+    def backward_releases(self, schedule) -> bool:
+        """Whether a backward releases the unit (the root at its end), so that a graph the
+        backward builds (``create_graph``) cannot read its parameters after it."""
+        return True
+
     called_outside = (  # what to do when one of its layers is called outside its forward
         "Call it from that unit's forward, or make it a unit of its own or leave it out of "
         "every unit (wrap.module_classes)"
@@ -180,7 +183,8 @@ class Transient:
 class Persistent(Transient):
     """Kept gathered from first use until the step (its copy is stale after the update)."""
 
-    released_by_backward = False
+    def backward_releases(self, schedule) -> bool:
+        return schedule.releases_persistent  # (the update in the backward releases it)
 
     def after_forward(self, run: UnitRun) -> None:
         pass

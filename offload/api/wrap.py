@@ -199,7 +199,7 @@ def _check_model(model: nn.Module, has_weights: bool) -> None:
             if related:
                 _take_over(runtime, has_weights)
             continue
-        live.update(id(p) for p in wrapped.parameters())
+        live.update(id(s.param) for u in runtime.units for s in u.layout.segments)
         if any(m is model for m in wrapped.modules()):
             where = (
                 "this model"

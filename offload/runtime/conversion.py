@@ -28,6 +28,7 @@ Note: the same names, lazily combined
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 
 import torch
@@ -174,15 +175,15 @@ def _full_names(target: str, made: dict) -> dict:
 
 def _transforms(model: nn.Module):
     """``(renamings, converters)`` that ``transformers`` loads ``model`` with, or None when it
-    is not a ``transformers`` model (or there is no ``transformers``)."""
-    try:
-        from transformers import PreTrainedModel  # noqa: PLC0415
-        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: PLC0415
-        from transformers.core_model_loading import WeightConverter, WeightRenaming  # noqa: PLC0415
-    except ImportError:
+    is not a ``transformers`` model. A model of transformers' has imported it: for any other,
+    importing it here (tens of MB of host memory, seconds) would cost a wrap that needs none
+    (``tests/test_memory.py``'s budget caught it)."""
+    loaded = sys.modules.get("transformers")
+    if loaded is None or not isinstance(model, loaded.PreTrainedModel):
         return None
-    if not isinstance(model, PreTrainedModel):
-        return None
+    from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: PLC0415
+    from transformers.core_model_loading import WeightConverter, WeightRenaming  # noqa: PLC0415
+
     mapping = get_model_conversion_mapping(model)
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]

@@ -202,9 +202,7 @@ class Runtime:
         self._handles.append(self.model.register_load_state_dict_pre_hook(self._load_values))
         self._handles.append(self.model.register_load_state_dict_post_hook(self._loaded_values))
         self._loaded_keys: set[str] = set()
-        self._handles.append(
-            _RootOverrides(self.model, self._settle_update_for_read, self.zero_grad, self)
-        )
+        self._handles.append(_RootOverrides(self.model, self))
 
     def _guard_parts(self) -> None:
         """A module holding a unit's parameters, called by itself while the unit is released
@@ -1101,14 +1099,9 @@ class _RootOverrides:
 
     NAMES = ("named_parameters", "zero_grad", "__deepcopy__", "load_state_dict")
 
-    def __init__(
-        self,
-        model: nn.Module,
-        settle: Callable[[], None],
-        zero: Callable[[bool], None],
-        runtime: Runtime,
-    ) -> None:
+    def __init__(self, model: nn.Module, runtime: Runtime) -> None:
         self.model = model
+        settle, zero = runtime._settle_update_for_read, runtime.zero_grad
         cls = type(model)
         waiting = threading.local()  # inside zero_grad: its parameters() call reads nothing
 

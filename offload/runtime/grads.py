@@ -187,7 +187,7 @@ class ScatteredGrads(Grads):
             "gradients across ranks in the order the forwards used them, which must be the "
             "same on every rank: a data-dependent branch around a whole unit is not "
             "supported. Keep such branches inside one unit (wrap.module_classes: a parent "
-            "module of the branch), or use distributed.stage 1"
+            "module of the branch)"
         )
 
     def unit_done(self, unit: Unit) -> None:

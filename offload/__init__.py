@@ -114,13 +114,27 @@ def _clip_guard(torch_fn, name: str):
     return clip
 
 
-class _GuardOnTorchImport(importlib.abc.MetaPathFinder):
-    """Runs :func:`_guard_torch_clipping` once ``torch`` is loaded, then leaves
-    ``sys.meta_path`` (as ``offload.api.clipping._GuardOnImport`` does for Accelerate; a spec
-    found but not loaded, ``importlib.util.find_spec("torch")``, leaves it in place)."""
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then()`` once the package ``name`` has been loaded, and leaves ``sys.meta_path``
+    (Python has no post-import hook: PEP 369 was withdrawn). It asks the other finders for the
+    package's spec and wraps its loader; a spec found but never loaded
+    (``importlib.util.find_spec``, which transformers asks to see whether a package is
+    installed) leaves it in place for the import that follows. Used for torch's clipping
+    (below) and for Accelerate's (``offload.api.clipping``)."""
+
+    def __init__(self, name: str, then) -> None:
+        self.name, self.then = name, then
+
+    @classmethod
+    def run_once_loaded(cls, name: str, then) -> None:
+        """``then()`` now if ``name`` is loaded, else once it is (one finder per name)."""
+        if name in sys.modules:
+            then()
+        elif not any(isinstance(f, cls) and f.name == name for f in sys.meta_path):
+            sys.meta_path.insert(0, cls(name, then))
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "torch":
+        if fullname != self.name:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
@@ -137,13 +151,10 @@ class _GuardOnTorchImport(importlib.abc.MetaPathFinder):
             load(module)
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
-            _guard_torch_clipping()
+            self.then()
 
         spec.loader.exec_module = exec_module
         return spec
 
 
-if "torch" in sys.modules:
-    _guard_torch_clipping()
-elif not any(isinstance(f, _GuardOnTorchImport) for f in sys.meta_path):
-    sys.meta_path.insert(0, _GuardOnTorchImport())
+AfterImport.run_once_loaded("torch", _guard_torch_clipping)

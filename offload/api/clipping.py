@@ -12,7 +12,7 @@ Note: why torch's clipping sees nothing
 
 Note: the guard
     From ``import offload`` on (or, if torch is not loaded yet then, from when it is:
-    ``offload._GuardOnTorchImport``), ``torch.nn.utils``'s ``clip_grad_norm_`` and
+    ``offload.AfterImport``), ``torch.nn.utils``'s ``clip_grad_norm_`` and
     ``clip_grad_value_`` (under ``torch.nn.utils`` and ``torch.nn.utils.clip_grad``) go
     through ``offload._clip_guard`` and :func:`refuse`: a call passing parameters of an open
     offload model whose gradients live elsewhere raises :class:`ClipError` naming the call
@@ -24,7 +24,7 @@ Note: the guard
     nothing. Code that imported the function by name before offload was imported keeps
     torch's own; it is not guarded. ``accelerate.Accelerator.clip_grad_norm_`` is guarded the
     same way (:func:`_guard_accelerate`, at the first ``wrap`` or, if Accelerate is imported
-    only later, as it loads: :class:`_GuardOnImport`): from Accelerate 1.16 (with
+    only later, as it loads: :class:`offload.AfterImport`): from Accelerate 1.16 (with
     transformers 5.24, on 2026-12-02) it no longer calls torch's function but keeps the
     parameters whose ``.grad`` is set and clips them with ``get_total_norm`` and
     ``clip_grads_with_norm_``, so offload's parameters never reached the torch guard and a
@@ -43,10 +43,7 @@ Note: routing Trainer and Accelerate
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import math
-import sys
 import weakref
 
 import torch
@@ -74,45 +71,11 @@ def register(optimizer) -> None:
 
 def _install() -> None:
     offload._guard_torch_clipping()  # done at `import offload` already (module Note)
-    if "accelerate" in sys.modules:
-        _guard_accelerate()
-    elif not any(isinstance(f, _GuardOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _GuardOnImport())
-
-
-class _GuardOnImport(importlib.abc.MetaPathFinder):
-    """Guards Accelerate when it is imported after the first ``wrap`` (a ``Trainer`` imported
-    later in the script). Importing it at ``wrap`` instead would cost every process that has it
-    installed ~14 MiB of RSS and 0.15 s, used or not (measured on 2026-12-02; the RSS budget
-    tests in ``tests/test_memory.py`` caught it). Python has no post-import hook (PEP 369 was
-    withdrawn), hence this finder: it asks the other finders for ``accelerate``'s spec and
-    wraps its loader so that :func:`_guard_accelerate` runs once the package is loaded, and it
-    leaves ``sys.meta_path`` then. A spec found but never loaded (transformers asks
-    ``importlib.util.find_spec("accelerate")`` to see whether it is installed) leaves it in
-    place for the import that follows."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != "accelerate":
-            return None
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = None if finder is self or find is None else find(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None:
-            return spec
-        load = spec.loader.exec_module
-
-        def exec_module(module) -> None:
-            load(module)
-            _guard_accelerate()
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
-
-        spec.loader.exec_module = exec_module
-        return spec
+    # Accelerate imported after the first wrap (a Trainer imported later in the script) is
+    # guarded as it loads: importing it here would cost every process that has it installed
+    # ~14 MiB of RSS and 0.15 s, used or not (measured on 2026-12-02; the RSS budget tests in
+    # tests/test_memory.py caught it)
+    offload.AfterImport.run_once_loaded("accelerate", _guard_accelerate)
 
 
 def _guard_accelerate() -> None:

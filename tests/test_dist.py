@@ -209,14 +209,29 @@ def test_a_parameter_one_rank_leaves_unused_is_averaged_as_zero(two, name):
 
     torch.manual_seed(0)
     model = StackLM(n=3, block=BranchBlock)
+
+    def branch(s, m, rank) -> bool:
+        model.blocks[1].skip = skips(s, rank)
+        return True
+
+    losses = _data_parallel(model, 4, branch)
+    _losses_close(result(two, name)["losses"], losses)
+    _close(_final(two, name), model.state_dict())
+
+
+def _data_parallel(model, steps: int, runs) -> list[float]:
+    """Plain torch over both ranks' halves of each micro-batch (data parallel's mean), with the
+    workers' AdamW, clipping and schedule; ``runs(step, micro, rank)`` prepares the model for
+    that rank's half (a branch) and says whether it runs. The losses per step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     data, losses = batches(STEPS_DATA, batch=GLOBAL_BATCH), []
-    for s in range(4):
+    for s in range(steps):
         total = 0.0
         for m in range(ACCUM):
             for rank in range(2):
-                model.blocks[1].skip = skips(s, rank)
+                if not runs(s, m, rank):
+                    continue
                 batch = slice_of(data[(s * ACCUM + m) % len(data)], rank, 2)
                 loss = lm_loss(model, batch) / ACCUM / 2
                 loss.backward()
@@ -226,8 +241,7 @@ def test_a_parameter_one_rank_leaves_unused_is_averaged_as_zero(two, name):
         sched.step()
         opt.zero_grad()
         losses.append(total)
-    _losses_close(result(two, name)["losses"], losses)
-    _close(_final(two, name), model.state_dict())
+    return losses
 
 
 @pytest.mark.parametrize("name", ["unitskip-s2-cpu-cpu", "unitskip-s2-nvme-nvme"])
@@ -249,24 +263,9 @@ def test_a_unit_one_rank_skips_is_refused_on_every_rank(two, name):
         assert "inside one unit (wrap.module_classes" in message
     torch.manual_seed(0)
     model = SkipLM(n=4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
-    data, losses = batches(STEPS_DATA, batch=GLOBAL_BATCH), []
-    for s in range(3):
-        total = 0.0
-        for m in range(ACCUM):
-            if any(skips_unit(s, m, rank) is not None for rank in range(2)):
-                continue
-            for rank in range(2):
-                batch = slice_of(data[(s * ACCUM + m) % len(data)], rank, 2)
-                loss = lm_loss(model, batch) / ACCUM / 2
-                loss.backward()
-                total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(total)
+    losses = _data_parallel(  # (the refused micro-step left out on both ranks)
+        model, 3, lambda s, m, rank: all(skips_unit(s, m, r) is None for r in range(2))
+    )
     _losses_close(result(two, name)["losses"], losses)
     _close(_final(two, name), model.state_dict())
 

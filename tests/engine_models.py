@@ -207,12 +207,16 @@ def lm_loss(model, tokens):
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def reference_fp32(model, data, steps, accum, clip, lr=1e-2, wd=0.1):
-    """Plain PyTorch: AdamW(foreach=False), grad accumulation, clipping, an LR schedule."""
+def reference_fp32(model, data, steps, accum, clip, lr=1e-2, wd=0.1, undecayed=None):
+    """Plain PyTorch: AdamW(foreach=False), grad accumulation, clipping, an LR schedule
+    (``undecayed(name)``: the parameters in a second group, with weight_decay 0)."""
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=wd, foreach=False
-    )
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    left = undecayed or (lambda name: False)
+    groups = [{"params": [p for n, p in named if not left(n)]}]
+    if undecayed is not None:
+        groups.append({"params": [p for n, p in named if left(n)], "weight_decay": 0.0})
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=wd, foreach=False)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     losses = []
     for s in range(steps):

@@ -67,6 +67,17 @@ PARITY_2 = [
 ]
 PARITY_4 = [job("w4-s2-nvme-cpu", "nvme", "cpu", 2), job("w4-s3-cpu-nvme", "cpu", "nvme", 3)]
 COLLECTIVES = [job(f"coll-s{s}", "cpu", "cpu", s, steps=3, model="stack") for s in (1, 2, 3)]
+# biases and norm weights undecayed: each rank's share cut into runs at their edges
+NO_DECAY_OPTIMIZER = {
+    "type": "adamw",
+    "lr": 1e-2,
+    "weight_decay": 0.5,
+    "no_decay": ["bias", "norm"],
+}
+NO_DECAY = [
+    job(f"nodecay-s{s}-{p}-{o}", p, o, s, steps=4, config={"optimizer": NO_DECAY_OPTIMIZER})
+    for s, p, o in ((2, "nvme", "cpu"), (3, "cpu", "nvme"))
+]
 # the step in backward, speculating every step (no clipping, no accumulation)
 COLLECTIVES.append(job("coll-s3-sib", "cpu", "nvme", 3, steps=3, model="stack", accum=1, clip=0))
 
@@ -156,6 +167,7 @@ def two(root) -> Path:
         job("unitskip-s2-nvme-nvme", "nvme", "nvme", 2, steps=3, model="unitskip"),
         job("probe-s2", "cpu", "cpu", 2, steps=2, model="stack", probe_one_rank=True),
         job("unprobed-s2", "cpu", "cpu", 2, steps=2, model="stack"),
+        *NO_DECAY,
         job("norm-whole", "cpu", "nvme", 3, steps=4, model="norm"),
         job("norm-first", "cpu", "nvme", 3, steps=2, model="norm", save=str(root / "ckN")),
         job("norm-second", "cpu", "nvme", 3, steps=4, model="norm", load=str(root / "ckN")),
@@ -290,6 +302,18 @@ def test_frozen_layers_inside_sharded_units_pass_their_gradient_on(two):
     model, losses = reference_fp32(LoraLM(), data, 4, ACCUM, CLIP)
     _losses_close(result(two, "lora-s3-cpu-cpu")["losses"], losses)
     _close(_final(two, "lora-s3-cpu-cpu"), model.state_dict(), atol=2e-4)
+
+
+@pytest.mark.parametrize("name", [j["name"] for j in NO_DECAY])
+def test_undecayed_parameters_on_two_ranks_match_torch_with_two_groups(two, name):
+    data = batches(STEPS_DATA, batch=GLOBAL_BATCH)
+    model, losses = reference_fp32(
+        make_model(), data, 4, ACCUM, CLIP, wd=0.5, undecayed=lambda n: "bias" in n or "norm" in n
+    )
+    _losses_close(result(two, name)["losses"], losses)
+    _close(_final(two, name), model.state_dict())
+    decayed = reference_fp32(make_model(), data, 4, ACCUM, CLIP, wd=0.5)[0].state_dict()
+    assert not torch.allclose(model.state_dict()["norm.weight"], decayed["norm.weight"], atol=1e-4)
 
 
 @pytest.mark.parametrize("name", [j["name"] for j in PARITY_2])

@@ -16,7 +16,7 @@ from engine_models import STACK_VOCAB, StackBlock, StackLM
 import offload
 from offload.api.wrap import engine_of
 from offload.config import OffloadConfig
-from offload.homes import optim as optim_mod
+from offload.homes import grads as grads_mod
 from offload.homes.params import NvmeParams
 from offload.plan.placement import make_placement
 from offload.store import ShardState
@@ -326,7 +326,7 @@ def _update(tmp_path, monkeypatch, lookahead: int | None, dtype: str = "bf16"):
         monkeypatch.setattr(runtime.optim, "lookahead", lookahead)
         monkeypatch.setattr(runtime.optim, "param_ahead", lookahead)
     seen: list[bool] = []
-    real = optim_mod.adam_step
+    real = grads_mod.adam_step  # (what the NVMe update calls, through adam_runs)
 
     def probe(master_values, grad, *args, **kwargs):
         j = len(seen)
@@ -353,12 +353,12 @@ def _update(tmp_path, monkeypatch, lookahead: int | None, dtype: str = "bf16"):
             for key in list(store._room.cached):
                 if not store._shards[key].pinned():
                     store._drop_copies(store._shards[key])
-        monkeypatch.setattr(optim_mod, "adam_step", probe)
+        monkeypatch.setattr(grads_mod, "adam_step", probe)
         before = waits()
         opt.step()
         opt.synchronize()
         waited = waits() - before
-        monkeypatch.setattr(optim_mod, "adam_step", real)
+        monkeypatch.setattr(grads_mod, "adam_step", real)
         assert len(seen) == len(order) - 1
         return seen, waited
     finally:

@@ -49,6 +49,33 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # gradients in p.grad are GradScaler's to unscale, as with any torch optimizer
         self._step_supports_amp_scaling = runtime.plan.placement.grads is not GradOwner.AUTOGRAD
 
+    def set_no_decay(self, params) -> None:
+        """Weight decay leaves ``params`` alone from the next step on; the other trainable
+        parameters decay by ``param_groups[0]["weight_decay"]``. This is what a torch optimizer
+        does with two param groups, one of them with ``weight_decay=0`` (biases and norm weights
+        in transformers' Trainer and most recipes), here over the one group. It replaces the
+        set the config's ``optimizer.no_decay`` gave (empty: every parameter decays). Between
+        steps only."""
+        params = list(params)
+        model = set(self._engine.model.parameters())
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.nn.Parameter) or p not in model:
+                raise ValueError(
+                    f"optimizer.set_no_decay: item {i} ({type(p).__name__}"
+                    f"{' of shape ' + str(tuple(p.shape)) if isinstance(p, torch.Tensor) else ''})"
+                    " is not a parameter of the wrapped model; allowed: its parameters (a "
+                    "frozen one is accepted and changes nothing, as in a torch param group)"
+                )
+        trainable = set(self._params)
+        self._engine.set_no_decay(
+            frozenset(p for p in params if p in trainable), "optimizer.set_no_decay()"
+        )
+
+    @property
+    def no_decay(self) -> frozenset:
+        """The trainable parameters weight decay leaves alone (:meth:`set_no_decay`)."""
+        return self._engine.no_decay.params
+
     def add_param_group(self, param_group: dict) -> None:
         """Torch's for the one group ``wrap`` builds; refused after (:meth:`_check_groups`)."""
         if "_engine" not in self.__dict__:  # torch's __init__ adding wrap's group
@@ -353,9 +380,10 @@ _ONE_GROUP = (
     "the model's trainable parameters with the config's optimizer hyperparameters (lr, betas, "
     "eps, weight_decay; a scheduler may change them, for all parameters together). A "
     "parameter outside the model cannot be added: make it part of the model (an nn.Parameter "
-    "of one of its modules) before offload.wrap. Per-group hyperparameters (no weight decay "
-    "for biases and norms) are not supported; a parameter that should not train is frozen "
-    "with requires_grad_(False) before offload.wrap"
+    "of one of its modules) before offload.wrap. Per-group hyperparameters are not supported, "
+    "but for weight decay: the config's optimizer.no_decay (name patterns) or "
+    "optimizer.set_no_decay(params) leave parameters undecayed (biases and norms); a "
+    "parameter that should not train is frozen with requires_grad_(False) before offload.wrap"
 )
 
 

@@ -28,6 +28,7 @@ import ctypes
 import gc
 import logging
 import os
+import re
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from offload.api.optimizer import OffloadOptimizer
 from offload.config import ConfigError, OffloadConfig, load_config
 from offload.device import HostMemory, Transfers, for_device
 from offload.dist import Comm, LocalComm, comm_for
+from offload.homes.decay import NoDecay
 from offload.homes.grads import AutogradGrads, HeldNvmeGrads, HostGrads, NvmeGrads
 from offload.homes.optim import (
     HostMaster,
@@ -185,6 +187,26 @@ def _close_at_exit(ref: weakref.ref) -> None:
     runtime = ref()
     if runtime is not None and not runtime.closed:
         runtime.close()
+
+
+def _not_decayed(model: nn.Module, patterns: list[str], trainable: list) -> frozenset:
+    """The trainable parameters with a name (any of a tied one's) that one of the config's
+    ``optimizer.no_decay`` patterns finds (``re.search``). A pattern that finds no parameter
+    at all is refused: a misspelt one would decay what it was meant to leave alone."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    found: set = set()
+    for pattern in patterns:
+        hits = [p for name, p in named if re.search(pattern, name)]
+        if not hits:
+            examples = ", ".join(name for name, _ in named[:4])
+            raise ConfigError.bad(
+                "optimizer.no_decay",
+                pattern,
+                "regular expressions that each find a parameter name of the model (re.search; "
+                f"its names look like {examples}, ...)",
+            )
+        found.update(hits)
+    return frozenset(p for p in trainable if p in found)
 
 
 def _check_model(model: nn.Module, has_weights: bool) -> None:
@@ -537,6 +559,7 @@ def wrap(
             "offload.wrap: the model has no trainable parameters (all requires_grad=False)"
         )
     opt = cfg.optimizer
+    no_decay = _not_decayed(model, opt.no_decay, trainable)
     group = {
         "params": trainable,
         "lr": opt.lr,
@@ -578,6 +601,7 @@ def wrap(
     _RUNTIMES[model] = weakref.ref(runtime)
     atexit.register(_close_at_exit, weakref.ref(runtime))
     _trim_host_heap()
+    runtime.no_decay = NoDecay(no_decay)
     optimizer = OffloadOptimizer(
         runtime, group, gradient_clipping=cfg.gradient_clipping, scaler=scaler
     )

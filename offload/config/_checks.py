@@ -188,6 +188,24 @@ def as_betas(key: str, value: Any) -> tuple[float, float]:
 _DOTTED_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
+def as_pattern_list(key: str, value: Any) -> list[str]:
+    """A list of regular expressions (each compiled here, so a bad one is named now)."""
+    allowed = "a list of regular expressions on parameter names, e.g. ['bias', 'norm']"
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ConfigError.bad(key, value, allowed)
+    out = []
+    for pattern in value:
+        if not isinstance(pattern, str) or not pattern:
+            raise ConfigError.bad(key, value, allowed)
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError.bad(key, value, f"{allowed} ({pattern!r}: {e})") from None
+        if pattern not in out:
+            out.append(pattern)
+    return out
+
+
 def as_name_list(key: str, value: Any) -> list[str]:
     allowed = "a list of class names, e.g. ['LlamaDecoderLayer'] or ['my_pkg.model.Block']"
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):

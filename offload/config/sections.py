@@ -48,6 +48,7 @@ from offload.config._checks import (
     as_int,
     as_name_list,
     as_opt_path,
+    as_pattern_list,
     as_size,
 )
 from offload.config.errors import ConfigError
@@ -109,6 +110,8 @@ class OptimizerConfig(_Section):
     """Term added to the denominator for numerical stability (> 0)."""
     weight_decay: float = 0.0
     """Weight decay coefficient (>= 0); decoupled for "adamw", L2 for "adam"."""
+    no_decay: list[str] = field(default_factory=list)
+    """Regular expressions on parameter names: trainable parameters one matches are not decayed."""
     bias_correction: bool = True
     """Divide the moments by (1 - beta**step) as in the Adam paper."""
 
@@ -118,6 +121,7 @@ class OptimizerConfig(_Section):
         self.betas = as_betas(self._k("betas"), self.betas)
         self.eps = as_float(self._k("eps"), self.eps, lo=0.0, lo_open=True)
         self.weight_decay = as_float(self._k("weight_decay"), self.weight_decay, lo=0.0)
+        self.no_decay = as_pattern_list(self._k("no_decay"), self.no_decay)
         self.bias_correction = as_bool(self._k("bias_correction"), self.bias_correction)
 
 

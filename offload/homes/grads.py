@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from offload._interrupts import interrupts_deferred
+from offload.homes.decay import NoDecay
 from offload.optim import accumulate_grad, adam_step
 from offload.optim.kernels import AdamGroup
 from offload.plan import Plan, Unit
@@ -41,18 +42,49 @@ class Hyper:
     adamw_mode: bool
     bias_correction: bool
     grad_scale: float
+    no_decay: NoDecay = field(default_factory=NoDecay)
+    """The parameters ``weight_decay`` leaves alone (``offload.homes.decay``)."""
 
-    def kwargs(self) -> dict:
+    def kwargs(self, decayed: bool = True) -> dict:
+        """The kernels' keyword arguments (``decayed=False``: for a run of parameters weight
+        decay leaves alone)."""
         return dict(
             step=self.step,
             lr=self.lr,
             betas=self.betas,
             eps=self.eps,
-            weight_decay=self.weight_decay,
+            weight_decay=self.weight_decay if decayed else 0.0,
             adamw_mode=self.adamw_mode,
             bias_correction=self.bias_correction,
             grad_scale=self.grad_scale,
         )
+
+    def runs(self, unit: Unit, lo: int, hi: int):
+        """``(slice of the piece [lo, hi), kernel kwargs)`` for each run of it
+        (:meth:`NoDecay.runs`): the update makes one kernel call per run."""
+        for a, b, decayed in self.no_decay.runs(unit, lo, hi):
+            yield slice(a - lo, b - lo), self.kwargs(decayed)
+
+
+def adam_runs(
+    unit: Unit,
+    lo: int,
+    hi: int,
+    state: tuple[torch.Tensor, ...],
+    out: torch.Tensor | None,
+    hyper: Hyper,
+) -> None:
+    """``adam_step`` of the piece ``[lo, hi)`` of ``unit`` (``state``: its master, gradient and
+    moments, each holding exactly that range; ``out``: its compute params or None), one call
+    per run of ``hyper.runs`` (one call in all where every parameter decays)."""
+    runs = list(hyper.runs(unit, lo, hi))
+    if len(runs) == 1:
+        adam_step(*state, **runs[0][1], out=out)
+        return
+    flat = [t.view(-1) for t in state]
+    out = None if out is None else out.view(-1)
+    for sl, kwargs in runs:
+        adam_step(*(t[sl] for t in flat), **kwargs, out=None if out is None else out[sl])
 
 
 @dataclass(slots=True)
@@ -195,12 +227,24 @@ class AutogradGrads(GradHome):
 
     @staticmethod
     def _step(group: AdamGroup, segs: list, hyper: Hyper) -> None:
+        """One call for the whole group; two (decayed, not: ``hyper.no_decay``) over the
+        tensors that got a gradient where some did not or some are not decayed."""
         grads = [s.param.grad for s in segs]
-        if any(g is None for g in grads):
-            live = [i for i, g in enumerate(grads) if g is not None]
-            group = AdamGroup(*[None if t is None else [t[i] for i in live] for t in group.tensors])
-            grads = [grads[i] for i in live]
-        group.step([g.view(-1) for g in grads], **hyper.kwargs())
+        excluded = hyper.no_decay.params
+        if not excluded and all(g is not None for g in grads):
+            group.step([g.view(-1) for g in grads], **hyper.kwargs())
+            return
+        for decayed in (True, False):
+            live = [
+                i
+                for i, (s, g) in enumerate(zip(segs, grads, strict=True))
+                if g is not None and (s.param not in excluded) == decayed
+            ]
+            if live:
+                part = AdamGroup(
+                    *[None if t is None else [t[i] for i in live] for t in group.tensors]
+                )
+                part.step([grads[i].view(-1) for i in live], **hyper.kwargs(decayed))
 
     def _group(self, unit, lo, hi, master, exp_avg, exp_avg_sq, out) -> tuple[AdamGroup, list]:
         cached = self._groups.get((unit.index, lo))
@@ -240,7 +284,7 @@ class HostGrads(GradHome):
     def update(self, unit, lo, hi, master, exp_avg, exp_avg_sq, out, hyper: Hyper) -> None:
         base = unit.layout.local_trainable[0]
         grad = self.bufs[unit.index][lo - base : hi - base]
-        adam_step(master, grad, exp_avg, exp_avg_sq, **hyper.kwargs(), out=out)
+        adam_runs(unit, lo, hi, (master, grad, exp_avg, exp_avg_sq), out, hyper)
 
     def held(self) -> dict[str, int]:
         return {"host": sum(t.numel() * t.element_size() for t in self.bufs.values())}

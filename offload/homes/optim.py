@@ -25,9 +25,8 @@ from itertools import islice
 
 import torch
 
-from offload.homes.grads import GradHome, Hyper
+from offload.homes.grads import GradHome, Hyper, adam_runs
 from offload.homes.params import ParamHome
-from offload.optim import adam_step
 from offload.optim.kernels import adam_params_from_moments
 from offload.plan import Plan, Unit
 from offload.store import Tier
@@ -376,7 +375,8 @@ class NvmeOptim(OptimHome):
             for lo, hi in self.pieces(unit):
                 values = self.master.read_committed(unit, lo, hi)
                 moments = [self.read(unit, kind, lo, hi) for kind in MOMENTS]
-                adam_params_from_moments(values, *moments, **hyper.kwargs())
+                for sl, kwargs in hyper.runs(unit, lo, hi):
+                    adam_params_from_moments(values[sl], *(m[sl] for m in moments), **kwargs)
                 self.master.rewrite(unit, lo, hi, values)
 
     def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
@@ -484,7 +484,7 @@ class NvmeOptim(OptimHome):
                 fetched = [f.wait() for f in current.futs]
                 master, exp_avg, exp_avg_sq, out = self.master.tensors(current, fetched)
                 grad = current.grad.wait()
-                adam_step(master, grad, exp_avg, exp_avg_sq, **hyper.kwargs(), out=out)
+                adam_runs(unit, lo, hi, (master, grad, exp_avg, exp_avg_sq), out, hyper)
                 self.params.commit(unit, lo, hi)
                 current.out = None
                 while current.held:

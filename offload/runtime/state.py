@@ -44,6 +44,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from offload.device import Transfers
+from offload.homes.decay import NoDecay
 from offload.homes.grads import Hyper
 from offload.homes.optim import OptimHome
 from offload.homes.params import ParamHome
@@ -124,6 +125,7 @@ class Runtime:
         self.timers = timers  # seconds of the current step (the schedule's worker adds too)
         self.runs = [UnitRun(u, params, timers) for u in self.units]
         self._hyper = hyper  # the optimizer's param group values now
+        self.no_decay = NoDecay()  # the parameters weight decay leaves alone (set_no_decay)
         self.telemetry = telemetry
         self.resources = resources  # IO engine, NVMe stores, pools, tiered stores (closed last)
         self.buffer_dtypes = buffer_dtypes  # (module, name) -> dtype before wrap
@@ -798,7 +800,24 @@ class Runtime:
         base = dict(self._hyper())
         unscale = base.pop("grad_scale")
         scale = unscale if grad_scale is None else grad_scale
-        return Hyper(step=self.step_count + 1, grad_scale=scale * self.grads.mean_scale, **base)
+        return Hyper(
+            step=self.step_count + 1,
+            grad_scale=scale * self.grads.mean_scale,
+            no_decay=self.no_decay,
+            **base,
+        )
+
+    def set_no_decay(self, params: frozenset, what: str) -> None:
+        """From the next update on, weight decay leaves ``params`` alone. Between steps only: an
+        update of the open step may have run already (in a backward) with the set before."""
+        self.check_idle(what)
+        if self.backwards_since_step:
+            raise PhaseError(
+                f"offload: {what} called with {self.backwards_since_step} backward(s) of a step "
+                "pending (its update may have run in them); call it before the step's first "
+                "backward or after optimizer.step()"
+            )
+        self.no_decay = NoDecay(params)
 
     def step(self, grad_scale: float, clipped: bool = False) -> None:
         """The update with the gradients times ``grad_scale`` (loss unscaling and clipping

@@ -481,30 +481,49 @@ def test_trainer_says_which_training_arguments_do_not_apply(tmp_path, caplog):
         opt.close()
 
 
-def test_trainer_says_the_decay_reaches_what_transformers_leaves_undecayed(tmp_path, caplog):
-    """transformers' Trainer leaves biases and norm weights undecayed (two groups); offload's
-    one group decays them: 1.5e-2 off the Trainer's norm weights after 3 steps at decay 0.5,
-    without a word. One warning names them where the decay is not 0."""
-    model, opt = offload.from_pretrained(
-        write_model(tmp_path / "m"), nvme_config(tmp_path, "none", "cpu")
-    )
+def test_trainer_decay_says_where_it_differs_and_matches_after_set_no_decay(tmp_path, caplog):
+    """transformers' Trainer, building its optimizer itself, leaves biases and norm weights
+    undecayed (two groups); offload's optimizer decayed them too: 1.5e-2 off the Trainer's norm
+    weights after 3 steps at decay 0.5. One warning says so and how to match; after
+    ``optimizer.set_no_decay`` with the Trainer's names it says nothing and trains as the
+    Trainer (losses, grad norms, weights)."""
+    from transformers import Trainer  # noqa: PLC0415
+
+    d, wd = write_model(tmp_path / "m"), 0.5
+    args = dict(weight_decay=wd, optim="adamw_torch")
+    ref = AutoModelForCausalLM.from_pretrained(d)
+    plain = Trainer(model=ref, args=_trainer_args(tmp_path / "r", **args), train_dataset=_dataset())
+    plain.train()
+    cfg = nvme_config(tmp_path, "nvme", "nvme")
+    cfg["optimizer"].update(lr=LR, weight_decay=wd)
+    model, opt = offload.from_pretrained(d, cfg)
     try:
         with caplog.at_level(logging.WARNING, logger="offload"):
-            offload.OffloadTrainer(
-                model=model, args=_trainer_args(tmp_path / "a", weight_decay=0.1),
+            trainer = offload.OffloadTrainer(
+                model=model, args=_trainer_args(tmp_path / "a", **args),
                 train_dataset=_dataset(), optimizers=(opt, None),
             )  # fmt: skip
         said = [r.getMessage() for r in caplog.records if "undecayed" in r.getMessage()]
-        assert len(said) == 1 and "weight_decay=0.1 applies to every" in said[0], said
-        assert "norm.weight" in said[0]
+        assert len(said) == 1 and "weight_decay=0.5 offload's optimizer decays" in said[0], said
+        assert "norm.weight" in said[0] and "set_no_decay" in said[0]
+        decayed = trainer.get_decay_parameter_names(model)
+        opt.set_no_decay(p for n, p in model.named_parameters() if n not in decayed)
         caplog.clear()
-        opt.param_groups[0]["weight_decay"] = 0.0
         with caplog.at_level(logging.WARNING, logger="offload"):
-            offload.OffloadTrainer(
-                model=model, args=_trainer_args(tmp_path / "b", weight_decay=0.0),
+            trainer = offload.OffloadTrainer(
+                model=model, args=_trainer_args(tmp_path / "b", **args),
                 train_dataset=_dataset(), optimizers=(opt, None),
             )  # fmt: skip
         assert "undecayed" not in caplog.text
+        trainer.train()
+        (losses, norms), (ref_losses, ref_norms) = _history(trainer), _history(plain)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0
+        )
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+        got = model.state_dict()
+        for name, want in ref.state_dict().items():
+            torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)
     finally:
         opt.close()
 

@@ -70,6 +70,10 @@ def _zero_grad_through(holder: torch.nn.Module, wrapped: torch.nn.Module) -> Non
     holder.zero_grad = zero_grad
 
 
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
 class OffloadTrainer(transformers.Trainer):
     def __init__(self, *args, **kwargs) -> None:
         optimizers = kwargs.get("optimizers") or (None, None)
@@ -104,25 +108,34 @@ class OffloadTrainer(transformers.Trainer):
         self._warn_decay_of_excluded()
 
     def _warn_decay_of_excluded(self) -> None:
-        """transformers' Trainer builds two parameter groups and leaves biases and norm
-        weights undecayed; offload's optimizer has one group, whose weight decay moves every
-        trainable parameter (1.5e-2 off the Trainer's norm weights after 3 steps at decay
-        0.5, no word). Not the same training: one warning says so, naming some of them."""
-        group = self._offload_optimizer.param_groups[0]
+        """transformers' Trainer, building its optimizer itself, leaves biases and norm weights
+        undecayed (two groups); offload's optimizer decays what its config's
+        ``optimizer.no_decay`` (or ``set_no_decay``) does not leave out, every parameter by
+        default (1.5e-2 off the Trainer's norm weights after 3 steps at decay 0.5). Where the
+        two sets differ and the decay is not 0, one warning says so and how to match."""
+        optimizer = self._offload_optimizer
+        group = optimizer.param_groups[0]
         if not group["weight_decay"]:
             return
         decayed = set(self.get_decay_parameter_names(self.model))
-        left = [n for n, p in self.model.named_parameters() if p.requires_grad and n not in decayed]
-        if left:
-            logger.warning(
-                "OffloadTrainer: weight_decay=%s applies to every trainable parameter (offload's "
-                "optimizer has one group), where transformers' Trainer leaves %d of them "
-                "undecayed (biases and norm weights: %s); the training differs from the "
-                "Trainer's. Set the config's optimizer.weight_decay to 0 to decay none",
-                group["weight_decay"],
-                len(left),
-                ", ".join(left[:3]) + (", ..." if len(left) > 3 else ""),
-            )
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        ours = optimizer.no_decay
+        more = [n for n, p in named if n not in decayed and p not in ours]
+        extra = [n for n, p in named if n in decayed and p in ours]
+        if not more and not extra:
+            return
+        logger.warning(
+            "OffloadTrainer: with weight_decay=%s offload's optimizer decays %d parameter(s) "
+            "that transformers' Trainer leaves undecayed (%s)%s; the training differs from the "
+            "Trainer's. To match it, call optimizer.set_no_decay(p for n, p in "
+            "model.named_parameters() if n not in trainer.get_decay_parameter_names(model)) "
+            "before train(), or list them in the config's optimizer.no_decay (name patterns, "
+            "e.g. ['bias', 'norm'])",
+            group["weight_decay"],
+            len(more),
+            _some(more),
+            f", and leaves undecayed {len(extra)} that it decays ({_some(extra)})" if extra else "",
+        )
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

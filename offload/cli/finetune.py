@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--warmup", type=int, default=0, help="linear warm-up steps (0)")
     parser.add_argument(
-        "--max-grad-norm", type=float, default=1.0, help="clip the global norm (1.0; 0 = off)"
+        "--max-grad-norm",
+        type=float,
+        help="clip the global norm (the config's gradient_clipping, else 1.0; 0 = off)",
     )
     parser.add_argument(
         "--save-every", type=int, default=0, metavar="K", help="checkpoint every K steps (0)"

@@ -17,7 +17,8 @@ Note: packing
     ``seq_len`` tokens; the tail shorter than one sequence is dropped (or, when the whole file
     is shorter than one sequence, padded with ``-100`` labels). The beginning-of-sequence token
     is not added (the end-of-sequence token separates documents), as in the usual packed
-    fine-tuning recipes.
+    fine-tuning recipes. The recipe trains on ``Packed.trained()``: a sequence inside a long
+    prompt, with no token the loss covers, is left out (its loss would be 0/0, NaN).
 """
 
 from __future__ import annotations
@@ -49,11 +50,20 @@ class Packed:
         """Tokens the loss covers (labels that are not ``-100``)."""
         return int((self.labels != IGNORE).sum())
 
+    def trained(self) -> Packed:
+        """The sequences with a token the loss covers past their first (the model predicts
+        position ``i + 1`` from ``i``): one inside a long prompt has none, and a micro-batch of
+        such sequences has the loss 0/0, NaN. What the recipe trains on."""
+        keep = (self.labels[:, 1:] != IGNORE).any(dim=1)
+        if bool(keep.all()):
+            return self
+        return Packed(self.input_ids[keep], self.labels[keep], self.format, self.documents)
+
 
 def _documents(path: Path) -> tuple[str, list[tuple[str, str | None]]]:
     """``(format, [(text or prompt, completion or None), ...])``."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not the first line's
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"--data: cannot read '{path}': {exc}") from None
     lines = text.splitlines()

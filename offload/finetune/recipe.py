@@ -39,6 +39,7 @@ import torch
 from offload.finetune.data import Order, load_data
 
 DEFAULT_LR = 2e-5
+DEFAULT_MAX_GRAD_NORM = 1.0
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 TIER_SHORT = {"nvme->host": "rd", "host->nvme": "wr", "host->device": "h2d", "device->host": "d2h"}
 
@@ -58,7 +59,7 @@ class Options:
     accum: int | None = None  # None: the config's gradient_accumulation_steps, else 1
     lr: float | None = None  # None: the config's optimizer.lr, else DEFAULT_LR
     warmup: int = 0
-    max_grad_norm: float = 1.0
+    max_grad_norm: float | None = None  # None: the config's gradient_clipping, else 1.0
     save_every: int = 0
     resume: bool = False
     seed: int = 0
@@ -80,17 +81,19 @@ def cosine_with_warmup(warmup: int, total: int):
     return factor
 
 
-def offload_config(opts: Options, out: Path) -> tuple[dict, Options]:
-    """The user's config (or the defaults) with the run's learning rate and accumulation, and
-    ``opts`` with both resolved: a flag given wins over the config file (said on stderr when
-    they differ), a value the file sets is used when the flag is not given, else the flag's
-    default. An NVMe section that names no ``nvme_path`` gets ``OUT/swap`` (in offload's
-    format and in DeepSpeed's)."""
+def offload_config(opts: Options, out: Path) -> tuple[dict, Options, bool]:
+    """The user's config (or the defaults) with the run's learning rate, accumulation and
+    clipping, and ``opts`` with the three resolved: a flag given wins over the config file (said
+    on stderr when they differ), a value the file sets is used when the flag is not given, else
+    the flag's default. An NVMe section that names no ``nvme_path`` gets ``OUT/swap`` (in
+    offload's format and in DeepSpeed's); the third value says so (the run removes it at the
+    end, and only then)."""
     from offload.config import ConfigError, load_config  # noqa: PLC0415
     from offload.config.deepspeed import is_deepspeed_config  # noqa: PLC0415
     from offload.config.loader import read_config_file  # noqa: PLC0415
 
     raw = read_config_file(opts.config) if opts.config else {}
+    swap = False
     deepspeed = isinstance(raw, dict) and is_deepspeed_config(raw)
     if isinstance(raw, dict):
         raw = copy.deepcopy(raw)
@@ -101,6 +104,7 @@ def offload_config(opts: Options, out: Path) -> tuple[dict, Options]:
             if isinstance(sec, dict) and sec.get("device") == "nvme" and not sec.get("nvme_path"):
                 (out / "swap").mkdir(parents=True, exist_ok=True)
                 sec["nvme_path"] = str(out / "swap")
+                swap = True
     try:
         cfg = load_config(raw).to_dict()
     except ConfigError as exc:
@@ -114,11 +118,27 @@ def offload_config(opts: Options, out: Path) -> tuple[dict, Options]:
         "gradient_accumulation_steps",
         opts.config,
     )
-    opts = dataclasses.replace(opts, lr=DEFAULT_LR if lr is None else lr, accum=accum or 1)
+    clip = raw.get("gradient_clipping") if isinstance(raw, dict) else None
+    clip = _flag_or_file(
+        opts.max_grad_norm,
+        "--max-grad-norm",
+        cfg["gradient_clipping"] if isinstance(clip, int | float) else None,
+        "gradient_clipping",
+        opts.config,
+    )
+    opts = dataclasses.replace(
+        opts,
+        lr=DEFAULT_LR if lr is None else lr,
+        accum=accum or 1,
+        max_grad_norm=DEFAULT_MAX_GRAD_NORM if clip is None else clip,
+    )
     cfg["optimizer"]["lr"] = opts.lr
     # the step in backward updates on the last micro-batch of each step: it is --accum's
     cfg["gradient_accumulation_steps"] = opts.accum
-    return cfg, opts
+    # the loop clips (optimizer.clip_grad_norm_, to opts.max_grad_norm); the optimizer's own
+    # clipping in step() clipped to the file's value when the loop did not (--max-grad-norm 0)
+    cfg["gradient_clipping"] = 0.0
+    return cfg, opts, swap
 
 
 def _lr_in_file(raw, deepspeed: bool) -> float | None:
@@ -238,8 +258,13 @@ def finetune(opts: Options, on_step=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     _check_writable(out / "hf")
     tokenizer = transformers.AutoTokenizer.from_pretrained(opts.model, local_files_only=True)
-    data = load_data(opts.data, tokenizer, opts.seq_len)
-    cfg, opts = offload_config(opts, out)
+    data = load_data(opts.data, tokenizer, opts.seq_len).trained()
+    if not len(data):
+        raise ValueError(
+            f"--data: '{opts.data}' has no sequence of {opts.seq_len} tokens with a token the "
+            "loss covers (a completion)"
+        )
+    cfg, opts, swap = offload_config(opts, out)
     per_step = opts.batch * opts.accum
     if opts.steps is None:
         epochs = opts.epochs if opts.epochs is not None else 1.0
@@ -281,6 +306,11 @@ def finetune(opts: Options, on_step=None) -> int:
                     + ", ".join(f"{k}={run_id[k]!r}" for k in changed)
                 )
             start = int(extra["step"])
+            if start > total:  # it exported the checkpoint's model and saved it as step `total`
+                raise ValueError(
+                    f"--resume: the checkpoint is at step {start}, past this run's {total} "
+                    f"steps; give --steps {start} or more"
+                )
             sched.load_state_dict(extra["scheduler"])
             _set_rng_state(extra["rng"])
             if (out / "metrics.jsonl").exists():
@@ -406,7 +436,8 @@ def finetune(opts: Options, on_step=None) -> int:
         if writer is not None:
             writer.close()
         optimizer.close()
-        shutil.rmtree(out / "swap", ignore_errors=True)
+        if swap:  # OUT/swap is the run's only when the config named no nvme_path
+            shutil.rmtree(out / "swap", ignore_errors=True)
 
 
 def _host_budget(engine, cfg: dict):

@@ -1,0 +1,128 @@
+"""``offload finetune`` on inputs a user meets: a JSONL file with a byte-order mark, packed
+windows inside long prompts, an ``OUT`` that has a ``swap`` folder of its own, a resume asked
+for fewer steps than its checkpoint's, a config that sets ``gradient_clipping``."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from hf_models import WORDS, write_model, write_tokenizer  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from offload.cli.main import main  # noqa: E402
+from offload.finetune import load_data  # noqa: E402
+from offload.finetune.data import IGNORE  # noqa: E402
+
+CPU = "device: cpu\ndtype: fp32\n"
+
+
+@pytest.fixture
+def setup(tmp_path):
+    model = write_model(tmp_path / "model")
+    write_tokenizer(model)
+    rng = random.Random(0)
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for _ in range(40):
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(12))}) + "\n")
+    (tmp_path / "cfg.yaml").write_text(CPU)
+    return tmp_path
+
+
+def _args(t, out, *extra):
+    return [
+        "finetune", "--model", str(t / "model"), "--data", str(t / "data.jsonl"),
+        "--out", str(out), "--config", str(t / "cfg.yaml"), "--steps", "2", "--seq-len", "16",
+        "--batch", "2", "--lr", "1e-2", "--no-progress", "--no-report", *extra,
+    ]  # fmt: skip
+
+
+def _tokenizer(t):
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    return AutoTokenizer.from_pretrained(t / "model")
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_is_jsonl(setup):
+    """The mark made line 1 not JSON: the file was trained on as one plain-text document, its
+    JSON syntax included."""
+    t = setup
+    bom = t / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + (t / "data.jsonl").read_bytes())
+    got, want = (load_data(p, _tokenizer(t), 16) for p in (bom, t / "data.jsonl"))
+    assert (got.format, got.documents) == ("jsonl text", 40)
+    assert torch.equal(got.input_ids, want.input_ids)
+
+
+def test_a_window_inside_a_long_prompt_is_not_trained_on(setup, capsys):
+    """A packed sequence whose labels were all -100 (inside a prompt) made the loss 0/0: NaN at
+    the first such micro-batch, after the optimizer had stepped on it."""
+    t = setup
+    rng = random.Random(1)
+    with open(t / "pc.jsonl", "w") as f:
+        for _ in range(10):
+            prompt = " ".join(rng.choice(WORDS) for _ in range(60))
+            f.write(json.dumps({"prompt": prompt, "completion": "yes"}) + "\n")
+    data = load_data(t / "pc.jsonl", _tokenizer(t), 16).trained()
+    assert len(data) > 0 and bool((data.labels[:, 1:] != IGNORE).any(dim=1).all())
+    args = _args(t, t / "a", "--batch", "1", "--steps", "4")
+    args[args.index(str(t / "data.jsonl"))] = str(t / "pc.jsonl")
+    assert main(args) == 0
+    with open(t / "prompts.jsonl", "w") as f:  # no completion token at all: named
+        f.write(json.dumps({"prompt": "the cat " * 40, "completion": ""}) + "\n")
+    args[args.index(str(t / "pc.jsonl"))] = str(t / "prompts.jsonl")
+    assert main([*args[:-2], "--out", str(t / "b")]) == 2
+    assert "with a token the loss covers" in capsys.readouterr().err
+
+
+def test_a_swap_folder_the_run_did_not_make_is_left_alone(setup):
+    """OUT/swap was removed at the end of every run, NVMe or not, with whatever it held."""
+    t = setup
+    (t / "a" / "swap").mkdir(parents=True)
+    (t / "a" / "swap" / "notes.txt").write_text("mine")
+    assert main(_args(t, t / "a")) == 0
+    assert (t / "a" / "swap" / "notes.txt").read_text() == "mine"
+
+
+def test_a_resume_with_fewer_steps_than_its_checkpoint_is_refused(setup, capsys):
+    """It exported the checkpoint's model as if trained for --steps and saved it as a
+    checkpoint of step --steps: a later resume trained the steps after that again."""
+    t = setup
+    assert main([*_args(t, t / "a"), "--steps", "4", "--save-every", "2"]) == 0
+    latest = (t / "a" / "checkpoints" / "latest").read_text()
+    held = sorted(p.name for p in (t / "a" / "checkpoints").iterdir())
+    export = load_file(t / "a" / "hf" / "model.safetensors")
+    assert main([*_args(t, t / "a", "--resume"), "--steps", "2", "--save-every", "2"]) == 2
+    assert "the checkpoint is at step 4, past this run's 2 steps" in capsys.readouterr().err
+    assert (t / "a" / "checkpoints" / "latest").read_text() == latest
+    assert sorted(p.name for p in (t / "a" / "checkpoints").iterdir()) == held
+    again = load_file(t / "a" / "hf" / "model.safetensors")
+    assert all(torch.equal(export[k], again[k]) for k in export)
+
+
+def test_the_config_s_gradient_clipping_holds_unless_the_flag_says_otherwise(setup, capsys):
+    """--max-grad-norm's default (1.0) replaced the config's gradient_clipping silently, and
+    with --max-grad-norm 0 (off) the optimizer clipped to the config's value all the same."""
+    t = setup
+    (t / "clip.yaml").write_text(CPU + "gradient_clipping: 0.001\n")
+
+    def trained(out, config, *extra):
+        args = _args(t, t / out, *extra)
+        args[args.index(str(t / "cfg.yaml"))] = str(t / config)
+        assert main(args) == 0
+        return load_file(t / out / "hf" / "model.safetensors")
+
+    def same(a, b):
+        return all(torch.equal(a[k], b[k]) for k in a)
+
+    from_file = trained("a", "clip.yaml")
+    assert same(from_file, trained("b", "cfg.yaml", "--max-grad-norm", "0.001"))
+    off = trained("c", "clip.yaml", "--max-grad-norm", "0")
+    assert "--max-grad-norm 0.0 overrides gradient_clipping=0.001" in capsys.readouterr().err
+    assert same(off, trained("d", "cfg.yaml", "--max-grad-norm", "0"))
+    assert not same(off, from_file)

@@ -16,7 +16,8 @@ from hf_models import WORDS, write_model, write_tokenizer  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from offload.cli.main import main  # noqa: E402
-from offload.finetune import load_data  # noqa: E402
+from offload.demo.report import read_metrics  # noqa: E402
+from offload.finetune import Options, finetune, load_data  # noqa: E402
 from offload.finetune.data import IGNORE  # noqa: E402
 
 CPU = "device: cpu\ndtype: fp32\n"
@@ -126,3 +127,29 @@ def test_the_config_s_gradient_clipping_holds_unless_the_flag_says_otherwise(set
     assert "--max-grad-norm 0.0 overrides gradient_clipping=0.001" in capsys.readouterr().err
     assert same(off, trained("d", "cfg.yaml", "--max-grad-norm", "0"))
     assert not same(off, from_file)
+
+
+def test_a_metrics_line_cut_short_does_not_refuse_the_resume(setup, capsys):
+    """A run killed while writing metrics.jsonl (or a full disk) left a line that is not JSON:
+    --resume stopped on it (after loading the model) and could not continue the run."""
+    t = setup
+    opts = Options(
+        model=str(t / "model"), data=str(t / "data.jsonl"), out=str(t / "a"),
+        config=str(t / "cfg.yaml"), steps=4, seq_len=16, batch=2, lr=1e-2, save_every=2,
+        progress=False,
+    )  # fmt: skip
+
+    def stop(rec):
+        if rec["step"] == 3:
+            raise KeyboardInterrupt
+
+    assert finetune(opts, on_step=stop) == 130
+    metrics = t / "a" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    assert json.loads(lines[-2])["step"] == 3  # then the summary
+    metrics.write_text("".join(lines[:-2]) + lines[-2][:40])  # step 3's record, cut short
+    args = _args(t, t / "a", "--resume", "--steps", "4", "--save-every", "2")
+    assert main([a for a in args if a != "--no-report"]) == 0
+    assert "metrics.jsonl:4 is not a JSON object (cut short?); left out" in capsys.readouterr().err
+    steps = [r["step"] for r in read_metrics(metrics) if r["kind"] == "step"]
+    assert steps == [1, 2, 3, 4]

@@ -34,7 +34,7 @@ import math
 import os
 import statistics
 import textwrap
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -88,17 +88,28 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All records of a ``metrics.jsonl`` (raises ValueError naming the line that is bad)."""
+def read_metrics(
+    path: str | os.PathLike[str], on_bad: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
+    """All records of a ``metrics.jsonl``. A line that is not a JSON object raises ValueError
+    naming it, or, with ``on_bad``, is left out and named to it (a run killed mid-write)."""
     records = []
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8", errors="replace") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                rec = json.loads(line)
+                bad = "" if isinstance(rec, dict) else f"a JSON {type(rec).__name__}"
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{os.fspath(path)}:{lineno}: not a JSON object ({exc})") from None
+                bad = str(exc)
+            if not bad:
+                records.append(rec)
+                continue
+            what = f"{os.fspath(path)}:{lineno}: not a JSON object ({bad})"
+            if on_bad is None:
+                raise ValueError(what)
+            on_bad(what)
     return records
 
 

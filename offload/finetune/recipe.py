@@ -247,6 +247,7 @@ def finetune(opts: Options, on_step=None) -> int:
         MetricsWriter,
         format_summary,
         plot_report,
+        read_metrics,
         summarize,
     )
 
@@ -315,7 +316,7 @@ def finetune(opts: Options, on_step=None) -> int:
             if (out / "metrics.jsonl").exists():
                 records = [
                     r
-                    for r in _past_metrics(out / "metrics.jsonl")
+                    for r in read_metrics(out / "metrics.jsonl", on_bad=_left_out)
                     if r.get("kind") != "step" or r["step"] <= start
                 ]
         if opts.report:
@@ -439,29 +440,10 @@ def finetune(opts: Options, on_step=None) -> int:
             shutil.rmtree(out / "swap", ignore_errors=True)
 
 
-def _past_metrics(path: Path) -> list[dict]:
-    """The records of the run resumed: a line that is not a JSON object (one a killed run, a
-    full disk, cut short) is left out, said on stderr; it refused the resume."""
-    import json  # noqa: PLC0415
-
-    records = []
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                rec = None
-            if isinstance(rec, dict):
-                records.append(rec)
-            else:
-                print(
-                    f"offload finetune: {path}:{lineno} is not a JSON object (cut short?); "
-                    "left out",
-                    file=sys.stderr,
-                )
-    return records
+def _left_out(what: str) -> None:
+    """A metrics line of the run resumed that is not a record (one a killed run, a full disk,
+    cut short): left out, said on stderr, where it refused the resume."""
+    print(f"offload finetune: {what}; left out", file=sys.stderr)
 
 
 def _host_budget(engine, cfg: dict):

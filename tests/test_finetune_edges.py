@@ -154,3 +154,64 @@ def test_a_metrics_line_cut_short_does_not_refuse_the_resume(setup, capsys):
     assert "metrics.jsonl:4: not a JSON object (" in err and "; left out" in err, err
     steps = [r["step"] for r in read_metrics(metrics) if r["kind"] == "step"]
     assert steps == [1, 2, 3, 4]
+
+
+def test_accumulation_weighs_every_covered_token_alike(setup):
+    """With prompt / completion data the micro-batches cover different numbers of tokens; each
+    one's mean divided by --accum weighed them unequally: --batch 2 --accum 2 ended 3.3e-3 off
+    --batch 4 after 3 steps. The step's loss is now its mean over every token it covers
+    (``num_items_in_batch``, as transformers' Trainer), and the two runs agree."""
+    t = setup
+    rng = random.Random(2)
+    with open(t / "pc.jsonl", "w") as f:
+        for _ in range(40):
+            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 14)))
+            completion = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))
+            f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+
+    def trained(out, batch, accum):
+        args = _args(t, t / out, "--batch", str(batch), "--accum", str(accum), "--steps", "3")
+        args[args.index(str(t / "data.jsonl"))] = str(t / "pc.jsonl")
+        assert main(args) == 0
+        return load_file(t / out / "hf" / "model.safetensors")
+
+    data = load_data(t / "pc.jsonl", _tokenizer(t), 16)
+    covered = (data.labels[:, 1:] != IGNORE).sum(dim=1)
+    assert covered.min() < covered.max()  # the micro-batches differ in what they cover
+    whole, split = trained("a", 4, 1), trained("b", 2, 2)
+    for name, want in whole.items():
+        # (2.4e-6 at most: the split batch's rounding, which Adam magnifies near zero)
+        torch.testing.assert_close(split[name], want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_lr_given_to_a_resume_replaces_the_checkpoint_s(setup, capsys):
+    """The checkpoint's scheduler state kept the old peak LR whatever --lr the resume gave,
+    without a word; and a resume with more --steps took its first step at the LR the old
+    schedule had set for it (0 here: the end of its cosine). Now --lr is the schedule's peak
+    from the checkpoint's step on, said on stderr; without --lr the checkpoint's holds; and
+    every resumed step's LR is this run's schedule's."""
+    t = setup
+
+    def run(out, *extra, lr=True):
+        drop = {"--no-report"} | (set() if lr else {"--lr", "1e-2"})
+        assert main([a for a in _args(t, t / out, *extra) if a not in drop]) == 0
+
+    for out in ("a", "b"):
+        run(out, "--steps", "2", "--save-every", "2")
+    run("a", "--resume", "--steps", "4", "--lr", "5e-2")
+    assert "--lr 0.05 replaces the checkpoint's 0.01 from step 3 on" in capsys.readouterr().err
+    run("b", "--resume", "--steps", "4", lr=False)
+    run("c", "--steps", "4")  # uninterrupted
+    lrs = {
+        out: {
+            r["step"]: r["lr"]
+            for r in read_metrics(t / out / "metrics.jsonl")
+            if r["kind"] == "step"
+        }
+        for out in ("a", "b", "c")
+    }
+    assert [lrs["b"][k] for k in (3, 4)] == [lrs["c"][k] for k in (3, 4)]  # this schedule's
+    assert lrs["a"][1] == lrs["b"][1] == 1e-2 and lrs["b"][3] > 0
+    assert lrs["a"][3] == pytest.approx(5 * lrs["b"][3]) and lrs["a"][4] == pytest.approx(
+        5 * lrs["b"][4]
+    )

@@ -2,7 +2,8 @@
 
 One run: ``from_pretrained`` (the model streams from its shards into the tiers), the data packed
 into sequences (``offload.finetune.data``), AdamW with linear warm-up and cosine decay, gradient
-accumulation, clipping through ``optimizer.clip_grad_norm_``, checkpoints every ``save_every``
+accumulation (the step's loss the mean over every token it covers, as transformers' Trainer
+makes it), clipping through ``optimizer.clip_grad_norm_``, checkpoints every ``save_every``
 steps, and at the end a Hugging Face export (``save_pretrained`` + the tokenizer) in
 ``OUT/hf``. ``OUT`` also gets ``metrics.jsonl`` and ``report.png`` (the demo's report).
 
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 
-from offload.finetune.data import Order, load_data
+from offload.finetune.data import IGNORE, Order, load_data
 
 DEFAULT_LR = 2e-5
 DEFAULT_MAX_GRAD_NORM = 1.0
@@ -264,6 +265,7 @@ def finetune(opts: Options, on_step=None) -> int:
             f"--data: '{opts.data}' has no sequence of {opts.seq_len} tokens with a token the "
             "loss covers (a completion)"
         )
+    lr_flag = opts.lr  # (a resume takes it over the checkpoint's; None: not given)
     cfg, opts, swap = offload_config(opts, out)
     per_step = opts.batch * opts.accum
     if opts.steps is None:
@@ -291,6 +293,7 @@ def finetune(opts: Options, on_step=None) -> int:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.train()
+        by_tokens = _accepts_loss_kwargs(model)
         sched = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(opts.warmup, total))
         start = 0
         records: list[dict] = []
@@ -312,6 +315,7 @@ def finetune(opts: Options, on_step=None) -> int:
                     f"steps; give --steps {start} or more"
                 )
             sched.load_state_dict(extra["scheduler"])
+            _resume_lr(optimizer, sched, lr_flag, start)
             _set_rng_state(extra["rng"])
             if (out / "metrics.jsonl").exists():
                 records = [
@@ -348,11 +352,17 @@ def finetune(opts: Options, on_step=None) -> int:
                 t_step = time.perf_counter()
                 fwd = bwd = 0.0
                 loss_sum, tokens = 0.0, 0
-                for m in range(opts.accum):
-                    idx = order.indices(step * opts.accum + m)
+                micro = [order.indices(step * opts.accum + m) for m in range(opts.accum)]
+                loss_kwargs = {}
+                if by_tokens:  # the step's mean over the tokens its loss covers (as the Trainer)
+                    covered = sum(int((data.labels[i][:, 1:] != IGNORE).sum()) for i in micro)
+                    loss_kwargs["num_items_in_batch"] = covered
+                for idx in micro:
                     x, y = data.input_ids[idx], data.labels[idx]
                     t0 = time.perf_counter()
-                    loss = model(input_ids=x, labels=y).loss / opts.accum
+                    loss = model(input_ids=x, labels=y, **loss_kwargs).loss
+                    if not by_tokens:
+                        loss = loss / opts.accum
                     t1 = time.perf_counter()
                     optimizer.scale_loss(loss).backward()  # fp16: the loss scale; else loss
                     fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
@@ -438,6 +448,41 @@ def finetune(opts: Options, on_step=None) -> int:
         optimizer.close()
         if swap:  # OUT/swap is the run's only when the config named no nvme_path
             shutil.rmtree(out / "swap", ignore_errors=True)
+
+
+def _resume_lr(optimizer, sched, lr_flag: float | None, start: int) -> None:
+    """The LR of a resumed run's steps: the checkpoint's scheduler state (its peak LR and step)
+    under this run's schedule (``--steps`` and ``--warmup`` may have changed it: the optimizer
+    state holds the LR the old schedule set for the next step, which the first resumed step
+    used). ``--lr`` given replaces the peak from the checkpoint's step on (lowering the LR after
+    a loss spike and resuming is the usual remedy), said on stderr; the scheduler state alone
+    kept the old one without a word."""
+    if lr_flag is not None and lr_flag != sched.base_lrs[0]:
+        print(
+            f"offload finetune: --lr {lr_flag} replaces the checkpoint's {sched.base_lrs[0]} "
+            f"from step {start + 1} on (the schedule's warm-up and decay stay)",
+            file=sys.stderr,
+        )
+        sched.base_lrs = [lr_flag] * len(sched.base_lrs)
+    for group, base, factor in zip(
+        optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True
+    ):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(sched.last_epoch)  # (LambdaLR's own expression)
+
+
+def _accepts_loss_kwargs(model) -> bool:
+    """Whether the model's loss takes ``num_items_in_batch`` (the tokens the whole step's loss
+    covers): then the accumulated loss is the step's mean over those tokens, as transformers'
+    Trainer makes it (micro-batches of a prompt / completion file cover different counts, and
+    a mean per micro-batch divided by ``--accum`` weighs their tokens unequally). The Trainer's
+    test: the model says so, or its ``forward`` takes ``**kwargs``."""
+    import inspect  # noqa: PLC0415
+
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    params = inspect.signature(model.forward).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _left_out(what: str) -> None:

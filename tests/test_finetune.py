@@ -143,6 +143,14 @@ def test_data_formats(tmp_path):
     (tmp_path / "keys.jsonl").write_text(json.dumps({"question": "a"}))
     with pytest.raises(ValueError, match=r"line 1 has keys \['question'\]"):
         load_data(tmp_path / "keys.jsonl", tok, 4)
+    # a first record that is not JSON was trained on as plain text, braces and all
+    for name in ("comma.jsonl", "comma.txt"):
+        (tmp_path / name).write_text('{"text": "the cat",}\n' + json.dumps({"text": "a"}))
+        with pytest.raises(ValueError, match=rf"{name}' line 1 is not JSON \(Expecting"):
+            load_data(tmp_path / name, tok, 4)
+    (tmp_path / "words.jsonl").write_text("the cat sat\n")  # named .jsonl, no JSON
+    with pytest.raises(ValueError, match=r"words\.jsonl' line 1 is not JSON"):
+        load_data(tmp_path / "words.jsonl", tok, 4)
 
 
 def _first_norm(out):

@@ -215,3 +215,18 @@ def test_lr_given_to_a_resume_replaces_the_checkpoint_s(setup, capsys):
     assert lrs["a"][3] == pytest.approx(5 * lrs["b"][3]) and lrs["a"][4] == pytest.approx(
         5 * lrs["b"][4]
     )
+
+
+def test_a_diverged_run_stops_with_a_clear_error_before_another_step(setup, capsys):
+    """A loss that became NaN (an LR far too high) raised a traceback, after the optimizer had
+    stepped on that NaN loss. Now the run stops before that step with an error that says what
+    to try, exports nothing and keeps its checkpoints."""
+    t = setup
+    args = [a for a in _args(t, t / "a", "--steps", "4", "--save-every", "1") if a != "1e-2"]
+    args[args.index("--lr") + 1 : args.index("--lr") + 1] = ["1e30"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "error: the loss became nan at step 2, and the run stopped" in err, err
+    assert "lower --lr" in err and "Traceback" not in err
+    assert not (t / "a" / "hf").exists()
+    assert (t / "a" / "checkpoints" / "latest").read_text().startswith("ckpt-00000001-")

@@ -114,3 +114,6 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:  # ConfigError and WeightsError are ValueErrors
         print(f"offload finetune: error: {exc}", file=sys.stderr)
         return 2
+    except FloatingPointError as exc:  # the training diverged: no export, checkpoints kept
+        print(f"offload finetune: error: {exc}", file=sys.stderr)
+        return 1

@@ -7,7 +7,8 @@ Note: formats
       (the completion's tokens, then end-of-sequence); the labels of the prompt's tokens are
       ``-100``, so the loss covers the completion only.
     - plain text (anything whose first non-empty line is not a JSON object): blank-line
-      separated paragraphs are the documents.
+      separated paragraphs are the documents. A file named ``.jsonl`` / ``.json``, or whose
+      first line begins a record (``{``), must be JSON: its first line's error is raised.
 
     The format is that of the first non-empty line; every other line must have the same keys
     (an error names the file, the line and what it has).
@@ -72,7 +73,11 @@ def _documents(path: Path) -> tuple[str, list[tuple[str, str | None]]]:
         raise ValueError(f"--data: '{path}' is empty")
     try:
         head = json.loads(first)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as exc:
+        if path.suffix in (".jsonl", ".json") or first.lstrip().startswith("{"):
+            # meant as JSONL (its name, or a record begun): trained as plain text, its JSON
+            # syntax would be the data, without a word
+            raise ValueError(f"--data: '{path}' line 1 is not JSON ({exc})") from None
         head = None
     if not isinstance(head, dict):
         paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]

@@ -369,6 +369,12 @@ def finetune(opts: Options, on_step=None) -> int:
                     loss_sum += loss.item()
                     tokens += x.numel()
                 t2 = time.perf_counter()
+                if not math.isfinite(loss_sum):  # before its step: the weights of before stay
+                    raise FloatingPointError(
+                        f"the loss became {loss_sum} at step {step + 1}, and the run stopped "
+                        "before its update (an update before may have left non-finite weights, "
+                        "checkpoints included: try a lower --lr)"
+                    )
                 if opts.max_grad_norm > 0:
                     norm = float(optimizer.clip_grad_norm_(opts.max_grad_norm))
                 else:
@@ -378,8 +384,6 @@ def finetune(opts: Options, on_step=None) -> int:
                 sched.step()
                 optimizer.zero_grad()
                 t3 = time.perf_counter()
-                if not math.isfinite(loss_sum):
-                    raise FloatingPointError(f"loss became {loss_sum} at step {step + 1}")
                 rec = normalize_stats(optimizer.stats())
                 wall = t3 - t_step
                 rec.update(

@@ -15,6 +15,8 @@ Variants (interleaved A B C D per rep, both modes in each rep; medians over ``--
 - ``offload wrap``: ``offload.wrap(model, device="cpu", offload_optimizer.device="cpu")``,
   the engine's host optimizer (one native call for the whole step), on the default compute
   threads: torch's OpenMP team when torch runs on libgomp (``csrc/compute_threads.h``).
+- ``offload wrap, no_decay``: the same with biases and LayerNorm weights undecayed
+  (``optimizer.no_decay``): the update's two kernel calls (decayed, not) instead of one.
 - ``offload wrap, own pool``: the same, its kernels on offload's own thread pool (what every
   step ran on before the team was joined): the in-run reference for the contention fix.
 - ``offload CPUAdam``: ``offload.optim.CPUAdam`` as a drop-in ``torch.optim.Optimizer`` (one
@@ -76,6 +78,9 @@ def _variants(base: torch.nn.Module, ds_cls: type | None) -> dict[str, tuple]:
     }
     model, opt = offload.wrap(copy.deepcopy(base), config)
     out["offload wrap"] = (model, opt)
+    undecayed = config | {"optimizer": config["optimizer"] | {"no_decay": ["bias", "ln"]}}
+    model, opt = offload.wrap(copy.deepcopy(base), undecayed)
+    out["offload wrap, no_decay"] = (model, opt)
     if _native.compute_backend().startswith("openmp"):  # the same step on offload's own threads
         model, opt = offload.wrap(copy.deepcopy(base), config)
         out["offload wrap, own pool"] = (model, _OnPool(opt))

@@ -187,6 +187,8 @@ class AutogradGrads(GradHome):
     def __init__(self, plan: Plan) -> None:
         super().__init__(plan)
         self._groups: dict[tuple[int, int], tuple[AdamGroup, list]] = {}
+        # a group's two parts (decayed, not) for the step's NoDecay: (group, no_decay, parts)
+        self._parts: dict[int, tuple[AdamGroup, object, list]] = {}
 
     def absorb(self, unit: Unit, parts: PartsSource, first: bool) -> None:
         pass  # autograd has put them where they stay
@@ -225,26 +227,34 @@ class AutogradGrads(GradHome):
             cached = self._groups[key] = (AdamGroup(*tensors), segs)
         self._step(*cached, hyper)
 
-    @staticmethod
-    def _step(group: AdamGroup, segs: list, hyper: Hyper) -> None:
-        """One call for the whole group; two (decayed, not: ``hyper.no_decay``) over the
-        tensors that got a gradient where some did not or some are not decayed."""
+    def _step(self, group: AdamGroup, segs: list, hyper: Hyper) -> None:
+        """One call for the whole group; where some tensors are not decayed
+        (``hyper.no_decay``), one for the decayed and one for the others (their groups kept
+        while every tensor gets a gradient); with some gradients missing, over those present."""
         grads = [s.param.grad for s in segs]
         excluded = hyper.no_decay.params
-        if not excluded and all(g is not None for g in grads):
+        complete = all(g is not None for g in grads)
+        if not excluded and complete:
             group.step([g.view(-1) for g in grads], **hyper.kwargs())
             return
-        for decayed in (True, False):
-            live = [
-                i
-                for i, (s, g) in enumerate(zip(segs, grads, strict=True))
-                if g is not None and (s.param not in excluded) == decayed
-            ]
-            if live:
-                part = AdamGroup(
-                    *[None if t is None else [t[i] for i in live] for t in group.tensors]
-                )
-                part.step([grads[i].view(-1) for i in live], **hyper.kwargs(decayed))
+        cached = self._parts.get(id(group)) if complete else None
+        if cached is not None and cached[0] is group and cached[1] is hyper.no_decay:
+            parts = cached[2]
+        else:
+            parts = []
+            for decayed in (True, False):
+                live = [
+                    i
+                    for i, (s, g) in enumerate(zip(segs, grads, strict=True))
+                    if g is not None and (s.param not in excluded) == decayed
+                ]
+                if live:
+                    tensors = [None if t is None else [t[i] for i in live] for t in group.tensors]
+                    parts.append((AdamGroup(*tensors), live, decayed))
+            if complete:  # (the entry holds its group: its id stays its own)
+                self._parts[id(group)] = (group, hyper.no_decay, parts)
+        for part, live, decayed in parts:
+            part.step([grads[i].view(-1) for i in live], **hyper.kwargs(decayed))
 
     def _group(self, unit, lo, hi, master, exp_avg, exp_avg_sq, out) -> tuple[AdamGroup, list]:
         cached = self._groups.get((unit.index, lo))

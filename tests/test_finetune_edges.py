@@ -230,3 +230,14 @@ def test_a_diverged_run_stops_with_a_clear_error_before_another_step(setup, caps
     assert "lower --lr" in err and "Traceback" not in err
     assert not (t / "a" / "hf").exists()
     assert (t / "a" / "checkpoints" / "latest").read_text().startswith("ckpt-00000001-")
+
+
+def test_a_seq_len_over_the_model_s_positions_is_refused_before_loading(setup, capsys):
+    """--seq-len over GPT-2's n_positions failed with an IndexError in the first forward,
+    after the model had streamed in and OUT was made."""
+    t = setup
+    args = _args(t, t / "a")
+    args[args.index("--seq-len") + 1] = "129"  # the test model's max_position_embeddings: 128
+    assert main(args) == 2
+    assert "--seq-len 129: over the model's max_position_embeddings=128" in capsys.readouterr().err
+    assert not (t / "a").exists()

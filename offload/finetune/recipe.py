@@ -218,6 +218,26 @@ def _check_out(out: Path, ckpt_dir: Path, resume: bool) -> None:
         )
 
 
+def _check_positions(model: Path, seq_len: int) -> None:
+    """A ``--seq-len`` over the positions the model's config declares is refused before
+    anything loads: a model with learned positions (GPT-2's ``n_positions``) failed with an
+    ``IndexError`` in its first forward, after the model had streamed in."""
+    import json  # noqa: PLC0415
+
+    try:
+        config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model '{model}': config.json cannot be read ({exc})") from None
+    for key in ("n_positions", "max_position_embeddings"):
+        limit = config.get(key) if isinstance(config, dict) else None
+        if isinstance(limit, int) and seq_len > limit:
+            raise ValueError(
+                f"--seq-len {seq_len}: over the model's {key}={limit} (its config.json); "
+                f"allowed: at most {limit} (a model whose positions extend, rotary ones with "
+                "rope_scaling, declares the longer length in its config.json)"
+            )
+
+
 def _check_writable(export: Path) -> None:
     """The export at the end must not find its directory unwritable after all the training:
     a file is created and removed in it now (the directory too, when this made it)."""
@@ -255,6 +275,7 @@ def finetune(opts: Options, on_step=None) -> int:
     out = Path(opts.out)
     ckpt_dir = out / "checkpoints"
     _check_model_dir(Path(opts.model))
+    _check_positions(Path(opts.model), opts.seq_len)
     _check_out(out, ckpt_dir, opts.resume)
     out.mkdir(parents=True, exist_ok=True)
     _check_writable(out / "hf")

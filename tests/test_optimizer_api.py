@@ -17,6 +17,7 @@ from engine_models import batches, lm_loss, make_model, placement_config
 
 import offload
 from offload.api.wrap import engine_of
+from offload.runtime.phase import PhaseError
 
 # (param_dev, opt_dev, keep_grads): where the gradients live, each of the three owners
 GRAD_OWNERS = {
@@ -66,6 +67,59 @@ def test_clipping_twice_clips_the_clipped_gradients_as_torch(tmp_path, owner):
             torch.testing.assert_close(opt.grad_norm(), want[-1], rtol=1e-4, atol=0)
             opt.step()
             opt.zero_grad()
+        _assert_close(model.state_dict(), ref.state_dict())
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("owner", list(GRAD_OWNERS))
+def test_a_backward_after_clipping_and_before_the_step_is_refused(tmp_path, owner):
+    """``clip_grad_norm_`` between two backwards of a step: torch clips the gradients so far
+    in place and the next backward adds unclipped, while offload's coefficient multiplied the
+    whole step's gradients at the step, the later backward's too (the probe: the step's norm
+    0.11 against torch's 2.6, no error). Refused before that backward takes anything; the step
+    then applies the clipped first backward, as torch's."""
+    data = batches(2)
+    ref = make_model()
+    ref_opt = _torch_adamw(ref)
+    model, opt = _wrap(tmp_path, owner)
+    try:
+        lm_loss(ref, data[0]).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        ref_opt.step()
+        lm_loss(model, data[0]).backward()
+        torch.testing.assert_close(opt.clip_grad_norm_(0.1), want, rtol=1e-4, atol=0)
+        with pytest.raises(PhaseError, match=r"after optimizer\.clip_grad_norm_\(\)"):
+            lm_loss(model, data[1]).backward()
+        opt.step()
+        opt.zero_grad()
+        _assert_close(model.state_dict(), ref.state_dict())
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("owner", list(GRAD_OWNERS))
+def test_model_zero_grad_drops_the_clipping_with_the_gradients(tmp_path, owner):
+    """A batch clipped, then dropped with ``model.zero_grad()`` (a loop that skips a step on a
+    bad norm): its coefficient stayed with the optimizer and scaled the next step's
+    gradients (the probe: norm 2.6e0 read 1.6e-4). ``model.zero_grad()`` is
+    ``optimizer.zero_grad()``, which drops it."""
+    data = batches(2)
+    ref = make_model()
+    ref_opt = _torch_adamw(ref)
+    model, opt = _wrap(tmp_path, owner)
+    try:
+        lm_loss(model, data[0]).backward()
+        opt.clip_grad_norm_(1e-3)
+        model.zero_grad()
+        lm_loss(model, data[1]).backward()
+        lm_loss(ref, data[1]).backward()
+        want = torch.nn.utils.get_total_norm(
+            [p.grad for p in ref.parameters() if p.grad is not None]
+        )
+        torch.testing.assert_close(opt.grad_norm(), want, rtol=1e-4, atol=0)
+        opt.step()
+        ref_opt.step()
         _assert_close(model.state_dict(), ref.state_dict())
     finally:
         opt.close()

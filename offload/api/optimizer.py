@@ -41,13 +41,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.gradient_clipping = gradient_clipping
         self.scaler = scaler
         runtime.needs_scaled_loss = scaler is not None
-        self._clip_coef: float | None = None
         self.skipped_steps = 0
         self._group, self._params = self.param_groups[0], tuple(self.param_groups[0]["params"])
         # torch.amp.GradScaler.step hands an optimizer that says this its scale in
         # ``grad_scale`` / ``found_inf`` before step(), which refuses it (_refuse_grad_scaler);
         # gradients in p.grad are GradScaler's to unscale, as with any torch optimizer
         self._step_supports_amp_scaling = runtime.plan.placement.grads is not GradOwner.AUTOGRAD
+
+    @property
+    def _clip_coef(self) -> float | None:
+        """The clipping asked since the last step; the runtime holds it, so that every
+        ``zero_grad`` (``model.zero_grad()`` too) drops it with the gradients and a backward
+        while it is pending is refused (``Runtime._check_no_clip``)."""
+        return self._engine.clip_coef
+
+    @_clip_coef.setter
+    def _clip_coef(self, coef: float | None) -> None:
+        self._engine.clip_coef = coef
 
     def set_no_decay(self, params) -> None:
         """Weight decay leaves ``params`` alone from the next step on; the other trainable

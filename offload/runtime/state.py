@@ -153,6 +153,10 @@ class Runtime:
         # its scaled loss (mark_scaled); one that does not is refused (_check_scaled)
         self.needs_scaled_loss = False
         self._scaled = False
+        # the clipping optimizer.clip_grad_norm_ asked since the last step (its coefficient;
+        # None: none), applied by the step; dropped with the gradients (zero_grad, also
+        # model.zero_grad()); a backward while it is pending is refused (_check_no_clip)
+        self.clip_coef: float | None = None
         self._handles: list = []
         self._step_started = time.perf_counter()
         self._fwd_start: float | None = None
@@ -474,6 +478,7 @@ class Runtime:
             if not self._grad_free:
                 self._check_scaled()
                 self._check_zeroed()
+                self._check_no_clip()
                 self.grads.backward_begins()
                 self.schedule.backward_begins(self._step_hyper, self.backwards_since_step)
         except PhaseError:
@@ -542,6 +547,22 @@ class Runtime:
             "PyTorch would add this backward's gradients to the ones the step used, but "
             "offload's step consumed them (its gradients live outside p.grad with this "
             "placement); call optimizer.zero_grad() (or model.zero_grad()) after each step"
+        )
+
+    def _check_no_clip(self) -> None:
+        """A backward after ``clip_grad_norm_`` and before the step. Torch's clipping scales
+        the gradients accumulated so far in place and this backward's add unclipped; offload's
+        multiplies all of the step's gradients at the step, so this backward's would have been
+        clipped too (2.6 against 0.11 for the step's norm, the probe) without a word. Refused
+        before this backward takes anything."""
+        if self.clip_coef is None:
+            return
+        raise PhaseError(
+            "offload: loss.backward() after optimizer.clip_grad_norm_() and before "
+            "optimizer.step(): offload applies the clipping to all of the step's gradients at "
+            "step(), this backward's included, where torch's in-place clipping would scale only "
+            "the gradients accumulated before it; call clip_grad_norm_ after the step's last "
+            "backward (optimizer.zero_grad() drops the gradients and the clipping)"
         )
 
     def _check_trainable(self) -> None:
@@ -915,6 +936,7 @@ class Runtime:
         self.backwards_since_step = 0
         self._grads_incomplete = False
         self._zeroed = True
+        self.clip_coef = None  # the clipping goes with the gradients it was computed for
 
     # ---------------------------------------------------------------- values
     def full_values(self, unit) -> dict[nn.Parameter, torch.Tensor]:

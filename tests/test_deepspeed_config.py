@@ -316,3 +316,27 @@ def test_input_dict_is_not_modified():
 def test_mapped_config_converts_to_offload_format():
     cfg = load_config(ZERO_INFINITY)
     assert load_config(cfg.to_dict()) == cfg
+
+
+def test_gradient_accumulation_steps_semantics_are_said(caplog):
+    """DeepSpeed's engine divides the loss by gradient_accumulation_steps and updates at every
+    N-th engine.step(); offload's key does neither, so mapping it says so (a loop translated call
+    for call stepped every micro-batch, silently) and the README's table lists the key."""
+    with caplog.at_level(logging.INFO, logger="offload.config"):
+        cfg = load_config({"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3}})
+    assert cfg.gradient_accumulation_steps == 4
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any("gradient_accumulation_steps=4" in m and "divide the loss by 4" in m for m in infos)
+    assert _warnings(caplog) == []
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="offload.config"):
+        load_config({"gradient_accumulation_steps": 1, "zero_optimization": {"stage": 3}})
+    assert not any("gradient_accumulation_steps" in r.getMessage() for r in caplog.records)
+    from offload.config._reference import reference_markdown
+
+    row = next(
+        line
+        for line in reference_markdown().splitlines()
+        if line.startswith("| `gradient_accumulation_steps` (N)")
+    )
+    assert "divides the loss by N" in row and "`optimizer.step()`" in row

@@ -81,6 +81,7 @@ _DEEPSPEED_TABLE = """\
 | `optimizer.type` | `optimizer.type` | `Adam` -> `adamw` (`adam` when `params.adam_w_mode` is false), `AdamW` -> `adamw`; others: error |
 | `optimizer.params.{lr, betas, eps, weight_decay, bias_correction}` | `optimizer.*` | as is |
 | `gradient_clipping` | `gradient_clipping` | as is |
+| `gradient_accumulation_steps` (N) | `gradient_accumulation_steps` | as is; it only says which backward is a step's last. Unlike DeepSpeed's engine (`engine.backward` divides the loss by N, `engine.step()` updates at every N-th call), offload does neither: divide the loss by N and call `optimizer.step()` once every N backwards (a `step()` after fewer updates at once; logged at INFO) |
 | `zero_optimization.offload_param.{device, nvme_path, pin_memory, buffer_count}` | `offload_param.*` | as is |
 | `zero_optimization.offload_param.buffer_size` | `offload_param.buffer_size` | ELEMENTS x element size of the mapped dtype (2 for bf16/fp16, 4 for fp32), rounded up to a multiple of 4096 bytes |
 | `zero_optimization.stage3_param_persistence_threshold` | `offload_param.persistence_threshold` | elements |

@@ -15,6 +15,14 @@ Note: units that differ
     ``loss_scale.initial = 2**p``; a static ``fp16.loss_scale`` S > 0 becomes ``initial = S`` with
     growth and backoff factors 1.
 
+Note: gradient accumulation
+    ``gradient_accumulation_steps`` maps as is, but offload's key only says which backward is a
+    step's last (for the step in backward). DeepSpeed's ``engine.backward`` divides the loss by
+    it and ``engine.step()`` updates only at every N-th call; offload's ``optimizer.step()``
+    updates at every call and the loss is the caller's, so a DeepSpeed loop translated call for
+    call would step every micro-batch and clip the sum instead of the mean (logged at INFO and
+    in the README's table).
+
 Note: defaults and "auto"
     A key absent from the DeepSpeed file takes offload's default, not DeepSpeed's (so
     ``pin_memory`` defaults to true). One exception follows DeepSpeed's meaning: with neither
@@ -147,7 +155,18 @@ def from_deepspeed(data: Mapping[str, Any]) -> OffloadConfig:
         logger.info(
             'DeepSpeed config: "auto" values take offload\'s defaults: %s', ", ".join(result.auto)
         )
+    steps = result.config.gradient_accumulation_steps
+    if isinstance(steps, int) and steps > 1:
+        logger.info(GAS_NOTE, steps, steps, steps)
     return result.config
+
+
+GAS_NOTE = (
+    "DeepSpeed config: gradient_accumulation_steps=%d tells offload which backward is a step's "
+    "last; unlike DeepSpeed's engine, offload neither divides the loss by it nor skips "
+    "optimizer.step() calls between boundaries: divide the loss by %d and call "
+    "optimizer.step() once every %d backwards"
+)
 
 
 def map_deepspeed(data: Mapping[str, Any]) -> DeepSpeedMapping:

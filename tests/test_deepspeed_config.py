@@ -177,6 +177,22 @@ def test_fp16_static_loss_scale_never_moves():
     assert (ls.initial, ls.growth_factor, ls.backoff_factor) == (128.0, 1.0, 1.0)
 
 
+@pytest.mark.parametrize(
+    "bf16,fp16,dtype",
+    [
+        (False, "auto", "fp32"),
+        ("auto", False, "bf16"),
+        (False, True, "fp16"),
+        ("auto", True, "fp16"),
+    ],
+)
+def test_an_explicit_off_is_never_overridden_by_an_auto_beside_it(bf16, fp16, dtype):
+    """bf16 said off beside fp16 "auto" gave bf16 (offload's default), against the explicit
+    false: neither on is fp32, as DeepSpeed's."""
+    cfg = load_config({"bf16": {"enabled": bf16}, "fp16": {"enabled": fp16}})
+    assert cfg.dtype == dtype
+
+
 def test_hf_trainer_auto_values_take_offload_defaults(caplog):
     ds = {
         "bf16": {"enabled": "auto"},

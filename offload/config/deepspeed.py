@@ -307,8 +307,11 @@ class _Mapper:
             self.put("dtype", "bf16.enabled", "bf16")
         elif enabled.get("fp16"):
             self.put("dtype", "fp16.enabled", "fp16")
-        elif not auto:
-            self.put("dtype", "bf16.enabled", "fp32")  # DeepSpeed: no mixed precision section on
+        elif not auto or enabled.get("bf16") is False:
+            # DeepSpeed: no mixed precision section on. Also bf16 said off beside an fp16
+            # "auto" (offload cannot know what the Trainer would fill in): offload's default
+            # dtype, bf16, would be the one said off
+            self.put("dtype", "bf16.enabled", "fp32")
 
     def _finish_optimizer_type(self) -> None:
         if "optimizer.type" not in self.raw:

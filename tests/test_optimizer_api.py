@@ -94,6 +94,17 @@ def test_a_backward_after_clipping_and_before_the_step_is_refused(tmp_path, owne
         opt.step()
         opt.zero_grad()
         _assert_close(model.state_dict(), ref.state_dict())
+        # a clipping that scaled nothing too: the loop is refused at its first step, not at the
+        # first batch whose norm is over max_norm (hours in); grad_norm() reads it instead
+        lm_loss(model, data[0]).backward()
+        opt.clip_grad_norm_(1e9)
+        with pytest.raises(PhaseError, match=r"grad_norm\(\) to read the norm"):
+            lm_loss(model, data[1]).backward()
+        opt.zero_grad()
+        lm_loss(model, data[0]).backward()
+        opt.grad_norm()
+        lm_loss(model, data[1]).backward()
+        opt.step()
     finally:
         opt.close()
 

@@ -562,7 +562,10 @@ class Runtime:
             "optimizer.step(): offload applies the clipping to all of the step's gradients at "
             "step(), this backward's included, where torch's in-place clipping would scale only "
             "the gradients accumulated before it; call clip_grad_norm_ after the step's last "
-            "backward (optimizer.zero_grad() drops the gradients and the clipping)"
+            "backward, and optimizer.grad_norm() to read the norm before it (it clips nothing; "
+            "optimizer.zero_grad() drops the gradients and the clipping). Refused also where "
+            "this clipping scaled nothing, so that a loop is refused at its first step, not at "
+            "the first batch whose norm is over max_norm"
         )
 
     def _check_trainable(self) -> None:

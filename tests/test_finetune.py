@@ -151,6 +151,9 @@ def test_data_formats(tmp_path):
     (tmp_path / "words.jsonl").write_text("the cat sat\n")  # named .jsonl, no JSON
     with pytest.raises(ValueError, match=r"words\.jsonl' line 1 is not JSON"):
         load_data(tmp_path / "words.jsonl", tok, 4)
+    (tmp_path / "array.json").write_text(json.dumps([{"text": "the cat"}, {"text": "a"}]))
+    with pytest.raises(ValueError, match=r"array\.json' line 1 is a JSON list, not an object"):
+        load_data(tmp_path / "array.json", tok, 4)
 
 
 def _first_norm(out):

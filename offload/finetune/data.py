@@ -8,7 +8,8 @@ Note: formats
       ``-100``, so the loss covers the completion only.
     - plain text (anything whose first non-empty line is not a JSON object): blank-line
       separated paragraphs are the documents. A file named ``.jsonl`` / ``.json``, or whose
-      first line begins a record (``{``), must be JSON: its first line's error is raised.
+      first line begins a record (``{``), must be JSONL: its first line's error is raised
+      (also for a JSON array on one line).
 
     The format is that of the first non-empty line; every other line must have the same keys
     (an error names the file, the line and what it has).
@@ -71,14 +72,20 @@ def _documents(path: Path) -> tuple[str, list[tuple[str, str | None]]]:
     first = next((ln for ln in lines if ln.strip()), None)
     if first is None:
         raise ValueError(f"--data: '{path}' is empty")
+    # a file meant as JSONL (its name, or a record begun) would be trained on as plain text,
+    # its JSON syntax the data, without a word: its first line must be a JSON object
+    meant = path.suffix in (".jsonl", ".json") or first.lstrip().startswith("{")
     try:
         head = json.loads(first)
     except json.JSONDecodeError as exc:
-        if path.suffix in (".jsonl", ".json") or first.lstrip().startswith("{"):
-            # meant as JSONL (its name, or a record begun): trained as plain text, its JSON
-            # syntax would be the data, without a word
+        if meant:
             raise ValueError(f"--data: '{path}' line 1 is not JSON ({exc})") from None
         head = None
+    if meant and not isinstance(head, dict):
+        raise ValueError(
+            f"--data: '{path}' line 1 is a JSON {type(head).__name__}, not an object; allowed: "
+            "JSONL, one object per line with 'text', or 'prompt' and 'completion'"
+        )
     if not isinstance(head, dict):
         paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
         return "text", [(p, None) for p in paragraphs]

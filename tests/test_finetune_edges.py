@@ -1,6 +1,7 @@
 """``offload finetune`` on inputs a user meets: a JSONL file with a byte-order mark, packed
 windows inside long prompts, an ``OUT`` that has a ``swap`` folder of its own, a resume asked
-for fewer steps than its checkpoint's, a config that sets ``gradient_clipping``."""
+for fewer steps than its checkpoint's, a config that sets ``gradient_clipping`` or weight
+decay."""
 
 from __future__ import annotations
 
@@ -241,3 +242,31 @@ def test_a_seq_len_over_the_model_s_positions_is_refused_before_loading(setup, c
     assert main(args) == 2
     assert "--seq-len 129: over the model's max_position_embeddings=128" in capsys.readouterr().err
     assert not (t / "a").exists()
+
+
+def test_weight_decay_leaves_biases_and_norms_alone_as_the_trainer(setup, capsys):
+    """A config's weight decay decayed every parameter, norm weights included, where the
+    Trainer this recipe mirrors leaves biases and norm weights undecayed. Now the run leaves
+    out what the installed Trainer does (said on stderr) unless the file lists
+    ``optimizer.no_decay`` itself: the default trains as the patterns naming the same set, and
+    ``no_decay: []`` decays everything, as before."""
+    t = setup
+
+    def trained(out, extra):
+        (t / f"{out}.yaml").write_text(CPU + f"optimizer: {{weight_decay: 0.5{extra}}}\n")
+        args = _args(t, t / out)
+        args[args.index(str(t / "cfg.yaml"))] = str(t / f"{out}.yaml")
+        assert main(args) == 0
+        return load_file(t / out / "hf" / "model.safetensors")
+
+    default = trained("a", "")
+    assert "weight decay 0.5 leaves 5 parameter(s) undecayed" in capsys.readouterr().err
+    named = trained("b", ", no_decay: [norm]")  # the tiny Llama's 5 norm weights, no biases
+    every = trained("c", ", no_decay: []")
+    assert "leaves" not in capsys.readouterr().err
+    norms = [n for n in default if "norm" in n]
+    assert len(norms) == 5
+    for name, want in named.items():
+        assert torch.equal(default[name], want), name
+    for name in norms:  # decayed by lr * 0.5 of themselves more in each of the 2 steps
+        assert not torch.allclose(every[name], default[name], atol=1e-4), name

@@ -82,13 +82,14 @@ def cosine_with_warmup(warmup: int, total: int):
     return factor
 
 
-def offload_config(opts: Options, out: Path) -> tuple[dict, Options, bool]:
+def offload_config(opts: Options, out: Path) -> tuple[dict, Options, bool, bool]:
     """The user's config (or the defaults) with the run's learning rate, accumulation and
     clipping, and ``opts`` with the three resolved: a flag given wins over the config file (said
     on stderr when they differ), a value the file sets is used when the flag is not given, else
     the flag's default. An NVMe section that names no ``nvme_path`` gets ``OUT/swap`` (in
     offload's format and in DeepSpeed's); the third value says so (the run removes it at the
-    end, and only then)."""
+    end, and only then). The fourth says whether the file lists ``optimizer.no_decay`` itself
+    (else the run leaves out of weight decay what transformers' Trainer does)."""
     from offload.config import ConfigError, load_config  # noqa: PLC0415
     from offload.config.deepspeed import is_deepspeed_config  # noqa: PLC0415
     from offload.config.loader import read_config_file  # noqa: PLC0415
@@ -139,7 +140,8 @@ def offload_config(opts: Options, out: Path) -> tuple[dict, Options, bool]:
     # the loop clips (optimizer.clip_grad_norm_, to opts.max_grad_norm); the optimizer's own
     # clipping in step() clipped to the file's value when the loop did not (--max-grad-norm 0)
     cfg["gradient_clipping"] = 0.0
-    return cfg, opts, swap
+    section = raw.get("optimizer") if isinstance(raw, dict) and not deepspeed else None
+    return cfg, opts, swap, isinstance(section, dict) and "no_decay" in section
 
 
 def _lr_in_file(raw, deepspeed: bool) -> float | None:
@@ -287,7 +289,7 @@ def finetune(opts: Options, on_step=None) -> int:
             "loss covers (a completion)"
         )
     lr_flag = opts.lr  # (a resume takes it over the checkpoint's; None: not given)
-    cfg, opts, swap = offload_config(opts, out)
+    cfg, opts, swap, no_decay_given = offload_config(opts, out)
     per_step = opts.batch * opts.accum
     if opts.steps is None:
         epochs = opts.epochs if opts.epochs is not None else 1.0
@@ -313,6 +315,8 @@ def finetune(opts: Options, on_step=None) -> int:
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if cfg["optimizer"]["weight_decay"] and not no_decay_given:
+            _decay_as_the_trainer(model, optimizer)
         model.train()
         by_tokens = _accepts_loss_kwargs(model)
         sched = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(opts.warmup, total))
@@ -494,6 +498,26 @@ def _resume_lr(optimizer, sched, lr_flag: float | None, start: int) -> None:
     ):
         group["initial_lr"] = base
         group["lr"] = base * factor(sched.last_epoch)  # (LambdaLR's own expression)
+
+
+def _decay_as_the_trainer(model, optimizer) -> None:
+    """Weight decay leaves alone the parameters transformers' Trainer leaves undecayed (biases,
+    norm weights: its second param group), as the recipe this command mirrors does; the rule is
+    the installed Trainer's own (``get_decay_parameter_names``; it reads nothing of the Trainer
+    instance), so it follows transformers' versions. The config's ``optimizer.no_decay``, when
+    the file lists it (``[]``: every parameter decays), replaces it. Said on stderr."""
+    from transformers import Trainer  # noqa: PLC0415
+
+    decayed = set(Trainer.get_decay_parameter_names(None, model))
+    left = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in decayed]
+    optimizer.set_no_decay(p for _, p in left)
+    wd = optimizer.param_groups[0]["weight_decay"]
+    print(
+        f"offload finetune: weight decay {wd} leaves {len(left)} parameter(s) undecayed as "
+        "transformers' Trainer does (biases, norm weights); the config's optimizer.no_decay "
+        "(name patterns, [] for none) sets others",
+        file=sys.stderr,
+    )
 
 
 def _accepts_loss_kwargs(model) -> bool:

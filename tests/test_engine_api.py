@@ -51,15 +51,48 @@ def test_eval_no_grad_inference_and_released_storage(tmp_path):
         opt.close()
 
 
-def test_step_without_backward_is_an_error(tmp_path):
+def test_step_before_any_backward_is_an_error(tmp_path):
     model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path))
-    with pytest.raises(PhaseError, match="no backward since the last step"):
+    with pytest.raises(PhaseError, match="before any backward reached this optimizer's model"):
         opt.step()
     lm_loss(model, batches(1)[0]).backward()
     opt.step()
-    with pytest.raises(PhaseError, match="no backward since the last step"):
-        opt.step()
     opt.close()
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+@pytest.mark.parametrize("where", [("none", "cpu"), ("nvme", "nvme")])
+def test_a_step_with_no_backward_since_the_last_updates_nothing_as_torch(
+    tmp_path, caplog, where, in_backward
+):
+    """A loop that skips a batch's backward (a bad loss) and steps anyway: the step raised
+    ("no backward since the last step"), hours into a run torch keeps training. Now it updates
+    nothing, as torch's step() leaves every parameter whose p.grad is None (no moment decays,
+    no weight decay, no step counted), and says so once."""
+    skip, data = {1, 4, 5}, batches(8)
+    ref = make_model()
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    cfg = placement_config(*where, tmp_path, gradient_clipping=1.0)
+    cfg["offload_optimizer"]["step_in_backward"] = in_backward
+    model, opt = offload.wrap(make_model(), cfg)
+    try:
+        for i, b in enumerate(data):
+            if i not in skip:
+                lm_loss(ref, b).backward()
+                lm_loss(model, b).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            topt.step()
+            topt.zero_grad()
+            opt.step()
+            opt.zero_grad()
+        assert opt.empty_steps == 3
+        said = [r for r in caplog.records if "updates nothing" in r.getMessage()]
+        assert len(said) == 1
+        got, want = model.state_dict(), ref.state_dict()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        opt.close()
 
 
 def test_wrapping_twice_is_an_error(tmp_path):

@@ -556,7 +556,7 @@ def test_from_pretrained_freezes_before_wrap(tmp_path):
 
 def test_trainer_refuses_a_model_its_optimizer_does_not_train(tmp_path):
     """A model that is not the one the optimizer was built for trained nothing and failed at
-    the first step with "no backward since the last step"."""
+    the first step with "no backward since the last step" (now: "before any backward")."""
     d = write_model(tmp_path / "m")
     _, opt = offload.from_pretrained(d, nvme_config(tmp_path, "none", "cpu"))
     try:

@@ -41,7 +41,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.gradient_clipping = gradient_clipping
         self.scaler = scaler
         runtime.needs_scaled_loss = scaler is not None
-        self.skipped_steps = 0
+        self.skipped_steps = 0  # fp16 steps an overflow skipped
+        self.empty_steps = 0  # step() calls with no backward since the last (_empty_step)
         self._group, self._params = self.param_groups[0], tuple(self.param_groups[0]["params"])
         # torch.amp.GradScaler.step hands an optimizer that says this its scale in
         # ``grad_scale`` / ``found_inf`` before step(), which refuses it (_refuse_grad_scaler);
@@ -181,6 +182,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         engine = self._engine
         self._check_groups("optimizer.step()")
         engine.check_can_step()
+        if engine.backwards_since_step == 0:
+            self._empty_step()
+            return loss
         inv_scale = 1.0
         if self.scaler is not None:
             found_inf, _ = engine.grad_norm_sq()
@@ -201,6 +205,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
         return loss
+
+    def _empty_step(self) -> None:
+        """A step with no backward since the last one (a loop that skips a batch's backward, a
+        bad loss, and steps anyway) updates nothing, as torch's optimizers leave every
+        parameter whose ``p.grad`` is None: no moment decays, no weight decay, the step count
+        (bias correction) stays. It raised, hours into a run that torch would have kept
+        training; said once. (A step before any backward reached the model is still refused:
+        ``Runtime.check_can_step``.)"""
+        self._clip_coef = None
+        self.empty_steps += 1
+        if self.empty_steps == 1:
+            logger.warning(
+                "offload: optimizer.step() with no backward since the last step updates nothing "
+                "(as torch's step() when no parameter has a gradient); counted in "
+                "optimizer.empty_steps, said once"
+            )
 
     def _refuse_grad_scaler(self) -> None:
         """``torch.amp.GradScaler.step(optimizer)`` where offload holds the gradients: it can

@@ -133,6 +133,7 @@ class Runtime:
         self.phase = PhaseTracker()
         self.step_count = 0  # optimizer steps taken (not counting skipped ones)
         self.backwards_since_step = 0
+        self.backwards_ever = 0  # backwards this runtime took (step(): see check_can_step)
         # the unit whose forward ran last (so far, and in the last forward with grad; before
         # one ran, the plan's last): its backward comes first, so it stays gathered between
         # the two (see _post_forward)
@@ -723,6 +724,7 @@ class Runtime:
         self.schedule.backward_ends(self.runs)
         self._callback_queued = False
         self.backwards_since_step += not self._grad_free
+        self.backwards_ever += not self._grad_free
         self._stop_timer("_bwd_start", "backward_seconds")
         self.phase.to(Phase.IDLE)
 
@@ -811,10 +813,10 @@ class Runtime:
                 "or Ctrl-C in it): its gradients are incomplete; call optimizer.zero_grad() and "
                 "run the step's backwards again"
             )
-        if self.backwards_since_step == 0:
+        if self.backwards_ever == 0:
             raise PhaseError(
-                "offload: optimizer.step() called with no backward since the last step; "
-                "call loss.backward() first (gradients would be missing or stale)"
+                "offload: optimizer.step() called before any backward reached this optimizer's "
+                "model; call loss.backward() on the wrapped model's output first"
             )
 
     def _step_hyper(self, grad_scale: float | None = None) -> Hyper:

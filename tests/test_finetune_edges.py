@@ -270,3 +270,69 @@ def test_weight_decay_leaves_biases_and_norms_alone_as_the_trainer(setup, capsys
         assert torch.equal(default[name], want), name
     for name in norms:  # decayed by lr * 0.5 of themselves more in each of the 2 steps
         assert not torch.allclose(every[name], default[name], atol=1e-4), name
+
+
+def _prompts(t, name="pc.jsonl", seed=2):
+    """Prompt / completion data whose micro-batches cover different numbers of tokens."""
+    rng = random.Random(seed)
+    with open(t / name, "w") as f:
+        for _ in range(40):
+            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 14)))
+            completion = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))
+            f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    return t / name
+
+
+@pytest.mark.heavy
+def test_two_ranks_train_as_one_process_on_their_joined_batch(setup, capsys):
+    """Under torchrun each rank ran the whole recipe by itself: two unsharded trainings on the
+    same batches, racing to write one OUT (one of them failed). ``--nproc 2`` (or torchrun)
+    now joins the ranks: two ranks at --batch 1 train as one process at --batch 2 (prompt /
+    completion data, so each micro-batch's token count differs between the ranks, and the
+    step's loss is weighed over all of them), with the params on NVMe under OUT/swap; the run
+    resumes on two ranks as it ran, and a resume on one is refused."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    t = setup
+    data = _prompts(t)
+    (t / "nvme.yaml").write_text(
+        CPU + "offload_param: {device: nvme, buffer_count: 4, buffer_size: 16KiB}\n"
+        "offload_optimizer: {device: nvme, buffer_count: 8, buffer_size: 16KiB}\n"
+    )
+
+    def args(out, batch, *extra):
+        a = _args(t, t / out, "--batch", str(batch), "--accum", "2", "--steps", "4", *extra)
+        a[a.index(str(t / "data.jsonl"))] = str(data)
+        a[a.index(str(t / "cfg.yaml"))] = str(t / "nvme.yaml")
+        return a
+
+    def ranks(out, *extra):
+        cmd = [sys.executable, "-m", "offload", *args(out, 1, "--nproc", "2", *extra)]
+        cmd.remove("--no-report")  # (rank 0's metrics.jsonl: read below)
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run
+
+    assert main(args("one", 2)) == 0
+    run = ranks("two", "--save-every", "2")
+    assert "ranks                2" in run.stdout and not (t / "two" / "swap").exists()
+    one = load_file(t / "one" / "hf" / "model.safetensors")
+    two = load_file(t / "two" / "hf" / "model.safetensors")
+    for name, want in one.items():
+        torch.testing.assert_close(two[name], want, rtol=1e-5, atol=1e-5, msg=name)
+    steps = [r for r in read_metrics(t / "two" / "metrics.jsonl") if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]  # rank 0's records, once each
+    assert (t / "two" / "hf" / "tokenizer.json").exists()
+
+    # the checkpoint of step 2, resumed on two ranks: steps 3-4 as the uninterrupted run's
+    (t / "two" / "checkpoints" / "latest").write_text(
+        next(p.name for p in (t / "two" / "checkpoints").glob("ckpt-00000002-*"))
+    )
+    ranks("two", "--save-every", "2", "--resume")
+    again = load_file(t / "two" / "hf" / "model.safetensors")
+    for name, want in two.items():
+        assert torch.equal(again[name], want), name
+    capsys.readouterr()
+    assert main(args("two", 1, "--resume")) == 2
+    assert "the checkpoint's run had ranks=2" in capsys.readouterr().err

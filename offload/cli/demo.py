@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from offload.cli import ranks
+
 if TYPE_CHECKING:  # pragma: no cover
     from offload.config import OffloadConfig
 
@@ -240,49 +242,6 @@ def _close(optimizer: Any, model: Any) -> None:
             return
 
 
-def launch_ranks(args: argparse.Namespace, argv: list[str]) -> int:
-    """Runs this demo again as ``args.nproc`` ranks under torchrun (Note: several ranks)."""
-    import subprocess  # noqa: PLC0415
-
-    rest, skip = [], False
-    for a in argv:  # the same arguments without --nproc
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            rest.append(a)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={args.nproc}",
-        "-m",
-        "offload.cli.main",
-        "demo",
-        *rest,
-    ]
-    print(f"offload demo: {args.nproc} ranks: {' '.join(cmd[1:])}", file=sys.stderr)
-    try:
-        return subprocess.call(cmd)
-    except KeyboardInterrupt:  # torchrun passed the Ctrl-C on to the ranks, which stopped
-        return 130
-
-
-def _join_group(device: str) -> tuple[int, int]:
-    """Under torchrun: joins the process group (gloo on the CPU, NCCL on CUDA)."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    from offload.dist import init_process_group  # noqa: PLC0415
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 or dist.is_initialized():
-        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    return dist.get_rank(), world
-
-
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.batch_size < 1:
         print("offload demo: error: --steps and --batch-size must be >= 1", file=sys.stderr)
@@ -309,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
             print("offload demo: error: --baseline runs one process (no --nproc)", file=sys.stderr)
             return 2
         argv = getattr(args, "_argv", None) or sys.argv[1:]
-        return launch_ranks(args, argv[argv.index("demo") + 1 :])
+        return ranks.launch("demo", nproc, argv[argv.index("demo") + 1 :])
     if not args.baseline:
         ok, why = engine_status()
         if not ok:
@@ -336,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"offload demo: error: {exc}", file=sys.stderr)
         return 2
     device = _resolve_device(args.device)
-    rank, world = (0, 1) if args.baseline else _join_group(device)
+    rank, world, _ = (0, 1, False) if args.baseline else ranks.join_group(device)
     if rank != 0:  # rank 0 reports (Note: several ranks)
         args.no_progress, args.no_report = True, True
     n_params = param_count(gcfg)

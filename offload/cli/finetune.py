@@ -2,7 +2,7 @@
 
     offload finetune --model DIR --data FILE --out DIR [--config cfg.yaml]
         [--steps N | --epochs E] [--seq-len L] [--batch B] [--accum A] [--lr LR] [--warmup W]
-        [--max-grad-norm G] [--save-every K] [--resume] [--gradient-checkpointing]
+        [--max-grad-norm G] [--save-every K] [--resume] [--gradient-checkpointing] [--nproc N]
 
 The recipe is ``offload.finetune.recipe`` (its docstring says what it does and writes).
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 
@@ -57,10 +58,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-report", action="store_true", help="no metrics.jsonl / report.png")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="data-parallel ranks on this machine, via torchrun; --batch is per rank (1)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     bounds = {"steps": 1, "seq_len": 1, "batch": 1, "accum": 1, "warmup": 0, "save_every": 0}
+    bounds["nproc"] = 1
     bounds["max_grad_norm"] = 0  # 0 = no clipping; a negative one turned it off unsaid
     for name, least in bounds.items():
         value = getattr(args, name)
@@ -87,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # (Note: several ranks)
+        from offload.cli import ranks  # noqa: PLC0415
+
+        argv = getattr(args, "_argv", None) or sys.argv[1:]
+        return ranks.launch("finetune", args.nproc, argv[argv.index("finetune") + 1 :])
     from offload.finetune import Options, finetune  # noqa: PLC0415
 
     opts = Options(

@@ -21,11 +21,24 @@ Note: resuming bitwise
 Note: Ctrl-C
     Ends the loop after the current step; no export, the last checkpoint stays, the swap files
     are removed (``optimizer.close()``), exit status 130.
+
+Note: several ranks
+    Under torchrun (``--nproc N`` starts it on this machine) each rank joins the process group
+    (``offload.cli.ranks``) and the model's state is sharded over the ranks as ``wrap`` does
+    (``distributed.stage``). Micro-batch ``k`` of the run is ``Order``'s batch of
+    ``--batch`` x ranks sequences, rank ``r`` computing its ``r``-th slice, so N ranks at
+    ``--batch b`` train as one process at ``--batch N x b`` (the step's loss still the mean over
+    every token of the step, over all ranks: offload averages the gradients over the ranks, so
+    each rank's loss, its tokens' sum over the step's count, is weighed by N). Rank 0 writes
+    ``metrics.jsonl``, the report, the tokenizer and shows the progress; checkpoints and the
+    export are collective (each rank writes its share; rank 0 the export). A resume at another
+    rank count is refused (its batches would differ).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import dataclasses
 import math
@@ -260,6 +273,28 @@ def _check_writable(export: Path) -> None:
 def finetune(opts: Options, on_step=None) -> int:
     """Runs the recipe (see the module docstring); returns the exit status. ``on_step(record)``
     is called after each step (tests)."""
+    from offload.cli.ranks import join_group  # noqa: PLC0415
+
+    out = Path(opts.out)
+    ckpt_dir = out / "checkpoints"
+    _check_model_dir(Path(opts.model))
+    _check_positions(Path(opts.model), opts.seq_len)
+    _check_out(out, ckpt_dir, opts.resume)
+    lr_flag = opts.lr  # (a resume takes it over the checkpoint's; None: not given)
+    cfg, opts, swap, no_decay_given = offload_config(opts, out)
+    rank, world, joined = join_group(cfg["device"])
+    try:
+        return _run(opts, out, ckpt_dir, cfg, swap, no_decay_given, lr_flag, rank, world, on_step)
+    finally:
+        if joined:
+            import torch.distributed as dist  # noqa: PLC0415
+
+            dist.destroy_process_group()
+
+
+def _run(opts, out, ckpt_dir, cfg, swap, no_decay_given, lr_flag, rank, world, on_step) -> int:
+    """:func:`finetune` once the config is resolved and this process is rank ``rank`` of
+    ``world`` (Note: several ranks)."""
     import transformers  # noqa: PLC0415
     from tqdm.auto import tqdm  # noqa: PLC0415
 
@@ -274,13 +309,12 @@ def finetune(opts: Options, on_step=None) -> int:
         summarize,
     )
 
-    out = Path(opts.out)
-    ckpt_dir = out / "checkpoints"
-    _check_model_dir(Path(opts.model))
-    _check_positions(Path(opts.model), opts.seq_len)
-    _check_out(out, ckpt_dir, opts.resume)
+    lead = rank == 0
+    if not lead:  # rank 0 shows and writes what is the run's (Note: several ranks)
+        opts = dataclasses.replace(opts, progress=False, report=False)
     out.mkdir(parents=True, exist_ok=True)
-    _check_writable(out / "hf")
+    if lead:  # (the export's writer; the others wait for it in from_pretrained's collectives)
+        _check_writable(out / "hf")
     tokenizer = transformers.AutoTokenizer.from_pretrained(opts.model, local_files_only=True)
     data = load_data(opts.data, tokenizer, opts.seq_len).trained()
     if not len(data):
@@ -288,9 +322,7 @@ def finetune(opts: Options, on_step=None) -> int:
             f"--data: '{opts.data}' has no sequence of {opts.seq_len} tokens with a token the "
             "loss covers (a completion)"
         )
-    lr_flag = opts.lr  # (a resume takes it over the checkpoint's; None: not given)
-    cfg, opts, swap, no_decay_given = offload_config(opts, out)
-    per_step = opts.batch * opts.accum
+    per_step = opts.batch * opts.accum * world
     if opts.steps is None:
         epochs = opts.epochs if opts.epochs is not None else 1.0
         total = max(1, math.ceil(epochs * len(data) / per_step))
@@ -303,6 +335,7 @@ def finetune(opts: Options, on_step=None) -> int:
         "seed": opts.seed,
         "sequences": len(data),
         "data": str(Path(opts.data).resolve()),
+        "ranks": world,
     }
     rss_before = current_rss()
     transformers.set_seed(opts.seed)  # dropout, weights the checkpoint lacks (as the Trainer)
@@ -316,7 +349,7 @@ def finetune(opts: Options, on_step=None) -> int:
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         if cfg["optimizer"]["weight_decay"] and not no_decay_given:
-            _decay_as_the_trainer(model, optimizer)
+            _decay_as_the_trainer(model, optimizer, say=lead)
         model.train()
         by_tokens = _accepts_loss_kwargs(model)
         sched = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_with_warmup(opts.warmup, total))
@@ -325,6 +358,7 @@ def finetune(opts: Options, on_step=None) -> int:
         if opts.resume:
             extra = offload.load_checkpoint(ckpt_dir, model, optimizer)
             saved = extra["run"]
+            saved = {"ranks": 1} | saved  # (a run saved before it said: one process)
             changed = [k for k in run_id if saved.get(k) != run_id[k]]
             if changed:
                 raise ValueError(
@@ -356,18 +390,24 @@ def finetune(opts: Options, on_step=None) -> int:
                 run = {"kind": "run", "model": str(opts.model), "config": cfg, "steps": total}
                 writer.write(run | run_id | {"rss_before_model_bytes": rss_before})
                 records.append(run)
-        order = Order(len(data), opts.batch, opts.seed)
+        order = Order(len(data), opts.batch * world, opts.seed)
+        mine = slice(rank * opts.batch, (rank + 1) * opts.batch)
+        # offload averages the gradients over the ranks: a loss over the step's tokens, on
+        # every rank, is weighed by the ranks (a per-rank mean needs no weight)
+        weight = world if by_tokens else 1
         budget = _host_budget(engine_of(model), cfg)
         vocab = getattr(model.config, "vocab_size", None) or len(tokenizer)
         elapsed0 = max((r.get("elapsed_seconds", 0.0) for r in records), default=0.0)
         t_start = time.perf_counter()
-        print(
-            f"offload finetune: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
-            f"parameters; {len(data)} sequences of {opts.seq_len} tokens ({data.format}, "
-            f"{data.documents} documents); {total} steps of {opts.batch} x {opts.accum}"
-            + (f", resuming after step {start}" if start else ""),
-            file=sys.stderr,
-        )
+        if lead:
+            print(
+                f"offload finetune: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+                f"parameters; {len(data)} sequences of {opts.seq_len} tokens ({data.format}, "
+                f"{data.documents} documents); {total} steps of {opts.batch} x {opts.accum}"
+                + (f" on each of {world} ranks" if world > 1 else "")
+                + (f", resuming after step {start}" if start else ""),
+                file=sys.stderr,
+            )
         bar = tqdm(
             total=total, initial=start, disable=not opts.progress, unit="step", dynamic_ncols=True
         )
@@ -383,16 +423,19 @@ def finetune(opts: Options, on_step=None) -> int:
                     covered = sum(int((data.labels[i][:, 1:] != IGNORE).sum()) for i in micro)
                     loss_kwargs["num_items_in_batch"] = covered
                 for idx in micro:
-                    x, y = data.input_ids[idx], data.labels[idx]
+                    x, y = data.input_ids[idx[mine]], data.labels[idx[mine]]
                     t0 = time.perf_counter()
                     loss = model(input_ids=x, labels=y, **loss_kwargs).loss
                     if not by_tokens:
                         loss = loss / opts.accum
                     t1 = time.perf_counter()
-                    optimizer.scale_loss(loss).backward()  # fp16: the loss scale; else loss
+                    weighed = loss * weight if weight != 1 else loss
+                    optimizer.scale_loss(weighed).backward()  # fp16: the loss scale; else loss
                     fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
                     loss_sum += loss.item()
-                    tokens += x.numel()
+                    tokens += x.numel() * world
+                if world > 1:  # the step's loss: the ranks' parts (by tokens) or their mean
+                    loss_sum = _all_summed(loss_sum) * weight / world
                 t2 = time.perf_counter()
                 if not math.isfinite(loss_sum):  # before its step: the weights of before stay
                     raise FloatingPointError(
@@ -447,7 +490,8 @@ def finetune(opts: Options, on_step=None) -> int:
                 save(offload, ckpt_dir, model, optimizer, total, sched, run_id)
             export = out / "hf"
             offload.save_pretrained(model, export)
-            tokenizer.save_pretrained(export)
+            if lead:
+                tokenizer.save_pretrained(export)
         summary = summarize(records)
         if writer is not None:
             writer.write({"kind": "summary", "interrupted": interrupted, **summary})
@@ -465,7 +509,11 @@ def finetune(opts: Options, on_step=None) -> int:
                 )
             except ImportError:
                 print("offload finetune: no report.png (pip install 'offload[plot]')")
+        if not lead:
+            return 130 if interrupted else 0
         header = [("model", str(opts.model)), ("out", str(out))]
+        if world > 1:
+            header.append(("ranks", str(world)))
         if not interrupted:
             header.append(("export", str(out / "hf")))
         print("\noffload finetune summary")
@@ -476,7 +524,28 @@ def finetune(opts: Options, on_step=None) -> int:
             writer.close()
         optimizer.close()
         if swap:  # OUT/swap is the run's only when the config named no nvme_path
-            shutil.rmtree(out / "swap", ignore_errors=True)
+            _remove_swap(out / "swap", rank, world)
+
+
+def _remove_swap(folder: Path, rank: int, world: int) -> None:
+    """``OUT/swap``, which the run made. With several ranks each has its own ``rank-NNNNN``
+    folder in it (``offload.api.wrap``), which the rank removes; the folder itself goes with
+    the last rank out (another's files may still be open: left to it)."""
+    if world == 1:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    shutil.rmtree(folder / f"rank-{rank:05d}", ignore_errors=True)
+    with contextlib.suppress(OSError):  # another rank's folder is still in it
+        folder.rmdir()
+
+
+def _all_summed(value: float) -> float:
+    """``value`` summed over the ranks (float64, so that every rank holds the same sum)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t)
 
 
 def _resume_lr(optimizer, sched, lr_flag: float | None, start: int) -> None:
@@ -500,7 +569,7 @@ def _resume_lr(optimizer, sched, lr_flag: float | None, start: int) -> None:
         group["lr"] = base * factor(sched.last_epoch)  # (LambdaLR's own expression)
 
 
-def _decay_as_the_trainer(model, optimizer) -> None:
+def _decay_as_the_trainer(model, optimizer, say: bool) -> None:
     """Weight decay leaves alone the parameters transformers' Trainer leaves undecayed (biases,
     norm weights: its second param group), as the recipe this command mirrors does; the rule is
     the installed Trainer's own (``get_decay_parameter_names``; it reads nothing of the Trainer
@@ -512,6 +581,8 @@ def _decay_as_the_trainer(model, optimizer) -> None:
     left = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in decayed]
     optimizer.set_no_decay(p for _, p in left)
     wd = optimizer.param_groups[0]["weight_decay"]
+    if not say:
+        return
     print(
         f"offload finetune: weight decay {wd} leaves {len(left)} parameter(s) undecayed as "
         "transformers' Trainer does (biases, norm weights); the config's optimizer.no_decay "

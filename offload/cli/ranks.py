@@ -1,0 +1,58 @@
+"""Several data-parallel ranks on this machine for a command (``--nproc N``): the command
+starts itself again under ``torchrun --standalone --nproc-per-node N``, and each rank joins
+the process group (gloo on the CPU, NCCL on CUDA). ``offload demo`` and ``offload finetune``
+share it; a command started by the user's own ``torchrun`` joins the same way."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def launch(command: str, nproc: int, argv: list[str]) -> int:
+    """Runs ``offload COMMAND`` with ``argv`` (without its ``--nproc``) as ``nproc`` ranks under
+    torchrun; its exit status."""
+    import subprocess  # noqa: PLC0415
+
+    rest, skip = [], False
+    for a in argv:  # the same arguments without --nproc
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "offload.cli.main",
+        command,
+        *rest,
+    ]
+    print(f"offload {command}: {nproc} ranks: {' '.join(cmd[1:])}", file=sys.stderr)
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:  # torchrun passed the Ctrl-C on to the ranks, which stopped
+        return 130
+
+
+def join_group(device: str) -> tuple[int, int, bool]:
+    """Under torchrun (``WORLD_SIZE`` > 1): joins the process group for ``device`` ("auto":
+    CUDA when there is one), unless one is initialized already. ``(rank, world, joined)``:
+    ``joined`` says this call made the group (its caller destroys it at the end)."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from offload.dist import init_process_group  # noqa: PLC0415
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), False
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, False
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size(), True

@@ -216,6 +216,39 @@ def test_fp16_loss_scaling_skips_overflowing_steps(tmp_path):
         opt.close()
 
 
+def test_fp16_overflows_at_the_least_loss_scale_are_said(tmp_path, caplog):
+    """An overflow with the scale at ``loss_scale.min_scale`` cannot back off: every step
+    skips while it lasts and the run trains nothing. ``skipped_steps`` counted it without a
+    word (DeepSpeed stops the run). Said at the 1st, 10th, 100th... in a row; an overflow above
+    the least scale (the scale backs off) says nothing."""
+    cfg = placement_config("cpu", "cpu", tmp_path, dtype="fp16")
+    cfg["loss_scale"] = {"initial": 2.0**11, "min_scale": 2.0**10}
+    model, opt = offload.wrap(make_model(), cfg)
+    data = batches(2)
+
+    def step(blow_up: bool):
+        loss = lm_loss(model, data[0])
+        opt.scale_loss(loss * 1e30 if blow_up else loss).backward()
+        opt.step()
+        opt.zero_grad()
+
+    def said():
+        return [r.getMessage() for r in caplog.records if "min_scale" in r.getMessage()]
+
+    try:
+        step(True)  # 2**11 -> 2**10: backed off
+        assert opt.skipped_steps == 1 and not said()
+        for _ in range(10):
+            step(True)  # at 2**10 already
+        assert opt.skipped_steps == 11
+        assert [m.split(" fp16")[0] for m in said()] == ["offload: 1", "offload: 10"]
+        step(False)  # a clean step ends the run of overflows
+        step(True)
+        assert len(said()) == 3 and said()[-1].startswith("offload: 1 fp16")
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize("param_dev, opt_dev", [("cpu", "cpu"), ("nvme", "nvme")])
 def test_fp16_without_scale_loss_is_refused(tmp_path, param_dev, opt_dev):
     """The step divides the gradients by the loss scale (2**16 at first): a loop that forgot

@@ -23,12 +23,17 @@ class DynamicLossScaler:
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.min_scale = growth_interval, min_scale
         self.good_steps = 0
+        # overflows in a row with the scale at min_scale: no step trains (see OffloadOptimizer)
+        self.overflows_at_min = 0
 
     def update(self, *, found_inf: bool) -> None:
         if found_inf:
+            at_min = self.scale <= self.min_scale
+            self.overflows_at_min = self.overflows_at_min + 1 if at_min else 0
             self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self.good_steps = 0
             return
+        self.overflows_at_min = 0
         self.good_steps += 1
         if self.good_steps >= self.growth_interval:
             self.scale *= self.growth_factor

@@ -191,6 +191,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if found_inf:
                 self.scaler.update(found_inf=True)
                 self.skipped_steps += 1
+                self._say_stuck_at_min_scale()
                 self._clip_coef = None
                 engine.skip_step()
                 return loss
@@ -205,6 +206,24 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
         return loss
+
+    def _say_stuck_at_min_scale(self) -> None:
+        """An fp16 overflow with the loss scale already at ``loss_scale.min_scale``: the scale
+        cannot back off, so every step skips while the gradients overflow at that scale, and
+        the run trains nothing (DeepSpeed stops there; ``skipped_steps`` counted it without a
+        word). Said at the 1st, 10th, 100th... such overflow in a row; the run goes on (a
+        data-dependent stop hours in is the user's to choose)."""
+        n = self.scaler.overflows_at_min
+        if n and 10 ** round(math.log10(n)) == n:
+            logger.warning(
+                "offload: %d fp16 step(s) in a row overflowed with the loss scale at "
+                "loss_scale.min_scale=%s and were skipped: the run trains nothing while this "
+                "lasts (optimizer.skipped_steps=%d). Lower loss_scale.min_scale, lower the LR, "
+                "or train in bf16",
+                n,
+                self.scaler.min_scale,
+                self.skipped_steps,
+            )
 
     def _empty_step(self) -> None:
         """A step with no backward since the last one (a loop that skips a batch's backward, a

@@ -757,3 +757,39 @@ def test_peft_lora_through_offload_trainer_matches_the_plain_trainer(tmp_path):
             torch.testing.assert_close(v, want, rtol=0, atol=0, msg=k)
     finally:
         opt.close()
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("param_dev,opt_dev", [("none", "cpu"), ("nvme", "nvme")])
+def test_trainer_on_two_ranks_trains_as_one_process(tmp_path, param_dev, opt_dev):
+    """Under torchrun, Accelerate wrapped the model in DistributedDataParallel: its hooks
+    reduce gradients offload reduces itself, and its zero_grad does not reach offload's, so the
+    Trainer's second step was refused on every rank (``loss.backward() after optimizer.step()
+    with no zero_grad()``). Now the model is left unwrapped and two ranks at a per-device
+    batch of 1 log the losses and grad norms of one process at 2, and end at its weights
+    (stages 2 and 3: params on the device, and on NVMe)."""
+    import os  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    d = write_model(tmp_path / "m")
+    worker = str(Path(__file__).parent / "_trainer_worker.py")
+    args = [str(d), str(tmp_path), param_dev, opt_dev]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for cmd in (
+        [sys.executable, worker, *args],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         worker, *args],
+    ):  # fmt: skip
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+    one, two = (json.loads((tmp_path / f"result.w{w}.json").read_text()) for w in (1, 2))
+    assert len(two["losses"]) == 5
+    torch.testing.assert_close(
+        torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0
+    )
+    torch.testing.assert_close(
+        torch.tensor(two["norms"]), torch.tensor(one["norms"]), rtol=1e-5, atol=0
+    )
+    want, got = (torch.load(tmp_path / f"state.w{w}.pt") for w in (1, 2))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)

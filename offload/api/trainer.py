@@ -142,6 +142,14 @@ class OffloadTrainer(transformers.Trainer):
         route_clipping(self.accelerator)
         # offload's homes own the parameters: Accelerate must not move the model
         self.accelerator.device_placement = False
+        # nor wrap it in DistributedDataParallel under torchrun: offload shards the state and
+        # reduces the gradients over the ranks itself; DDP's hooks would reduce them again and
+        # its zero_grad does not reach offload's (the second step was refused on every rank).
+        # Accelerate's evaluation_mode leaves out exactly that wrapping (its autocast stays)
+        prepare_model = self.accelerator.prepare_model
+        self.accelerator.prepare_model = lambda model, device_placement=None, **_: prepare_model(
+            model, device_placement, evaluation_mode=True
+        )
         # fp16 (offload's dtype, not Accelerate's): the loss is scaled as the optimizer's step
         # and clipping expect (they divide by the scale); Trainer's plain backward left the
         # gradients 65536x small, the logged grad_norm too, and clipping never applied

@@ -25,13 +25,16 @@ def main(model_dir: str, out: str, param_dev: str, opt_dev: str) -> None:
     from transformers import TrainingArguments  # noqa: PLC0415
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
+    late = os.environ.get("GROUP_AFTER_WRAP") == "1"  # the mistake the Trainer refuses
+    if world > 1 and not late:
         init_process_group("gloo")
     rank = int(os.environ.get("RANK", "0"))
     out = Path(out)
     cfg = nvme_config(out / f"swap.w{world}", param_dev, opt_dev)
     cfg["optimizer"]["lr"] = 1e-2
     model, opt = offload.from_pretrained(model_dir, cfg)
+    if world > 1 and late:
+        init_process_group("gloo")
     g = torch.Generator().manual_seed(0)
     data = []
     for _ in range(20):

@@ -793,3 +793,10 @@ def test_trainer_on_two_ranks_trains_as_one_process(tmp_path, param_dev, opt_dev
     want, got = (torch.load(tmp_path / f"state.w{w}.pt") for w in (1, 2))
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    if param_dev != "none":
+        return
+    # wrapped before the group existed: each rank would train a model of its own, unsaid
+    env["GROUP_AFTER_WRAP"] = "1"
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode != 0
+    assert "the Trainer runs 2 processes but the model was wrapped over 1 rank" in run.stderr

@@ -142,6 +142,15 @@ class OffloadTrainer(transformers.Trainer):
         route_clipping(self.accelerator)
         # offload's homes own the parameters: Accelerate must not move the model
         self.accelerator.device_placement = False
+        ranks, world = self.accelerator.num_processes, self._offload_optimizer._engine.comm.world
+        if ranks != world:
+            raise RuntimeError(
+                f"OffloadTrainer: the Trainer runs {ranks} processes but the model was wrapped "
+                f"over {world} rank(s) (offload.wrap / from_pretrained ran before the process "
+                "group existed, or in another one): each rank would train a model of its own "
+                "on its share of the data. Call offload.dist.init_process_group() (or build the "
+                "TrainingArguments, which does) before offload.from_pretrained / offload.wrap"
+            )
         # nor wrap it in DistributedDataParallel under torchrun: offload shards the state and
         # reduces the gradients over the ranks itself; DDP's hooks would reduce them again and
         # its zero_grad does not reach offload's (the second step was refused on every rank).

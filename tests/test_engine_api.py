@@ -1611,3 +1611,18 @@ def test_requires_grad_changed_after_wrap_is_refused_at_the_next_backward(tmp_pa
     lm_loss(model, data[2]).backward()
     opt.step()
     opt.close()
+
+
+def test_a_wrap_under_torchrun_without_a_process_group_is_said(tmp_path, monkeypatch, caplog):
+    """torchrun's ranks that wrap before ``init_process_group`` each trained a model of their
+    own, unsharded, with nothing averaged, and nothing said."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path))
+    opt.close()
+    said = [r.getMessage() for r in caplog.records if "WORLD_SIZE=2" in r.getMessage()]
+    assert len(said) == 1 and "offload.dist.init_process_group()" in said[0]
+    caplog.clear()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "b"))
+    opt.close()
+    assert not [r for r in caplog.records if "WORLD_SIZE" in r.getMessage()]

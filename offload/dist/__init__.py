@@ -9,6 +9,9 @@ stage).
 
 from __future__ import annotations
 
+import logging
+import os
+
 from offload.dist.comm import (
     OPS,
     CollectiveError,
@@ -18,6 +21,8 @@ from offload.dist.comm import (
     TorchComm,
     completed,
 )
+
+logger = logging.getLogger("offload.api")
 
 __all__ = [
     "OPS",
@@ -57,6 +62,14 @@ def comm_for(process_group=None, timeout: float = 1800.0, *, one_rank: bool = Fa
         raise ValueError(
             "offload.wrap: process_group was given but torch.distributed is not initialized; "
             "call torch.distributed.init_process_group() first"
+        )
+    if not ready and int(os.environ.get("WORLD_SIZE", "1") or "1") > 1:
+        logger.warning(
+            "offload.wrap: WORLD_SIZE=%s (torchrun) but no process group is initialized: this "
+            "process trains a model of its own, unsharded, and no gradient is averaged with the "
+            "other ranks'. Call offload.dist.init_process_group() before offload.wrap / "
+            "from_pretrained to train one model over the ranks",
+            os.environ["WORLD_SIZE"],
         )
     if not ready or (dist.get_world_size(process_group) == 1 and not one_rank):
         return LocalComm()

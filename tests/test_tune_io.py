@@ -42,3 +42,20 @@ def test_bad_path_and_bad_sizes(tmp_path, capsys):
     assert "not a directory" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["tune-io", "--path", str(tmp_path), "--block-sizes", "1000"])
+
+
+@pytest.mark.parametrize(
+    "flag, value, key",
+    [("--block-sizes", "2GiB", "aio.block_size"), ("--queue-depths", "5000", "aio.queue_depth")],
+)
+def test_a_grid_value_the_aio_section_refuses_is_refused(tmp_path, capsys, flag, value, key):
+    """The best point is printed as a config section: a value outside the section's range was
+    measured and recommended, then refused by `offload config` and `wrap`."""
+    argv = ["tune-io", "--path", str(tmp_path), "--size", "64KiB", "--queue-depths", "1"]
+    argv += ["--threads", "1", "--block-sizes", "4KiB", flag, value]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert key in err and "allowed" in err
+    assert os.listdir(tmp_path) == []  # nothing measured

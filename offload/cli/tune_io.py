@@ -8,7 +8,8 @@ Examples::
 
 Prints a table of write and read GB/s (1e9 bytes/s) per (block size, queue depth, threads),
 then the best setting (highest harmonic mean of read and write) as a JSON ``{"aio": {...}}``
-section to paste into an offload config. The scratch file is removed afterwards.
+section to paste into an offload config. The scratch file is removed afterwards. Every value of
+the grid must be one the ``aio`` section accepts, so that the best one loads.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import argparse
 import json
 import sys
 
-from offload.config import ConfigError, parse_size
+from offload.config import AioConfig, ConfigError, parse_size
 
 
 def _size(text: str) -> int:
@@ -44,19 +45,44 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
+def _aio_list(key: str, parse):
+    """A comma list whose values must each be one the ``aio`` section's ``key`` accepts: the
+    best point is printed, and written, as a config section (a 2GiB block or a queue depth of
+    5000 was measured and recommended, then refused by ``offload config`` and ``wrap``)."""
+
+    def check(text: str) -> list[int]:
+        out = parse(text)
+        for value in out:
+            try:
+                AioConfig(**{key: value})
+            except ConfigError as exc:
+                raise argparse.ArgumentTypeError(str(exc)) from None
+        return out
+
+    return check
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", required=True, help="directory on the disk to tune (nvme_path)")
     parser.add_argument("--size", type=_size, default=2 << 30, help="scratch file size (2GiB)")
     parser.add_argument(
         "--block-sizes",
-        type=_size_list,
+        type=_aio_list("block_size", _size_list),
         default=[256 << 10, 1 << 20, 4 << 20],
         help="comma list of block sizes (256KiB,1MiB,4MiB)",
     )
     parser.add_argument(
-        "--queue-depths", type=_int_list, default=[4, 8, 16, 32], help="comma list (4,8,16,32)"
+        "--queue-depths",
+        type=_aio_list("queue_depth", _int_list),
+        default=[4, 8, 16, 32],
+        help="comma list (4,8,16,32)",
     )
-    parser.add_argument("--threads", type=_int_list, default=[1, 2], help="comma list (1,2)")
+    parser.add_argument(
+        "--threads",
+        type=_aio_list("thread_count", _int_list),
+        default=[1, 2],
+        help="comma list (1,2)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="runs per point; median kept (1)")
     parser.add_argument("--output", metavar="FILE", help="also write the JSON aio section here")
 

@@ -59,3 +59,28 @@ def test_a_grid_value_the_aio_section_refuses_is_refused(tmp_path, capsys, flag,
     err = capsys.readouterr().err
     assert key in err and "allowed" in err
     assert os.listdir(tmp_path) == []  # nothing measured
+
+
+def test_output_is_checked_before_the_sweep_and_a_config_there_is_kept(tmp_path, capsys):
+    """A missing directory or a directory as --output was a traceback after the whole sweep; a
+    config file of the user's as --output was replaced by the aio section alone."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    argv = ["tune-io", "--path", str(disk), "--size", "64KiB", "--block-sizes", "4KiB"]
+    argv += ["--queue-depths", "1", "--threads", "1", "--output"]
+    config = tmp_path / "offload.json"
+    config.write_text('{"optimizer": {"lr": 0.0001}, "aio": {"queue_depth": 4}}\n')
+    for out, says in [
+        (tmp_path / "missing" / "aio.json", "does not exist"),
+        (disk, "is a directory"),
+        (config, "nothing was changed"),
+    ]:
+        assert main([*argv, str(out)]) == 2
+        captured = capsys.readouterr()
+        assert says in captured.err and "block_size" not in captured.out  # nothing measured
+    assert config.read_text() == '{"optimizer": {"lr": 0.0001}, "aio": {"queue_depth": 4}}\n'
+    own = tmp_path / "aio.json"
+    own.write_text('{"aio": {"queue_depth": 64}}')  # an earlier tune-io's: replaced
+    assert main([*argv, str(own)]) == 0
+    assert json.loads(own.read_text())["aio"]["queue_depth"] == 1
+    assert os.listdir(disk) == []

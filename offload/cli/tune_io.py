@@ -9,7 +9,9 @@ Examples::
 Prints a table of write and read GB/s (1e9 bytes/s) per (block size, queue depth, threads),
 then the best setting (highest harmonic mean of read and write) as a JSON ``{"aio": {...}}``
 section to paste into an offload config. The scratch file is removed afterwards. Every value of
-the grid must be one the ``aio`` section accepts, so that the best one loads.
+the grid must be one the ``aio`` section accepts, so that the best one loads; ``--output`` is
+checked before the sweep, and an existing file there is replaced only when it holds an ``aio``
+section alone (this command's own output), never a config of the user's.
 """
 
 from __future__ import annotations
@@ -62,6 +64,32 @@ def _aio_list(key: str, parse):
     return check
 
 
+def _output_problem(path: str) -> str | None:
+    """Why ``--output`` cannot be written, said before the sweep (minutes of IO) rather than in
+    a traceback after it; None when it can. An existing file is replaced only when it holds an
+    ``aio`` section alone (this command's output): a config file of the user's is not lost."""
+    import os
+
+    if os.path.isdir(path):
+        return "is a directory; give a file name"
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        return f"its directory {parent!r} does not exist"
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            held = json.load(f)
+    except (OSError, ValueError):
+        held = None
+    if isinstance(held, dict) and list(held) == ["aio"]:
+        return None
+    return (
+        "already exists and holds more than an aio section written by tune-io (nothing was "
+        "changed); give a new file name and copy its aio section into your config"
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", required=True, help="directory on the disk to tune (nvme_path)")
     parser.add_argument("--size", type=_size, default=2 << 30, help="scratch file size (2GiB)")
@@ -94,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
 
     if not os.path.isdir(args.path):
         print(f"offload tune-io: --path {args.path!r} is not a directory", file=sys.stderr)
+        return 2
+    problem = _output_problem(args.output) if args.output else None
+    if problem is not None:
+        print(f"offload tune-io: --output {args.output!r} {problem}", file=sys.stderr)
         return 2
     points = len(args.block_sizes) * len(args.queue_depths) * len(args.threads)
     print(f"tune-io: {points} settings on {args.path} with a {args.size / 2**20:.0f} MiB file")
@@ -140,6 +172,12 @@ def run(args: argparse.Namespace) -> int:
     text = json.dumps(section, indent=2)
     print(text)
     if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+        try:
+            with open(args.output, "w") as f:
+                f.write(text + "\n")
+        except OSError as exc:
+            print(
+                f"offload tune-io: --output {args.output!r}: {exc.strerror or exc}", file=sys.stderr
+            )
+            return 1
     return 0

@@ -14,8 +14,9 @@ import pytest
 import torch
 from children import default_sigint
 
-from offload.cli.demo import engine_status
-from offload.cli.main import main
+from offload.cli.demo import build_config, engine_status
+from offload.cli.main import build_parser, main
+from offload.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_OK, ENGINE_WHY = engine_status()
@@ -141,6 +142,35 @@ def test_demo_config_file_overrides_defaults(tmp_path, capsys):
     assert run_main("--size", "tiny", "--config", str(bad), "--no-report") == 2
     err = capsys.readouterr().err
     assert "offload_param.device" in err and "floppy" in err
+
+
+def test_the_flags_and_the_swap_directory_apply_to_a_deepspeed_config_too(tmp_path):
+    """A DeepSpeed file was used exactly as given: --dtype, --device, --stage and --nvme-path
+    were dropped unsaid and an NVMe section without nvme_path was refused; one without
+    zero_optimization (bf16 and optimizer.params) was merged into the demo's defaults and
+    refused as a mix of both formats. --stage lost to an offload file's distributed.stage."""
+    swap = str(tmp_path / "swap")
+    ds = tmp_path / "ds.json"
+    nvme = {"device": "nvme"}
+    zero = {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme}
+    ds.write_text(json.dumps({"zero_optimization": zero}))
+    flags = ["--dtype", "bf16", "--device", "cpu", "--stage", "2"]
+    args = build_parser().parse_args(["demo", "--config", str(ds), *flags])
+    cfg = load_config(build_config(args, swap, "cpu"))
+    assert (cfg.dtype, cfg.device, cfg.distributed.stage) == ("bf16", "cpu", 2)
+    assert cfg.offload_param.device == cfg.offload_optimizer.device == "nvme"
+    assert cfg.offload_param.nvme_path == cfg.offload_optimizer.nvme_path == swap
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"bf16": {"enabled": True}, "optimizer": {"params": {"lr": 3e-4}}}))
+    cfg = load_config(
+        build_config(build_parser().parse_args(["demo", "--config", str(bare)]), swap, "cpu")
+    )
+    assert (cfg.dtype, cfg.optimizer.lr, cfg.offload_param.device) == ("bf16", 3e-4, "none")
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps({"distributed": {"stage": 3, "timeout": 60}}))
+    args = build_parser().parse_args(["demo", "--config", str(own), "--stage", "1"])
+    cfg = load_config(build_config(args, swap, "cpu"))
+    assert (cfg.distributed.stage, cfg.distributed.timeout) == (1, 60)
 
 
 def _interrupt_after_steps(

@@ -32,6 +32,7 @@ Note: clean stop
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import importlib
 import importlib.util
@@ -64,7 +65,6 @@ ENGINE_MISSING = (
     "offload demo: the training engine is not built yet (offload.api.wrap is missing in "
     "this version); run `offload demo --baseline` to train the same model with plain PyTorch"
 )
-_DEEPSPEED_KEYS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu")
 
 
 def engine_status() -> tuple[bool, str]:
@@ -171,25 +171,50 @@ def demo_config(nvme_dir: str, *, device: str, dtype: str, lr: float) -> dict[st
 
 def build_config(args: argparse.Namespace, nvme_dir: str, device: str) -> dict[str, Any]:
     """Defaults, then ``--config FILE``, then the explicit flags (``--device``, ``--dtype``,
-    ``--stage``)."""
+    ``--stage``, ``--nvme-path``). A DeepSpeed file replaces the defaults (mapped as the loader
+    maps it: its absent keys take offload's defaults, not the demo's); the flags apply to it
+    as to an offload config, and so does the swap directory for an NVMe section without
+    ``nvme_path``."""
+    from offload.config.deepspeed import is_deepspeed_config  # noqa: PLC0415
+
     cfg = demo_config(nvme_dir, device=device, dtype=args.dtype or "fp32", lr=args.lr)
-    if getattr(args, "stage", None):
-        stage = args.stage if args.stage == "auto" else int(args.stage)
-        cfg["distributed"] = {"stage": stage}
     if args.config:
         user = _read_config_file(args.config)
-        if any(k in user for k in _DEEPSPEED_KEYS):
-            return user  # the config loader maps DeepSpeed configs; use it exactly as given
-        cfg = _merge(cfg, user)
+        if is_deepspeed_config(user):
+            cfg = _from_deepspeed(user, nvme_dir, args.config)
+        else:
+            cfg = _merge(cfg, user)
         if args.dtype:
             cfg["dtype"] = args.dtype
         if args.device:
             cfg["device"] = device
+    if getattr(args, "stage", None):
+        stage = args.stage if args.stage == "auto" else int(args.stage)
+        dist = cfg.get("distributed")
+        if isinstance(dist, dict) or dist is None:  # (another type: the loader names it)
+            cfg["distributed"] = {**(dist or {}), "stage": stage}
     for section in ("offload_optimizer", "offload_param"):
         sec = cfg.get(section)
         if isinstance(sec, dict) and (args.nvme_path or not sec.get("nvme_path")):
             sec["nvme_path"] = nvme_dir
     return cfg
+
+
+def _from_deepspeed(user: dict[str, Any], nvme_dir: str, path: str) -> dict[str, Any]:
+    """A DeepSpeed config in offload's format, an NVMe section without ``nvme_path`` given the
+    demo's swap directory (as ``offload finetune`` gives it ``OUT/swap``)."""
+    from offload.config import ConfigError, load_config  # noqa: PLC0415
+
+    user = copy.deepcopy(user)
+    zero = user.get("zero_optimization")
+    for section in ("offload_optimizer", "offload_param"):
+        sec = zero.get(section) if isinstance(zero, dict) else None
+        if isinstance(sec, dict) and sec.get("device") == "nvme" and not sec.get("nvme_path"):
+            sec["nvme_path"] = nvme_dir
+    try:
+        return load_config(user, deepspeed=True).to_dict()
+    except ConfigError as exc:
+        raise exc.with_source(path) from None
 
 
 def _resolve_device(name: str | None) -> str:

@@ -38,6 +38,32 @@ MIXTRAL_8X7B = LLAMA2_7B | {
     "num_key_value_heads": 8,
     "num_local_experts": 8,
 }
+QWEN15_MOE_A27B = {  # Qwen1.5-MoE-A2.7B: 60 narrow experts and a shared expert per layer
+    "model_type": "qwen2_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+    "num_experts": 60,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "tie_word_embeddings": False,
+    "vocab_size": 151936,
+}
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "tie_word_embeddings": False,
+    "vocab_size": 151936,
+}
 GPT2_SMALL = {
     "model_type": "gpt2",
     "n_embd": 768,
@@ -141,8 +167,37 @@ def test_fits_against_the_machine():
         (MIXTRAL_8X7B, 46_702_792_704),
         (GPT2_SMALL, 124_439_808),
         (PYTHIA_160M, 162_322_944),
+        (QWEN15_MOE_A27B, 14_315_784_192),
+        (QWEN3_30B_A3B, 30_532_122_624),
+        # dense layers by decoder_sparse_step 2 and mlp_only_layers (counted by transformers)
+        (
+            QWEN15_MOE_A27B
+            | {
+                "hidden_size": 64,
+                "intermediate_size": 160,
+                "num_experts": 4,
+                "moe_intermediate_size": 48,
+                "shared_expert_intermediate_size": 96,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 1000,
+                "decoder_sparse_step": 2,
+                "mlp_only_layers": [3],
+            },
+            326_016,
+        ),
     ],
-    ids=["llama2-7b", "llama2-70b", "mixtral-8x7b", "gpt2", "pythia-160m"],
+    ids=[
+        "llama2-7b",
+        "llama2-70b",
+        "mixtral-8x7b",
+        "gpt2",
+        "pythia-160m",
+        "qwen1.5-moe-a2.7b",
+        "qwen3-30b-a3b",
+        "qwen2-moe-dense-layers",
+    ],
 )
 def test_hf_config_param_counts(cfg, expected):
     assert est.params_from_hf_config(cfg) == expected

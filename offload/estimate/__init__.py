@@ -548,7 +548,8 @@ def estimate(
             )
         unit_source = "--unit-params"
     elif shape is not None:
-        unit_params = max(layer_params(shape), shape.vocab_size * shape.hidden_size)
+        blocks = layer_params(shape), layer_params(shape, dense=True)
+        unit_params = max(*blocks, shape.vocab_size * shape.hidden_size)
         unit_source = "largest block or embedding of the config"
     else:
         unit_params = _split(params, 32)

@@ -18,6 +18,10 @@ from offload.estimate.errors import EstimateError
 _GPT2_TYPES = {"gpt2", "gpt_bigcode"}
 _NEOX_TYPES = {"gpt_neox"}
 _QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}
+# Qwen2-MoE / Qwen3-MoE: layers whose MLP is dense, not experts, follow decoder_sparse_step and
+# mlp_only_layers; Qwen3's attention has a per-head RMSNorm on q and on k.
+_SPARSE_STEP_TYPES = {"qwen2_moe", "qwen3_moe"}
+_QK_NORM_TYPES = {"qwen3", "qwen3_moe"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +36,10 @@ class ModelShape:
       - ``"gpt2"``: fused qkv and output projection with biases, MLP h -> I -> h with biases,
         LayerNorm (weight + bias), learned position embeddings (``n_positions`` x h).
       - ``"gpt_neox"``: like gpt2 but rotary positions (no position weights).
+
+    An MoE layer (``num_experts`` > 1) repeats the gated MLP per expert at
+    ``moe_intermediate_size`` when the config gives one (Qwen-MoE experts are far narrower
+    than ``intermediate_size``, the width of its dense layers and shared expert).
     """
 
     hidden_size: int
@@ -44,6 +52,10 @@ class ModelShape:
     tied_embeddings: bool
     style: str = "llama"
     num_experts: int = 1  # MoE experts per layer (MLP repeated, plus an h x E router)
+    expert_intermediate_size: int = 0  # an expert's MLP width (moe_intermediate_size; 0: I)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (plus an h x 1 gate)
+    dense_layers: int = 0  # layers of an MoE model whose MLP is dense (width I), not experts
+    qk_norm: bool = False  # per-head RMSNorm on q and k (head_dim weights each; Qwen3)
     max_positions: int = 0  # learned position embeddings (gpt2 style only)
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -123,6 +135,21 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
     tied = (style == "gpt2") if tied_raw is None else bool(tied_raw)
     experts_raw = cfg.get("num_local_experts", cfg.get("num_experts"))
     experts = 1 if experts_raw is None else _positive_int(experts_raw, "num_local_experts", source)
+    moe_raw = cfg.get("moe_intermediate_size")
+    moe_inter = 0 if moe_raw is None else _positive_int(moe_raw, "moe_intermediate_size", source)
+    shared_raw = cfg.get("shared_expert_intermediate_size") if experts > 1 else None
+    shared = (
+        0
+        if not shared_raw
+        else _positive_int(shared_raw, "shared_expert_intermediate_size", source)
+    )
+    dense = 0
+    if experts > 1 and model_type in _SPARSE_STEP_TYPES:
+        step = _positive_int(cfg.get("decoder_sparse_step", 1), "decoder_sparse_step", source)
+        only = cfg.get("mlp_only_layers") or []
+        if not isinstance(only, list):
+            raise EstimateError(f"{source}: mlp_only_layers must be a list, got {only!r}")
+        dense = sum(1 for i in range(layers) if i in only or (i + 1) % step)
     positions = 0
     if style == "gpt2":
         positions = _positive_int(
@@ -139,6 +166,10 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
         tied_embeddings=tied,
         style=style,
         num_experts=experts,
+        expert_intermediate_size=moe_inter if experts > 1 else 0,
+        shared_expert_intermediate_size=shared,
+        dense_layers=dense,
+        qk_norm=model_type in _QK_NORM_TYPES,
         max_positions=positions,
         attention_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -146,8 +177,9 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
     )
 
 
-def layer_params(shape: ModelShape) -> int:
-    """Parameters of one transformer block (see :class:`ModelShape` for the layouts)."""
+def layer_params(shape: ModelShape, *, dense: bool = False) -> int:
+    """Parameters of one transformer block (see :class:`ModelShape` for the layouts); of an
+    MoE model's dense block when ``dense``."""
     h, inter = shape.hidden_size, shape.intermediate_size
     q_out = shape.num_heads * shape.head_dim
     kv_out = shape.num_kv_heads * shape.head_dim
@@ -161,9 +193,18 @@ def layer_params(shape: ModelShape) -> int:
         attn += q_out + 2 * kv_out + h
     elif shape.qkv_bias:
         attn += q_out + 2 * kv_out
-    mlp = 3 * h * inter + (2 * inter + h if shape.mlp_bias else 0)
-    if shape.num_experts > 1:
-        mlp = shape.num_experts * mlp + h * shape.num_experts  # experts + router
+    if shape.qk_norm:
+        attn += 2 * shape.head_dim
+
+    def gated(width: int) -> int:
+        return 3 * h * width + (2 * width + h if shape.mlp_bias else 0)
+
+    mlp = gated(inter)
+    if shape.num_experts > 1 and not dense:
+        width = shape.expert_intermediate_size or inter
+        mlp = shape.num_experts * gated(width) + h * shape.num_experts  # experts + router
+        if shape.shared_expert_intermediate_size:
+            mlp += gated(shape.shared_expert_intermediate_size) + h  # shared expert + its gate
     norms = 2 * h  # two RMSNorms, weight only
     return attn + mlp + norms
 
@@ -179,7 +220,9 @@ def embedding_params(shape: ModelShape) -> int:
 
 def count_params(shape: ModelShape) -> int:
     """Total parameters: layers x block + embeddings/head + final norm."""
-    return shape.num_layers * layer_params(shape) + embedding_params(shape)
+    dense = shape.dense_layers * layer_params(shape, dense=True)
+    sparse = (shape.num_layers - shape.dense_layers) * layer_params(shape)
+    return sparse + dense + embedding_params(shape)
 
 
 def params_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> int:

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from offload import estimate as est
+from offload.cli.main import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -324,6 +325,23 @@ def test_cli_json_from_hf_config(tmp_path):
     assert rows[0, "nvme"]["fits"] is True  # the ZeRO-Infinity answer for one 24 GB card
     assert rows[0, "cpu_optimizer_params"]["fits_host"] is False  # 121 GB > 64 GB of RAM
     assert data["activations"]["with_checkpointing"] < data["activations"]["without_checkpointing"]
+
+
+def test_a_model_type_of_another_layout_is_counted_with_a_note(tmp_path, capsys):
+    """Falcon-7B (multi-query attention, a plain 2 h I MLP) was counted as a LLaMA layout, 9.86 B
+    parameters for its 6.92 B, with nothing saying the layout was assumed."""
+    falcon = {
+        "model_type": "falcon", "hidden_size": 4544, "num_hidden_layers": 32,
+        "num_attention_heads": 71, "multi_query": True, "vocab_size": 65024,
+    }  # fmt: skip
+    assert est.unknown_layout(falcon) is not None
+    assert all(est.unknown_layout(c) is None for c in (LLAMA2_7B, GPT2_SMALL, QWEN3_30B_A3B))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(falcon))
+    assert main(["estimate", "--hf-config", str(path)]) == 0
+    assert "model_type 'falcon' is not a layout the count knows" in capsys.readouterr().out
+    assert main(["estimate", "--hf-config", str(path), "--json"]) == 0
+    assert "give --params" in json.loads(capsys.readouterr().out)["params_source"]
 
 
 @pytest.mark.parametrize(

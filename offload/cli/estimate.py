@@ -115,6 +115,9 @@ def build(args: argparse.Namespace) -> est.Estimate:
         cfg = est.load_hf_config(args.hf_config)
         shape = est.shape_from_hf_config(cfg, source=args.hf_config)
         params, source = est.count_params(shape), f"counted from {args.hf_config}"
+        note = est.unknown_layout(cfg)
+        if note is not None:  # said in the table's header and in --json's params_source
+            source += f"; {note}"
     else:
         params, source = args.params, "--params"
     if args.seq_len is not None and shape is None:

@@ -109,6 +109,9 @@ from offload.estimate.hf import (
 from offload.estimate.hf import (
     shape_from_hf_config as shape_from_hf_config,
 )
+from offload.estimate.hf import (
+    unknown_layout as unknown_layout,
+)
 
 GB = 10**9
 

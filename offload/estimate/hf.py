@@ -22,6 +22,17 @@ _QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}
 # mlp_only_layers; Qwen3's attention has a per-head RMSNorm on q and on k.
 _SPARSE_STEP_TYPES = {"qwen2_moe", "qwen3_moe"}
 _QK_NORM_TYPES = {"qwen3", "qwen3_moe"}
+# model_types whose count was checked against transformers' models (exact, or within 0.5 %: a
+# norm the formula leaves out); any other is counted with the LLaMA layout and says so, since a
+# plain MLP (OPT, Falcon, Phi-2, BLOOM, GPT-J: 2 h I), multi-head latent attention or shared
+# experts (DeepSeek) make that count far off (Falcon-7B: 9.86 B for 6.92 B).
+KNOWN_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma"}
+    | {"gemma2", "gemma3_text", "phi3", "granite", "olmo", "olmo2", "olmoe", "cohere"}
+    | {"stablelm", "smollm3", "exaone", "glm4", "ernie4_5"}
+    | _GPT2_TYPES
+    | _NEOX_TYPES
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +185,18 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
         attention_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qkv_bias=model_type in _QKV_BIAS_TYPES,
+    )
+
+
+def unknown_layout(cfg: Mapping[str, Any]) -> str | None:
+    """What to say when the config's ``model_type`` is not one whose layout the count knows
+    (None when it is, or when the config names none: the LLaMA layout is the default)."""
+    model_type = cfg.get("model_type")
+    if not model_type or str(model_type).lower() in KNOWN_MODEL_TYPES:
+        return None
+    return (
+        f"model_type {model_type!r} is not a layout the count knows: counted as LLaMA-style "
+        "(gated MLP), which may be far off; give --params from the model itself"
     )
 
 

@@ -241,6 +241,24 @@ def test_config_bad_file_exits_nonzero_with_one_line(tmp_path: Path, capsys, nam
     assert str(path) in lines[0]
 
 
+@pytest.mark.parametrize("argv", [["estimate", "--params", "7B"], ["config", "{cfg}"]])
+def test_a_closed_stdout_pipe_is_not_a_traceback(tmp_path: Path, argv):
+    """`offload estimate ... | head -1` printed a BrokenPipeError traceback when head had
+    exited before the table was written."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("aio:\n  queue_depth: 4\n")
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "offload", *(a.format(cfg=cfg) for a in argv)],
+            stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert out.returncode == 141 and "Traceback" not in out.stderr, out.stderr
+
+
 def test_config_bad_file_from_a_subprocess(tmp_path: Path):
     path = tmp_path / "bad.yaml"
     path.write_text("aio:\n  direct_io: maybe\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -58,7 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"offload {args.command}: not built yet in this version", file=sys.stderr)
         return 2
     mod = importlib.import_module(args._module)
-    return int(mod.run(args) or 0)
+    try:
+        return int(mod.run(args) or 0)
+    except BrokenPipeError:
+        # stdout's reader went away (`offload estimate ... | head -3`): stop as other tools do,
+        # not with a traceback; stdout goes to /dev/null so the interpreter's last flush at
+        # exit cannot raise again. 141 = 128 + SIGPIPE, a shell's status for such a writer.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

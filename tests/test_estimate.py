@@ -327,6 +327,15 @@ def test_cli_json_from_hf_config(tmp_path):
     assert data["activations"]["with_checkpointing"] < data["activations"]["without_checkpointing"]
 
 
+def test_hf_config_takes_a_model_directory(tmp_path):
+    """A model directory (what finetune --model and from_pretrained take) was 'Is a directory'."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_7B))
+    assert est.load_hf_config(tmp_path) == LLAMA2_7B
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(est.EstimateError, match="directory without a config.json"):
+        est.load_hf_config(tmp_path / "empty")
+
+
 def test_a_model_type_of_another_layout_is_counted_with_a_note(tmp_path, capsys):
     """Falcon-7B (multi-query attention, a plain 2 h I MLP) was counted as a LLaMA layout, 9.86 B
     parameters for its 6.92 B, with nothing saying the layout was assumed."""

@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument(
         "--hf-config",
         metavar="FILE",
-        help="a Hugging Face config.json (LLaMA/Mistral/Qwen2/Mixtral/GPT-2/GPT-NeoX style)",
+        help="a Hugging Face config.json, or a model directory holding one "
+        "(LLaMA/Mistral/Qwen2/Mixtral/GPT-2/GPT-NeoX style)",
     )
     parser.add_argument("--gpus", type=_positive_int, default=1, help="devices per node (1)")
     parser.add_argument("--nodes", type=_positive_int, default=1, help="nodes (1)")

@@ -254,7 +254,16 @@ def params_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> 
 
 
 def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a ``config.json``; errors name the path and what is wrong with it."""
+    """Read a ``config.json``, or the one in a model directory (as ``offload finetune --model``
+    and ``offload.from_pretrained`` take it); errors name the path and what is wrong with it."""
+    if os.path.isdir(path):
+        inside = os.path.join(path, "config.json")
+        if not os.path.isfile(inside):
+            raise EstimateError(
+                f"--hf-config: {os.fspath(path)!r} is a directory without a config.json; "
+                "allowed: a Hugging Face config.json or a model directory holding one"
+            )
+        path = inside
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)

@@ -336,3 +336,14 @@ def test_two_ranks_train_as_one_process_on_their_joined_batch(setup, capsys):
     capsys.readouterr()
     assert main(args("two", 1, "--resume")) == 2
     assert "the checkpoint's run had ranks=2" in capsys.readouterr().err
+
+
+def test_an_out_that_is_a_file_is_named(setup, capsys):
+    """It said only "[Errno 17] File exists: '...'", naming neither --out nor the problem."""
+    t = setup
+    out = t / "notes.txt"
+    out.write_text("mine")
+    assert main(_args(t, out)) == 2
+    err = capsys.readouterr().err
+    assert f"--out '{out}' is a file, not a directory" in err
+    assert out.read_text() == "mine"

@@ -219,7 +219,13 @@ def _check_model_dir(model: Path) -> None:
 
 def _check_out(out: Path, ckpt_dir: Path, resume: bool) -> None:
     """A new run into an OUT that holds another run's checkpoints would prune them (keep_last)
-    and mix two runs' files: refused unless it resumes that run."""
+    and mix two runs' files: refused unless it resumes that run. An OUT that is a file is
+    named (its mkdir said only "File exists")."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(
+            f"--out '{out}' is a file, not a directory; allowed: a new or existing directory "
+            "(nothing was changed)"
+        )
     if resume:
         if not (ckpt_dir / "latest").exists():
             raise ValueError(f"--resume: no checkpoint in '{ckpt_dir}'")

@@ -161,6 +161,21 @@ def test_config_prints_normalized_yaml_that_loads_back(tmp_path: Path):
     )
 
 
+def test_config_yaml_loads_back_strings_beyond_the_basic_plane(tmp_path: Path, capsys):
+    """JSON's surrogate pair for U+1F4BE read back in YAML as two lone surrogates: the printed
+    config named another nvme_path (and no_decay pattern) than the file's."""
+    src = tmp_path / "c.json"
+    data = {
+        "offload_optimizer": {"device": "nvme", "nvme_path": '/mnt/\U0001f4be disk/é "q" \\x'},
+        "optimizer": {"no_decay": ["^\U00020000", "bias$"]},
+    }
+    src.write_text(json.dumps(data))
+    assert main(["config", str(src)]) == 0
+    again = tmp_path / "normalized.yaml"
+    again.write_text(capsys.readouterr().out)
+    assert load_config(again) == load_config(src)
+
+
 def test_config_shows_rounded_sizes_and_auto(tmp_path: Path):
     src = tmp_path / "c.yaml"
     src.write_text("offload_param:\n  buffer_size: 16MB\naio:\n  block_size: 1e6\n")

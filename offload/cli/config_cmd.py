@@ -79,11 +79,25 @@ def to_yaml(plain: dict[str, Any]) -> str:
             for k, v in value.items():
                 emit(indent + "  ", k, v)
             return
-        lines.append(f"{indent}{key}: {json.dumps(value)}{_size_note(key, value)}")
+        lines.append(f"{indent}{key}: {_scalar(value)}{_size_note(key, value)}")
 
     for key, value in plain.items():
         emit("", key, value)
     return "\n".join(lines) + "\n"
+
+
+def _scalar(value: Any) -> str:
+    """A value in JSON syntax, except that a character beyond U+FFFF in a string is YAML's
+    ``\\UXXXXXXXX``: JSON's surrogate pair (``\\ud83d\\udcbe``) reads back in YAML as two lone
+    surrogates, so a path with such a character came back as another path."""
+    if isinstance(value, list):
+        return "[" + ", ".join(_scalar(v) for v in value) + "]"
+    if not isinstance(value, str):
+        return json.dumps(value)
+    body = "".join(
+        f"\\U{ord(ch):08x}" if ord(ch) > 0xFFFF else json.dumps(ch)[1:-1] for ch in value
+    )
+    return f'"{body}"'
 
 
 def _size_note(key: str, value: Any) -> str:

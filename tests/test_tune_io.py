@@ -84,3 +84,33 @@ def test_output_is_checked_before_the_sweep_and_a_config_there_is_kept(tmp_path,
     assert main([*argv, str(own)]) == 0
     assert json.loads(own.read_text())["aio"]["queue_depth"] == 1
     assert os.listdir(disk) == []
+
+
+def test_a_file_larger_than_the_buffer_is_swept_in_pieces(tmp_path, monkeypatch):
+    """The sweep held the whole --size in one host buffer: --size 64GiB (larger than a drive's
+    cache, as a disk benchmark wants it) was 64 GiB of RAM."""
+    from offload.io import _tune
+    from offload.io.async_io import AsyncIO
+
+    monkeypatch.setattr(_tune, "MAX_BUFFER", 64 << 10)
+    held, written = [], []
+    real_empty, real_write = _tune.aligned_empty, AsyncIO.write
+
+    def empty(nbytes, **kw):
+        held.append(nbytes)
+        return real_empty(nbytes, **kw)
+
+    def write(self, tensor, path, offset=0, label=""):
+        written.append((offset, tensor.numel()))
+        return real_write(self, tensor, path, offset, label)
+
+    monkeypatch.setattr(_tune, "aligned_empty", empty)
+    monkeypatch.setattr(AsyncIO, "write", write)
+    size = (1 << 20) + 4096  # 16 pieces and a 4 KiB tail
+    points, _ = _tune.sweep(str(tmp_path), size, [16 << 10], [2], [1])
+    assert held == [64 << 10] and points[0].write_gbps > 0 and points[0].read_gbps > 0
+    passes = [written[i : i + 17] for i in range(0, len(written), 17)]
+    assert len(passes) == 2  # the layout pass and the measured one, each the whole file
+    assert all(sorted(p) == [(i * (64 << 10), 64 << 10) for i in range(16)] + [(1 << 20, 4096)]
+               for p in passes)  # fmt: skip
+    assert os.listdir(tmp_path) == []

@@ -4,8 +4,11 @@ Note: method. One scratch file of ``size`` bytes in a private directory under th
 preallocated with ``posix_fallocate`` and written once before the sweep so that every setting
 writes over the same, already-written extents (the first write into fresh extents is slower on
 ext4 and would punish whichever setting ran first). For each (block size, queue depth, threads)
-point the whole file is written, then read, as one request from a 4096-aligned buffer, ``repeats``
-times; the median of each is kept. O_DIRECT keeps the page cache out of the numbers; where the
+point the whole file is written, then read, ``repeats`` times, as requests of at most
+``MAX_BUFFER`` bytes all in flight together from one 4096-aligned buffer of that size (one
+request of the whole file from a buffer as big: ``--size 64GiB``, larger than a drive's
+cache as a disk benchmark wants it, took 64 GiB of RAM and got the process killed); the median
+of each is kept. O_DIRECT keeps the page cache out of the numbers; where the
 filesystem refuses it the sweep runs buffered and says so. The scratch directory is always removed.
 """
 
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 
 from offload.io.aligned import aligned_empty, round_up
 from offload.io.async_io import AsyncIO, probe_direct_io
+
+MAX_BUFFER = 256 << 20  # host bytes the sweep holds at most (see Note)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,22 +68,29 @@ def sweep(
             os.posix_fallocate(fd, 0, size)
         finally:
             os.close(fd)
-        buf = aligned_empty(size, pin=False)
+        buf = aligned_empty(min(size, MAX_BUFFER), pin=False)
         buf.fill_(0x5A)
+
+        def whole_file(submit) -> None:
+            step = buf.numel()
+            handles = [submit(buf[: min(step, size - at)], name, at) for at in range(0, size, step)]
+            for handle in handles:
+                handle.wait()
+
         with AsyncIO(block_size=max(block_sizes), direct_io=direct) as aio:
-            aio.write(buf, name).wait()  # lay the extents out once (see Note)
+            whole_file(aio.write)  # lay the extents out once (see Note)
         points = []
         for bs, qd, th in itertools.product(block_sizes, queue_depths, thread_counts):
             w, r = [], []
             with AsyncIO(block_size=bs, queue_depth=qd, thread_count=th, direct_io=direct) as aio:
                 for _ in range(repeats):
                     t0 = time.perf_counter()
-                    aio.write(buf, name).wait()
+                    whole_file(aio.write)
                     if not direct:
                         os.sync()
                     w.append(size / (time.perf_counter() - t0) / 1e9)
                     t0 = time.perf_counter()
-                    aio.read(buf, name).wait()
+                    whole_file(aio.read)
                     r.append(size / (time.perf_counter() - t0) / 1e9)
             p = TunePoint(bs, qd, th, statistics.median(w), statistics.median(r))
             points.append(p)

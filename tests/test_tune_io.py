@@ -2,8 +2,13 @@
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
+from children import ROOT, default_sigint
 
 from offload import _native
 from offload.cli.main import main
@@ -114,3 +119,28 @@ def test_a_file_larger_than_the_buffer_is_swept_in_pieces(tmp_path, monkeypatch)
     assert all(sorted(p) == [(i * (64 << 10), 64 << 10) for i in range(16)] + [(1 << 20, 4096)]
                for p in passes)  # fmt: skip
     assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_stops_the_sweep_with_one_line(tmp_path):
+    """Ctrl-C in a sweep (minutes on a real disk) printed a KeyboardInterrupt traceback."""
+    argv = ["--path", str(tmp_path), "--size", "16MiB", "--block-sizes", "4KiB", "--threads", "1"]
+    argv += ["--queue-depths", ",".join(str(q) for q in range(1, 41))]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "offload", "tune-io", *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)), preexec_fn=default_sigint,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not os.listdir(tmp_path):
+            time.sleep(0.05)  # the scratch directory is made: the sweep has started
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130 and err.strip().endswith("offload tune-io: interrupted"), err
+    assert "Traceback" not in err
+    assert os.listdir(tmp_path) == []  # the scratch file is removed

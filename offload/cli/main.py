@@ -61,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     mod = importlib.import_module(args._module)
     try:
         return int(mod.run(args) or 0)
+    except KeyboardInterrupt:
+        # Ctrl-C in a command that does not handle it itself (a tune-io sweep runs minutes):
+        # its cleanup (`finally` blocks) has run; one line, not a traceback, and the status
+        # of an interrupted command (demo and finetune return 130 themselves).
+        print(f"offload {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # stdout's reader went away (`offload estimate ... | head -3`): stop as other tools do,
         # not with a traceback; stdout goes to /dev/null so the interpreter's last flush at

@@ -94,8 +94,20 @@ def test_demo_rejects_bad_size(tmp_path, capsys):
         (("--lr", "-1"), "--lr must be a finite number > 0, got -1.0"),  # said optimizer.lr
         (("--lr", "nan"), "--lr must be a finite number > 0, got nan"),
         (("--nvme-path", "/proc/no/such"), "--nvme-path: cannot make a swap directory in"),
+        # a FileExistsError / PermissionError traceback once the model was wrapped
+        (("--report", "/proc/version"), "--report '/proc/version' is a file, not a directory"),
+        (("--report", "/proc/no/such"), "--report: cannot write in '/proc/no/such'"),
     ],
-    ids=["seq-len", "warmup", "eval-batches", "lr", "lr-nan", "nvme-path"],
+    ids=[
+        "seq-len",
+        "warmup",
+        "eval-batches",
+        "lr",
+        "lr-nan",
+        "nvme-path",
+        "report-file",
+        "report-unwritable",
+    ],
 )
 def test_demo_names_a_bad_flag_before_it_trains(tmp_path, capsys, flags, named):
     report = tmp_path / "rep"

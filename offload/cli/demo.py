@@ -284,6 +284,14 @@ def run(args: argparse.Namespace) -> int:
             f"offload demo: error: --lr must be a finite number > 0, got {args.lr}", file=sys.stderr
         )
         return 2
+    if not args.no_report and os.path.exists(args.report) and not os.path.isdir(args.report):
+        # (it was a FileExistsError traceback once the model was built and wrapped)
+        print(
+            f"offload demo: error: --report {args.report!r} is a file, not a directory "
+            "(nothing was changed); give a directory or --no-report",
+            file=sys.stderr,
+        )
+        return 2
     nproc = getattr(args, "nproc", 1)
     if nproc < 1:
         print("offload demo: error: --nproc must be >= 1", file=sys.stderr)
@@ -402,7 +410,15 @@ def run(args: argparse.Namespace) -> int:
         )
         header.append(("device", f"{device}, dtype {dtype_name}"))
         if report_dir is not None:
-            writer = rep.MetricsWriter(report_dir / "metrics.jsonl")
+            try:
+                writer = rep.MetricsWriter(report_dir / "metrics.jsonl")
+            except OSError as exc:
+                print(
+                    f"offload demo: error: --report: cannot write in {str(report_dir)!r}: "
+                    f"{exc.strerror or exc}",
+                    file=sys.stderr,
+                )
+                return 2
             writer.write(
                 {
                     "kind": "run",

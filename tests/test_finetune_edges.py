@@ -347,3 +347,18 @@ def test_an_out_that_is_a_file_is_named(setup, capsys):
     err = capsys.readouterr().err
     assert f"--out '{out}' is a file, not a directory" in err
     assert out.read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "text", ["gradient_accumulation_steps: 4.0\n", "gradient_accumulation_steps: 4\n"]
+)
+def test_the_files_accumulation_holds_when_written_as_a_float(tmp_path, text):
+    """The loader takes 4.0 as the count 4, but the recipe read only an int from the file: 4.0
+    was taken as unset, so 1 micro-batch per step."""
+    from offload.finetune.recipe import offload_config  # noqa: PLC0415
+
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(CPU + text)
+    opts = Options(model="m", data="d", out=str(tmp_path / "out"), config=str(cfg_file))
+    cfg, opts, _ = offload_config(opts, tmp_path / "out")
+    assert opts.accum == 4 and cfg["gradient_accumulation_steps"] == 4

@@ -129,7 +129,7 @@ def offload_config(opts: Options, out: Path) -> tuple[dict, Options, bool, bool]
     accum = _flag_or_file(
         opts.accum,
         "--accum",
-        cfg["gradient_accumulation_steps"] if isinstance(accum, int) else None,
+        cfg["gradient_accumulation_steps"] if _is_number(accum) else None,
         "gradient_accumulation_steps",
         opts.config,
     )
@@ -137,7 +137,7 @@ def offload_config(opts: Options, out: Path) -> tuple[dict, Options, bool, bool]
     clip = _flag_or_file(
         opts.max_grad_norm,
         "--max-grad-norm",
-        cfg["gradient_clipping"] if isinstance(clip, int | float) else None,
+        cfg["gradient_clipping"] if _is_number(clip) else None,
         "gradient_clipping",
         opts.config,
     )
@@ -155,6 +155,13 @@ def offload_config(opts: Options, out: Path) -> tuple[dict, Options, bool, bool]
     cfg["gradient_clipping"] = 0.0
     section = raw.get("optimizer") if isinstance(raw, dict) and not deepspeed else None
     return cfg, opts, swap, isinstance(section, dict) and "no_decay" in section
+
+
+def _is_number(value) -> bool:
+    """Whether the file sets the key to a number (the loader takes an integral float such as
+    4.0 or 1e1 as a count: a file's accumulation of 4.0 was taken as unset, so 1), not to
+    DeepSpeed's "auto" or leaves it out."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _lr_in_file(raw, deepspeed: bool) -> float | None:

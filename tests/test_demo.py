@@ -185,6 +185,23 @@ def test_the_flags_and_the_swap_directory_apply_to_a_deepspeed_config_too(tmp_pa
     assert (cfg.distributed.stage, cfg.distributed.timeout) == (1, 60)
 
 
+def test_a_yaml_config_is_read_as_offload_config_reads_it(tmp_path):
+    """The demo read YAML with plain yaml.safe_load: `lr: 1e-4` became the string '1e-4' and was
+    refused, a key given twice kept its last value unsaid, an empty file was refused."""
+    swap = str(tmp_path / "swap")
+
+    def built(text: str):
+        path = tmp_path / "c.yaml"
+        path.write_text(text)
+        args = build_parser().parse_args(["demo", "--config", str(path)])
+        return load_config(build_config(args, swap, "cpu"))
+
+    assert built("optimizer:\n  lr: 1e-4\n").optimizer.lr == 1e-4
+    assert built("").offload_param.device == "nvme"  # the demo's defaults
+    with pytest.raises(ValueError, match="'aio' appears twice"):
+        built("aio:\n  queue_depth: 4\naio:\n  queue_depth: 8\n")
+
+
 def _interrupt_after_steps(
     args: list[str], report: Path, steps: int = 1, extra_delay: float = 0.0
 ) -> tuple[int, str]:

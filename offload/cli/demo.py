@@ -36,7 +36,6 @@ import copy
 import dataclasses
 import importlib
 import importlib.util
-import json
 import math
 import os
 import shutil
@@ -128,20 +127,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"--config: cannot read {path!r}: {exc.strerror or exc}") from None
-    try:
-        if p.suffix.lower() in (".yaml", ".yml"):
-            import yaml  # noqa: PLC0415
+    """The file read as `offload config` and `offload finetune` read it (offload's YAML reader:
+    ``1e-4`` is a float, a key given twice is an error, an empty file is all defaults); plain
+    ``yaml.safe_load`` made ``lr: 1e-4`` the string '1e-4', refused, and kept the last of two
+    keys."""
+    from offload.config import ConfigError  # noqa: PLC0415
+    from offload.config.loader import read_config_file  # noqa: PLC0415
 
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-    except Exception as exc:  # noqa: BLE001 - any parse error becomes one clear line
-        raise ValueError(f"--config: {path!r} is not valid JSON/YAML: {exc}") from None
+    try:
+        data = read_config_file(path)
+    except ConfigError as exc:  # it names the file already: not a value to place in it
+        raise ValueError(str(exc)) from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
         raise ValueError(f"--config: {path!r} must hold a mapping at the top level")
     return data

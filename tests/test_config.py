@@ -396,6 +396,12 @@ BAD = [
     ({"wrap": {"module_classes": ["not a name"]}}, "wrap.module_classes", ["not a name"]),
     ({"wrap": {"min_params": -5}}, "wrap.min_params", -5),
     ({"telemetry": {"jsonl_path": 3}}, "telemetry.jsonl_path", 3),
+    # every wrap refused it, after `offload config` had called the file valid
+    (
+        {"offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 3}},
+        "offload_optimizer.buffer_count",
+        3,
+    ),
 ]
 
 

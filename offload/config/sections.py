@@ -60,6 +60,7 @@ DEFAULT_BUFFER_SIZE = 256 * MiB
 """Bytes: the most an "auto" swap buffer holds (the fixed default before "auto")."""
 _MAX_BUFFER = 2**40  # 1 TiB: far above any sane pinned buffer, catches unit mistakes
 _MAX_COUNT = 4096
+NVME_OPT_BUFFERS = 4  # master, exp_avg, exp_avg_sq and grad of one piece in flight
 
 
 class _Section:
@@ -177,6 +178,15 @@ class OffloadOptimizerConfig(_SwapPool):
         )
         self.step_in_backward = as_bool(self._k("step_in_backward"), self.step_in_backward)
         _check_nvme_path(self, self.device, self.nvme_path)
+        if self.device == "nvme" and self.buffer_count < NVME_OPT_BUFFERS:
+            # any model's wrap refuses it (plan.placement); `offload config` called it valid
+            raise ConfigError.bad(
+                self._k("buffer_count"),
+                self.buffer_count,
+                f"an integer >= {NVME_OPT_BUFFERS} when {self._k('device')} is 'nvme' (the "
+                "NVMe step holds master, exp_avg, exp_avg_sq and grad of one piece at once; 8 "
+                "or more prefetch the next piece)",
+            )
 
 
 @dataclass(kw_only=True, slots=True)

@@ -49,10 +49,10 @@ from dataclasses import dataclass
 import torch
 
 from offload.config import ConfigError, OffloadConfig, resolve_auto_buffer_size
+from offload.config.sections import NVME_OPT_BUFFERS as NVME_OPT_BUFFERS
 from offload.plan.layout import PAGE_ELEMS
 from offload.plan.ownership import GradOwner, GradReduce, MasterOwner
 
-NVME_OPT_BUFFERS = 4  # master, exp_avg, exp_avg_sq and grad of one piece in flight
 UNLIMITED = 1 << 62  # piece size when no swap buffer bounds it
 URGENT_READS = frozenset({"offload_param"})
 """Stores whose reads go ahead of the other stores' queued IO in the shared engine

@@ -405,6 +405,22 @@ BAD = [
 ]
 
 
+def test_a_path_starting_with_a_tilde_is_in_the_home_directory(monkeypatch, tmp_path):
+    """`nvme_path: ~/nvme` made a directory named '~' in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(
+        {
+            "offload_optimizer": {"device": "nvme", "nvme_path": "~/nvme"},
+            "offload_param": {"device": "nvme", "nvme_path": "~"},
+            "telemetry": {"jsonl_path": "~/steps.jsonl"},
+        }
+    )
+    assert cfg.offload_optimizer.nvme_path == str(tmp_path / "nvme")
+    assert cfg.offload_param.nvme_path == str(tmp_path)
+    assert cfg.telemetry.jsonl_path == str(tmp_path / "steps.jsonl")
+    assert load_config({"telemetry": {"jsonl_path": "a~/b"}}).telemetry.jsonl_path == "a~/b"
+
+
 @pytest.mark.parametrize("config, key, value", BAD, ids=[f"{k}={v!r}" for _, k, v in BAD])
 def test_bad_config_names_key_and_value(config, key, value):
     with pytest.raises(ConfigError) as err:

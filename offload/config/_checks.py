@@ -163,13 +163,15 @@ def as_buffer_size(key: str, value: Any, *, cap: int, lo: int, hi: int, align: i
 
 
 def as_opt_path(key: str, value: Any) -> str | None:
-    """``None`` or a non-empty path string (``os.PathLike`` accepted, stored as ``str``)."""
+    """``None`` or a non-empty path string (``os.PathLike`` accepted, stored as ``str``), a
+    leading ``~`` expanded to the home directory as a shell would: ``nvme_path: ~/nvme`` made a
+    directory named ``~`` in the working directory, which a later ``rm -rf ~`` would not clean."""
     if value is None:
         return None
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if isinstance(value, str) and value.strip() and "\0" not in value:
-        return value
+        return os.path.expanduser(value)
     raise ConfigError.bad(key, value, "null or a non-empty path string")
 
 

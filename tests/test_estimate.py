@@ -65,6 +65,16 @@ QWEN3_30B_A3B = {
     "tie_word_embeddings": False,
     "vocab_size": 151936,
 }
+GEMMA_2B = {  # its config.json has no tie_word_embeddings: GemmaConfig's default (true) holds
+    "model_type": "gemma",
+    "hidden_size": 2048,
+    "intermediate_size": 16384,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "num_hidden_layers": 18,
+    "vocab_size": 256000,
+}
 GPT2_SMALL = {
     "model_type": "gpt2",
     "n_embd": 768,
@@ -169,6 +179,7 @@ def test_fits_against_the_machine():
         (GPT2_SMALL, 124_439_808),
         (PYTHIA_160M, 162_322_944),
         (QWEN15_MOE_A27B, 14_315_784_192),
+        (GEMMA_2B, 2_506_172_416),
         (QWEN3_30B_A3B, 30_532_122_624),
         # dense layers by decoder_sparse_step 2 and mlp_only_layers (counted by transformers)
         (
@@ -196,6 +207,7 @@ def test_fits_against_the_machine():
         "gpt2",
         "pythia-160m",
         "qwen1.5-moe-a2.7b",
+        "gemma-2b-tied-unsaid",
         "qwen3-30b-a3b",
         "qwen2-moe-dense-layers",
     ],

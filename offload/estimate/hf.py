@@ -21,6 +21,10 @@ _QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}
 # Qwen2-MoE / Qwen3-MoE: layers whose MLP is dense, not experts, follow decoder_sparse_step and
 # mlp_only_layers; Qwen3's attention has a per-head RMSNorm on q and on k.
 _SPARSE_STEP_TYPES = {"qwen2_moe", "qwen3_moe"}
+# model_types whose transformers config class ties the head to the embeddings by default: their
+# config.json, saved by transformers 4.x, leaves tie_word_embeddings out when it is true (the
+# base class's default too), so an absent key means tied (Gemma-2B: 2.51 B, not 3.03 B)
+_TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3_text", "cohere", "ernie4_5", "smollm3"}
 _QK_NORM_TYPES = {"qwen3", "qwen3_moe"}
 # model_types whose count was checked against transformers' models (exact, or within 0.5 %: a
 # norm the formula leaves out); any other is counted with the LLaMA layout and says so, since a
@@ -95,7 +99,8 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
     """Read a Hugging Face ``config.json`` (as a dict) into a :class:`ModelShape`.
 
     Accepts the GPT-2 spellings (``n_embd``, ``n_layer``, ``n_head``, ``n_inner``) as aliases.
-    ``tie_word_embeddings`` defaults to True for gpt2 (as in Hugging Face) and False otherwise.
+    ``tie_word_embeddings`` defaults as the model type's transformers config class does: True
+    for gpt2, Gemma and a few others, False otherwise.
     Raises :class:`EstimateError` naming the key when a required one is missing or invalid.
     """
     if not isinstance(cfg, Mapping):
@@ -143,7 +148,8 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
     else:
         head_dim = _positive_int(head_dim_raw, "head_dim", source)
     tied_raw = cfg.get("tie_word_embeddings")
-    tied = (style == "gpt2") if tied_raw is None else bool(tied_raw)
+    tied_default = style == "gpt2" or model_type in _TIED_BY_DEFAULT
+    tied = tied_default if tied_raw is None else bool(tied_raw)
     experts_raw = cfg.get("num_local_experts", cfg.get("num_experts"))
     experts = 1 if experts_raw is None else _positive_int(experts_raw, "num_local_experts", source)
     moe_raw = cfg.get("moe_intermediate_size")

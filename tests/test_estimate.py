@@ -282,6 +282,9 @@ def test_bad_machine_and_options():
         est.estimate(10**9, est.Machine(), precision="int3")
     with pytest.raises(est.EstimateError, match="stage"):
         est.zero_model_state_bytes(10**9, 8, 4)
+    # an NVMe optimizer pool wrap refuses was estimated as if it ran
+    with pytest.raises(est.EstimateError, match="--buffer-count 3: the NVMe optimizer pool"):
+        est.estimate(10**9, est.Machine(buffer_count=3))
 
 
 def test_activation_estimate():

@@ -86,7 +86,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from offload.config import ConfigError, OffloadConfig, resolve_auto_buffer_size
-from offload.config.sections import OffloadOptimizerConfig, OffloadParamConfig
+from offload.config.sections import NVME_OPT_BUFFERS, OffloadOptimizerConfig, OffloadParamConfig
 from offload.estimate.errors import EstimateError as EstimateError
 from offload.estimate.hf import (
     ModelShape as ModelShape,
@@ -336,6 +336,13 @@ def staging_pools(machine: Machine, unit_params: int, precision: str = "bf16") -
     if machine.ranks > 1:  # a piece holds one rank's share of a unit
         unit_params = _split(unit_params, machine.ranks)
     sections = {"offload_param": OffloadParamConfig, "offload_optimizer": OffloadOptimizerConfig}
+    if machine.buffer_count is not None and machine.buffer_count < NVME_OPT_BUFFERS:
+        # the NVMe row was shown for pools wrap refuses (offload_optimizer.buffer_count)
+        raise EstimateError(
+            f"--buffer-count {machine.buffer_count}: the NVMe optimizer pool needs at least "
+            f"{NVME_OPT_BUFFERS} buffers (offload_optimizer.buffer_count); allowed: "
+            f"{NVME_OPT_BUFFERS} or more"
+        )
     try:
         cfg = OffloadConfig(
             **{

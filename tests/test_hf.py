@@ -765,38 +765,52 @@ def test_trainer_on_two_ranks_trains_as_one_process(tmp_path, param_dev, opt_dev
     """Under torchrun, Accelerate wrapped the model in DistributedDataParallel: its hooks
     reduce gradients offload reduces itself, and its zero_grad does not reach offload's, so the
     Trainer's second step was refused on every rank (``loss.backward() after optimizer.step()
-    with no zero_grad()``). Now the model is left unwrapped and two ranks at a per-device
-    batch of 1 log the losses and grad norms of one process at 2, and end at its weights
-    (stages 2 and 3: params on the device, and on NVMe)."""
+    with no zero_grad()``); and the Trainer saved its checkpoints' state dicts on rank 0 alone,
+    where offload's gather from every rank (gloo aborted a process at the first checkpoint).
+    Now two ranks at a per-device batch of 1, saving a checkpoint every 2 steps, log the losses
+    and grad norms of one process at 2 and end at its weights (stages 2 and 3: params on the
+    device, and on NVMe), and a resume from the checkpoint of step 2 ends bitwise there."""
     import os  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
     d = write_model(tmp_path / "m")
     worker = str(Path(__file__).parent / "_trainer_worker.py")
-    args = [str(d), str(tmp_path), param_dev, opt_dev]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    for cmd in (
-        [sys.executable, worker, *args],
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         worker, *args],
-    ):  # fmt: skip
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        assert run.returncode == 0, run.stderr[-3000:]
-    one, two = (json.loads((tmp_path / f"result.w{w}.json").read_text()) for w in (1, 2))
-    assert len(two["losses"]) == 5
+    ranks = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+
+    def run(cmd, mode):
+        done = subprocess.run(
+            [*cmd, worker, str(d), str(tmp_path), param_dev, opt_dev, mode],
+            capture_output=True, text=True, timeout=600, env=env,
+        )  # fmt: skip
+        return done
+
+    for cmd, mode in (([sys.executable], "plain"), (ranks, "save"), (ranks, "resume")):
+        done = run(cmd, mode)
+        assert done.returncode == 0, done.stderr[-3000:]
+    result = {
+        m: json.loads((tmp_path / f"result.{m}.json").read_text()) for m in ("plain.w1", "save.w2")
+    }
+    one, two = result["plain.w1"], result["save.w2"]
+    assert len(two["losses"]) == 5 and sorted(p.name for p in (tmp_path / "trainer.w2").iterdir()) == [
+        "checkpoint-2", "checkpoint-4", "checkpoint-5"
+    ]  # fmt: skip
     torch.testing.assert_close(
         torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0
     )
     torch.testing.assert_close(
         torch.tensor(two["norms"]), torch.tensor(one["norms"]), rtol=1e-5, atol=0
     )
-    want, got = (torch.load(tmp_path / f"state.w{w}.pt") for w in (1, 2))
+    want, got, resumed = (
+        torch.load(tmp_path / f"state.{m}.pt") for m in ("plain.w1", "save.w2", "resume.w2")
+    )
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+        assert torch.equal(resumed[name], got[name]), name
     if param_dev != "none":
         return
     # wrapped before the group existed: each rank would train a model of its own, unsaid
     env["GROUP_AFTER_WRAP"] = "1"
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert run.returncode != 0
-    assert "the Trainer runs 2 processes but the model was wrapped over 1 rank" in run.stderr
+    done = run(ranks, "plain")
+    assert done.returncode != 0
+    assert "the Trainer runs 2 processes but the model was wrapped over 1 rank" in done.stderr

@@ -16,6 +16,7 @@ by offload's hooks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -167,3 +168,40 @@ class OffloadTrainer(transformers.Trainer):
 
     def _move_model_to_device(self, model, device) -> None:
         pass  # see create_accelerator_and_postprocess
+
+    # Note: checkpoints on several ranks
+    #   The Trainer saves the model's and the optimizer's state dicts on its main process only;
+    #   offload's are collective (each rank holds a share, gathered for them), so the ranks'
+    #   collectives differed at the first checkpoint and gloo aborted a process. With several
+    #   ranks every rank gathers them; the Trainer's own saving, on the main process, then
+    #   writes those values (their reads answered from what was gathered).
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self.accelerator.num_processes == 1:
+            return super().save_model(output_dir, _internal_call)
+        state = self.model.state_dict()  # every rank (Note: checkpoints on several ranks)
+        with _answered(self.model, "state_dict", state):
+            return super().save_model(output_dir, _internal_call)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.accelerator.num_processes == 1:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        optimizer = self._offload_optimizer
+        state = optimizer.state_dict()  # every rank (Note: checkpoints on several ranks)
+        with _answered(optimizer, "state_dict", state):
+            return super()._save_optimizer_and_scheduler(output_dir)
+
+
+@contextlib.contextmanager
+def _answered(obj, method: str, value):
+    """``obj.method()`` returns ``value`` inside the block (an instance attribute over the
+    class's method; what the instance held before is put back after)."""
+    held = obj.__dict__.get(method)
+    obj.__dict__[method] = lambda *args, **kwargs: value
+    try:
+        yield
+    finally:
+        if held is None:
+            del obj.__dict__[method]
+        else:
+            obj.__dict__[method] = held

@@ -72,19 +72,44 @@ def test_written_files_are_plain_safetensors(tmp_path):
 
 
 def test_commit_pointer_cleanup_and_resolve(tmp_path):
-    first = _save(tmp_path, "ckpt-1", 10)
-    (tmp_path / ".ckpt-0-killed.tmp").mkdir()  # a save that was killed
-    second = _save(tmp_path, "ckpt-2", 10, keep_last=2)
+    first = _save(tmp_path, "ckpt-00000001-10", 10)
+    (tmp_path / ".ckpt-00000000-5.tmp").mkdir()  # a save that was killed
+    second = _save(tmp_path, "ckpt-00000002-20", 10, keep_last=2)
     assert cf.resolve(tmp_path) == second
     assert cf.resolve(first) == first  # a checkpoint directory is its own answer
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-1", "ckpt-2", "latest"]
-    _save(tmp_path, "ckpt-3", 10)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-3", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-00000001-10",
+        "ckpt-00000002-20",
+        "latest",
+    ]
+    _save(tmp_path, "ckpt-00000003-30", 10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000003-30", "latest"]
     (tmp_path / "latest").write_text("ckpt-9\n")
     with pytest.raises(cf.CheckpointNotFoundError, match="names 'ckpt-9', which is incomplete"):
         cf.resolve(tmp_path)
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
-        cf.resolve(tmp_path / "ckpt-3" / "nothing")
+        cf.resolve(tmp_path / "ckpt-00000003-30" / "nothing")
+
+
+def test_keep_last_prunes_only_checkpoints_and_the_oldest_written(tmp_path):
+    """The pruning removed every directory named ``ckpt-*`` (a user's ``ckpt-best`` with their
+    own files) and kept the highest steps, not the last saves: after a resume from an earlier
+    step it deleted the save just before the new one and kept the abandoned run's."""
+    mine = tmp_path / "ckpt-best"
+    mine.mkdir()
+    (mine / "weights.pt").write_text("not offload's")
+    (tmp_path / ".ckpt-old.tmp").mkdir()  # not a name a save gives its temp directory
+    _save(tmp_path, "ckpt-00000010-100", 10, keep_last=2)  # the abandoned run's last
+    _save(tmp_path, "ckpt-00000006-200", 10, keep_last=2)  # resumed at step 5
+    _save(tmp_path, "ckpt-00000007-300", 10, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".ckpt-old.tmp",
+        "ckpt-00000006-200",
+        "ckpt-00000007-300",
+        "ckpt-best",
+        "latest",
+    ]
+    assert (mine / "weights.pt").read_text() == "not offload's"
 
 
 def test_a_failed_write_leaves_no_temp_directory(tmp_path):

@@ -47,7 +47,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -190,7 +189,7 @@ def save_checkpoint(
     engine.check_readable("save_checkpoint")
     _to_json(extra)
     buffers = _buffer_entries(model)
-    name = f"ckpt-{engine.step_count:08d}-{time.time_ns()}"
+    name = files.checkpoint_name(engine.step_count)
     if engine.comm.world > 1:
         return _save_ranks(Path(directory), name, engine, optimizer, keep_last, extra, buffers)
     with files.CheckpointWriter(Path(directory), name) as out:

@@ -23,9 +23,11 @@ Note: what a checkpoint directory holds
 Note: commit
     :class:`CheckpointWriter` writes into ``root/.<name>.tmp``, fsyncs every file and the
     directory, renames it to ``root/<name>``, then replaces the pointer ``root/latest`` (temp
-    name, fsync, rename, fsync of ``root``) and only then deletes older checkpoints and the
-    temp directories of saves that were killed. A crash at any point leaves ``latest`` naming
-    a complete checkpoint. One process saves into a given ``root`` at a time.
+    name, fsync, rename, fsync of ``root``) and only then deletes the checkpoints written
+    before the last ``keep_last`` and the temp directories of saves that were killed (only
+    directories named as a save names them: anything else in ``root`` stays). A crash at any
+    point leaves ``latest`` naming a complete checkpoint. One process saves into a given
+    ``root`` at a time.
 
 Note: verification before use
     :func:`open_checkpoint` checks everything a load relies on before its caller changes
@@ -60,6 +62,7 @@ import os
 import re
 import shutil
 import struct
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -91,6 +94,8 @@ ST_DTYPES = {
 }
 DTYPES = {code: dt for dt, code in ST_DTYPES.items()}
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,254}")
+_CKPT_NAME = re.compile(r"ckpt-(\d+)-(\d+)")  # checkpoint_name's: the step, when (ns)
+_TMP_NAME = re.compile(r"\.ckpt-\d+-\d+\.tmp")  # CheckpointWriter's temp directory of one
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -218,6 +223,12 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def checkpoint_name(step: int) -> str:
+    """A new checkpoint's directory name: its step and when it is written (ns since the
+    epoch), by which ``keep_last`` orders a directory's checkpoints."""
+    return f"ckpt-{step:08d}-{time.time_ns()}"
+
+
 class CheckpointWriter:
     """Writes one checkpoint directory ``root/name`` (see Note: commit). Use as a context
     manager: leaving it with an exception before :meth:`commit` removes the temp directory.
@@ -269,12 +280,26 @@ class CheckpointWriter:
         _write_text(pointer, self.name + "\n")
         os.replace(pointer, self.root / LATEST)
         fsync_dir(self.root)
-        old = sorted(p for p in self.root.glob("ckpt-*") if p.is_dir() and p.name != self.name)
-        for p in old[: max(0, len(old) - (keep_last - 1))]:
-            shutil.rmtree(p, ignore_errors=True)
-        for p in self.root.glob(".ckpt-*.tmp"):  # left by saves that were killed
-            shutil.rmtree(p, ignore_errors=True)
+        self._prune(keep_last)
         return final
+
+    def _prune(self, keep_last: int) -> None:
+        """Removes the checkpoints beyond the ``keep_last`` written last (this one included),
+        by when they were written, not by step (a resume from an earlier step saves lower
+        steps after higher ones), and the temp directories of saves that were killed. Only
+        directories named as :func:`checkpoint_name` and the writer name them are touched: a
+        user's ``ckpt-best`` beside them stays."""
+        old = [
+            (int(m[2]), p)
+            for p in self.root.iterdir()
+            if (m := _CKPT_NAME.fullmatch(p.name)) and p.name != self.name and p.is_dir()
+        ]
+        old.sort()
+        for _, p in old[: max(0, len(old) - (keep_last - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
+        for p in self.root.iterdir():
+            if _TMP_NAME.fullmatch(p.name) and p.name != self.tmp.name and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------ reading

@@ -130,6 +130,21 @@ def test_extra_must_be_json(tmp_path):
     opt.close()
 
 
+def test_a_bad_keep_last_is_refused_before_writing(tmp_path):
+    """``keep_last`` 0, -1 and True were taken (as 1), 2.5 kept an extra checkpoint, and "2"
+    or None raised a bare TypeError after the checkpoint had been committed, with the temp
+    directories of killed saves left."""
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "w"))
+    try:
+        first = offload.save_checkpoint(tmp_path / "ck", model, opt)
+        for bad in (0, -1, 2.5, "2", None, True):
+            with pytest.raises(ValueError, match=rf"keep_last: got {bad!r}; allowed: an int"):
+                offload.save_checkpoint(tmp_path / "ck", model, opt, keep_last=bad)
+        assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [first.name, "latest"]
+    finally:
+        opt.close()
+
+
 class _NormBlock(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

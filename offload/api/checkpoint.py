@@ -100,6 +100,15 @@ def _to_json(extra: dict) -> dict:
     return extra
 
 
+def _check_keep_last(keep_last) -> None:
+    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(
+            f"save_checkpoint: keep_last: got {keep_last!r}; allowed: an int >= 1, how many of "
+            "the directory's checkpoints to keep, this one included (1, the default: only the "
+            "new one); nothing was written"
+        )
+
+
 def _buffers_file(rank: int = 0, world: int = 1) -> str:
     """The file of the model's persistent buffers (BatchNorm's running statistics, say), by
     state-dict name, in the dtype the model holds them. Each rank's own with several ranks
@@ -187,6 +196,7 @@ def save_checkpoint(
     checkpoint's own directory. ``extra`` (JSON-serializable) comes back from load_checkpoint."""
     engine = _engine(model)
     engine.check_readable("save_checkpoint")
+    _check_keep_last(keep_last)
     _to_json(extra)
     buffers = _buffer_entries(model)
     name = files.checkpoint_name(engine.step_count)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,43 @@ def test_extra_must_be_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         offload.load_checkpoint(tmp_path / "nothing", model, opt)
     opt.close()
+
+
+def test_extra_values_come_back_as_saved(tmp_path):
+    """JSON turned MultiStepLR's milestones (a Counter keyed by int steps) into a dict keyed by
+    strings: the resumed scheduler never decayed (lr 0.01 where the run had 0.001 from its
+    milestone on); tuples came back as lists. Now ``extra`` comes back with its keys and
+    containers as saved."""
+    extra = {
+        "k": {3: "int", 2.5: "float", True: "bool", None: "none", (1, 2): "tuple"},
+        "t": (1, [2, (3,)]),
+        "c": Counter([5, 5, 7]),
+        "__offload_extra__": "a user's key that looks like the tag",
+        "s": {"plain": [1.5, "x", None]},
+    }
+    data = batches(6)
+
+    def lrs(sched) -> list[float]:
+        return [
+            train_wrapped(model, opt, data, 1, 1, 0.0, sched=sched)[1].get_last_lr()[0]
+            for _ in range(4)
+        ]
+
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "w"))
+    try:
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, [2, 4], 0.1)
+        train_wrapped(model, opt, data, 1, 1, 0.0, sched=sched)
+        offload.save_checkpoint(tmp_path / "ck", model, opt, sched=sched.state_dict(), **extra)
+        want = lrs(sched)
+        got = offload.load_checkpoint(tmp_path / "ck", model, opt)
+        for k, v in extra.items():
+            assert got[k] == v and type(got[k]) is type(v), k
+        assert type(got["t"][1][1]) is tuple and got["c"][5] == 2
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, [2, 4], 0.1)
+        sched.load_state_dict(got["sched"])
+        assert lrs(sched) == want == pytest.approx([1e-3, 1e-3, 1e-4, 1e-4])
+    finally:
+        opt.close()
 
 
 def test_a_bad_keep_last_is_refused_before_writing(tmp_path):

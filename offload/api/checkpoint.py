@@ -90,14 +90,17 @@ def _engine(model: nn.Module):
 
 
 def _to_json(extra: dict) -> dict:
+    """``extra`` as the JSON ``meta.json`` holds (tuples, non-string keys and Counters kept:
+    ``checkpoint_files.encode_extra``)."""
     try:
-        json.dumps(extra)
+        encoded = files.encode_extra(extra)
+        json.dumps(encoded)
     except TypeError as exc:
         raise TypeError(
             f"save_checkpoint: extra values must be JSON-serializable (numbers, strings, lists, "
             f"dicts), e.g. scheduler=sched.state_dict(); got {exc}"
         ) from None
-    return extra
+    return encoded
 
 
 def _check_keep_last(keep_last) -> None:
@@ -197,7 +200,7 @@ def save_checkpoint(
     engine = _engine(model)
     engine.check_readable("save_checkpoint")
     _check_keep_last(keep_last)
-    _to_json(extra)
+    extra = _to_json(extra)
     buffers = _buffer_entries(model)
     name = files.checkpoint_name(engine.step_count)
     if engine.comm.world > 1:

@@ -63,6 +63,7 @@ import re
 import shutil
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -685,6 +686,50 @@ def meta_number(ckpt: Path, value, key: str) -> float:
     return value
 
 
+_TAG = "__offload_extra__"  # marks a container plain JSON has no form for
+_TAGGED = {"tuple": tuple, "dict": dict, "Counter": Counter}
+
+
+def encode_extra(value):
+    """The caller's extra values as JSON that :func:`decode_extra` turns back into them: a
+    tuple, a dict with a key that is not a string (MultiStepLR's milestones: a Counter of int
+    steps) and a Counter are written as ``{TAG: kind, "items": [...]}``, which plain JSON
+    would turn into a list and a dict of string keys. Anything else JSON cannot hold is a
+    ``TypeError`` from ``json.dumps``."""
+    if isinstance(value, tuple):
+        return {_TAG: "tuple", "items": [encode_extra(v) for v in value]}
+    if isinstance(value, list):
+        return [encode_extra(v) for v in value]
+    if isinstance(value, dict):
+        kind = "Counter" if isinstance(value, Counter) else "dict"
+        if kind == "dict" and _TAG not in value and all(isinstance(k, str) for k in value):
+            return {k: encode_extra(v) for k, v in value.items()}
+        return {_TAG: kind, "items": [[encode_extra(k), encode_extra(v)] for k, v in value.items()]}
+    return value
+
+
+def decode_extra(ckpt: Path, value):
+    """The values :func:`encode_extra` wrote (a checkpoint written before it: the same)."""
+    if isinstance(value, list):
+        return [decode_extra(ckpt, v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if _TAG not in value:
+        return {k: decode_extra(ckpt, v) for k, v in value.items()}
+    kind, items = value.get(_TAG), value.get("items")
+    ok = kind in _TAGGED and set(value) == {_TAG, "items"} and isinstance(items, list)
+    if ok and kind == "tuple":
+        return tuple(decode_extra(ckpt, v) for v in items)
+    ok = ok and all(isinstance(kv, list) and len(kv) == 2 for kv in items)
+    try:
+        if ok:
+            pairs = dict((decode_extra(ckpt, k), decode_extra(ckpt, v)) for k, v in items)
+            return _TAGGED[kind](pairs)
+    except TypeError:  # an unhashable key
+        pass
+    raise meta_error(ckpt, f"'extra' holds a malformed {_TAG} value: {short_repr(value)}")
+
+
 def check_layout(ckpt: VerifiedCheckpoint, units: list[dict], tensors: dict[str, dict]) -> None:
     """The saved ``units`` records are ``units`` (the model's, in order), parameter by
     parameter, and each data file holds exactly ``tensors[file]``: name -> (allowed dtype
@@ -801,5 +846,5 @@ def check_counters(ckpt: VerifiedCheckpoint, group: dict, loss_scale: bool) -> d
     out["param_group"] = {k: _hyper(path, k, v, group.get(k)) for k, v in hyper.items()}
     if not isinstance(meta.get("extra"), dict):
         raise meta_error(path, f"'extra' is {short_repr(meta.get('extra'))}")
-    out["extra"] = meta["extra"]
+    out["extra"] = decode_extra(path, meta["extra"])
     return out

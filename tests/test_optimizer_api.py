@@ -291,6 +291,56 @@ def test_torch_adamw_state_dict_loads(tmp_path, owner):
         opt.close()
 
 
+@pytest.mark.parametrize("owner", ["autograd", "nvme"])
+def test_hyperparameters_the_update_cannot_take_are_refused(tmp_path, owner):
+    """betas (0.9, 1.5) set by hand or by ``load_state_dict`` failed in the update with a
+    bare "adam_step(): incompatible function arguments" (a complex bias correction), and lr
+    -1 (gradient ascent) or a NaN eps trained on; ``load_state_dict`` took such a group
+    silently. Now the step, and the load before it changes anything, name the key, the value
+    and what is allowed."""
+    data = batches(2)
+    model, opt = _wrap(tmp_path, owner)
+    group = opt.param_groups[0]
+    good = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    bad = [
+        ("betas", (0.9, 1.5)),
+        ("betas", (0.9,)),
+        ("lr", -1.0),
+        ("lr", "fast"),
+        ("eps", float("nan")),
+        ("eps", 0.0),
+        ("weight_decay", float("inf")),
+    ]
+    try:
+        for key, value in bad:
+            group[key] = value
+            lm_loss(model, data[0]).backward()
+            with pytest.raises(ValueError, match=rf"param_groups\[0\]\['{key}'\]: got .*allowed"):
+                opt.step()
+            opt.zero_grad()
+            group[key] = good[key]
+        sd = opt.state_dict()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        for key, value in bad:
+            broken = copy.deepcopy(sd)
+            broken["param_groups"][0][key] = value
+            broken["state"][0]["exp_avg"].fill_(7.0)
+            with pytest.raises(ValueError, match=rf"load_state_dict: .*'{key}'\]: got .*allowed"):
+                opt.load_state_dict(broken)
+            assert opt.param_groups[0][key] == good[key]
+        assert not torch.equal(
+            sd["state"][0]["exp_avg"], torch.full_like(sd["state"][0]["exp_avg"], 7.0)
+        )
+        assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"])
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        group["lr"] = torch.tensor(0.0)  # a tensor, and 0 (a schedule's end), are fine
+        lm_loss(model, data[1]).backward()
+        opt.step()
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    finally:
+        opt.close()
+
+
 def test_state_dict_of_before_the_torch_order_still_loads(tmp_path):
     """A state dict saved before the parameters were numbered in ``model.parameters()`` order
     (no ``param_order`` in its ``offload`` entry: the units' order) loads as it was meant."""

@@ -115,10 +115,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """A param group's hyperparameters as the update takes them, and ``grad_scale``: the
         loss scale's unscaling (1 without fp16), before any clipping."""
         return dict(
-            lr=float(group["lr"]),
-            betas=tuple(float(b) for b in group["betas"]),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
+            lr=hyperparameter(group, "lr"),
+            betas=hyperparameter(group, "betas"),
+            eps=hyperparameter(group, "eps"),
+            weight_decay=hyperparameter(group, "weight_decay"),
             adamw_mode=bool(group["adamw_mode"]),
             bias_correction=bool(group["bias_correction"]),
             grad_scale=1.0 if scaler is None else 1.0 / scaler.scale,
@@ -352,6 +352,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             kinds, step_count = KINDS, int(extra.get("step_count", engine.step_count))
             if extra.get("param_order") != _MODEL_ORDER:  # saved in the units' order
                 params = [p for u in engine.plan.units for p in u.trainable_params]
+        loaded = {k: v for k, v in saved_group.items() if k != "params"}
+        for k in _HYPER_ALLOWED.keys() & loaded.keys():  # before anything changes
+            hyperparameter(loaded, k, "load_state_dict: the saved param_groups[0]")
         values: dict[str, dict] = {k: {} for k in kinds}
         for i, p in zip(ids, params, strict=True):
             entry = state.get(i, state.get(str(i)))
@@ -410,6 +413,36 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 max(steps),
             )
         return max(steps, default=0)
+
+
+# what the update takes of each hyperparameter (the config's optimizer section has the same
+# ranges, but lr may be 0: a schedule's end)
+_HYPER_ALLOWED = {
+    "lr": "a finite number >= 0 (a float or a one-element tensor)",
+    "betas": "two numbers, each in [0, 1) (Adam's moment decay rates), e.g. (0.9, 0.999)",
+    "eps": "a finite number > 0",
+    "weight_decay": "a finite number >= 0",
+}
+
+
+def hyperparameter(group: dict, key: str, where: str = "optimizer.param_groups[0]"):
+    """``group[key]`` as the update takes it (a float, or two for ``betas``), or a ValueError
+    naming the key, the value and what is allowed: a value set by hand, by a scheduler or by
+    ``load_state_dict`` that the update cannot take (betas (0.9, 1.5) failed in the native
+    update with a complex bias correction; lr -1 trained upwards)."""
+    value = group[key]
+    try:
+        if key == "betas":
+            out = tuple(float(b) for b in value)
+            ok = len(out) == 2 and all(0.0 <= b < 1.0 for b in out)
+        else:
+            out = float(value)
+            ok = math.isfinite(out) and (out > 0.0 if key == "eps" else out >= 0.0)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several values
+        ok = False
+    if not ok:
+        raise ValueError(f"{where}[{key!r}]: got {value!r}; allowed: {_HYPER_ALLOWED[key]}")
+    return out
 
 
 # optimizer.state_dict()'s "offload" entry: its parameters are numbered in model.parameters()

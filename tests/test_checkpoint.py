@@ -168,6 +168,34 @@ def test_extra_values_come_back_as_saved(tmp_path):
         opt.close()
 
 
+def test_the_param_group_is_checked_before_writing_and_a_tensor_lr_saves(tmp_path):
+    """A tensor lr (torch's optimizers take one) trained, but its save wrote every file and
+    then failed with a bare "Object of type Tensor is not JSON serializable"; a NaN lr saved a
+    checkpoint that every load refused. Now the tensor is saved as its number and loads back
+    into a group holding a tensor; what the update cannot take is refused before writing."""
+    data = batches(4)
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "w"))
+    group = opt.param_groups[0]
+    try:
+        group["lr"] = torch.tensor(2.0**-8)
+        train_wrapped(
+            model, opt, data, 1, 1, 0.0, sched=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        )
+        first = offload.save_checkpoint(tmp_path / "ck", model, opt)
+        assert json.loads((first / "meta.json").read_text())["param_group"]["lr"] == 2.0**-8
+        offload.load_checkpoint(tmp_path / "ck", model, opt)
+        assert float(group["lr"]) == 2.0**-8
+        for key, value in (("lr", float("nan")), ("eps", -1.0), ("custom", object())):
+            saved = group.get(key)
+            group[key] = value
+            with pytest.raises(ValueError, match=rf"save_checkpoint: .*'{key}'\]: got"):
+                offload.save_checkpoint(tmp_path / "ck", model, opt)
+            group[key] = saved
+            assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [first.name, "latest"]
+    finally:
+        opt.close()
+
+
 def test_a_bad_keep_last_is_refused_before_writing(tmp_path):
     """``keep_last`` 0, -1 and True were taken (as 1), 2.5 kept an extra checkpoint, and "2"
     or None raised a bare TypeError after the checkpoint had been committed, with the temp

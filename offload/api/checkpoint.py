@@ -54,6 +54,7 @@ import torch.nn as nn
 
 from offload.api import checkpoint_files as files
 from offload.api.checkpoint_files import CheckpointError
+from offload.api.optimizer import HYPER_ALLOWED, hyperparameter
 from offload.dist import CollectiveError
 from offload.homes.optim import KINDS
 from offload.plan import Unit
@@ -201,27 +202,55 @@ def save_checkpoint(
     engine.check_readable("save_checkpoint")
     _check_keep_last(keep_last)
     extra = _to_json(extra)
+    group = _param_group(optimizer)
     buffers = _buffer_entries(model)
     name = files.checkpoint_name(engine.step_count)
     if engine.comm.world > 1:
-        return _save_ranks(Path(directory), name, engine, optimizer, keep_last, extra, buffers)
+        return _save_ranks(
+            Path(directory), name, engine, optimizer, keep_last, extra, group, buffers
+        )
     with files.CheckpointWriter(Path(directory), name) as out:
         for unit in engine.units:
             out.add_file(_unit_file(unit), _unit_entries(engine, unit))
         if buffers:
             out.add_file(_buffers_file(), buffers)
-        return out.commit(_meta(engine, optimizer, extra), keep_last)
+        return out.commit(_meta(engine, optimizer, extra, group), keep_last)
 
 
-def _meta(engine, optimizer, extra: dict) -> dict:
-    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+def _param_group(optimizer) -> dict:
+    """The optimizer's hyperparameters as ``meta.json`` holds them, checked before anything is
+    written: what the update cannot take is refused (``optimizer.hyperparameter``), a
+    one-element tensor (torch's optimizers take a tensor lr) is saved as its number, and a
+    value JSON cannot hold, or a non-finite number (a load refuses it), is refused."""
+    where = "save_checkpoint: optimizer.param_groups[0]"
+    out = {}
+    for key, value in optimizer.param_groups[0].items():
+        if key == "params":
+            continue
+        if key in HYPER_ALLOWED:
+            hyperparameter(optimizer.param_groups[0], key, where)
+        items = list(value) if isinstance(value, (tuple, list)) else [value]
+        items = [x.item() if isinstance(x, torch.Tensor) and x.numel() == 1 else x for x in items]
+        out[key] = items if isinstance(value, (tuple, list)) else items[0]
+        try:
+            json.dumps(out[key], allow_nan=False)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{where}[{key!r}]: got {value!r}; allowed: a finite number, a string, a bool, "
+                "None or a list of them (what a checkpoint's meta.json holds); nothing was "
+                "written"
+            ) from None
+    return out
+
+
+def _meta(engine, optimizer, extra: dict, group: dict) -> dict:
     return {
         "dtype": str(engine.dtype).removeprefix("torch."),
         "world": engine.comm.world,
         "step_count": engine.step_count,
         "skipped_steps": optimizer.skipped_steps,
         "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None,
-        "param_group": {k: list(v) if isinstance(v, tuple) else v for k, v in group.items()},
+        "param_group": group,
         "units": [_unit_meta(u) for u in engine.units],
         "extra": extra,
     }
@@ -247,7 +276,14 @@ def _agree(comm, error: BaseException | None, what: str, payload=None, cls=Runti
 
 
 def _save_ranks(
-    root: Path, name: str, engine, optimizer, keep_last: int, extra: dict, buffers: list
+    root: Path,
+    name: str,
+    engine,
+    optimizer,
+    keep_last: int,
+    extra: dict,
+    group: dict,
+    buffers: list,
 ) -> Path:
     """The collective save (module Note on ranks): rank 0 owns the directory and commits once
     every rank's files are durable."""
@@ -279,7 +315,7 @@ def _save_ranks(
         if owner:
             writer.files = {n: files.FileRecord.from_json(r) for rs in every for n, r in rs.items()}
             try:
-                final = writer.commit(_meta(engine, optimizer, extra), keep_last)
+                final = writer.commit(_meta(engine, optimizer, extra, group), keep_last)
             except Exception as exc:  # noqa: BLE001
                 error = exc
         _agree(comm, error, "save_checkpoint (commit)")

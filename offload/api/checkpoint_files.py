@@ -808,6 +808,8 @@ def _hyper(path: Path, key: str, saved, now):
     """A saved hyperparameter, checked against the kind of value the group holds now (any
     JSON scalar, or a list of numbers, for a key the group does not have)."""
     what = f"'param_group'.'{key}'"
+    if isinstance(now, torch.Tensor) and now.numel() == 1:  # a tensor lr: saved as its number
+        now = now.item()
     if isinstance(saved, list):
         if now is not None and not (isinstance(now, (tuple, list)) and len(now) == len(saved)):
             raise meta_error(path, f"{what} is {short_repr(saved)}, not like {now!r}")

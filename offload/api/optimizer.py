@@ -353,7 +353,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if extra.get("param_order") != _MODEL_ORDER:  # saved in the units' order
                 params = [p for u in engine.plan.units for p in u.trainable_params]
         loaded = {k: v for k, v in saved_group.items() if k != "params"}
-        for k in _HYPER_ALLOWED.keys() & loaded.keys():  # before anything changes
+        for k in HYPER_ALLOWED.keys() & loaded.keys():  # before anything changes
             hyperparameter(loaded, k, "load_state_dict: the saved param_groups[0]")
         values: dict[str, dict] = {k: {} for k in kinds}
         for i, p in zip(ids, params, strict=True):
@@ -417,7 +417,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
 # what the update takes of each hyperparameter (the config's optimizer section has the same
 # ranges, but lr may be 0: a schedule's end)
-_HYPER_ALLOWED = {
+HYPER_ALLOWED = {
     "lr": "a finite number >= 0 (a float or a one-element tensor)",
     "betas": "two numbers, each in [0, 1) (Adam's moment decay rates), e.g. (0.9, 0.999)",
     "eps": "a finite number > 0",
@@ -441,7 +441,7 @@ def hyperparameter(group: dict, key: str, where: str = "optimizer.param_groups[0
     except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several values
         ok = False
     if not ok:
-        raise ValueError(f"{where}[{key!r}]: got {value!r}; allowed: {_HYPER_ALLOWED[key]}")
+        raise ValueError(f"{where}[{key!r}]: got {value!r}; allowed: {HYPER_ALLOWED[key]}")
     return out
 
 

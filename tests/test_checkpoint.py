@@ -196,6 +196,33 @@ def test_the_param_group_is_checked_before_writing_and_a_tensor_lr_saves(tmp_pat
         opt.close()
 
 
+def test_paths_that_cannot_hold_the_result_are_refused_before_writing(tmp_path, monkeypatch):
+    """``export`` onto a directory streamed the whole model into a temp file, then failed
+    renaming it ("Is a directory: '.adir.tmp' -> 'adir'"); into a missing directory it named
+    only its temp file; ``save_checkpoint`` onto a file said "File exists". Each is now
+    refused naming the path and what it must be, before anything is read or written."""
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "w"))
+    gathered = []
+    real = offload.api.checkpoint.UnitValues.of
+    monkeypatch.setattr(
+        offload.api.checkpoint.UnitValues, "of", lambda *a: gathered.append(1) or real(*a)
+    )
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("mine")
+    try:
+        with pytest.raises(IsADirectoryError, match=r"is a directory; export writes one file"):
+            offload.export(model, tmp_path / "adir")
+        with pytest.raises(FileNotFoundError, match=r"nope/model\.safetensors' does not exist"):
+            offload.export(model, tmp_path / "nope" / "model.safetensors")
+        assert not gathered
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"]
+        with pytest.raises(NotADirectoryError, match=r"not a directory: a checkpoint goes.*afile'"):
+            offload.save_checkpoint(tmp_path / "afile", model, opt)
+        assert (tmp_path / "afile").read_text() == "mine"
+    finally:
+        opt.close()
+
+
 def test_a_bad_keep_last_is_refused_before_writing(tmp_path):
     """``keep_last`` 0, -1 and True were taken (as 1), 2.5 kept an extra checkpoint, and "2"
     or None raised a bare TypeError after the checkpoint had been committed, with the temp

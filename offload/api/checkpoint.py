@@ -44,6 +44,7 @@ Note: a load changes everything or nothing
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -680,6 +681,25 @@ def written_by_rank0(engine, what: str, write) -> None:
         _agree(comm, error, what)
 
 
+def _check_file_path(path: Path) -> None:
+    """``path`` can take export's file (checked before anything is gathered or written: the
+    rename at the end failed on a directory, after the whole model had streamed out)."""
+    if path.is_dir():
+        raise IsADirectoryError(
+            errno.EISDIR,
+            "is a directory; export writes one file: give its path, e.g. "
+            f"'{path / 'model.safetensors'}' (nothing was written)",
+            str(path),
+        )
+    if not path.parent.is_dir():
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"the directory of '{path}' does not exist or is not a directory; create it first "
+            "(nothing was written)",
+            str(path.parent),
+        )
+
+
 def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Writes one consolidated safetensors file with every parameter (by its qualified name,
     tied ones under each name) and persistent buffer, usable without offload
@@ -697,6 +717,7 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
         names.setdefault(p, []).append(name)
 
     def write(values: UnitValues) -> None:
+        _check_file_path(path)
         entries = []
         for unit in engine.units:
             for seg in unit.layout.segments:

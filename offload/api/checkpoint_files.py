@@ -244,6 +244,13 @@ class CheckpointWriter:
         self.root, self.name, self.owner = root, name, owner
         self.tmp = root / f".{name}.tmp"
         if owner:
+            if root.exists() and not root.is_dir():  # mkdir said only "File exists"
+                raise NotADirectoryError(
+                    errno.ENOTDIR,
+                    "is not a directory: a checkpoint goes into a directory (created if "
+                    "missing), beside the others saved there; nothing was written",
+                    str(root),
+                )
             root.mkdir(parents=True, exist_ok=True)
             self.tmp.mkdir()
         elif not self.tmp.is_dir():

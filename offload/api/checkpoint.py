@@ -4,12 +4,12 @@ Note: format and atomicity
     A checkpoint directory holds one ``unit_NNNNN.safetensors`` per unit (flat fp32 ``master``,
     ``exp_avg``, ``exp_avg_sq`` over the trainable prefix, and the ``frozen`` compute params),
     ``buffers.safetensors`` (the persistent buffers, :func:`_buffers_file`) and ``meta.json``
-    (layout, step counters, loss scale, hyperparameters, the caller's extra JSON, and every
-    file's size and SHA-256). No pickle anywhere. Tensors are streamed piece by
-    piece from wherever they live (NVMe-resident state is never pulled whole into RAM). The
-    files, checksums, the commit (temp directory, fsync, rename, ``latest`` pointer) and the
-    verifying reader live in :mod:`offload.api.checkpoint_files`; this module only knows which
-    state goes where, and reads and writes it through the runtime's values
+    (layout, step counters, loss scale, hyperparameters, the undecayed parameters' names, the
+    caller's extra JSON, and every file's size and SHA-256). No pickle anywhere. Tensors are
+    streamed piece by piece from wherever they live (NVMe-resident state is never pulled whole
+    into RAM). The files, checksums, the commit (temp directory, fsync, rename, ``latest``
+    pointer) and the verifying reader live in :mod:`offload.api.checkpoint_files`; this module
+    only knows which state goes where, and reads and writes it through the runtime's values
     (``offload.runtime.values``: each unit's file is a value source on load).
 
 Note: many ranks, and another world size
@@ -253,8 +253,34 @@ def _meta(engine, optimizer, extra: dict, group: dict) -> dict:
         "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None,
         "param_group": group,
         "units": [_unit_meta(u) for u in engine.units],
+        "no_decay": [
+            s.name
+            for u in engine.units
+            for s in u.layout.segments
+            if s.trainable and s.param in engine.no_decay.params
+        ],
         "extra": extra,
     }
+
+
+def _saved_no_decay(path: Path, meta: dict, engine) -> frozenset | None:
+    """The parameters the checkpoint's weight decay left alone (``optimizer.set_no_decay`` or
+    the config's ``optimizer.no_decay``), by name; None for a checkpoint written before they
+    were kept (its load leaves the optimizer's set as it is)."""
+    names = meta.get("no_decay")
+    if names is None:
+        return None
+    trainable = {s.name: s.param for u in engine.units for s in u.layout.segments if s.trainable}
+    if not isinstance(names, list):
+        raise files.meta_error(path, f"'no_decay' is {files.short_repr(names)}, not a list")
+    for name in names:
+        if not isinstance(name, str) or name not in trainable:
+            raise files.meta_error(
+                path,
+                f"'no_decay' names {files.short_repr(name)}, which is no trainable parameter "
+                "of the model",
+            )
+    return frozenset(trainable[n] for n in names)
 
 
 def _agree(comm, error: BaseException | None, what: str, payload=None, cls=RuntimeError) -> list:
@@ -355,6 +381,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -
         counters = files.check_counters(
             ckpt, optimizer.param_groups[0], loss_scale=optimizer.scaler is not None
         )
+        counters["no_decay"] = _saved_no_decay(ckpt.path, ckpt.meta, engine)
         for run in engine.runs:  # (3)
             try:
                 _apply_unit(ckpt, engine, run)
@@ -377,7 +404,9 @@ def _apply_counters(engine, optimizer, counters: dict) -> dict:
         optimizer.scaler.load_state_dict(counters["loss_scaler"])
     optimizer.param_groups[0].update(counters["param_group"])
     engine.zero_grad()
-    engine.state_restored()
+    engine.state_restored()  # (a failed update's mixed state is replaced: set_no_decay may run)
+    if counters["no_decay"] is not None:
+        engine.set_no_decay(counters["no_decay"], "load_checkpoint")
     return counters["extra"]
 
 
@@ -588,6 +617,7 @@ def _load_ranks(root: Path, engine, optimizer) -> dict:
         counters = files.check_counters(
             ckpt, optimizer.param_groups[0], loss_scale=optimizer.scaler is not None
         )
+        counters["no_decay"] = _saved_no_decay(path, meta, engine)
     except Exception as exc:  # noqa: BLE001 - every rank hears of it before anything changes
         error = exc
     try:

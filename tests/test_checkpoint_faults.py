@@ -341,6 +341,7 @@ def test_intact_copy_loads_and_the_snapshot_sees_it(world, tmp_path):
         "param_order": "model.parameters",
         "step_count": 2,
         "skipped_steps": 0,
+        "no_decay": [],
     }
     assert after["opt_groups"] == expected["opt_groups"]
 

@@ -148,6 +148,37 @@ def test_set_no_decay_between_steps_matches_torch(tmp_path):
         torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_the_undecayed_set_goes_with_the_optimizer_state_dict(tmp_path):
+    """``optimizer.state_dict()`` left the set out: a wrap that loaded it decayed every
+    parameter (torch's own state dict carries its groups). Now it goes with the state dict
+    (through ``torch.save``) and comes back on load, one saved without it leaving the set."""
+    cfg = placement_config("none", "cpu", tmp_path)
+    model, opt = offload.wrap(make_model(), cfg)
+    try:
+        opt.set_no_decay(p for n, p in model.named_parameters() if _undecayed(n))
+        lm_loss(model, batches(1)[0]).backward()
+        opt.step()
+        opt.zero_grad()
+        sd = opt.state_dict()
+        want = {n for n, p in model.named_parameters() if p in opt.no_decay}
+    finally:
+        opt.close()
+    torch.save(sd, tmp_path / "opt.pt")
+    model, opt = offload.wrap(make_model(), cfg)
+    try:
+        opt.load_state_dict(torch.load(tmp_path / "opt.pt"))
+        assert want and {n for n, p in model.named_parameters() if p in opt.no_decay} == want
+        del sd["offload"]["no_decay"]  # one saved before the set went with it
+        opt.set_no_decay([])
+        opt.load_state_dict(sd)
+        assert not opt.no_decay
+        sd["offload"]["no_decay"] = [10**6]
+        with pytest.raises(ValueError, match=r"'no_decay' holds 1000000.*indices"):
+            opt.load_state_dict(sd)
+    finally:
+        opt.close()
+
+
 def test_bad_no_decay_is_refused_by_name(tmp_path):
     cfg = placement_config("none", "cpu", tmp_path)
     cfg["optimizer"]["no_decay"] = ["bias", "nrom"]  # misspelt: would decay the norms

@@ -321,6 +321,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             "param_order": _MODEL_ORDER,
             "step_count": engine.step_count,
             "skipped_steps": self.skipped_steps,
+            # the undecayed parameters (torch's would be a second group with weight_decay 0)
+            "no_decay": sorted(i for p, i in index.items() if p in engine.no_decay.params),
         }
         if self.scaler is not None:
             extra["loss_scaler"] = self.scaler.state_dict()
@@ -355,6 +357,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         loaded = {k: v for k, v in saved_group.items() if k != "params"}
         for k in HYPER_ALLOWED.keys() & loaded.keys():  # before anything changes
             hyperparameter(loaded, k, "load_state_dict: the saved param_groups[0]")
+        no_decay = self._saved_no_decay(extra, ids, params)
         values: dict[str, dict] = {k: {} for k in kinds}
         for i, p in zip(ids, params, strict=True):
             entry = state.get(i, state.get(str(i)))
@@ -383,7 +386,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         if self.scaler is not None and "loss_scaler" in extra:
             self.scaler.load_state_dict(extra["loss_scaler"])
-        engine.state_restored()
+        engine.state_restored()  # (a failed update's mixed state is replaced: set_no_decay may run)
+        if no_decay is not None:
+            engine.set_no_decay(no_decay, "optimizer.load_state_dict()")
+
+    @staticmethod
+    def _saved_no_decay(extra: dict | None, ids: list, params: list) -> frozenset | None:
+        """The parameters a state dict of :meth:`state_dict` leaves undecayed; None for a torch
+        one or one saved before it held them (the load leaves the set as it is)."""
+        saved = None if extra is None else extra.get("no_decay")
+        if saved is None:
+            return None
+        param_of = dict(zip(ids, params, strict=True))
+        listed = isinstance(saved, (list, tuple))
+        bad = [i for i in saved if type(i) is not int or i not in param_of] if listed else []
+        if not listed or bad:
+            raise ValueError(
+                f"load_state_dict: 'offload'.'no_decay' holds {bad[0] if bad else saved!r}; "
+                "allowed: a list of the state dict's parameter indices (those weight decay "
+                "leaves alone)"
+            )
+        return frozenset(param_of[i] for i in saved)
 
     def _check_torch(self, group: dict, state: dict) -> int:
         """A ``torch.optim.Adam`` / ``AdamW`` state dict's step (one for all parameters, as

@@ -251,6 +251,23 @@ def test_the_undecayed_set_is_saved_and_resumed(tmp_path):
         opt.close()
 
 
+def test_an_export_dtype_that_is_not_floating_is_refused(tmp_path):
+    """``export(dtype=torch.int8)`` (or int64) wrote every weight truncated to an integer
+    without a word, ``save_pretrained`` too; ``dtype="bf16"`` and None failed with
+    "'str' object has no attribute 'itemsize'"; complex64 with a bare KeyError."""
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "w"))
+    try:
+        for bad in (torch.int8, torch.int64, torch.bool, torch.complex64, "bf16", None):
+            with pytest.raises(ValueError, match=rf"export: dtype={bad!r}; allowed: torch\.float"):
+                offload.export(model, tmp_path / "model.safetensors", dtype=bad)
+        with pytest.raises(ValueError, match=r"save_pretrained: dtype=torch\.int8; allowed: None"):
+            offload.save_pretrained(model, tmp_path / "hf", dtype=torch.int8)
+        assert sorted(p.name for p in tmp_path.iterdir()) == []
+        offload.export(model, tmp_path / "model.safetensors", dtype=torch.float16)
+    finally:
+        opt.close()
+
+
 def test_a_bad_keep_last_is_refused_before_writing(tmp_path):
     """``keep_last`` 0, -1 and True were taken (as 1), 2.5 kept an extra checkpoint, and "2"
     or None raised a bare TypeError after the checkpoint had been committed, with the temp

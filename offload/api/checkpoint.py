@@ -59,7 +59,7 @@ from offload.api.optimizer import HYPER_ALLOWED, hyperparameter
 from offload.dist import CollectiveError
 from offload.homes.optim import KINDS
 from offload.plan import Unit
-from offload.runtime.safetensors import write_file
+from offload.runtime.safetensors import NAMES, write_file
 from offload.runtime.values import FROZEN, ValueSource
 
 __all__ = ["CheckpointError", "export", "load_checkpoint", "save_checkpoint"]
@@ -711,6 +711,17 @@ def written_by_rank0(engine, what: str, write) -> None:
         _agree(comm, error, what)
 
 
+def check_float_dtype(what: str, dtype, none: str = "") -> None:
+    """``dtype`` is a floating dtype a safetensors file holds (or None where ``none`` says what
+    it means): an integer one wrote every weight truncated without a word, a string failed
+    with "'str' object has no attribute 'itemsize'"."""
+    floating = [d for d in NAMES if d.is_floating_point]
+    if (dtype is None and none) or (isinstance(dtype, torch.dtype) and dtype in floating):
+        return
+    allowed = ([f"None ({none})"] if none else []) + [str(d) for d in floating]
+    raise ValueError(f"{what}: dtype={dtype!r}; allowed: {', '.join(allowed)}")
+
+
 def _check_file_path(path: Path) -> None:
     """``path`` can take export's file (checked before anything is gathered or written: the
     rename at the end failed on a directory, after the whole model had streamed out)."""
@@ -741,6 +752,7 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
     once it is in place, or raises if rank 0 failed."""
     engine = _engine(model)
     engine.check_readable("export")
+    check_float_dtype("export", dtype)
     path = Path(path)
     names: dict[nn.Parameter, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -62,10 +62,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from offload.api.checkpoint import UnitValues, written_by_rank0
+from offload.api.checkpoint import UnitValues, check_float_dtype, written_by_rank0
 from offload.config import parse_size
 from offload.plan import Segment, Unit
-from offload.runtime.safetensors import NAMES, Entry, fsync_dir, write_file
+from offload.runtime.safetensors import Entry, fsync_dir, write_file
 from offload.runtime.values import FROZEN, Values
 from offload.runtime.weights import INDEX, SINGLE
 
@@ -251,8 +251,7 @@ def save_pretrained(
     :func:`from_pretrained`. Returns ``directory``."""
     from offload.api.wrap import engine_of  # noqa: PLC0415
 
-    if dtype is not None and dtype not in NAMES:
-        raise ValueError(f"save_pretrained: dtype={dtype!r}; allowed: {', '.join(map(str, NAMES))}")
+    check_float_dtype("save_pretrained", dtype, none="each parameter's dtype before wrap")
     engine = engine_of(model)
     engine.check_readable("save_pretrained")
     directory = Path(directory)

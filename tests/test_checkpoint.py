@@ -268,6 +268,29 @@ def test_an_export_dtype_that_is_not_floating_is_refused(tmp_path):
         opt.close()
 
 
+def test_an_optimizer_that_is_not_the_model_s_is_refused(tmp_path):
+    """Another wrapped model's optimizer was taken: a save recorded its hyperparameters and
+    loss scale with this model's state, a load set them on it and left the model's own
+    optimizer as it was; a torch optimizer failed with "'SGD' object has no attribute
+    'skipped_steps'". Now both are refused, naming the optimizer, before anything changes."""
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "a"))
+    other, other_opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "b"))
+    try:
+        offload.save_checkpoint(tmp_path / "ck", model, opt)
+        other_opt.param_groups[0]["lr"] = 0.5
+        sgd = torch.optim.SGD(make_model().parameters(), lr=1.0)
+        for wrong in (other_opt, sgd):
+            name = type(wrong).__name__
+            with pytest.raises(ValueError, match=rf"save_checkpoint: the optimizer \({name}\)"):
+                offload.save_checkpoint(tmp_path / "ck2", model, wrong)
+            with pytest.raises(ValueError, match=rf"load_checkpoint: the optimizer \({name}\)"):
+                offload.load_checkpoint(tmp_path / "ck", model, wrong)
+        assert not (tmp_path / "ck2").exists() and other_opt.param_groups[0]["lr"] == 0.5
+    finally:
+        opt.close()
+        other_opt.close()
+
+
 def test_a_bad_keep_last_is_refused_before_writing(tmp_path):
     """``keep_last`` 0, -1 and True were taken (as 1), 2.5 kept an extra checkpoint, and "2"
     or None raised a bare TypeError after the checkpoint had been committed, with the temp

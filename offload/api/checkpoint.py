@@ -91,6 +91,22 @@ def _engine(model: nn.Module):
     return engine_of(model)
 
 
+def _optimizer_of(engine, optimizer, what: str):
+    """The optimizer ``offload.wrap`` returned with the model, also through a wrapper that
+    holds it as ``.optimizer`` (accelerate's); another model's was taken (its hyperparameters
+    and loss scale saved, or loaded into it, with this model's state)."""
+    given = optimizer
+    while getattr(optimizer, "_engine", None) is not engine and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    if getattr(optimizer, "_engine", None) is not engine:
+        raise ValueError(
+            f"{what}: the optimizer ({type(given).__name__}) is not the one offload.wrap "
+            "returned with this model; pass that one (model, optimizer = offload.wrap(...)); "
+            "nothing was changed"
+        )
+    return optimizer
+
+
 def _to_json(extra: dict) -> dict:
     """``extra`` as the JSON ``meta.json`` holds (tuples, non-string keys and Counters kept:
     ``checkpoint_files.encode_extra``)."""
@@ -201,6 +217,7 @@ def save_checkpoint(
     checkpoint's own directory. ``extra`` (JSON-serializable) comes back from load_checkpoint."""
     engine = _engine(model)
     engine.check_readable("save_checkpoint")
+    optimizer = _optimizer_of(engine, optimizer, "save_checkpoint")
     _check_keep_last(keep_last)
     extra = _to_json(extra)
     group = _param_group(optimizer)
@@ -367,6 +384,7 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -
     a bad checkpoint raises :class:`CheckpointError` and leaves the model as it was."""
     engine = _engine(model)
     engine.check_idle("load_checkpoint", restoring=True)
+    optimizer = _optimizer_of(engine, optimizer, "load_checkpoint")
     if engine.comm.world > 1:
         return _load_ranks(Path(directory), engine, optimizer)
     path = files.resolve(Path(directory))

@@ -199,8 +199,9 @@ def test_the_param_group_is_checked_before_writing_and_a_tensor_lr_saves(tmp_pat
 def test_paths_that_cannot_hold_the_result_are_refused_before_writing(tmp_path, monkeypatch):
     """``export`` onto a directory streamed the whole model into a temp file, then failed
     renaming it ("Is a directory: '.adir.tmp' -> 'adir'"); into a missing directory it named
-    only its temp file; ``save_checkpoint`` onto a file said "File exists". Each is now
-    refused naming the path and what it must be, before anything is read or written."""
+    only its temp file; ``save_checkpoint`` onto a file said "File exists", and
+    ``save_pretrained`` streamed every shard first. Each is now refused naming the path and
+    what it must be, before anything is read or written."""
     model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "w"))
     gathered = []
     real = offload.api.checkpoint.UnitValues.of
@@ -218,7 +219,9 @@ def test_paths_that_cannot_hold_the_result_are_refused_before_writing(tmp_path, 
         assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"]
         with pytest.raises(NotADirectoryError, match=r"not a directory: a checkpoint goes.*afile'"):
             offload.save_checkpoint(tmp_path / "afile", model, opt)
-        assert (tmp_path / "afile").read_text() == "mine"
+        with pytest.raises(NotADirectoryError, match=r"not a directory: save_pretrained.*afile'"):
+            offload.save_pretrained(model, tmp_path / "afile")
+        assert not gathered and (tmp_path / "afile").read_text() == "mine"
     finally:
         opt.close()
 

@@ -257,6 +257,13 @@ def save_pretrained(
     directory = Path(directory)
 
     def write(values: UnitValues) -> None:
+        if directory.exists() and not directory.is_dir():  # found after every shard was written
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                "is not a directory: save_pretrained writes a directory (created if missing); "
+                "nothing was written",
+                str(directory),
+            )
         # one rank streams each tensor piece by piece; with several each holds a share, so
         # whole units are gathered (rank 0 writes, as export does)
         whole = values if engine.comm.world > 1 else None

@@ -126,6 +126,13 @@ def test_extra_must_be_json(tmp_path):
     model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path))
     with pytest.raises(TypeError, match="JSON-serializable"):
         offload.save_checkpoint(tmp_path / "ck", model, opt, bad=object())
+    # the error named the type but not the value: which of a dozen? (a cycle: RecursionError)
+    cycle: list = []
+    cycle.append(cycle)
+    for key, value in (("rng", torch.get_rng_state()), ("loop", {"x": cycle})):
+        with pytest.raises(TypeError, match=rf"extra value '{key}' is not JSON-serializable"):
+            offload.save_checkpoint(tmp_path / "ck", model, opt, step=3, **{key: value})
+    assert not (tmp_path / "ck").exists()
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         offload.load_checkpoint(tmp_path / "nothing", model, opt)
     opt.close()

@@ -110,15 +110,16 @@ def _optimizer_of(engine, optimizer, what: str):
 def _to_json(extra: dict) -> dict:
     """``extra`` as the JSON ``meta.json`` holds (tuples, non-string keys and Counters kept:
     ``checkpoint_files.encode_extra``)."""
-    try:
-        encoded = files.encode_extra(extra)
-        json.dumps(encoded)
-    except TypeError as exc:
-        raise TypeError(
-            f"save_checkpoint: extra values must be JSON-serializable (numbers, strings, lists, "
-            f"dicts), e.g. scheduler=sched.state_dict(); got {exc}"
-        ) from None
-    return encoded
+    for key, value in extra.items():  # each, so that the error names the one that is not
+        try:
+            json.dumps(files.encode_extra(value))
+        except (TypeError, ValueError, RecursionError) as exc:  # (a cycle: RecursionError)
+            raise TypeError(
+                f"save_checkpoint: extra value {key!r} is not JSON-serializable ({exc}); "
+                "allowed: numbers, strings, bools, None, and lists, tuples and dicts of them, "
+                "e.g. scheduler=sched.state_dict() (a tensor: .tolist())"
+            ) from None
+    return files.encode_extra(extra)
 
 
 def _check_keep_last(keep_last) -> None:

@@ -340,10 +340,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         params = self.param_groups[0]["params"]
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != 1 or len(saved_groups[0]["params"]) != len(params):
+            several = (
+                "; a state dict of several groups (torch's decay and no-decay groups) does not "
+                "load: its indices cannot be matched to the parameters (merge its groups into "
+                "one in model.parameters() order, and leave the undecayed ones alone with "
+                "optimizer.set_no_decay)"
+                if len(saved_groups) > 1
+                else ""
+            )
             raise ValueError(
                 "load_state_dict: the saved optimizer has "
                 f"{sum(len(g['params']) for g in saved_groups)} parameters in "
-                f"{len(saved_groups)} group(s); this one has {len(params)} in 1"
+                f"{len(saved_groups)} group(s); this one has {len(params)} in 1 (the model's "
+                f"trainable parameters in model.parameters() order){several}"
             )
         saved_group, extra = saved_groups[0], state_dict.get("offload")
         ids = saved_group["params"]

@@ -112,6 +112,22 @@ def test_keep_last_prunes_only_checkpoints_and_the_oldest_written(tmp_path):
     assert (mine / "weights.pt").read_text() == "not offload's"
 
 
+def test_a_latest_pointer_of_another_tool_is_not_replaced(tmp_path):
+    """A DeepSpeed output directory holds its own ``latest`` ("global_step100"): a save there
+    replaced it, and DeepSpeed's load of the directory no longer found its checkpoint. Now
+    the save is refused before writing, naming the pointer; offload's own pointer (also one
+    naming a checkpoint since removed) is replaced as before."""
+    (tmp_path / "global_step100").mkdir()
+    (tmp_path / "global_step100" / "mp_rank_00_model_states.pt").write_bytes(b"deepspeed")
+    (tmp_path / "latest").write_text("global_step100")
+    with pytest.raises(FileExistsError, match=r"latest' names 'global_step100'.*not an offload"):
+        _save(tmp_path, "ckpt-00000001-10", 10)
+    assert (tmp_path / "latest").read_text() == "global_step100"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step100", "latest"]
+    (tmp_path / "latest").write_text("ckpt-00000000-5\n")  # a checkpoint since removed
+    assert cf.resolve(_save(tmp_path, "ckpt-00000001-10", 10)) == tmp_path / "ckpt-00000001-10"
+
+
 def test_a_failed_write_leaves_no_temp_directory(tmp_path):
     def broken():
         yield torch.zeros(4)

@@ -224,6 +224,31 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _check_pointer(pointer: Path) -> None:
+    """``pointer`` (``root/latest``) is absent or offload's, which the commit replaces: one
+    that names a directory without ``meta.json`` under another naming (DeepSpeed's "latest"
+    holds its tag, "global_step100") is another tool's, and replacing it loses that tool's
+    way to its checkpoint."""
+    if not pointer.is_file():
+        return
+    try:
+        with open(pointer, "rb") as f:
+            name = f.read(4096).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        name = None
+    ours = name is not None and (
+        _CKPT_NAME.fullmatch(name) is not None
+        or (_FILE_NAME.fullmatch(name) is not None and (pointer.parent / name / META).is_file())
+    )
+    if not ours:
+        raise FileExistsError(
+            errno.EEXIST,
+            f"'{pointer}' names {short_repr(name)}, which is not an offload checkpoint (another "
+            "tool's pointer, DeepSpeed's say); save into another directory (nothing was "
+            "written)",
+        )
+
+
 def checkpoint_name(step: int) -> str:
     """A new checkpoint's directory name: its step and when it is written (ns since the
     epoch), by which ``keep_last`` orders a directory's checkpoints."""
@@ -251,6 +276,7 @@ class CheckpointWriter:
                     "missing), beside the others saved there; nothing was written",
                     str(root),
                 )
+            _check_pointer(root / LATEST)
             root.mkdir(parents=True, exist_ok=True)
             self.tmp.mkdir()
         elif not self.tmp.is_dir():

@@ -360,5 +360,5 @@ def test_the_files_accumulation_holds_when_written_as_a_float(tmp_path, text):
     cfg_file = tmp_path / "cfg.yaml"
     cfg_file.write_text(CPU + text)
     opts = Options(model="m", data="d", out=str(tmp_path / "out"), config=str(cfg_file))
-    cfg, opts, _ = offload_config(opts, tmp_path / "out")
+    cfg, opts, _, _ = offload_config(opts, tmp_path / "out")
     assert opts.accum == 4 and cfg["gradient_accumulation_steps"] == 4

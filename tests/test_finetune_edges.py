@@ -362,3 +362,33 @@ def test_the_files_accumulation_holds_when_written_as_a_float(tmp_path, text):
     opts = Options(model="m", data="d", out=str(tmp_path / "out"), config=str(cfg_file))
     cfg, opts, _, _ = offload_config(opts, tmp_path / "out")
     assert opts.accum == 4 and cfg["gradient_accumulation_steps"] == 4
+
+
+def test_swap_files_of_the_user_and_a_failed_run_s_out_are_handled(setup, capsys):
+    """With an NVMe section that names no nvme_path the run swaps in OUT/swap and removed it at
+    the end with ``rmtree``, whatever it held (a user's notes there too). Now only its empty
+    folders go (its stores removed their files); and a run that fails before writing anything
+    (here its data has no sequence) leaves no OUT it made, where OUT/swap stayed."""
+    t = setup
+    (t / "nvme.yaml").write_text(
+        CPU + "offload_param: {device: nvme, buffer_count: 4, buffer_size: 16KiB}\n"
+        "offload_optimizer: {device: nvme, buffer_count: 8, buffer_size: 16KiB}\n"
+    )
+
+    def args(out, data="data.jsonl"):
+        a = _args(t, t / out)
+        a[a.index(str(t / "cfg.yaml"))] = str(t / "nvme.yaml")
+        a[a.index(str(t / "data.jsonl"))] = str(t / data)
+        return a
+
+    assert main(args("a")) == 0
+    assert not (t / "a" / "swap").exists() and (t / "a" / "hf").is_dir()
+    (t / "b" / "swap").mkdir(parents=True)
+    (t / "b" / "swap" / "notes.txt").write_text("mine")
+    assert main(args("b")) == 0
+    assert (t / "b" / "swap" / "notes.txt").read_text() == "mine"
+    assert [p.name for p in (t / "b" / "swap").iterdir()] == ["notes.txt"]
+    (t / "empty.jsonl").write_text("")
+    capsys.readouterr()
+    assert main(args("c", "empty.jsonl")) == 2
+    assert "--data" in capsys.readouterr().err and not (t / "c").exists()

@@ -42,7 +42,6 @@ import contextlib
 import copy
 import dataclasses
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -123,6 +122,8 @@ def offload_config(opts: Options, out: Path) -> tuple[dict, Options, bool, bool]
     try:
         cfg = load_config(raw).to_dict()
     except ConfigError as exc:
+        if swap:
+            _remove_swap(out / "swap")
         raise exc.with_source(opts.config) if opts.config else exc from None
     lr = _flag_or_file(opts.lr, "--lr", _lr_in_file(raw, deepspeed), "optimizer.lr", opts.config)
     accum = raw.get("gradient_accumulation_steps") if isinstance(raw, dict) else None
@@ -294,18 +295,25 @@ def finetune(opts: Options, on_step=None) -> int:
     _check_positions(Path(opts.model), opts.seq_len)
     _check_out(out, ckpt_dir, opts.resume)
     lr_flag = opts.lr  # (a resume takes it over the checkpoint's; None: not given)
-    cfg, opts, swap, no_decay_given = offload_config(opts, out)
-    rank, world, joined = join_group(cfg["device"])
+    made = not out.exists()
+    swap = joined = False
     try:
-        return _run(opts, out, ckpt_dir, cfg, swap, no_decay_given, lr_flag, rank, world, on_step)
+        cfg, opts, swap, no_decay_given = offload_config(opts, out)
+        rank, world, joined = join_group(cfg["device"])
+        return _run(opts, out, ckpt_dir, cfg, no_decay_given, lr_flag, rank, world, on_step)
     finally:
         if joined:
             import torch.distributed as dist  # noqa: PLC0415
 
             dist.destroy_process_group()
+        if swap:  # OUT/swap is the run's only when the config named no nvme_path
+            _remove_swap(out / "swap")
+        if made:  # a run that failed before writing anything leaves no OUT behind
+            with contextlib.suppress(OSError):
+                out.rmdir()
 
 
-def _run(opts, out, ckpt_dir, cfg, swap, no_decay_given, lr_flag, rank, world, on_step) -> int:
+def _run(opts, out, ckpt_dir, cfg, no_decay_given, lr_flag, rank, world, on_step) -> int:
     """:func:`finetune` once the config is resolved and this process is rank ``rank`` of
     ``world`` (Note: several ranks)."""
     import transformers  # noqa: PLC0415
@@ -536,20 +544,16 @@ def _run(opts, out, ckpt_dir, cfg, swap, no_decay_given, lr_flag, rank, world, o
         if writer is not None:
             writer.close()
         optimizer.close()
-        if swap:  # OUT/swap is the run's only when the config named no nvme_path
-            _remove_swap(out / "swap", rank, world)
 
 
-def _remove_swap(folder: Path, rank: int, world: int) -> None:
-    """``OUT/swap``, which the run made. With several ranks each has its own ``rank-NNNNN``
-    folder in it (``offload.api.wrap``), which the rank removes; the folder itself goes with
-    the last rank out (another's files may still be open: left to it)."""
-    if world == 1:
-        shutil.rmtree(folder, ignore_errors=True)
-        return
-    shutil.rmtree(folder / f"rank-{rank:05d}", ignore_errors=True)
-    with contextlib.suppress(OSError):  # another rank's folder is still in it
-        folder.rmdir()
+def _remove_swap(folder: Path) -> None:
+    """``OUT/swap``, where the run put its swap files (its stores removed them as they
+    closed): its folders that are empty now, bottom up (each rank's ``rank-NNNNN``, then it).
+    A file in it stays, and the folder with it: a user's own (it was removed with whatever it
+    held) or another rank's still open (the last rank out removes the folder)."""
+    for sub in sorted(folder.glob("**/"), key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):  # not empty
+            sub.rmdir()
 
 
 def _all_summed(value: float) -> float:

@@ -201,6 +201,50 @@ def test_frozen_layers_inside_units_pass_their_gradient_on(tmp_path, param_dev, 
         opt.close()
 
 
+def _inputs_require_grad(module, args, out):
+    """transformers' ``enable_input_require_grads``: a frozen embedding's output needs a
+    gradient, or a reentrant checkpoint after it computes none."""
+    out.requires_grad_(True)
+
+
+@pytest.mark.parametrize(
+    "param_dev,opt_dev", [("none", "cpu"), ("cpu", "cpu"), ("nvme", "nvme"), ("cpu", "nvme")]
+)
+def test_adapters_only_inside_reentrant_checkpoints_train(tmp_path, param_dev, opt_dev):
+    """LoRA on a frozen model (embedding and head frozen) with every block under
+    ``checkpoint(use_reentrant=True)``: when the backward begins the graph reaches no trainable
+    parameter (the recomputations build it inside the backward), so it was taken for a backward
+    of the inputs alone: the gradients offload holds were dropped and ``step()`` raised "no
+    backward since the last step" on every placement. It now trains as torch."""
+    from engine_models import LoraLM
+
+    data = batches(6, seq=10)
+    steps, accum = 3, 2
+
+    def frozen_root_lora():
+        torch.manual_seed(0)
+        model = LoraLM(reentrant=True)
+        model.embed.requires_grad_(False)
+        model.head.requires_grad_(False)
+        model.embed.register_forward_hook(_inputs_require_grad)
+        return model
+
+    ref, ref_losses = reference_fp32(frozen_root_lora(), data, steps, accum, CLIP)
+    cfg = placement_config(param_dev, opt_dev, tmp_path)
+    cfg["wrap"] = {"module_classes": ["LoraBlock", "FrozenBlock"]}
+    if opt_dev == "nvme":  # (the step in backward)
+        cfg["gradient_accumulation_steps"] = accum
+    model, opt = offload.wrap(frozen_root_lora(), cfg)
+    try:
+        losses, _ = train_wrapped(model, opt, data, steps, accum, CLIP)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0
+        )
+        _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
+    finally:
+        opt.close()
+
+
 @dataclasses.dataclass
 class _BlockOut:
     hidden: torch.Tensor

@@ -477,20 +477,13 @@ class Runtime:
             self._check_trainable()
             self._check_no_create_graph()
             if not self._grad_free:
-                self._check_scaled()
-                self._check_zeroed()
-                self._check_no_clip()
-                self.grads.backward_begins()
-                self.schedule.backward_begins(self._step_hyper, self.backwards_since_step)
+                self._begin_step_backward()
         except PhaseError:
             self.grads.backward_failed()
             for run in self.runs:  # back to between steps: step() can still close the first
                 run.residency.end_of_pass(run)
             self.phase.to(Phase.IDLE)
             raise
-        if self.backwards_since_step == 0 and not self._grad_free:
-            for store in self._trace_starts.get("backward", ()):
-                store.begin_iteration()
         self.phase.to(Phase.BACKWARD)
         self._bwd_start = time.perf_counter()
         for run in self.runs:
@@ -499,6 +492,34 @@ class Runtime:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _begin_step_backward(self) -> None:
+        """The backward starting is one of the step's: its checks, then the gradients' owner
+        and the schedule hear of it (before it takes any gradient)."""
+        self._check_scaled()
+        self._check_zeroed()
+        self._check_no_clip()
+        self.grads.backward_begins()
+        self.schedule.backward_begins(self._step_hyper, self.backwards_since_step)
+        if self.backwards_since_step == 0:
+            for store in self._trace_starts.get("backward", ()):
+                store.begin_iteration()
+
+    def _grads_after_all(self) -> None:
+        """A gradient reached a trainable parameter in a backward taken at its start for one
+        that reaches none (:meth:`_reaches_trainable`): every trainable unit runs under
+        ``torch.utils.checkpoint(use_reentrant=True)`` (LoRA adapters in checkpointed layers
+        around a frozen root), whose recomputation builds the graph to their parameters only
+        inside the backward. Taken for grad-free, that backward dropped the gradients offload
+        holds and ``step()`` said "no backward since the last step". It becomes one of the
+        step's backwards here, before the first gradient is taken (the units it finished so
+        far hold no trainable parameter)."""
+        self._grad_free = False
+        try:
+            self._begin_step_backward()
+        except BaseException:
+            self._abort_backward()
+            raise
 
     def _reaches_trainable(self) -> bool:
         """Whether the backward starting now accumulates a trainable parameter's gradient.
@@ -640,6 +661,8 @@ class Runtime:
     def _grad_ready(self, run: UnitRun) -> None:
         if self.phase.phase is not Phase.BACKWARD:
             self._begin_backward()  # a backward that reached no unit output first
+        elif self._grad_free:
+            self._grads_after_all()
         self._check_one_backward(run)
         if run.grad_ready() and run.inputs_passed():
             self._countdown_done(run)

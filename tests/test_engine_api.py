@@ -1587,6 +1587,32 @@ def test_a_unit_checkpointed_reentrantly_twice(tmp_path, placement):
         opt.close()
 
 
+def test_a_module_replaced_after_wrap_is_refused_at_the_next_use(tmp_path):
+    """A layer replaced after wrap left offload holding parameters the model no longer has:
+    the new layer ran with its own values, untrained, and the old ones went on being updated
+    (``merge_and_unload``, tests/test_hf.py). Now the next forward, step, state dict and save
+    name the parameters; a checkpoint still saves the trained values."""
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
+    data = batches(2)
+    try:
+        lm_loss(model, data[0]).backward()
+        old = model.blocks[0].fc1
+        model.blocks[0].fc1 = nn.Linear(old.in_features, old.out_features)
+        gone = r"2 parameter\(s\) .* no longer in the model \(blocks\.0\.fc1\.weight"
+        for call in (
+            opt.step,
+            lambda: lm_loss(model, data[1]),
+            model.state_dict,
+            lambda: offload.export(model, tmp_path / "m.safetensors"),
+        ):
+            with pytest.raises(PhaseError, match=gone):
+                call()
+        opt.zero_grad()
+        offload.save_checkpoint(tmp_path / "ckpt", model, opt)
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize("change", ["freeze", "unfreeze"])
 def test_requires_grad_changed_after_wrap_is_refused_at_the_next_backward(tmp_path, change):
     """A parameter frozen after wrap was still updated where offload holds the gradients (its

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import offload  # noqa: E402
 from offload.api.clipping import ClipError  # noqa: E402
+from offload.runtime.phase import PhaseError  # noqa: E402
 from offload.runtime.weights import WeightsError  # noqa: E402
 
 STEPS, ACCUM, CLIP, LR, WD = 5, 2, 0.5, 1e-2, 0.1
@@ -814,3 +815,55 @@ def test_trainer_on_two_ranks_trains_as_one_process(tmp_path, param_dev, opt_dev
     done = run(ranks, "plain")
     assert done.returncode != 0
     assert "the Trainer runs 2 processes but the model was wrapped over 1 rank" in done.stderr
+
+
+def test_peft_merge_and_unload_is_refused_until_close_restore(tmp_path):
+    """``merge_and_unload`` reads and writes the LoRA and base weights themselves, which offload
+    releases between uses: it merged the released storage's zeros and replaced the LoRA layers,
+    so the merged model ran (and transformers' ``save_pretrained`` saved it) without the
+    adapters, 0.26 off, and ``offload.save_pretrained`` raised a bare ``KeyError``. Refused now
+    at the next use, the trained values still saved by a checkpoint; after
+    ``optimizer.close(restore=True)`` the merge is torch's."""
+    peft = pytest.importorskip("peft")
+
+    def lora_model():
+        torch.manual_seed(0)
+        lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        return peft.get_peft_model(AutoModelForCausalLM.from_config(hf_config()), lora)
+
+    def train(model, opt):
+        for x in _batches(2):
+            _loss(model, x).backward()
+            opt.step()
+            opt.zero_grad()
+
+    ref = lora_model()
+    train(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR))
+    want = ref.merge_and_unload().state_dict()
+    x = _batches(1)[0]
+    for close_first in (False, True):
+        model = lora_model()
+        cfg = nvme_config(tmp_path / str(close_first), "cpu", "cpu")
+        cfg["optimizer"]["weight_decay"] = 0.01  # (torch's AdamW default)
+        _, opt = offload.wrap(model.get_base_model(), cfg)
+        try:
+            train(model, opt)
+            if close_first:
+                opt.close(restore=True)
+                merged = model.merge_and_unload()
+                for k, v in merged.state_dict().items():
+                    torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=k)
+                continue
+            merged = model.merge_and_unload()
+            refused = r"no longer in the model .*merge_and_unload.*close\(restore=True\)"
+            with pytest.raises(PhaseError, match=refused):
+                merged(input_ids=x)
+            with pytest.raises(PhaseError, match=refused):
+                merged.state_dict()
+            with pytest.raises(PhaseError, match=refused):
+                offload.save_pretrained(merged, tmp_path / "merged")
+            with pytest.raises(PhaseError, match=refused):
+                opt.step()
+            offload.save_checkpoint(tmp_path / "ckpt", merged, opt)  # (the trained values)
+        finally:
+            opt.close()

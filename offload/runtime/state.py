@@ -298,6 +298,7 @@ class Runtime:
         self._settle_backward()
         if self.phase.phase is Phase.BACKWARD:
             return None  # recomputation of the whole model (unusual) keeps everything gathered
+        self.check_in_model("a forward of the model")
         # if it raises, _root_forward_failed drops it (with the micro-step, when no earlier
         # forward's outputs are held)
         if self.phase.phase is Phase.IDLE:
@@ -820,6 +821,7 @@ class Runtime:
 
     def check_can_step(self) -> None:
         self._check_open()
+        self.check_in_model("optimizer.step()")
         self._settle_backward()
         self._settle_forward()
         self._check_consistent("optimizer.step()")
@@ -981,6 +983,7 @@ class Runtime:
         ``PeftModel`` around the wrapped transformers model, whose ``save_pretrained`` reads
         the adapters so; they read as the released storage's zeros before) get the values."""
         self._model_state_dict = False
+        self.check_in_model("model.state_dict()")
         self.schedule.check_access("model.state_dict()", self.backwards_since_step)  # (above)
         named = self.model.named_parameters(remove_duplicate=False)
         self._fill(state_dict, prefix, named, self.units)
@@ -1063,6 +1066,33 @@ class Runtime:
         self._loaded_keys = set()
 
     # ---------------------------------------------------------------- lifecycle
+    def check_in_model(self, what: str) -> None:
+        """Every parameter offload holds is still one of the model's. A module replaced or
+        removed after wrap (PEFT's ``merge_and_unload()`` puts each LoRA layer's base layer in
+        its place) left offload's homes, hooks and optimizer with parameters the model no
+        longer has: ``merge_and_unload`` had read the adapters and base weights themselves,
+        the released storage's zeros, and written the merge there, so the merged model ran
+        (and Hugging Face's ``save_pretrained`` saved it) without the adapters, 0.26 off the
+        merged weights, and ``offload.save_pretrained`` raised a bare ``KeyError``. Refused
+        instead at the next forward, step, ``model.state_dict()``, ``save_pretrained`` or
+        ``export``; a checkpoint and ``optimizer.state_dict()``, which read offload's own
+        records, still save the trained values. The walk reads the modules' own
+        ``_parameters``: ``model.parameters()`` would wait for a running update."""
+        held = {
+            id(p) for m in self.model.modules() for p in m._parameters.values() if p is not None
+        }
+        gone = [s.name for u in self.units for s in u.layout.segments if id(s.param) not in held]
+        if gone:
+            raise PhaseError(
+                f"offload: {what} refused: {len(gone)} parameter(s) that offload holds are no "
+                f"longer in the model ({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}): "
+                "a module was replaced or removed after offload.wrap (PEFT's merge_and_unload() "
+                "and unload() do so; a merge reads and writes the parameters themselves, which "
+                "offload releases between uses: it merged zeros). Call "
+                "optimizer.close(restore=True) first, which puts every value back into the "
+                "model, then merge_and_unload(); or change the model before offload.wrap"
+            )
+
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError(

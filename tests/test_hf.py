@@ -821,9 +821,10 @@ def test_peft_merge_and_unload_is_refused_until_close_restore(tmp_path):
     """``merge_and_unload`` reads and writes the LoRA and base weights themselves, which offload
     releases between uses: it merged the released storage's zeros and replaced the LoRA layers,
     so the merged model ran (and transformers' ``save_pretrained`` saved it) without the
-    adapters, 0.26 off, and ``offload.save_pretrained`` raised a bare ``KeyError``. Refused now
-    at the next use, the trained values still saved by a checkpoint; after
-    ``optimizer.close(restore=True)`` the merge is torch's."""
+    adapters, 0.26 off, and ``offload.save_pretrained`` raised a bare ``KeyError``;
+    ``merge_adapter`` (layers kept) gave logits 0.41 off. Refused now at the next use, the
+    trained values still saved by a checkpoint; after ``optimizer.close(restore=True)`` the
+    merge is torch's."""
     peft = pytest.importorskip("peft")
 
     def lora_model():
@@ -839,8 +840,10 @@ def test_peft_merge_and_unload_is_refused_until_close_restore(tmp_path):
 
     ref = lora_model()
     train(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR))
-    want = ref.merge_and_unload().state_dict()
     x = _batches(1)[0]
+    with torch.no_grad():
+        logits = ref(input_ids=x).logits
+    want = ref.merge_and_unload().state_dict()
     for close_first in (False, True):
         model = lora_model()
         cfg = nvme_config(tmp_path / str(close_first), "cpu", "cpu")
@@ -854,6 +857,12 @@ def test_peft_merge_and_unload_is_refused_until_close_restore(tmp_path):
                 for k, v in merged.state_dict().items():
                     torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=k)
                 continue
+            model.merge_adapter()  # (the layers stay: it merged zeros, the adapters skipped)
+            with pytest.raises(PhaseError, match=r"merged into 4 layer.*unmerge_adapter\(\)"):
+                model(input_ids=x)
+            model.unmerge_adapter()
+            with torch.no_grad():
+                torch.testing.assert_close(model(input_ids=x).logits, logits, rtol=1e-5, atol=1e-5)
             merged = model.merge_and_unload()
             refused = r"no longer in the model .*merge_and_unload.*close\(restore=True\)"
             with pytest.raises(PhaseError, match=refused):

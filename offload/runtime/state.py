@@ -1077,7 +1077,10 @@ class Runtime:
         instead at the next forward, step, ``model.state_dict()``, ``save_pretrained`` or
         ``export``; a checkpoint and ``optimizer.state_dict()``, which read offload's own
         records, still save the trained values. The walk reads the modules' own
-        ``_parameters``: ``model.parameters()`` would wait for a running update."""
+        ``_parameters``: ``model.parameters()`` would wait for a running update. Where the
+        parameters are released, PEFT's ``merge_adapter()`` (which leaves the layers in
+        place) merged zeros the same way, and its layers then skipped their adapters: the
+        logits 0.41 off, no error; refused likewise while a layer says it is merged."""
         held = {
             id(p) for m in self.model.modules() for p in m._parameters.values() if p is not None
         }
@@ -1092,6 +1095,19 @@ class Runtime:
                 "optimizer.close(restore=True) first, which puts every value back into the "
                 "model, then merge_and_unload(); or change the model before offload.wrap"
             )
+        if self.params.releases:
+            merged = [n for n, m in self.model.named_modules() if getattr(m, "merged_adapters", 0)]
+            if merged:  # PEFT's merge_adapter(): its layers now skip the adapters they hold
+                raise PhaseError(
+                    f"offload: {what} refused: PEFT adapters were merged into {len(merged)} "
+                    f"layer(s) after offload.wrap ({', '.join(merged[:3])}"
+                    f"{', ...' if len(merged) > 3 else ''}): merge_adapter() reads and writes "
+                    "the weights themselves, which offload releases between uses, so it "
+                    "merged zeros and the merged layers would run without the adapters. Call "
+                    "unmerge_adapter() (which changes nothing here) to go on; to merge, call "
+                    "optimizer.close(restore=True) first (or keep the parameters on the device: "
+                    "offload_param.device none)"
+                )
 
     def _check_open(self) -> None:
         if self.closed:

@@ -876,3 +876,53 @@ def test_peft_merge_and_unload_is_refused_until_close_restore(tmp_path):
             offload.save_checkpoint(tmp_path / "ckpt", merged, opt)  # (the trained values)
         finally:
             opt.close()
+
+
+def test_peft_prompt_tuning_saves_through_offload_trainer(tmp_path):
+    """Prompt tuning trains parameters of the PeftModel itself, so the PeftModel is wrapped
+    whole; its ``save_pretrained`` computes the embeddings it saves by calling its prompt
+    encoder (a part of the root unit) by itself, with gradients on: refused, so
+    ``OffloadTrainer.save_model`` raised after training. It saves under ``no_grad`` now, the
+    plain Trainer's file; a direct call with gradients on says to use ``torch.no_grad()``, and
+    wrapping ``get_base_model()`` (the LoRA recipe; nothing trains there) says what to wrap."""
+    peft = pytest.importorskip("peft")
+    from transformers import Trainer  # noqa: PLC0415
+
+    def prompt_model():
+        torch.manual_seed(0)
+        prompt = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+        return peft.get_peft_model(AutoModelForCausalLM.from_config(hf_config()), prompt)
+
+    args = dict(max_steps=2, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0)
+    model = prompt_model()
+    cfg = nvme_config(tmp_path, "cpu", "cpu")
+    cfg["optimizer"].update(lr=LR, weight_decay=0.0)
+    with pytest.raises(ValueError, match="no trainable parameters.*wrap the PeftModel"):
+        offload.wrap(model.get_base_model(), cfg)
+    _, opt = offload.wrap(model, cfg)
+    try:
+        trainer = offload.OffloadTrainer(
+            model=model, args=_trainer_args(tmp_path / "o", **args), train_dataset=_dataset(),
+            optimizers=(opt, None),
+        )  # fmt: skip
+        trainer.train()
+        trainer.save_model(tmp_path / "o_out")
+        with pytest.raises(RuntimeError, match=r"under torch\.no_grad\(\)"):
+            model.save_pretrained(tmp_path / "direct")
+    finally:
+        opt.close()
+    ref = prompt_model()
+    ref_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.0
+    )
+    ref_trainer = Trainer(
+        model=ref, args=_trainer_args(tmp_path / "r", **args), train_dataset=_dataset(),
+        optimizers=(ref_opt, None),
+    )  # fmt: skip
+    ref_trainer.train()
+    ref_trainer.save_model(tmp_path / "r_out")
+    got = load_file(tmp_path / "o_out" / "adapter_model.safetensors")
+    want = load_file(tmp_path / "r_out" / "adapter_model.safetensors")
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -556,7 +556,9 @@ def wrap(
     trainable = sorted((p for u in plan.units for p in u.trainable_params), key=order.__getitem__)
     if not trainable:
         raise ValueError(
-            "offload.wrap: the model has no trainable parameters (all requires_grad=False)"
+            "offload.wrap: the model has no trainable parameters (all requires_grad=False); "
+            "PEFT's prompt and prefix tuning train parameters of the PeftModel itself (its "
+            "prompt encoder), not of the model get_base_model() returns: wrap the PeftModel"
         )
     opt = cfg.optimizer
     no_decay = _not_decayed(model, opt.no_decay, trainable)

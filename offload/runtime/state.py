@@ -262,7 +262,9 @@ class Runtime:
         raise RuntimeError(
             f"offload: {name} ({type(module).__name__}) was called outside the forward of "
             f"its unit {run.unit.label}, whose parameters are released there (they would "
-            f"read as zeros). {run.residency.called_outside}"
+            f"read as zeros). {run.residency.called_outside}; or, for a call that computes "
+            "no gradient (an inference, a value read for saving), make it under "
+            "torch.no_grad(), where the part gathers its unit for the call"
         )
 
     def _release_after_call(self, run: UnitRun, module: nn.Module) -> None:

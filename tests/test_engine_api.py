@@ -1379,6 +1379,27 @@ def test_a_deep_copy_of_the_wrapped_model_says_to_copy_before_wrap(tmp_path):
         assert torch.equal(a, b) and a is not b, name
 
 
+@pytest.mark.parametrize("param_dev", ["none", "nvme"])
+def test_converting_the_wrapped_model_is_refused(tmp_path, param_dev):
+    """``model.to(torch.bfloat16)`` / ``.half()`` after wrap (Trainer's ``bf16_full_eval``
+    does so) replaced the parameters' data with copies offload never fills: the next loss
+    was 4.1608 against torch's 4.1551 (zeros) with params on NVMe, no error. Refused now,
+    before anything changes; a conversion to what the parameters are already goes on."""
+    model, opt = offload.wrap(make_model(), placement_config(param_dev, "cpu", tmp_path))
+    ref = make_model()
+    data = batches(1)
+    try:
+        for convert in (lambda: model.to(torch.bfloat16), model.half, model.double):
+            with pytest.raises(ValueError, match=r"torch\.float32 parameters on cpu torch\."):
+                convert()
+        model.to("cpu")
+        model.float()
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        torch.testing.assert_close(lm_loss(model, data[0]), lm_loss(ref, data[0]))
+    finally:
+        opt.close()
+
+
 def _steps_without_zero_grad(model, opt, data) -> None:
     for tokens in data:
         lm_loss(model, tokens).backward()

@@ -1208,13 +1208,21 @@ class _RootOverrides:
         hooks hold, threads and open files included, and fail deep inside ``copy``; it raises
         a clear error instead, which says to copy the model before ``wrap``.
 
+    Note: conversions
+        ``model.to(dtype)``, ``.half()``, ``.cuda()`` (``Module._apply``) replaced each
+        parameter's data with a converted copy that offload never fills (it gathers into its
+        own storage): the model then computed with zeros, or with values the step no longer
+        updates, without an error. A conversion that would change the compute dtype or
+        device (tried on an empty tensor like a parameter) raises instead; one that changes
+        neither (``model.to(its device)``, as Accelerate's ``prepare`` does) goes on.
+
     Note: model.load_state_dict(strict=...)
         torch calls each module's load hooks with ``strict=True`` whatever the caller gave,
         and applies ``strict`` only at the end; the root's ``load_state_dict`` records the
         caller's for :meth:`Runtime._load_values`.
     """
 
-    NAMES = ("named_parameters", "zero_grad", "__deepcopy__", "load_state_dict")
+    NAMES = ("named_parameters", "zero_grad", "__deepcopy__", "load_state_dict", "_apply")
 
     def __init__(self, model: nn.Module, runtime: Runtime) -> None:
         self.model = model
@@ -1250,9 +1258,24 @@ class _RootOverrides:
             finally:
                 runtime.load_strict = False
 
+        def apply(self, fn, recurse: bool = True):
+            like = torch.empty(0, dtype=runtime.dtype, device=runtime.device)  # (a parameter)
+            probe = fn(like)
+            if (probe.dtype, probe.device) != (like.dtype, like.device):
+                raise ValueError(
+                    f"offload: converting a wrapped model ({cls.__name__}: model.to(), "
+                    ".half(), .bfloat16(), .cuda(); Trainer's bf16_full_eval / fp16_full_eval) "
+                    f"would make its {like.dtype} parameters on {like.device} {probe.dtype} "
+                    f"on {probe.device}: offload owns their storage and would not fill the "
+                    "converted copies (the model computed with zeros or stale values, no "
+                    "error). Set the compute dtype and device in the config (dtype, device), "
+                    "or convert the model before offload.wrap"
+                )
+            return cls._apply(self, fn, recurse)
+
         # bound methods, as the class's are (torch.compile reads ``named_parameters.__func__``:
         # plain functions here made it fail inside dynamo)
-        methods = (named_parameters, zero_grad, deepcopy, load_state_dict)
+        methods = (named_parameters, zero_grad, deepcopy, load_state_dict, apply)
         for name, fn in zip(self.NAMES, methods, strict=True):
             model.__dict__[name] = types.MethodType(fn, model)
 

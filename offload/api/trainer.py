@@ -138,15 +138,6 @@ class OffloadTrainer(transformers.Trainer):
             f", and leaves undecayed {len(extra)} that it decays ({_some(extra)})" if extra else "",
         )
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Saving reads values, never trains: under ``no_grad`` a part of the model that the
-        save calls by itself gathers its unit (PEFT's prompt tuning, the ``PeftModel`` wrapped
-        whole, computes the embeddings it saves with its prompt encoder: that call was refused
-        with gradients on, and ``save_model`` and every checkpoint of ``save_strategy``
-        raised)."""
-        with torch.no_grad():
-            super().save_model(output_dir, _internal_call)
-
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         route_clipping(self.accelerator)
@@ -186,11 +177,17 @@ class OffloadTrainer(transformers.Trainer):
     #   writes those values (their reads answered from what was gathered).
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if self.accelerator.num_processes == 1:
-            return super().save_model(output_dir, _internal_call)
-        state = self.model.state_dict()  # every rank (Note: checkpoints on several ranks)
-        with _answered(self.model, "state_dict", state):
-            return super().save_model(output_dir, _internal_call)
+        """Saving reads values, never trains: under ``no_grad`` a part of the model that the
+        save calls by itself gathers its unit (PEFT's prompt tuning, the ``PeftModel`` wrapped
+        whole, computes the embeddings it saves with its prompt encoder: that call was refused
+        with gradients on, and ``save_model`` and every checkpoint of ``save_strategy``
+        raised). Several ranks: Note: checkpoints on several ranks."""
+        with torch.no_grad():
+            if self.accelerator.num_processes == 1:
+                return super().save_model(output_dir, _internal_call)
+            state = self.model.state_dict()  # every rank
+            with _answered(self.model, "state_dict", state):
+                return super().save_model(output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self.accelerator.num_processes == 1:

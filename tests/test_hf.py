@@ -354,6 +354,42 @@ def trainer_reference(tmp_path_factory):
     return d, _history(trainer)
 
 
+def test_trainer_checkpoints_stream_the_optimizer_state_and_resume_bitwise(tmp_path, monkeypatch):
+    """The Trainer saved its checkpoints' optimizer state with ``optimizer.state_dict()``,
+    which gathers the fp32 master and moments (12 bytes a parameter) into host RAM: 84 GB for
+    a 7B model, past the host budget the tiers keep. It is an offload checkpoint now
+    (``offload_state/``, streamed from the tiers; ``state_dict()`` is never called), and a
+    resume from it ends at the uninterrupted run's weights bitwise."""
+    from offload.api.optimizer import OffloadOptimizer  # noqa: PLC0415
+
+    d = write_model(tmp_path / "m")
+
+    def train(out, resume=None):
+        model, opt = offload.from_pretrained(d, nvme_config(tmp_path / out, "nvme", "nvme"))
+        try:
+            trainer = offload.OffloadTrainer(
+                model=model, args=_trainer_args(tmp_path / out, save_strategy="steps", save_steps=2),
+                train_dataset=_dataset(), optimizers=(opt, None),
+            )  # fmt: skip
+            trainer.train(resume_from_checkpoint=resume)
+            return {k: v.clone() for k, v in model.state_dict().items()}
+        finally:
+            opt.close()
+
+    def gathered(self):
+        raise AssertionError("optimizer.state_dict() gathered the state into host RAM")
+
+    with monkeypatch.context() as m:
+        m.setattr(OffloadOptimizer, "state_dict", gathered)
+        whole = train("a")
+    saved = tmp_path / "a" / "checkpoint-2"
+    assert (saved / "offload_state" / "latest").is_file() and (saved / "scheduler.pt").is_file()
+    assert not (saved / "optimizer.pt").exists()
+    resumed = train("b", resume=str(saved))
+    for name, want in whole.items():
+        assert torch.equal(resumed[name], want), name
+
+
 @pytest.mark.parametrize("param_dev,opt_dev", PLACEMENTS)
 def test_trainer_clips_through_offload_for_every_placement(
     tmp_path, trainer_reference, param_dev, opt_dev
@@ -796,6 +832,7 @@ def test_trainer_on_two_ranks_trains_as_one_process(tmp_path, param_dev, opt_dev
     assert len(two["losses"]) == 5 and sorted(p.name for p in (tmp_path / "trainer.w2").iterdir()) == [
         "checkpoint-2", "checkpoint-4", "checkpoint-5"
     ]  # fmt: skip
+    assert (tmp_path / "trainer.w2" / "checkpoint-2" / "offload_state" / "latest").is_file()
     torch.testing.assert_close(
         torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-5, atol=0
     )

@@ -18,14 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
+from pathlib import Path
 
 import torch
 import transformers
+from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer_pt_utils import reissue_pt_warnings
 
+from offload.api.checkpoint import load_checkpoint, save_checkpoint
 from offload.api.clipping import route_clipping
 from offload.api.optimizer import OffloadOptimizer
 
 logger = logging.getLogger("offload.api")
+
+STATE_DIR = "offload_state"
+"""A Trainer checkpoint's offload checkpoint of the optimizer (not named "optimizer*": the
+Trainer takes a folder so named for its own optimizer file)."""
 
 
 def _warn_unused_arguments(args, optimizer: OffloadOptimizer) -> None:
@@ -173,8 +182,9 @@ class OffloadTrainer(transformers.Trainer):
     #   The Trainer saves the model's and the optimizer's state dicts on its main process only;
     #   offload's are collective (each rank holds a share, gathered for them), so the ranks'
     #   collectives differed at the first checkpoint and gloo aborted a process. With several
-    #   ranks every rank gathers them; the Trainer's own saving, on the main process, then
-    #   writes those values (their reads answered from what was gathered).
+    #   ranks every rank gathers the model's; the Trainer's own saving, on the main process,
+    #   then writes those values (its read answered from what was gathered). The optimizer's
+    #   is an offload checkpoint, collective itself (_save_optimizer_and_scheduler).
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Saving reads values, never trains: under ``no_grad`` a part of the model that the
@@ -190,12 +200,32 @@ class OffloadTrainer(transformers.Trainer):
                 return super().save_model(output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self.accelerator.num_processes == 1:
-            return super()._save_optimizer_and_scheduler(output_dir)
-        optimizer = self._offload_optimizer
-        state = optimizer.state_dict()  # every rank (Note: checkpoints on several ranks)
-        with _answered(optimizer, "state_dict", state):
-            return super()._save_optimizer_and_scheduler(output_dir)
+        """The optimizer's state goes into ``output_dir/offload_state`` as an offload checkpoint
+        (``save_checkpoint``: streamed from the tiers piece by piece, each rank its share)
+        where the Trainer wrote ``optimizer.pt`` from ``optimizer.state_dict()``, which gathers
+        the fp32 master and moments (12 bytes a parameter: 84 GB for a 7B model) into host
+        RAM on one process; the scheduler's state is the Trainer's ``scheduler.pt``."""
+        engine = self._offload_optimizer._engine
+        save_checkpoint(Path(output_dir) / STATE_DIR, engine.model, self._offload_optimizer)
+        if self.args.should_save:
+            with warnings.catch_warnings(record=True) as caught:
+                torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
+            reissue_pt_warnings(caught)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """A checkpoint of :meth:`_save_optimizer_and_scheduler`: the offload checkpoint (the
+        master, the moments, the step counters: the training resumes bitwise) and the
+        scheduler's state; one with ``optimizer.pt`` (an earlier offload's) as the Trainer
+        loads it."""
+        saved = None if checkpoint is None else Path(checkpoint) / STATE_DIR
+        if saved is None or not saved.is_dir():
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        engine = self._offload_optimizer._engine
+        load_checkpoint(saved, engine.model, self._offload_optimizer)
+        with warnings.catch_warnings(record=True) as caught:
+            state = torch.load(Path(checkpoint) / SCHEDULER_NAME, weights_only=True)
+            self.lr_scheduler.load_state_dict(state)
+        reissue_pt_warnings(caught)
 
 
 @contextlib.contextmanager

@@ -355,14 +355,18 @@ def trainer_reference(tmp_path_factory):
 
 
 def test_trainer_checkpoints_stream_the_optimizer_state_and_resume_bitwise(tmp_path, monkeypatch):
-    """The Trainer saved its checkpoints' optimizer state with ``optimizer.state_dict()``,
-    which gathers the fp32 master and moments (12 bytes a parameter) into host RAM: 84 GB for
-    a 7B model, past the host budget the tiers keep. It is an offload checkpoint now
-    (``offload_state/``, streamed from the tiers; ``state_dict()`` is never called), and a
-    resume from it ends at the uninterrupted run's weights bitwise."""
+    """The Trainer saved its checkpoints with ``optimizer.state_dict()`` and
+    ``model.state_dict()``, which gather the fp32 master and moments (12 bytes a parameter)
+    and every weight into host RAM: 84 + 28 GB for a 7B model, past the host budget the tiers
+    keep. The optimizer's state is an offload checkpoint now (``offload_state/``) and the
+    weights offload's ``save_pretrained``, both streamed from the tiers (neither state dict is
+    called), and a resume ends at the uninterrupted run's weights bitwise."""
     from offload.api.optimizer import OffloadOptimizer  # noqa: PLC0415
 
     d = write_model(tmp_path / "m")
+
+    def gathered(self, *args, **kwargs):
+        raise AssertionError(f"{type(self).__name__}.state_dict() gathered into host RAM")
 
     def train(out, resume=None):
         model, opt = offload.from_pretrained(d, nvme_config(tmp_path / out, "nvme", "nvme"))
@@ -371,20 +375,24 @@ def test_trainer_checkpoints_stream_the_optimizer_state_and_resume_bitwise(tmp_p
                 model=model, args=_trainer_args(tmp_path / out, save_strategy="steps", save_steps=2),
                 train_dataset=_dataset(), optimizers=(opt, None),
             )  # fmt: skip
-            trainer.train(resume_from_checkpoint=resume)
+            with monkeypatch.context() as m:
+                if resume is None:
+                    m.setattr(OffloadOptimizer, "state_dict", gathered)
+                    m.setattr(type(model), "state_dict", gathered)
+                trainer.train(resume_from_checkpoint=resume)
             return {k: v.clone() for k, v in model.state_dict().items()}
         finally:
             opt.close()
 
-    def gathered(self):
-        raise AssertionError("optimizer.state_dict() gathered the state into host RAM")
-
-    with monkeypatch.context() as m:
-        m.setattr(OffloadOptimizer, "state_dict", gathered)
-        whole = train("a")
+    whole = train("a")
     saved = tmp_path / "a" / "checkpoint-2"
     assert (saved / "offload_state" / "latest").is_file() and (saved / "scheduler.pt").is_file()
     assert not (saved / "optimizer.pt").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "a" / f"checkpoint-{STEPS}"
+    ).state_dict()
+    for name, want in loaded.items():  # (the weights the Trainer's checkpoint holds)
+        assert name not in whole or torch.equal(whole[name], want), name
     resumed = train("b", resume=str(saved))
     for name, want in whole.items():
         assert torch.equal(resumed[name], want), name

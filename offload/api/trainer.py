@@ -29,6 +29,7 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 from offload.api.checkpoint import load_checkpoint, save_checkpoint
 from offload.api.clipping import route_clipping
 from offload.api.optimizer import OffloadOptimizer
+from offload.api.pretrained import save_pretrained
 
 logger = logging.getLogger("offload.api")
 
@@ -193,7 +194,13 @@ class OffloadTrainer(transformers.Trainer):
         with gradients on, and ``save_model`` and every checkpoint of ``save_strategy``
         raised). Several ranks: Note: checkpoints on several ranks."""
         with torch.no_grad():
-            if self.accelerator.num_processes == 1:
+            if isinstance(self.model, transformers.PreTrainedModel):  # the wrapped model itself
+                # streamed from the tiers, one unit at a time, every rank (rank 0 writes): its
+                # save_pretrained read model.state_dict(), every weight in host RAM at once
+                save_pretrained(self.model, output_dir or self.args.output_dir)
+                with _answered(self.model, "save_pretrained", None):  # (the rest: the Trainer's)
+                    return super().save_model(output_dir, _internal_call)
+            if self.accelerator.num_processes == 1:  # a model holding it (a PeftModel's adapters)
                 return super().save_model(output_dir, _internal_call)
             state = self.model.state_dict()  # every rank
             with _answered(self.model, "state_dict", state):

@@ -11,7 +11,10 @@ What it changes (``offload.api.clipping``): ``max_grad_norm`` clips through
 (a plain ``Trainer`` would get no gradient from the parameters and is stopped by the guard);
 with fp16 compute the loss is scaled (``optimizer.scale_loss``) before its backward.
 The model is never moved to ``args.device``: its homes own the parameters and inputs are moved
-by offload's hooks.
+by offload's hooks, nor wrapped in ``DistributedDataParallel`` under torchrun (offload shards
+and reduces itself). Checkpoints stream the state from the tiers: the optimizer's as an
+offload checkpoint (``checkpoint-N/offload_state``), the weights through offload's
+``save_pretrained``, where the Trainer's gathered both into host RAM on one process.
 """
 
 from __future__ import annotations

@@ -126,22 +126,14 @@ def offload_config(opts: Options, out: Path) -> tuple[dict, Options, bool, bool]
             _remove_swap(out / "swap")
         raise exc.with_source(opts.config) if opts.config else exc from None
     lr = _flag_or_file(opts.lr, "--lr", _lr_in_file(raw, deepspeed), "optimizer.lr", opts.config)
-    accum = raw.get("gradient_accumulation_steps") if isinstance(raw, dict) else None
-    accum = _flag_or_file(
-        opts.accum,
-        "--accum",
-        cfg["gradient_accumulation_steps"] if _is_number(accum) else None,
-        "gradient_accumulation_steps",
-        opts.config,
-    )
-    clip = raw.get("gradient_clipping") if isinstance(raw, dict) else None
-    clip = _flag_or_file(
-        opts.max_grad_norm,
-        "--max-grad-norm",
-        cfg["gradient_clipping"] if _is_number(clip) else None,
-        "gradient_clipping",
-        opts.config,
-    )
+
+    def in_file(key: str):  # the loaded value of a top-level key the file sets to a number
+        return cfg[key] if isinstance(raw, dict) and _is_number(raw.get(key)) else None
+
+    key = "gradient_accumulation_steps"
+    accum = _flag_or_file(opts.accum, "--accum", in_file(key), key, opts.config)
+    key = "gradient_clipping"
+    clip = _flag_or_file(opts.max_grad_norm, "--max-grad-norm", in_file(key), key, opts.config)
     opts = dataclasses.replace(
         opts,
         lr=DEFAULT_LR if lr is None else lr,
@@ -300,7 +292,7 @@ def finetune(opts: Options, on_step=None) -> int:
     try:
         cfg, opts, swap, no_decay_given = offload_config(opts, out)
         rank, world, joined = join_group(cfg["device"])
-        return _run(opts, out, ckpt_dir, cfg, no_decay_given, lr_flag, rank, world, on_step)
+        return _run(opts, out, cfg, no_decay_given, lr_flag, rank, world, on_step)
     finally:
         if joined:
             import torch.distributed as dist  # noqa: PLC0415
@@ -313,7 +305,7 @@ def finetune(opts: Options, on_step=None) -> int:
                 out.rmdir()
 
 
-def _run(opts, out, ckpt_dir, cfg, no_decay_given, lr_flag, rank, world, on_step) -> int:
+def _run(opts, out, cfg, no_decay_given, lr_flag, rank, world, on_step) -> int:
     """:func:`finetune` once the config is resolved and this process is rank ``rank`` of
     ``world`` (Note: several ranks)."""
     import transformers  # noqa: PLC0415
@@ -331,6 +323,7 @@ def _run(opts, out, ckpt_dir, cfg, no_decay_given, lr_flag, rank, world, on_step
     )
 
     lead = rank == 0
+    ckpt_dir = out / "checkpoints"
     if not lead:  # rank 0 shows and writes what is the run's (Note: several ranks)
         opts = dataclasses.replace(opts, progress=False, report=False)
     out.mkdir(parents=True, exist_ok=True)

@@ -144,3 +144,16 @@ def test_ctrl_c_stops_the_sweep_with_one_line(tmp_path):
     assert proc.returncode == 130 and err.strip().endswith("offload tune-io: interrupted"), err
     assert "Traceback" not in err
     assert os.listdir(tmp_path) == []  # the scratch file is removed
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_repeats_below_one_is_refused_not_run_once(tmp_path, capsys, value):
+    """`--repeats 0` swept once unsaid: a median over runs the user did not ask for."""
+    argv = ["tune-io", "--path", str(tmp_path), "--size", "64KiB", "--queue-depths", "1"]
+    argv += ["--threads", "1", "--block-sizes", "4KiB", "--repeats", value]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--repeats" in err and value in err and ">= 1" in err
+    assert os.listdir(tmp_path) == []  # nothing measured

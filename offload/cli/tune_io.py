@@ -47,6 +47,16 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 1")
+    return value
+
+
 def _aio_list(key: str, parse):
     """A comma list whose values must each be one the ``aio`` section's ``key`` accepts: the
     best point is printed, and written, as a config section (a 2GiB block or a queue depth of
@@ -111,7 +121,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[1, 2],
         help="comma list (1,2)",
     )
-    parser.add_argument("--repeats", type=int, default=1, help="runs per point; median kept (1)")
+    parser.add_argument(
+        "--repeats", type=_at_least_one, default=1, help="runs per point; median kept (1)"
+    )
     parser.add_argument("--output", metavar="FILE", help="also write the JSON aio section here")
 
 
@@ -148,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             args.block_sizes,
             args.queue_depths,
             args.threads,
-            repeats=max(1, args.repeats),
+            repeats=args.repeats,
             progress=show,
         )
     except OSError as exc:

@@ -1392,12 +1392,20 @@ def test_converting_the_wrapped_model_is_refused(tmp_path, param_dev):
         for convert in (lambda: model.to(torch.bfloat16), model.half, model.double):
             with pytest.raises(ValueError, match=r"torch\.float32 parameters on cpu torch\."):
                 convert()
+        # a submodule's conversion (``model.lm_head.to(torch.bfloat16)``) went through the
+        # root's guard: the block then computed in bf16 with copies offload never fills
+        for sub in (model.blocks[1], model.blocks[0].fc1, model.norm):
+            with pytest.raises(ValueError, match=r"torch\.float32 parameters on cpu torch\."):
+                sub.to(torch.bfloat16)
         model.to("cpu")
         model.float()
+        model.blocks[1].to("cpu")
         assert {p.dtype for p in model.parameters()} == {torch.float32}
         torch.testing.assert_close(lm_loss(model, data[0]), lm_loss(ref, data[0]))
     finally:
-        opt.close()
+        opt.close(restore=True)
+    model.blocks[1].to(torch.float64)  # a plain PyTorch model again: its own to go
+    assert {p.dtype for p in model.blocks[1].parameters()} == {torch.float64}
 
 
 def _steps_without_zero_grad(model, opt, data) -> None:

@@ -1214,7 +1214,9 @@ class _RootOverrides:
         own storage): the model then computed with zeros, or with values the step no longer
         updates, without an error. A conversion that would change the compute dtype or
         device (tried on an empty tensor like a parameter) raises instead; one that changes
-        neither (``model.to(its device)``, as Accelerate's ``prepare`` does) goes on.
+        neither (``model.to(its device)``, as Accelerate's ``prepare`` does) goes on. Every
+        submodule holding parameters gets the same guard: ``model.lm_head.to(torch.bfloat16)``
+        went through the root's.
 
     Note: model.load_state_dict(strict=...)
         torch calls each module's load hooks with ``strict=True`` whatever the caller gave,
@@ -1222,7 +1224,7 @@ class _RootOverrides:
         caller's for :meth:`Runtime._load_values`.
     """
 
-    NAMES = ("named_parameters", "zero_grad", "__deepcopy__", "load_state_dict", "_apply")
+    NAMES = ("named_parameters", "zero_grad", "__deepcopy__", "load_state_dict")
 
     def __init__(self, model: nn.Module, runtime: Runtime) -> None:
         self.model = model
@@ -1258,30 +1260,46 @@ class _RootOverrides:
             finally:
                 runtime.load_strict = False
 
-        def apply(self, fn, recurse: bool = True):
-            like = torch.empty(0, dtype=runtime.dtype, device=runtime.device)  # (a parameter)
-            probe = fn(like)
-            if (probe.dtype, probe.device) != (like.dtype, like.device):
-                raise ValueError(
-                    f"offload: converting a wrapped model ({cls.__name__}: model.to(), "
-                    ".half(), .bfloat16(), .cuda(); Trainer's bf16_full_eval / fp16_full_eval) "
-                    f"would make its {like.dtype} parameters on {like.device} {probe.dtype} "
-                    f"on {probe.device}: offload owns their storage and would not fill the "
-                    "converted copies (the model computed with zeros or stale values, no "
-                    "error). Set the compute dtype and device in the config (dtype, device), "
-                    "or convert the model before offload.wrap"
-                )
-            return cls._apply(self, fn, recurse)
-
         # bound methods, as the class's are (torch.compile reads ``named_parameters.__func__``:
         # plain functions here made it fail inside dynamo)
-        methods = (named_parameters, zero_grad, deepcopy, load_state_dict, apply)
+        methods = (named_parameters, zero_grad, deepcopy, load_state_dict)
         for name, fn in zip(self.NAMES, methods, strict=True):
             model.__dict__[name] = types.MethodType(fn, model)
+        self.guarded = [model] + [
+            m
+            for m in model.modules()
+            if m is not model and next(m.parameters(False), None) is not None
+        ]
+        for module in self.guarded:
+            module.__dict__["_apply"] = types.MethodType(_conversion_guard(runtime), module)
 
     def remove(self) -> None:
         for name in self.NAMES:
             self.model.__dict__.pop(name, None)
+        for module in self.guarded:
+            module.__dict__.pop("_apply", None)
+
+
+def _conversion_guard(runtime: Runtime):
+    """``Module._apply`` of a wrapped module: refuses a conversion of the parameters' dtype or
+    device (tried on an empty tensor like a parameter), then does the class's."""
+
+    def apply(self, fn, recurse: bool = True):
+        like = torch.empty(0, dtype=runtime.dtype, device=runtime.device)  # (a parameter)
+        probe = fn(like)
+        if (probe.dtype, probe.device) != (like.dtype, like.device):
+            raise ValueError(
+                f"offload: converting a wrapped model or module ({type(self).__name__}: "
+                ".to(), .half(), .bfloat16(), .cuda(); Trainer's bf16_full_eval / "
+                f"fp16_full_eval) would make its {like.dtype} parameters on {like.device} "
+                f"{probe.dtype} on {probe.device}: offload owns their storage and would not "
+                "fill the converted copies (the model computed with zeros or stale values, no "
+                "error). Set the compute dtype and device in the config (dtype, device), or "
+                "convert the model before offload.wrap"
+            )
+        return type(self)._apply(self, fn, recurse)
+
+    return apply
 
 
 def _grad_tensor(t) -> bool:

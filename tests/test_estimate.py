@@ -443,6 +443,17 @@ def test_staging_pool_overrides_apply_to_both_pools():
         est.staging_pools(est.Machine(buffer_size=2 * 2**40), 10**5)
 
 
+def test_a_rounded_buffer_size_is_said_once_per_pool(caplog):
+    """``--buffer-size 100MB`` printed its rounding to 4096 bytes five times for each pool:
+    every placement row built the pools again."""
+    with caplog.at_level("INFO", logger="offload.config"):
+        assert main(["estimate", "--params", "7B", "--buffer-size", "100MB"]) == 0
+    said = [r.getMessage() for r in caplog.records]
+    for pool in ("offload_param", "offload_optimizer"):
+        line = f"{pool}.buffer_size: 100000000, rounded up to 100003840"
+        assert sum(line in m for m in said) == 1, said
+
+
 # --- identical rows are shown once --------------------------------------------------------
 
 

@@ -432,8 +432,11 @@ def placement_row(
     unit_params: int,
     live_units: int = 2,
     activations: int = 0,
+    staging: list[Pool] | None = None,
 ) -> Row:
-    """The bytes one placement needs per device, per host and on NVMe (see the module Notes)."""
+    """The bytes one placement needs per device, per host and on NVMe (see the module Notes).
+    ``staging``: the NVMe placement's pools when the caller has them (``staging_pools``, built
+    once for every row: each build says a rounded buffer size again)."""
     if placement not in PLACEMENTS:
         raise EstimateError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     prec = _precision(precision)
@@ -456,7 +459,8 @@ def placement_row(
     elif placement == "cpu_optimizer_params":
         host = opt_state + param_state
     elif placement == "nvme":
-        host = sum(pool.nbytes for pool in staging_pools(machine, unit_params, precision))
+        pools = staging if staging is not None else staging_pools(machine, unit_params, precision)
+        host = sum(pool.nbytes for pool in pools)
         nvme = opt_state + _split(VERSIONED_OPTIMIZER_BYTES * params, n_opt) + param_state
         if ranks == 1 and prec.name == "fp32":
             # the params are the master: no master of its own nor its second extent, the
@@ -598,6 +602,7 @@ def estimate(
                     unit_params=unit_params,
                     live_units=live_units,
                     activations=act_bytes,
+                    staging=est.staging,
                 )
             )
     return est

@@ -392,6 +392,40 @@ def test_a_backward_to_the_inputs_only_is_not_a_micro_step(tmp_path, param_dev, 
         opt.close()
 
 
+def test_torch_compile_traces_a_block_once_whatever_the_number_of_units(tmp_path):
+    """Dynamo traced offload's hooks into its gathers and IO queue, guarding on offsets,
+    sizes, unit indices and the set of gathered units: each unit recompiled the user's block
+    forward (12 blocks: it hit torch's recompile limit, and the later blocks ran uncompiled)
+    and offload's internals. The hooks are opaque to dynamo now, and a part's check inside its
+    unit reads its unit's flag alone: 10 blocks compile as many graphs as 3."""
+
+    def graphs(blocks: int) -> int:
+        made = []
+
+        def backend(gm, example_inputs):
+            made.append(gm)
+            return gm.forward
+
+        torch.manual_seed(0)
+        model = nn.Sequential(*(StackBlock() for _ in range(blocks)), nn.Linear(STACK_DIM, 1))
+        cfg = placement_config("nvme", "cpu", tmp_path / str(blocks))
+        cfg["wrap"] = {"module_classes": ["StackBlock"]}
+        model, opt = offload.wrap(model, cfg)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend)
+        try:
+            for _ in range(2):
+                (compiled(torch.randn(2, 3, STACK_DIM)) - 1).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        finally:
+            opt.close()
+            torch._dynamo.reset()
+        return len(made)
+
+    assert graphs(10) == graphs(3)
+
+
 @pytest.mark.parametrize("param_dev", ["none", "nvme"])
 def test_torch_compile_of_the_wrapped_model_trains_as_torch(tmp_path, param_dev):
     """``torch.compile(model)`` after wrap failed inside dynamo (an AttributeError on

@@ -108,6 +108,34 @@ def _no_gate(unit: Unit) -> None:
     pass
 
 
+class GatheredFlag:
+    """Whether one unit's parameters are gathered; written by its home alone."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = False
+
+
+class _Gathered:
+    """The gathered units, as a set of unit indices reads, kept as one flag per unit: a hook
+    traced by ``torch.compile`` that checks its unit's flag (``ParamHome.flag``) is guarded on
+    that flag alone. A membership test of a set was guarded on the whole set's contents, and
+    of a list on the unit's index: every unit recompiled the user's block forward."""
+
+    def __init__(self, units: int) -> None:
+        self.flags = [GatheredFlag() for _ in range(units)]
+
+    def __contains__(self, index: int) -> bool:
+        return self.flags[index].on
+
+    def add(self, index: int) -> None:
+        self.flags[index].on = True
+
+    def discard(self, index: int) -> None:
+        self.flags[index].on = False
+
+
 class ParamHome:
     """Interface of the parameter homes (see the module docstring)."""
 
@@ -117,7 +145,7 @@ class ParamHome:
         self.plan, self.transfers, self.memory = plan, transfers, memory
         self.comm = comm or LocalComm()
         self.device, self.dtype = plan.placement.device, plan.placement.dtype
-        self._gathered: set[int] = set()
+        self._gathered = _Gathered(len(plan.units))
         self._pending: Event = COMPLETED  # the last copy out of a host home
         # stages 1-2 across ranks (module Note): units whose other ranks' shares are stale
         self._replicated = plan.shard.world > 1 and not plan.placement.shard_params
@@ -208,6 +236,10 @@ class ParamHome:
 
     def gathered(self, unit: Unit) -> bool:
         return unit.index in self._gathered
+
+    def flag(self, unit: Unit) -> GatheredFlag:
+        """``unit``'s gathered flag, for a hook to read (``_Gathered``)."""
+        return self._gathered.flags[unit.index]
 
     def out_buffer(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         """Where the optimizer writes updated compute values of elements ``[lo, hi)``."""

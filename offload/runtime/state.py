@@ -60,7 +60,12 @@ logger = logging.getLogger("offload.runtime")
 
 
 def _hook(method):
-    """A hook of the runtime: its time counts as ``hook_seconds`` (the module Note)."""
+    """A hook of the runtime: its time counts as ``hook_seconds`` (the module Note). Under
+    ``torch.compile`` it is opaque (``torch.compiler.disable``): the graph breaks at it and it
+    runs as Python, as FSDP2's hooks do. Traced, dynamo followed it into the gathers and the IO
+    queue and guarded on their offsets, sizes and unit indices: every unit recompiled them and
+    the user's block forward, which ran uncompiled past torch's recompile limit (the hooks of
+    the parts inside a unit: ``_guard_parts``)."""
 
     @functools.wraps(method)
     def timed(self, *args):
@@ -71,7 +76,7 @@ def _hook(method):
         finally:
             self.timers["hook_seconds"] += time.perf_counter() - start
 
-    return timed
+    return torch.compiler.disable(timed)
 
 
 def _grad_hook(runtime: weakref.ref, index: int):
@@ -143,8 +148,6 @@ class Runtime:
         self._callback_queued = False
         self._grad_free = False  # the backward running reaches no trainable parameter
         self.load_strict = False  # inside the root's load_state_dict(strict=True)
-        # (part, its unit) gathered for a call outside the unit's forward (_check_gathered)
-        self._gathered_for_call: list[tuple[nn.Module, UnitRun]] = []
         self.released = False  # closed without restore: the parameters' values are gone
         # a backward failed part way: its gradients are incomplete until zero_grad()
         self._grads_incomplete = False
@@ -235,17 +238,19 @@ class Runtime:
             if module in units:
                 continue
             for run in runs:
+                # the check's fast path reads the unit's flag alone: traced by torch.compile
+                # inside the unit's forward, it is guarded on that flag (``_Gathered``), and
+                # the graph breaks only where the unit is not gathered
+                flag = run.home.flag(run.unit)
                 self._handles.append(
                     module.register_forward_pre_hook(
-                        lambda m, a, r=run, n=name: self._check_gathered(r, n, m)
-                    )
-                )
-                self._handles.append(
-                    module.register_forward_hook(
-                        lambda m, a, o, r=run: self._release_after_call(r, m), always_call=True
+                        lambda m, a, r=run, n=name, g=flag: (
+                            None if g.on else self._check_gathered(r, n, m)
+                        )
                     )
                 )
 
+    @torch.compiler.disable
     def _check_gathered(self, run: UnitRun, name: str, module: nn.Module) -> None:
         """Called outside its unit's forward under ``no_grad`` between steps (an inference
         that calls part of the model: Hugging Face's ``generate`` runs an encoder-decoder's
@@ -257,7 +262,14 @@ class Runtime:
         if not torch.is_grad_enabled() and self.phase.phase is Phase.IDLE:
             self._ready_for_forward(run)
             run.gather(Phase.FORWARD.value)
-            self._gathered_for_call.append((module, run))
+
+            # released when this call ends, also by an error; a hook for this call alone (a
+            # standing always_call hook on every part made torch.compile guard on its id)
+            def release(*_) -> None:
+                once.remove()
+                run.release()
+
+            once = module.register_forward_hook(release, always_call=True)
             return
         raise RuntimeError(
             f"offload: {name} ({type(module).__name__}) was called outside the forward of "
@@ -266,12 +278,6 @@ class Runtime:
             "no gradient (an inference, a value read for saving), make it under "
             "torch.no_grad(), where the part gathers its unit for the call"
         )
-
-    def _release_after_call(self, run: UnitRun, module: nn.Module) -> None:
-        calls = self._gathered_for_call
-        if calls and calls[-1][0] is module and calls[-1][1] is run:
-            calls.pop()
-            run.release()
 
     def _settle_update_for_read(self) -> None:
         """The parameters are read through the model between a step and the next forward (an

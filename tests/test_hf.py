@@ -599,6 +599,27 @@ def test_from_pretrained_freezes_before_wrap(tmp_path):
         opt.close()
 
 
+def test_from_pretrained_returns_the_model_in_eval_mode_as_transformers(tmp_path):
+    """transformers' ``from_pretrained`` returns the model in eval mode (dropout off); offload's
+    returned it in training mode, so an evaluation or ``generate`` straight after loading ran
+    with dropout on: logits differed from the same directory loaded by transformers."""
+    torch.manual_seed(0)
+    config = hf_config()
+    config.attention_dropout = 0.5
+    d = tmp_path / "m"
+    AutoModelForCausalLM.from_config(config).save_pretrained(d)
+    ref = AutoModelForCausalLM.from_pretrained(d)
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path, "nvme", "nvme"))
+    try:
+        assert [n for n, m in model.named_modules() if m.training] == []
+        assert not ref.training
+        ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+    finally:
+        opt.close()
+
+
 def test_trainer_refuses_a_model_its_optimizer_does_not_train(tmp_path):
     """A model that is not the one the optimizer was built for trained nothing and failed at
     the first step with "no backward since the last step" (now: "before any backward")."""

@@ -95,8 +95,9 @@ def from_pretrained(
     ``AutoModelForCausalLM.from_config`` (``dtype`` defaults to the checkpoint's).
     ``before_wrap(model)`` runs on the model before it is wrapped (its parameters on the meta
     device): where to freeze parameters, which wrap fixes (``requires_grad`` changed after
-    wrap is refused at the next backward). Nothing is downloaded: ``path`` must be a
-    directory."""
+    wrap is refused at the next backward). The model comes back in eval mode, as from
+    ``transformers``' ``from_pretrained``: call ``model.train()`` to train with dropout.
+    Nothing is downloaded: ``path`` must be a directory."""
     transformers = _need_transformers("from_pretrained")
     from offload.api.wrap import wrap  # noqa: PLC0415
 
@@ -114,6 +115,7 @@ def from_pretrained(
         model_kwargs["dtype"] = saved if isinstance(saved, torch.dtype) else torch.float32
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, **model_kwargs)
+    model.eval()  # as transformers' from_pretrained: dropout off until model.train()
     if before_wrap is not None:
         before_wrap(model)
     return wrap(model, config, weights=path)

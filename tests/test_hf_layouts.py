@@ -175,6 +175,48 @@ def test_a_conversion_offload_cannot_stream_is_named_with_the_route_that_works(
     assert "Load the model with transformers (from_pretrained) and pass it to offload.wrap" in msg
 
 
+def _drop_keys(directory, keys):
+    """Removes ``keys`` from the sharded checkpoint in ``directory`` (shards and index)."""
+    import json  # noqa: PLC0415
+
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for shard in {index["weight_map"][k] for k in keys}:
+        tensors = load_file(directory / shard)
+        save_file({k: v for k, v in tensors.items() if k not in keys}, directory / shard)
+    for k in keys:
+        del index["weight_map"][k]
+    index_path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize(
+    "arch,drop",
+    [
+        ("mixtral", ["model.layers.1.block_sparse_moe.experts.3.w1.weight"]),
+        ("qwen2_moe", [f"model.layers.1.mlp.experts.3.{p}_proj.weight" for p in ("gate", "up", "down")]),
+    ],
+)  # fmt: skip
+def test_an_expert_missing_from_the_checkpoint_is_named(tmp_path, arch, drop):
+    """A per-expert checkpoint that lacks an expert's tensor was reported as a layout offload
+    "cannot convert yet", with the advice to load it with transformers (which fails on it too),
+    or as a shape [3, ...] "in the file" of a fused name the file does not hold; the error
+    names the missing keys of the file."""
+    from offload.runtime.weights import WeightsError  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_moe_config(arch))
+    d = tmp_path / "m"
+    model.save_pretrained(d, max_shard_size="40KB")
+    _drop_keys(d, drop)
+    with pytest.raises(WeightsError) as err:
+        offload.from_pretrained(d, nvme_config(tmp_path, "cpu", "cpu"))
+    msg = str(err.value)
+    assert f"{len(drop)} missing keys" in msg and all(f"{k} (for " in msg for k in drop), msg
+    assert "cannot convert" not in msg and "in the file, [4," not in msg, msg
+
+
 # ------------------------------------------------------------- tied weights init_empty_weights untied
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_init_empty_weights_with_tied_embeddings_loads_tied(tmp_path, arch):

@@ -23,11 +23,19 @@ Note: the same names, lazily combined
     (cuts along a dimension). Any other (a transpose, a permutation for rope, a dequantization)
     is refused before anything is read, naming the keys and the operation, and the route that
     works: load with ``transformers`` and pass the model to ``offload.wrap``.
+
+Note: a stack with a hole
+    A stack (``MergeModulelist``: one tensor per expert, ``experts.{e}.w1.weight``) has as many
+    parts as the model's parameter has along its dimension. Before any is combined, the expert
+    numbers each source pattern found are checked against that count, and the keys the file
+    lacks are named (an expert's ``w1`` lost in a hand-edited shard), instead of the parts
+    failing to fit together or the stack coming out an expert short.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import sys
 from collections import defaultdict
 
@@ -162,6 +170,39 @@ def _short(keys: list[str]) -> str:
     return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
+def _missing_parts(conv, count_of, pattern_keys: dict[str, list[str]]) -> list[str]:
+    """The file keys a stack lacks (the module Note: a stack with a hole): for each source
+    pattern with one ``*`` (the expert number), the numbers below the model's count that no key
+    has, named as the keys the other experts have. ``count_of(dim)`` is the parameter's size."""
+    from transformers.core_model_loading import MergeModulelist  # noqa: PLC0415
+
+    stack = next((op for op in conv.operations if type(op) is MergeModulelist), None)
+    if stack is None:
+        return []
+    count = count_of(stack.dim)
+    found: dict[str, dict[int, tuple[str, re.Match]]] = {}
+    for pattern in conv.source_patterns:
+        if pattern.count("*") != 1:
+            return []
+        rx = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
+        found[pattern] = {}
+        for key in pattern_keys.get(pattern, []):
+            m = rx.search(key)
+            if m is None:
+                return []
+            found[pattern][int(m.group(1))] = (key, m)
+    template = next((v for seen in found.values() for v in seen.values()), None)
+    if template is None:
+        return []
+    missing = []
+    for pattern, seen in found.items():
+        key, m = next(iter(seen.values()), template)
+        for e in range(count):
+            if e not in seen:
+                missing.append(key[: m.start()] + pattern.replace("*", str(e)) + key[m.end() :])
+    return missing
+
+
 def _full_names(target: str, made: dict) -> dict:
     """The converter's outputs (named by target pattern) under full names: the prefix and
     suffix around the pattern in ``target``, the key it was renamed to (as ``transformers``'
@@ -208,6 +249,7 @@ def convert_checkpoint(model: nn.Module, tensors: dict, where: str) -> dict:
     groups: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     group_converter: dict = {}
     group_keys: dict[str, list[str]] = defaultdict(list)
+    pattern_keys: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     for key in sorted(tensors, key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, state)
         if renamed not in state and key in state:  # as transformers: keep a name already right
@@ -220,10 +262,15 @@ def convert_checkpoint(model: nn.Module, tensors: dict, where: str) -> dict:
             groups[renamed][pattern].append(tensors[key])
             group_converter[renamed] = by_pattern[pattern]
             group_keys[renamed].append(key)
-    refused = []
+            pattern_keys[renamed][pattern].append(key)
+    refused, missing = [], []
     for target, inputs in groups.items():
         conv = group_converter[target]
         keys = _short(group_keys[target])
+        lacking = _missing_parts(conv, lambda d, t=target: state[t].shape[d], pattern_keys[target])
+        if lacking:
+            missing += [f"{k} (for '{target}')" for k in lacking]
+            continue
         try:
             made = _run(conv.operations, inputs, conv.source_patterns, conv.target_patterns)
         except _Unsupported as exc:
@@ -235,6 +282,12 @@ def convert_checkpoint(model: nn.Module, tensors: dict, where: str) -> dict:
             refused.append(f"'{target}' (from {keys}): {exc}")
             continue
         out.update(_full_names(target, made))
+    if missing:
+        raise WeightsError(
+            f"offload.wrap: weights={where} do not fit {type(model).__name__}:\n  "
+            f"{len(missing)} missing keys (per-expert tensors, each followed by the model's "
+            "parameter that transformers stacks them into; not in the file): " + ", ".join(missing)
+        )
     if refused:
         raise WeightsError(
             f"offload.wrap: weights={where} store {type(model).__name__}'s tensors in a layout "

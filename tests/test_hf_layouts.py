@@ -217,6 +217,27 @@ def test_an_expert_missing_from_the_checkpoint_is_named(tmp_path, arch, drop):
     assert "cannot convert" not in msg and "in the file, [4," not in msg, msg
 
 
+def test_an_expert_of_another_shape_is_named(tmp_path):
+    """One expert's tensor of another shape than the others' was reported as a layout offload
+    "cannot convert yet" (advising transformers, which refuses it too), with the shapes of the
+    parts but not the key; the error names the key and both shapes."""
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    from offload.runtime.weights import WeightsError  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    d = _save(tmp_path / "m", transformers.AutoModelForCausalLM.from_config(_moe_config("mixtral")))
+    key = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    tensors = load_file(d / "model.safetensors")
+    tensors[key] = tensors[key][:-1].clone()
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(WeightsError) as err:
+        offload.from_pretrained(d, nvme_config(tmp_path, "cpu", "cpu"))
+    msg = str(err.value)
+    assert f"'{key}': shape [63, 32] in the file, [64, 32] in the 3 other" in msg, msg
+    assert "cannot convert" not in msg, msg
+
+
 # ------------------------------------------------------------- tied weights init_empty_weights untied
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_init_empty_weights_with_tied_embeddings_loads_tied(tmp_path, arch):

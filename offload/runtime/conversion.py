@@ -29,7 +29,8 @@ Note: a stack with a hole
     parts as the model's parameter has along its dimension. Before any is combined, the expert
     numbers each source pattern found are checked against that count, and the keys the file
     lacks are named (an expert's ``w1`` lost in a hand-edited shard), instead of the parts
-    failing to fit together or the stack coming out an expert short.
+    failing to fit together or the stack coming out an expert short. Likewise a part whose
+    shape differs from the other parts of its pattern is named with both shapes.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 import math
 import re
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 import torch.nn as nn
@@ -203,6 +204,26 @@ def _missing_parts(conv, count_of, pattern_keys: dict[str, list[str]]) -> list[s
     return missing
 
 
+def _odd_parts(conv, pattern_keys: dict[str, list[str]], tensors: dict, target: str) -> list[str]:
+    """The parts of a stack whose shape differs from the most common one of their pattern
+    (the module Note: a stack with a hole), each with both shapes."""
+    from transformers.core_model_loading import MergeModulelist  # noqa: PLC0415
+
+    if not any(type(op) is MergeModulelist for op in conv.operations):
+        return []
+    odd = []
+    for pattern, keys in pattern_keys.items():
+        shapes = Counter(tuple(tensors[k].shape) for k in keys)
+        common, others = shapes.most_common(1)[0]
+        for k in keys:
+            if tuple(tensors[k].shape) != common:
+                odd.append(
+                    f"'{k}': shape {list(tensors[k].shape)} in the file, {list(common)} in the "
+                    f"{others} other tensors of '{pattern}' stacked into '{target}'"
+                )
+    return odd
+
+
 def _full_names(target: str, made: dict) -> dict:
     """The converter's outputs (named by target pattern) under full names: the prefix and
     suffix around the pattern in ``target``, the key it was renamed to (as ``transformers``'
@@ -263,13 +284,15 @@ def convert_checkpoint(model: nn.Module, tensors: dict, where: str) -> dict:
             group_converter[renamed] = by_pattern[pattern]
             group_keys[renamed].append(key)
             pattern_keys[renamed][pattern].append(key)
-    refused, missing = [], []
+    refused, missing, wrong = [], [], []
     for target, inputs in groups.items():
         conv = group_converter[target]
         keys = _short(group_keys[target])
         lacking = _missing_parts(conv, lambda d, t=target: state[t].shape[d], pattern_keys[target])
-        if lacking:
+        odd = _odd_parts(conv, pattern_keys[target], tensors, target)
+        if lacking or odd:
             missing += [f"{k} (for '{target}')" for k in lacking]
+            wrong += odd
             continue
         try:
             made = _run(conv.operations, inputs, conv.source_patterns, conv.target_patterns)
@@ -282,11 +305,18 @@ def convert_checkpoint(model: nn.Module, tensors: dict, where: str) -> dict:
             refused.append(f"'{target}' (from {keys}): {exc}")
             continue
         out.update(_full_names(target, made))
-    if missing:
+    if missing or wrong:
+        problems = wrong
+        if missing:
+            problems = [
+                f"{len(missing)} missing keys (per-expert tensors, each followed by the model's "
+                "parameter that transformers stacks them into; not in the file): "
+                + ", ".join(missing),
+                *wrong,
+            ]
         raise WeightsError(
             f"offload.wrap: weights={where} do not fit {type(model).__name__}:\n  "
-            f"{len(missing)} missing keys (per-expert tensors, each followed by the model's "
-            "parameter that transformers stacks them into; not in the file): " + ", ".join(missing)
+            + "\n  ".join(problems)
         )
     if refused:
         raise WeightsError(

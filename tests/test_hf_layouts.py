@@ -238,6 +238,26 @@ def test_an_expert_of_another_shape_is_named(tmp_path):
     assert "cannot convert" not in msg, msg
 
 
+def test_from_pretrained_takes_config_overrides_as_transformers_does(tmp_path):
+    """``from_pretrained(path, output_router_logits=True)`` sets the config attribute in
+    transformers (the MoE router's load-balancing loss joins the loss); offload passed it to
+    the model's ``__init__``: TypeError, so the auxiliary loss could not be turned on."""
+    torch.manual_seed(0)
+    d = _save(tmp_path / "m", transformers.AutoModelForCausalLM.from_config(_moe_config("mixtral")))
+    over = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+    ref = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, **over)
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path, "cpu", "cpu"), **over)
+    try:
+        assert model.config.output_router_logits and model.config.router_aux_loss_coef == 0.5
+        x = _ids()
+        with torch.no_grad():
+            got, want = model(input_ids=x, labels=x), ref(input_ids=x, labels=x)
+        assert want.aux_loss is not None and got.aux_loss is not None
+        torch.testing.assert_close(got.loss, want.loss)
+    finally:
+        opt.close()
+
+
 # ------------------------------------------------------------- tied weights init_empty_weights untied
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_init_empty_weights_with_tied_embeddings_loads_tied(tmp_path, arch):

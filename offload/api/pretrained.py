@@ -75,6 +75,16 @@ _OWN = (SINGLE, INDEX)
 
 logger = logging.getLogger("offload.api")
 
+# from_pretrained's keyword arguments that AutoModelForCausalLM.from_config reads itself (the
+# others that name config attributes override the config, as in transformers' from_pretrained)
+_FROM_CONFIG_KWARGS = (
+    "dtype",
+    "torch_dtype",
+    "attn_implementation",
+    "experts_implementation",
+    "trust_remote_code",
+)
+
 
 def _need_transformers(what: str):
     try:
@@ -91,8 +101,11 @@ def from_pretrained(
 ):
     """Builds the causal LM of the local Hugging Face directory ``path`` on the meta device and
     wraps it with ``weights=path``; returns ``(model, optimizer)``. ``config`` is offload's
-    config (as for :func:`offload.wrap`); ``model_kwargs`` go to
-    ``AutoModelForCausalLM.from_config`` (``dtype`` defaults to the checkpoint's).
+    config (as for :func:`offload.wrap`); ``model_kwargs`` are taken as ``transformers``'
+    ``from_pretrained`` takes them: those that name attributes of the model's config override
+    its values (``output_router_logits=True``, ``rope_scaling=...``), the rest go to
+    ``AutoModelForCausalLM.from_config`` (``dtype``, default the checkpoint's;
+    ``attn_implementation``).
     ``before_wrap(model)`` runs on the model before it is wrapped (its parameters on the meta
     device): where to freeze parameters, which wrap fixes (``requires_grad`` changed after
     wrap is refused at the next backward). The model comes back in eval mode, as from
@@ -107,7 +120,17 @@ def from_pretrained(
             f"offload.from_pretrained: '{path}' is not a local model directory with a "
             "config.json (offload never downloads; use huggingface-cli download first)"
         )
-    hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    # as transformers' from_pretrained: kwargs that are config attributes override the config,
+    # except those from_config itself reads; the rest go on to the model
+    building = {k: model_kwargs.pop(k) for k in _FROM_CONFIG_KWARGS if k in model_kwargs}
+    hf_config, model_kwargs = transformers.AutoConfig.from_pretrained(
+        path,
+        local_files_only=True,
+        return_unused_kwargs=True,
+        trust_remote_code=building.get("trust_remote_code"),
+        **model_kwargs,
+    )
+    model_kwargs.update(building)
     if "dtype" not in model_kwargs and "torch_dtype" not in model_kwargs:
         saved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(saved, str):

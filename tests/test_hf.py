@@ -244,6 +244,26 @@ def test_loading_errors_name_the_keys(tmp_path):
         offload.from_pretrained(tmp_path / "nowhere", nvme_config(tmp_path, "nvme", "nvme"))
 
 
+def test_a_directory_with_both_a_single_file_and_an_index_loads_as_transformers(tmp_path, caplog):
+    """A directory holding ``model.safetensors`` and a sharded index (a repository that ships
+    both, a sharded save by a tool that left the single file): transformers loads the single
+    file; offload read the index, so the same directory gave other weights without a word."""
+    d = write_model(tmp_path / "m", seed=0, max_shard_size="40KB")
+    other = write_model(tmp_path / "other", seed=1)
+    (other / "model.safetensors").rename(d / "model.safetensors")
+    x = _batches(1)[0]
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(d)(input_ids=x).logits
+    with caplog.at_level(logging.INFO, logger="offload"):
+        model, opt = offload.from_pretrained(d, nvme_config(tmp_path, "cpu", "cpu"))
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=x).logits, want, rtol=1e-5, atol=1e-5)
+    finally:
+        opt.close()
+    assert any("model.safetensors.index.json" in r.getMessage() for r in caplog.records)
+
+
 def test_init_empty_weights_and_a_meta_context_both_load(tmp_path):
     from accelerate import init_empty_weights  # noqa: PLC0415
 

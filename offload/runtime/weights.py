@@ -1,7 +1,8 @@
 """A model's weights from files or tensors by name: the source of values of ``wrap(..., weights=)``.
 
 ``weights`` is a ``.safetensors`` file, a directory holding ``model.safetensors`` or a sharded
-``model.safetensors.index.json`` (what Hugging Face writes), or a mapping of names to tensors
+``model.safetensors.index.json`` (what Hugging Face writes; where it holds both, the single file,
+which is what ``transformers`` loads from it), or a mapping of names to tensors
 (torch tensors, or :class:`LazyTensor` s that produce their elements on demand). Names are those
 of ``model.state_dict()``, or, for a ``transformers`` model, those of its checkpoints on disk, which
 ``offload.runtime.conversion`` renames and combines as ``transformers``' own loader does.
@@ -48,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import re
@@ -63,6 +65,8 @@ from offload.runtime.values import ParamValues
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+
+logger = logging.getLogger("offload.runtime")
 
 
 class WeightsError(ValueError):
@@ -118,10 +122,18 @@ def open_weights(source) -> tuple[dict, list[SafetensorsFile], str]:
         )
     path = Path(source)
     if path.is_dir():
-        if (path / INDEX).is_file():
-            return _open_index(path / INDEX)
-        if (path / SINGLE).is_file():
+        if (path / SINGLE).is_file():  # first, as transformers' from_pretrained looks
+            if (path / INDEX).is_file():
+                logger.info(
+                    "weights: '%s' holds both %s and %s; reading %s, as transformers does",
+                    path,
+                    SINGLE,
+                    INDEX,
+                    SINGLE,
+                )
             path = path / SINGLE
+        elif (path / INDEX).is_file():
+            return _open_index(path / INDEX)
         else:
             raise FileNotFoundError(
                 f"weights: directory '{path}' holds neither {INDEX} nor {SINGLE}"

@@ -5,6 +5,7 @@ directory rules of a commit."""
 from __future__ import annotations
 
 import json
+import subprocess
 import tracemalloc
 from pathlib import Path
 
@@ -137,6 +138,35 @@ def test_a_failed_write_leaves_no_temp_directory(tmp_path):
         with cf.CheckpointWriter(tmp_path, "ckpt-1") as out:
             out.add_file("x.safetensors", [("x", torch.float32, [8], broken)])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of 2,560 KiB (skipped where mounting is not permitted)."""
+    d = tmp_path / "disk"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2560k", "tmpfs", str(d)]).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=True)
+
+
+def test_a_killed_save_does_not_keep_its_space_from_the_next(small_disk, caplog):
+    """A save killed after writing its files left its temp directory, removed only by the
+    next save's commit: on a disk that holds two checkpoints (the old one and the new one
+    while it is written) the next save needed a third and failed with ENOSPC, and so did
+    every save after it. The temp directories of killed saves are now removed before a save
+    writes (one process saves into a directory at a time: Note: commit), with a warning."""
+    numel = 256 * 1024  # 1 MiB of float32
+    first = _save(small_disk, "ckpt-00000001-10", numel)
+    killed = small_disk / ".ckpt-00000002-15.tmp"
+    killed.mkdir()
+    (killed / "big.safetensors").write_bytes(first.joinpath("big.safetensors").read_bytes())
+    with caplog.at_level("WARNING", logger="offload.checkpoint"):
+        second = _save(small_disk, "ckpt-00000002-20", numel)
+    assert sorted(p.name for p in small_disk.iterdir()) == ["ckpt-00000002-20", "latest"]
+    assert cf.resolve(small_disk) == second
+    assert f"removed '{killed}'" in caplog.text and "a save that did not finish" in caplog.text
 
 
 def test_meta_seal_round_trips_awkward_values(tmp_path):

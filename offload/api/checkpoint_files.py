@@ -24,10 +24,12 @@ Note: commit
     :class:`CheckpointWriter` writes into ``root/.<name>.tmp``, fsyncs every file and the
     directory, renames it to ``root/<name>``, then replaces the pointer ``root/latest`` (temp
     name, fsync, rename, fsync of ``root``) and only then deletes the checkpoints written
-    before the last ``keep_last`` and the temp directories of saves that were killed (only
-    directories named as a save names them: anything else in ``root`` stays). A crash at any
-    point leaves ``latest`` naming a complete checkpoint. One process saves into a given
-    ``root`` at a time.
+    before the last ``keep_last``. The temp directories of saves that were killed are deleted
+    before a save writes anything, so that the space they hold is free for it (on a disk that
+    holds two checkpoints, a killed save's temp directory made every later save fail with
+    ENOSPC). Only directories named as a save names them are deleted: anything else in
+    ``root`` stays. A crash at any point leaves ``latest`` naming a complete checkpoint. One
+    process saves into a given ``root`` at a time.
 
 Note: verification before use
     :func:`open_checkpoint` checks everything a load relies on before its caller changes
@@ -57,6 +59,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -72,6 +75,8 @@ from pathlib import Path
 import torch
 
 from offload.runtime.safetensors import fsync_dir, write_stream
+
+logger = logging.getLogger("offload.checkpoint")
 
 FORMAT = "offload-checkpoint"
 VERSION = 3
@@ -278,6 +283,7 @@ class CheckpointWriter:
                 )
             _check_pointer(root / LATEST)
             root.mkdir(parents=True, exist_ok=True)
+            self._remove_killed_saves()
             self.tmp.mkdir()
         elif not self.tmp.is_dir():
             raise CheckpointError(f"checkpoint directory '{self.tmp}' does not exist here")
@@ -320,9 +326,8 @@ class CheckpointWriter:
     def _prune(self, keep_last: int) -> None:
         """Removes the checkpoints beyond the ``keep_last`` written last (this one included),
         by when they were written, not by step (a resume from an earlier step saves lower
-        steps after higher ones), and the temp directories of saves that were killed. Only
-        directories named as :func:`checkpoint_name` and the writer name them are touched: a
-        user's ``ckpt-best`` beside them stays."""
+        steps after higher ones). Only directories named as :func:`checkpoint_name` names them
+        are touched: a user's ``ckpt-best`` beside them stays."""
         old = [
             (int(m[2]), p)
             for p in self.root.iterdir()
@@ -331,9 +336,31 @@ class CheckpointWriter:
         old.sort()
         for _, p in old[: max(0, len(old) - (keep_last - 1))]:
             shutil.rmtree(p, ignore_errors=True)
+
+    def _remove_killed_saves(self) -> None:
+        """Removes the temp directories that killed saves left in ``root`` (named as the
+        writer names its own; one process saves into a ``root`` at a time, so none of them is
+        being written), before this save writes, so that their space is free for it."""
         for p in self.root.iterdir():
             if _TMP_NAME.fullmatch(p.name) and p.name != self.tmp.name and p.is_dir():
+                nbytes = _disk_bytes(p)
                 shutil.rmtree(p, ignore_errors=True)
+                logger.warning(
+                    "offload: removed '%s' (%d bytes on disk), the temp directory of a save "
+                    "that did not finish",
+                    p,
+                    nbytes,
+                )
+
+
+def _disk_bytes(directory: Path) -> int:
+    """Bytes the files under ``directory`` occupy on disk (allocated blocks)."""
+    total = 0
+    for top, _, names in os.walk(directory):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(top, name)).st_blocks * 512
+    return total
 
 
 # ------------------------------------------------------------------------ reading

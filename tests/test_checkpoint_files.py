@@ -169,6 +169,36 @@ def test_a_killed_save_does_not_keep_its_space_from_the_next(small_disk, caplog)
     assert f"removed '{killed}'" in caplog.text and "a save that did not finish" in caplog.text
 
 
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs."""
+
+
+def test_a_save_killed_while_removing_an_old_checkpoint_leaves_no_half_of_it(
+    small_disk, monkeypatch
+):
+    """A save killed while its commit deleted the checkpoint before it (``keep_last``) left
+    that one half deleted under its own name: a ``ckpt-*`` directory with files missing,
+    removed by no later save until one committed, so on a disk that holds two checkpoints
+    every later save failed with ENOSPC. The commit now renames a checkpoint out of the way
+    before deleting it, and a save removes what a killed one left half deleted first."""
+    numel = 256 * 1024  # 1 MiB of float32
+    _save(small_disk, "ckpt-00000001-10", numel)
+
+    def killed_half_way(path, ignore_errors=False):
+        (Path(path) / "meta.json").unlink()  # the data file stays: most of the bytes
+        raise _Killed
+
+    monkeypatch.setattr(cf.shutil, "rmtree", killed_half_way)
+    with pytest.raises(_Killed):
+        _save(small_disk, "ckpt-00000002-20", numel)
+    monkeypatch.undo()
+    assert cf.resolve(small_disk).name == "ckpt-00000002-20"
+    assert "ckpt-00000001-10" not in [p.name for p in small_disk.iterdir()]
+    third = _save(small_disk, "ckpt-00000003-30", numel)
+    assert sorted(p.name for p in small_disk.iterdir()) == ["ckpt-00000003-30", "latest"]
+    assert cf.resolve(small_disk) == third
+
+
 def test_meta_seal_round_trips_awkward_values(tmp_path):
     extra = {"t": (1, 2.5), "k": {3: "int key"}, "nan": float("nan"), "s": "\u00e9\ud800"}
     with cf.CheckpointWriter(tmp_path, "ckpt-1") as out:

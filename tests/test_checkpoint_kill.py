@@ -99,7 +99,7 @@ def _bounds(events: list) -> dict[str, int]:
             lambda e: e[1] == "_write_text" and e[3].startswith("f.write"), rename
         ),
         "replace": first(lambda e: "os.replace(pointer" in e[3]),
-        "cleanup": first(lambda e: "shutil.rmtree(p" in e[3]),
+        "cleanup": first(lambda e: "os.rename(p, gone)" in e[3]),
         "end": len(events),
     }
 

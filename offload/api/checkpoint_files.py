@@ -24,11 +24,12 @@ Note: commit
     :class:`CheckpointWriter` writes into ``root/.<name>.tmp``, fsyncs every file and the
     directory, renames it to ``root/<name>``, then replaces the pointer ``root/latest`` (temp
     name, fsync, rename, fsync of ``root``) and only then deletes the checkpoints written
-    before the last ``keep_last``. The temp directories of saves that were killed are deleted
-    before a save writes anything, so that the space they hold is free for it (on a disk that
-    holds two checkpoints, a killed save's temp directory made every later save fail with
-    ENOSPC). Only directories named as a save names them are deleted: anything else in
-    ``root`` stays. A crash at any point leaves ``latest`` naming a complete checkpoint. One
+    before the last ``keep_last``, each renamed to ``.<name>.removing`` first (a kill while
+    deleting it leaves no half checkpoint under a checkpoint's name). The temp directories and
+    ``.removing`` directories of saves that were killed are deleted before a save writes
+    anything, so that the space they hold is free for it (on a disk that holds two
+    checkpoints, what a killed save left made every later save fail with ENOSPC). Only
+    directories named as a save names them are deleted: anything else in ``root`` stays. A crash at any point leaves ``latest`` naming a complete checkpoint. One
     process saves into a given ``root`` at a time.
 
 Note: verification before use
@@ -102,6 +103,7 @@ DTYPES = {code: dt for dt, code in ST_DTYPES.items()}
 _FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,254}")
 _CKPT_NAME = re.compile(r"ckpt-(\d+)-(\d+)")  # checkpoint_name's: the step, when (ns)
 _TMP_NAME = re.compile(r"\.ckpt-\d+-\d+\.tmp")  # CheckpointWriter's temp directory of one
+_GONE_NAME = re.compile(r"\.ckpt-\d+-\d+\.removing")  # a checkpoint the pruning deletes
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -283,7 +285,7 @@ class CheckpointWriter:
                 )
             _check_pointer(root / LATEST)
             root.mkdir(parents=True, exist_ok=True)
-            self._remove_killed_saves()
+            self._remove_leftovers()
             self.tmp.mkdir()
         elif not self.tmp.is_dir():
             raise CheckpointError(f"checkpoint directory '{self.tmp}' does not exist here")
@@ -335,22 +337,30 @@ class CheckpointWriter:
         ]
         old.sort()
         for _, p in old[: max(0, len(old) - (keep_last - 1))]:
-            shutil.rmtree(p, ignore_errors=True)
+            # renamed first: a kill while deleting leaves a directory that is garbage by its
+            # name (removed by the next save), never half a checkpoint under a checkpoint's
+            gone = p.with_name(f".{p.name}.removing")
+            try:
+                os.rename(p, gone)
+            except OSError:
+                continue
+            shutil.rmtree(gone, ignore_errors=True)
 
-    def _remove_killed_saves(self) -> None:
-        """Removes the temp directories that killed saves left in ``root`` (named as the
-        writer names its own; one process saves into a ``root`` at a time, so none of them is
-        being written), before this save writes, so that their space is free for it."""
+    def _remove_leftovers(self) -> None:
+        """Removes what killed saves left in ``root``: their temp directories and the
+        checkpoints their pruning was deleting (named as the writer names them; one process
+        saves into a ``root`` at a time, so none of them is being written), before this save
+        writes, so that their space is free for it."""
         for p in self.root.iterdir():
             if _TMP_NAME.fullmatch(p.name) and p.name != self.tmp.name and p.is_dir():
-                nbytes = _disk_bytes(p)
-                shutil.rmtree(p, ignore_errors=True)
-                logger.warning(
-                    "offload: removed '%s' (%d bytes on disk), the temp directory of a save "
-                    "that did not finish",
-                    p,
-                    nbytes,
-                )
+                what = "the temp directory of a save that did not finish"
+            elif _GONE_NAME.fullmatch(p.name) and p.is_dir():
+                what = "a checkpoint whose removal (keep_last) did not finish"
+            else:
+                continue
+            nbytes = _disk_bytes(p)
+            shutil.rmtree(p, ignore_errors=True)
+            logger.warning("offload: removed '%s' (%d bytes on disk), %s", p, nbytes, what)
 
 
 def _disk_bytes(directory: Path) -> int:

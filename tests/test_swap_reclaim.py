@@ -24,7 +24,7 @@ from children import ROOT, TIMEOUT, default_sigint, start_worker, wait_for_step
 from engine_models import batches, lm_loss, make_model, placement_config
 
 import offload
-from offload.io import NvmeStore, _owner
+from offload.io import NvmeStore, _owner, nvme_store
 
 LIVE_OWNER = """
 import sys
@@ -117,6 +117,37 @@ def test_reclaim_leaves_alone_what_it_cannot_prove_dead(tmp_path):
     assert not half_done.exists()
     for survivor in (Path(keep.directory), no_record, other_tool, path / "offload-link", elsewhere):
         assert survivor.exists(), survivor
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs."""
+
+
+def test_a_store_killed_while_removing_its_files_is_reclaimed(tmp_path, monkeypatch):
+    """A process killed while its store removed the swap directory (SIGTERM's cleanup cut
+    short by the SIGKILL that follows it, a large file's unlink taking seconds) could have
+    deleted ``owner.json`` and not the data file: a directory without a record is never
+    reclaimed, so its bytes stayed on the disk for good. The store now renames its directory
+    to the reclaiming name before deleting it, which the next store on the path removes."""
+    path = tmp_path / "swap"
+    store = NvmeStore(path)
+    store.allocate("k", 1 << 20)
+    store.write("k", torch.ones(1 << 18)).wait()
+    directory = Path(store.directory)
+
+    def killed_half_way(tree, ignore_errors=False):
+        (Path(tree) / _owner.RECORD).unlink()  # the record first, the data file not yet
+        raise _Killed
+
+    monkeypatch.setattr(nvme_store.shutil, "rmtree", killed_half_way)
+    with pytest.raises(_Killed):
+        store.close()
+    monkeypatch.undo()
+    left = [p for p in path.iterdir()]
+    assert len(left) == 1 and _owner.disk_bytes(str(left[0])) >= 1 << 20, left
+    assert not directory.exists()  # nothing that looks like a swap directory without an owner
+    NvmeStore(path).close()  # the next store on the path
+    assert list(path.iterdir()) == []
 
 
 def test_two_stores_starting_at_once_reclaim_a_dead_dir_once(tmp_path):

@@ -14,7 +14,8 @@ directory without a readable record, with ``keep``, of another host or pid names
 or container-mounted disk), or whose owner cannot be inspected, is left alone. The winner of an
 atomic rename to ``.offload-reclaim-*`` removes it, so two processes starting at once never
 both count or remove the same bytes; a ``.offload-reclaim-*`` directory is garbage by
-definition (a reclaimer died half way) and is removed too. What was freed is logged as a
+definition (a reclaimer, or a store closing its own directory, died half way: a store renames
+its directory so before deleting it) and is removed too. What was freed is logged as a
 WARNING (the path, the bytes on disk, the dead pid).
 """
 

@@ -14,7 +14,8 @@ naming the path, the level that failed and the errno. The private directory reco
 (``owner.json``, see ``offload.io._owner``), and a new store on the same path first removes the
 directories of owners that are provably gone (a process killed by SIGKILL cannot clean up), so
 crashed runs do not fill the disk. Every other way a process ends removes the directory itself
-(``offload.io.lifecycle``).
+(``offload.io.lifecycle``), renaming it to the reclaiming name first, so a kill half way through
+the deletion leaves a directory the next store removes, not files without their owner record.
 
 Note: validity. The store tracks, per shard, which byte ranges hold data of a *completed*
 write. A write first marks its range invalid, then marks it valid in its handle's completion
@@ -459,7 +460,18 @@ def _make_path(path: str) -> None:
 
 
 def _remove_tree(directory: str) -> None:
-    """Removes ``directory``; once more if a file appeared in it meanwhile."""
-    shutil.rmtree(directory, ignore_errors=True)
-    if os.path.lexists(directory):
-        shutil.rmtree(directory, ignore_errors=True)
+    """Removes ``directory``, renamed first to the name that marks it garbage (``_owner``'s
+    reclaiming prefix): a process killed while deleting it (SIGTERM's cleanup cut short by
+    SIGKILL) leaves a directory the next store on the path removes, never data files whose
+    ``owner.json`` is gone, which no store would reclaim. Once more if a file appeared in it
+    meanwhile."""
+    head, name = os.path.split(directory)
+    doomed = os.path.join(head, _owner.RECLAIMING + name)
+    try:
+        os.rename(directory, doomed)
+    except OSError:  # gone already, or not renamable: deleted where it is
+        doomed = directory
+    shutil.rmtree(doomed, ignore_errors=True)
+    for tree in (doomed, directory):  # once more if a file appeared meanwhile
+        if os.path.lexists(tree):
+            shutil.rmtree(tree, ignore_errors=True)

@@ -207,6 +207,65 @@ def test_save_pretrained_over_an_earlier_one_is_all_or_nothing(tmp_path, monkeyp
         assert torch.equal(v, state[k]), k
 
 
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs."""
+
+
+@pytest.mark.parametrize("where", ["deleting the old one", "between the renames"])
+def test_a_save_pretrained_killed_after_moving_the_old_export_aside_leaves_nothing(
+    tmp_path, monkeypatch, where
+):
+    """Where the atomic exchange is refused (NFS), the old export is renamed aside to
+    ``.NAME.offload-old`` and deleted once the new one is in place. A kill while deleting it
+    (a large export's unlinks take seconds) left it, half deleted, beside every later save for
+    good; a kill between the two renames left no export under the name and the old one only
+    aside, which the next save left there too. The next save now puts back an old export that
+    lost its place and removes what is left aside."""
+    import offload.api.pretrained as pretrained  # noqa: PLC0415
+
+    monkeypatch.setattr(pretrained, "_exchange", lambda a, b: False)
+    d = write_model(tmp_path / "m")
+    out, aside = tmp_path / "out", tmp_path / ".out.offload-old"
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path / "a", "nvme", "nvme"))
+    try:
+        offload.save_pretrained(model, out, max_shard_size="40KB")
+        old = _files(out)
+        real_rmtree, real_rename = pretrained.shutil.rmtree, pretrained.os.rename
+
+        def rmtree(path, ignore_errors=False):
+            if path == aside:
+                next(aside.glob("*.safetensors")).unlink()
+                raise _Killed
+            real_rmtree(path, ignore_errors=ignore_errors)
+
+        def rename(src, dst):
+            if dst == out:
+                raise _Killed
+            real_rename(src, dst)
+
+        if where == "deleting the old one":
+            monkeypatch.setattr(pretrained.shutil, "rmtree", rmtree)
+        else:
+            monkeypatch.setattr(pretrained.os, "rename", rename)
+        with pytest.raises(_Killed):
+            offload.save_pretrained(model, out, max_shard_size="40KB")
+        monkeypatch.setattr(pretrained.shutil, "rmtree", real_rmtree)
+        monkeypatch.setattr(pretrained.os, "rename", real_rename)
+        assert aside.exists()
+        if where == "between the renames":
+            assert not out.exists()
+            offload.save_pretrained(model, out, max_shard_size="40KB")  # put back, then replaced
+        else:
+            offload.save_pretrained(model, out, max_shard_size="40KB")
+        state = model.state_dict()
+    finally:
+        opt.close()
+    assert old and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out")) == []
+    back = AutoModelForCausalLM.from_pretrained(out)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
 def test_save_pretrained_where_nothing_can_be_staged_writes_in_place(tmp_path, caplog):
     """A directory that is a mount point, or whose parent is read-only, cannot be exchanged:
     written file by file as before (said in a warning), not refused."""

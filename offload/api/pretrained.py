@@ -40,7 +40,9 @@ Note: all or nothing (``_staged``)
     one, and the next save removes a staging directory a killed one left. Python has no call
     for the exchange (``os.rename`` replaces only an empty directory), hence the one libc call
     through ``ctypes``; where the file system refuses it, the old directory is renamed aside
-    first, a moment in which the directory is missing (logged). Where nothing can be written
+    first, a moment in which the directory is missing (logged); the next save puts it back
+    if a kill came in that moment, and removes it if the kill came while it was being deleted
+    (it kept every later save from moving its own old one aside). Where nothing can be written
     beside the directory (a mount point, a read-only parent) it is written file by file as
     before, with a warning.
 """
@@ -322,11 +324,13 @@ def _staged(directory: Path):
     ``directory`` whole (the module Note: all or nothing), on an error it is removed and
     ``directory`` is as it was."""
     stage = directory.parent / f".{directory.name}.offload-new"
+    aside = directory.parent / f".{directory.name}.offload-old"
     try:
         if os.path.ismount(directory):  # a volume mounted there is not renamed
             raise OSError(errno.EBUSY, "a mount point", str(directory))
         if stage.exists():  # left by a save that was killed
             shutil.rmtree(stage)
+        _put_back(directory, aside)
         stage.mkdir(parents=True)
     except OSError as exc:  # (a read-only parent, say): as before, file by file
         logger.warning(
@@ -344,7 +348,6 @@ def _staged(directory: Path):
             _keep_the_rest(directory, stage)
             fsync_dir(stage)
             if not _exchange(stage, directory):
-                aside = directory.parent / f".{directory.name}.offload-old"
                 logger.info("save_pretrained: no atomic exchange here; '%s' moved aside", directory)
                 os.rename(directory, aside)
                 os.rename(stage, directory)
@@ -356,6 +359,26 @@ def _staged(directory: Path):
     finally:
         if stage.exists():  # the old directory after the exchange, or a save that failed
             shutil.rmtree(stage, ignore_errors=True)
+
+
+def _put_back(directory: Path, aside: Path) -> None:
+    """What a save killed where the exchange is refused left at ``aside`` (the old export,
+    moved there before the new one took its place): put back whole where the kill came
+    between the two renames (no ``directory``), removed where it came after them (the old
+    export, perhaps half deleted, which also kept every later save from moving its own old
+    one aside)."""
+    if not aside.is_dir() or aside.is_symlink():
+        return
+    if not directory.exists():
+        os.rename(aside, directory)
+        logger.warning(
+            "save_pretrained: '%s' was missing (a save killed while it was moved aside); put "
+            "back from '%s'",
+            directory,
+            aside,
+        )
+    else:
+        shutil.rmtree(aside)
 
 
 def _keep_the_rest(old: Path, stage: Path) -> None:

@@ -408,3 +408,51 @@ def test_a_buffer_a_checkpoint_cannot_hold_is_refused_before_writing(tmp_path):
         assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
     finally:
         opt.close()
+
+
+def test_a_save_from_a_signal_handler_in_the_middle_of_a_forward(tmp_path):
+    """A signal handler that saves a checkpoint (preemption: Slurm's ``--signal``) runs on the
+    training thread between two of its lines, here in the middle of the model's forward. The
+    save took the forward still running for one stopped by Ctrl-C and dropped it, letting its
+    units go: the forward then raised that a layer ran outside its unit's forward, and the
+    run was over. Now the save leaves the running forward alone, it holds the state of the
+    step boundary before it, and training goes on as if it had not come (the hook below
+    stands for the handler)."""
+    data = batches(4)
+    ref_model, ref_opt = offload.wrap(
+        make_model(), placement_config("nvme", "nvme", tmp_path / "r")
+    )
+    ref_losses, sched = train_wrapped(ref_model, ref_opt, data, 1, 2, 1.0)
+    after_one = offload.save_checkpoint(tmp_path / "between_steps", ref_model, ref_opt)
+    ref_losses += train_wrapped(ref_model, ref_opt, data, 4, 2, 1.0, start=1, sched=sched)[0]
+    reference = ref_model.state_dict()
+    ref_opt.close()
+
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path / "a"))
+    calls, saves = [], []
+
+    def handler(module, args):  # blocks[1] runs twice a forward: calls 0 and 4 are in the
+        calls.append(len(calls))  # forwards of steps 0 and 1, each the first of its step
+        if calls[-1] in (0, 4):
+            saves.append(offload.save_checkpoint(tmp_path / f"ck{calls[-1]}", model, opt))
+
+    model.blocks[1].register_forward_pre_hook(handler)
+    losses, _ = train_wrapped(model, opt, data, 4, 2, 1.0)
+    assert losses == ref_losses
+    for name, value in reference.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    opt.close()
+    fresh, fresh_opt = offload.wrap(make_model(), placement_config("cpu", "cpu", tmp_path / "f"))
+    try:
+        initial = fresh.state_dict()
+        for saved, expected in ((saves[0], None), (saves[1], after_one)):
+            state = {}
+            if expected is not None:
+                offload.load_checkpoint(expected, fresh, fresh_opt)
+                state = fresh.state_dict()
+            offload.load_checkpoint(saved, fresh, fresh_opt)
+            assert fresh_opt.state_dict()["offload"]["step_count"] == (expected is not None)
+            for name, value in (state or initial).items():
+                assert torch.equal(fresh.state_dict()[name], value), name
+    finally:
+        fresh_opt.close()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import sys
 import threading
 import time
 import types
@@ -387,10 +388,24 @@ class Runtime:
         if self.phase.phase is not Phase.FORWARD:
             return
         if self._forward_open:
-            if self._forward_thread == threading.get_ident():  # (else: running on another)
+            # (else: running on another thread, or still running on this one: the caller is
+            # a signal handler or a hook inside it, a save for a preemption say)
+            if self._forward_thread == threading.get_ident() and not self._forward_on_stack():
                 self._drop_forward()  # stopped by Ctrl-C
         elif self._graphs and not self._graphs_held():
             self._end_forward()
+
+    def _forward_on_stack(self) -> bool:
+        """Whether the root forward is still running under the caller on this thread: a
+        frame of torch's module call for the model is on the stack (after a Ctrl-C it is
+        not: the exception unwound it)."""
+        calls = (nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__)
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code in calls and frame.f_locals.get("self") is self.model:
+                return True
+            frame = frame.f_back
+        return False
 
     def _begin_micro_step(self) -> None:
         # the update in the last backward (step_in_backward) wrote the weights: a forward

@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 
 import offload
 from offload.api import checkpoint_files as ckpt_files
+from offload.api.wrap import engine_of
+from offload.runtime.phase import PhaseError
 
 HERE = Path(__file__).parent
 
@@ -456,3 +458,34 @@ def test_a_save_from_a_signal_handler_in_the_middle_of_a_forward(tmp_path):
                 assert torch.equal(fresh.state_dict()[name], value), name
     finally:
         fresh_opt.close()
+
+
+def test_a_save_from_a_signal_handler_inside_optimizer_step_is_refused(tmp_path):
+    """A signal handler that saves runs wherever the training thread is, also inside
+    ``optimizer.step()``: after the step count had moved on and before the update was
+    launched, the save wrote a checkpoint whose step count was the new one and whose values
+    were the step's before (found by handlers landing at random: 3 of 20 such checkpoints
+    resumed to other weights than the run's). Now a save (or any call that checks where the
+    step is) from inside ``step()`` is refused, naming it; the step and training go on."""
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
+    data = batches(4)
+    engine = engine_of(model)
+    end_step, refused = engine.telemetry.end_step, []
+
+    def handler(*args):  # stands for a signal handler landing inside step()
+        try:
+            offload.save_checkpoint(tmp_path / "ck", model, opt)
+        except PhaseError as exc:
+            refused.append(str(exc))
+        return end_step(*args)
+
+    engine.telemetry.end_step = handler
+    losses, _ = train_wrapped(model, opt, data, 2, 1, 1.0)
+    engine.telemetry.end_step = end_step
+    assert len(refused) == 2 and not (tmp_path / "ck").exists(), refused
+    assert "save_checkpoint called inside optimizer.step()" in refused[0]
+    assert "set a flag" in refused[0]
+    reference, ref_opt = offload.wrap(make_model(), placement_config("cpu", "cpu", tmp_path / "r"))
+    assert train_wrapped(reference, ref_opt, data, 2, 1, 1.0)[0] == losses
+    ref_opt.close()
+    opt.close()

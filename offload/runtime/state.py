@@ -166,6 +166,7 @@ class Runtime:
         self._step_started = time.perf_counter()
         self._fwd_start: float | None = None
         self._forward_open = False  # a root forward begun and not ended yet
+        self._in_step = False  # inside step() or skip_step() (a call made there is refused)
         self._forward_thread = 0  # the thread that began it
         self._forward_graph: _Graph | None = None  # that forward's, until it returns
         # the graphs of this micro-step's forwards that returned (weak references to the
@@ -801,6 +802,7 @@ class Runtime:
 
     def _check_phase(self, what: str, phases: tuple[Phase, ...], restoring: bool) -> None:
         self._check_open()
+        self._check_not_in_step(what)
         self._settle_backward()
         self._settle_forward()
         if self.phase.phase is Phase.FORWARD and self.phase.phase not in phases:
@@ -842,8 +844,20 @@ class Runtime:
         """Every unit's state was loaded (a checkpoint, ``load_state_dict``)."""
         self.schedule.state_restored()
 
+    def _check_not_in_step(self, what: str) -> None:
+        """A call made while :meth:`step` runs on this thread (only a signal handler, or a hook
+        inside the step, can make one) is refused: the step count and the values disagree
+        until the step ends (a save there wrote the new count with the old values)."""
+        if self._in_step:
+            raise PhaseError(
+                f"offload: {what} called inside optimizer.step() (from a signal handler, or "
+                "a hook that runs in it), where the step is half done; call it between steps: "
+                "a signal handler can set a flag that the training loop checks"
+            )
+
     def check_can_step(self) -> None:
         self._check_open()
+        self._check_not_in_step("optimizer.step()")
         self.check_in_model("optimizer.step()")
         self._settle_backward()
         self._settle_forward()
@@ -897,6 +911,13 @@ class Runtime:
         """The update with the gradients times ``grad_scale`` (loss unscaling and clipping
         together; ``clipped``: clipping made it smaller, counted in telemetry)."""
         self.check_can_step()
+        self._in_step = True  # until the update is launched: see _check_not_in_step
+        try:
+            self._step(grad_scale, clipped)
+        finally:
+            self._in_step = False
+
+    def _step(self, grad_scale: float, clipped: bool) -> None:
         self.grads.settle()  # stage 1: the step's reduction
         hyper = self._step_hyper(grad_scale)
         self.timers["clipped_steps"] += clipped
@@ -927,10 +948,14 @@ class Runtime:
     def skip_step(self) -> None:
         """An fp16 overflow: no update; gradients are discarded."""
         self.check_can_step()
-        self.schedule.skip()
-        for store in self.stores.values():
-            store.end_iteration()
-        self._end_step(skipped=True)
+        self._in_step = True
+        try:
+            self.schedule.skip()
+            for store in self.stores.values():
+                store.end_iteration()
+            self._end_step(skipped=True)
+        finally:
+            self._in_step = False
 
     def _end_step(self, skipped: bool = False) -> None:
         now = time.perf_counter()

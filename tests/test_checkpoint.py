@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -488,4 +489,21 @@ def test_a_save_from_a_signal_handler_inside_optimizer_step_is_refused(tmp_path)
     reference, ref_opt = offload.wrap(make_model(), placement_config("cpu", "cpu", tmp_path / "r"))
     assert train_wrapped(reference, ref_opt, data, 2, 1, 1.0)[0] == losses
     ref_opt.close()
+    opt.close()
+
+
+def test_keep_last_keeps_this_run_s_saves_after_a_machine_whose_clock_was_ahead(tmp_path):
+    """``keep_last`` orders checkpoints by when they were written, a time in their names. A
+    run resumed on a machine whose clock is behind the one that wrote the checkpoint (a
+    preempted job on another node) named its saves "older": keep_last=2 kept the other
+    machine's checkpoint at every save and removed this run's previous one. A new name now
+    comes after every checkpoint already there."""
+    model, opt = offload.wrap(make_model(), placement_config("cpu", "cpu", tmp_path))
+    first = offload.save_checkpoint(tmp_path / "ck", model, opt)
+    ahead = first.with_name(f"ckpt-00000000-{time.time_ns() + 600 * 10**9}")  # 10 min ahead
+    first.rename(ahead)
+    (tmp_path / "ck" / "latest").write_text(ahead.name + "\n")
+    a = offload.save_checkpoint(tmp_path / "ck", model, opt, keep_last=2)
+    b = offload.save_checkpoint(tmp_path / "ck", model, opt, keep_last=2)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == sorted([a.name, b.name, "latest"])
     opt.close()

@@ -223,7 +223,7 @@ def save_checkpoint(
     extra = _to_json(extra)
     group = _param_group(optimizer)
     buffers = _buffer_entries(model)
-    name = files.checkpoint_name(engine.step_count)
+    name = files.checkpoint_name(engine.step_count, Path(directory))
     if engine.comm.world > 1:
         return _save_ranks(
             Path(directory), name, engine, optimizer, keep_last, extra, group, buffers

@@ -256,10 +256,21 @@ def _check_pointer(pointer: Path) -> None:
         )
 
 
-def checkpoint_name(step: int) -> str:
+def checkpoint_name(step: int, root: Path | None = None) -> str:
     """A new checkpoint's directory name: its step and when it is written (ns since the
-    epoch), by which ``keep_last`` orders a directory's checkpoints."""
-    return f"ckpt-{step:08d}-{time.time_ns()}"
+    epoch), by which ``keep_last`` orders a directory's checkpoints; after every checkpoint
+    already in ``root``, so that a run resumed on a machine whose clock is behind the one that
+    wrote them (a preempted job on another node) does not name its saves "older" (keep_last
+    then kept the other machine's and removed this run's own)."""
+    stamp = time.time_ns()
+    try:
+        names = os.listdir(root) if root is not None else []
+    except OSError:  # no directory yet (or not on this rank's machine): nothing to come after
+        names = []
+    for name in names:
+        if m := _CKPT_NAME.fullmatch(name):
+            stamp = max(stamp, int(m[2]) + 1)
+    return f"ckpt-{step:08d}-{stamp}"
 
 
 class CheckpointWriter:

@@ -405,6 +405,28 @@ def test_bf16_two_ranks_match_mixed_precision_on_the_whole_batch(two):
     _bf16_close(_final(two, "bf16-s3-cpu-cpu"), ref.state_dict())
 
 
+@pytest.mark.heavy
+def test_fp16_gradients_finite_on_every_rank_do_not_overflow_in_their_sum(tmp_path):
+    """Each rank's fp16 gradient is 40000 (finite: fp16's largest is 65504), as is one
+    process's on the whole batch, which steps. The ranks summed theirs before dividing by
+    the world: 80000 overflowed, and every rank skipped a step one process takes (norm inf,
+    at every stage; the loss scale would back off to half). Now they match one process."""
+    from _fp16_sum_worker import train_one_step  # noqa: PLC0415
+
+    one = train_one_step(2, world=1)
+    assert one["skipped"] == 0 and one["norm"] == pytest.approx(8 * 40000.0)
+    worker = Path(__file__).resolve().parent / "_fp16_sum_worker.py"
+    procs = start_ranks([sys.executable, str(worker), "1", "2", "3"], 2, tmp_path)
+    for rc, out, err in wait_all(procs, 120):
+        assert rc == 0, err[-3000:]
+        for line in out.splitlines():
+            got = json.loads(line)
+            where = f"stage {got['stage']}, rank {got['rank']}"
+            assert got["skipped"] == 0, f"{where}: skipped a step one process takes ({got})"
+            assert got["norm"] == pytest.approx(one["norm"]), where
+            assert got["weight"] == pytest.approx(one["weight"], abs=1e-5), where
+
+
 # ------------------------------------------------------------------------------ checkpoints
 def test_same_world_resume_is_bitwise(two):
     whole, second = result(two, "whole"), result(two, "second")

@@ -22,6 +22,11 @@ Note: the mean over ranks
     micro-batch) is applied as a factor ``mean_scale = 1 / world`` where the gradients are used:
     inside the Adam kernel's gradient scale, and on the norm (:meth:`Grads.stats` returns the
     sum of squares of the mean). In fp32 the factor is exact for a power-of-two world.
+    fp16 is the exception: there each rank's gradients are divided by the world before the
+    reduction (``mean_scale`` is then 1), as FSDP pre-divides. Summed first, N ranks' finite
+    fp16 gradients of the one-process magnitude overflowed in the sum (65504 is fp16's
+    largest): a step one process takes was skipped on every rank, and the dynamic loss scale
+    settled N times lower. bf16 has fp32's range and keeps the sum.
 
 Note: the norm and the overflow flag
     Each rank's owner knows the sum of squares and the inf/NaN flag of its own share. Shares do
@@ -139,6 +144,9 @@ class ScatteredGrads(Grads):
 
     def __init__(self, owner, staging, units, comm, device, dtype) -> None:
         super().__init__(owner, staging, units, comm)
+        # fp16: the ranks' mean is taken before the sum, not after it (module Note)
+        self._predivide = float(comm.world) if dtype == torch.float16 else 1.0
+        self.mean_scale = self._predivide / comm.world
         largest = max((u.layout.trainable for u in units), default=0)
         self._send = [torch.empty(largest, dtype=dtype, device=device) for _ in range(2)]
         self._recv = [
@@ -216,6 +224,8 @@ class ScatteredGrads(Grads):
         self._next_slot = 1 - slot
         send = self._send[slot][:n]
         self.staging.flatten(unit, send)
+        if self._predivide != 1.0:
+            send.div_(self._predivide)
         for p in unit.trainable_params:
             p.grad = None  # flattened: the device copy is not needed any more
         share = self._recv[slot][: n // self.comm.world]

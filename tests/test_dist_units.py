@@ -449,3 +449,34 @@ def test_ranks_that_wrap_differently_are_told_the_key_and_both_values(change, na
     assert "rank 0 and rank 1" in message and named in message, message
     if named == "values":
         assert "norm.weight is" in message, message
+
+
+def test_ranks_whose_persistence_threshold_differs_at_stage_3_are_told_it():
+    """At stage 3 ``offload_param.persistence_threshold`` decides which units stay gathered,
+    so which all-gathers each rank issues: rank 0 at 0 and rank 1 at 100000 passed wrap and
+    gloo aborted rank 0 in the first forward ("Received data size doesn't match expected
+    size", exit -6). Refused at wrap, naming the key; at stages 1 and 2 (gathers do not depend
+    on it) ranks may differ."""
+    from offload.api.wrap import _check_ranks, _fingerprint  # noqa: PLC0415
+
+    def wrapped(stage, threshold):
+        torch.manual_seed(0)
+        model = make_model()
+        cfg = placement_config("nvme", "cpu", Path("/tmp/unused"), distributed={"stage": stage})
+        cfg["offload_param"]["persistence_threshold"] = threshold
+        config = load_config(cfg)
+        return model, config, make_plan(model, config, shard=ShardSpec(0, 2))
+
+    for stage in (1, 2):
+        model, cfg, plan = wrapped(stage, 0)
+        _check_ranks(
+            _OtherRank(_fingerprint(*wrapped(stage, 100000)[:3], None)), model, cfg, plan, None
+        )
+    model, cfg, plan = wrapped(3, 0)
+    other = _fingerprint(*wrapped(3, 100000)[:3], None)
+    with pytest.raises(ValueError) as err:
+        _check_ranks(_OtherRank(other), model, cfg, plan, None)
+    message = str(err.value)
+    assert "offload_param.persistence_threshold is 0 on rank 0 and 100000 on rank 1" in message, (
+        message
+    )

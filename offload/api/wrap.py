@@ -456,6 +456,8 @@ def _fingerprint(model: nn.Module, cfg: OffloadConfig, plan: Plan, weights) -> d
         "placement": [pl.param_home, pl.optim_home, pl.schedule.value, pl.master.value],
         "sharding": [pl.stage, pl.grad_reduce.value, pl.shard_params, pl.piece_numel],
     }
+    if pl.shard_params:  # which units stay gathered: which all-gathers each forward issues
+        config["offload_param"] = {"persistence_threshold": cfg.offload_param.persistence_threshold}
     return {"config": config, "layout": layout, "values": values}
 
 

@@ -392,3 +392,53 @@ def test_swap_files_of_the_user_and_a_failed_run_s_out_are_handled(setup, capsys
     capsys.readouterr()
     assert main(args("c", "empty.jsonl")) == 2
     assert "--data" in capsys.readouterr().err and not (t / "c").exists()
+
+
+_STUCK_RANK = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+import transformers
+from offload.finetune import Options, finetune
+
+if os.environ["RANK"] == "1":  # stuck in its first forward (a hung data or device call)
+    transformers.LlamaForCausalLM.forward = lambda self, *a, **k: time.sleep(100)
+t0 = time.monotonic()
+try:
+    finetune(Options(model={model!r}, data={data!r}, out={out!r}, config={config!r}, steps=2,
+                     seq_len=16, batch=1, lr=1e-2, progress=False, report=False))
+except Exception as exc:
+    print(f"{{time.monotonic() - t0:.1f}} {{type(exc).__name__}}: {{exc}}", flush=True)
+    sys.exit(0)
+"""
+
+
+@pytest.mark.heavy
+def test_a_rank_stuck_in_its_forward_stops_the_others_at_the_distributed_timeout(setup):
+    """At stage 1 nothing in the forwards and backwards waits on the other ranks, so the first
+    wait is the step's loss summed over the ranks: a plain ``all_reduce`` on the default group,
+    which waited the group's own timeout (30 minutes; here until the stuck rank's 100 s sleep
+    ended) where every other wait in offload ends at ``distributed.timeout`` (15 s here: wrap's
+    waits too, for a rank that loads slower on a loaded machine)."""
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from dist_harness import start_ranks, wait_all  # noqa: PLC0415
+
+    t = setup
+    (t / "stage1.yaml").write_text(CPU + "distributed: {stage: 1, timeout: 15}\n")
+    script = _STUCK_RANK.format(
+        tests=str(Path(__file__).parent), model=str(t / "model"), data=str(t / "data.jsonl"),
+        out=str(t / "out"), config=str(t / "stage1.yaml"),
+    )  # fmt: skip
+    (t / "w.py").write_text(script)
+    procs = start_ranks([sys.executable, str(t / "w.py")], 2, t)
+    try:
+        ((rc0, out0, err0),) = wait_all(procs[:1], 200)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert rc0 == 0 and "CollectiveError" in out0, (out0, err0[-2000:])
+    took, message = out0.split(" ", 1)
+    assert "did not complete within 15 s (distributed.timeout)" in message, message
+    assert "the step's loss" in message, message
+    assert float(took) < 75, out0  # loading the model, then 15 s: not the stuck rank's 100 s

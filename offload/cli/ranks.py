@@ -5,6 +5,7 @@ share it; a command started by the user's own ``torchrun`` joins the same way.""
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 
@@ -40,10 +41,16 @@ def launch(command: str, nproc: int, argv: list[str]) -> int:
         return 130
 
 
-def join_group(device: str) -> tuple[int, int, bool]:
+def join_group(device: str, timeout: float | None = None) -> tuple[int, int, bool]:
     """Under torchrun (``WORLD_SIZE`` > 1): joins the process group for ``device`` ("auto":
     CUDA when there is one), unless one is initialized already. ``(rank, world, joined)``:
-    ``joined`` says this call made the group (its caller destroys it at the end)."""
+    ``joined`` says this call made the group (its caller destroys it at the end).
+
+    ``timeout`` (seconds): the group's own, the config's ``distributed.timeout``. offload's
+    waits end at that timeout, but a collective they leave pending cannot be cancelled and
+    holds the process's exit (``destroy_process_group``) until the group's timeout, 30
+    minutes by default: a rank whose peer is stuck said so after ``distributed.timeout`` and
+    then did not end."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
@@ -54,5 +61,8 @@ def join_group(device: str) -> tuple[int, int, bool]:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1, False
     cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    init_process_group("nccl" if cuda else "gloo")
+    if timeout is None:
+        init_process_group("nccl" if cuda else "gloo")
+    else:
+        init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size(), True

@@ -291,7 +291,7 @@ def finetune(opts: Options, on_step=None) -> int:
     swap = joined = False
     try:
         cfg, opts, swap, no_decay_given = offload_config(opts, out)
-        rank, world, joined = join_group(cfg["device"])
+        rank, world, joined = join_group(cfg["device"], cfg["distributed"]["timeout"])
         return _run(opts, out, cfg, no_decay_given, lr_flag, rank, world, on_step)
     finally:
         if joined:
@@ -449,7 +449,7 @@ def _run(opts, out, cfg, no_decay_given, lr_flag, rank, world, on_step) -> int:
                     loss_sum += loss.item()
                     tokens += x.numel() * world
                 if world > 1:  # the step's loss: the ranks' parts (by tokens) or their mean
-                    loss_sum = _all_summed(loss_sum) * weight / world
+                    loss_sum = _all_summed(loss_sum, engine_of(model).comm) * weight / world
                 t2 = time.perf_counter()
                 if not math.isfinite(loss_sum):  # before its step: the weights of before stay
                     raise FloatingPointError(
@@ -549,12 +549,13 @@ def _remove_swap(folder: Path) -> None:
             sub.rmdir()
 
 
-def _all_summed(value: float) -> float:
-    """``value`` summed over the ranks (float64, so that every rank holds the same sum)."""
-    import torch.distributed as dist  # noqa: PLC0415
-
+def _all_summed(value: float, comm) -> float:
+    """``value`` summed over the ranks (float64, so that every rank holds the same sum),
+    through the model's collectives: a rank that stopped or is stuck ends the wait at
+    ``distributed.timeout`` with offload's error, as every other wait on the ranks does (a
+    plain ``all_reduce`` on the default group waited the group's own 30 minutes)."""
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
+    comm.all_reduce(t, what="the step's loss").wait()
     return float(t)
 
 

@@ -442,3 +442,56 @@ def test_a_rank_stuck_in_its_forward_stops_the_others_at_the_distributed_timeout
     assert "did not complete within 15 s (distributed.timeout)" in message, message
     assert "the step's loss" in message, message
     assert float(took) < 75, out0  # loading the model, then 15 s: not the stuck rank's 100 s
+
+
+@pytest.mark.heavy
+def test_a_resume_on_another_rank_count_with_the_same_global_batch_continues_the_run(setup, capsys):
+    """Two ranks at --batch 1 train as one process at --batch 2 (the same sequences per
+    micro-batch, split), and the checkpoint reshards to any rank count; but a resume with
+    another rank count was refused ("the checkpoint's run had batch=1, ranks=2"), so a run
+    that lost a rank could not go on. Now the checkpoint of step 2 of either run, resumed on
+    the other rank count at the same global batch, ends where the uninterrupted run did."""
+    import shutil  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    t = setup
+
+    def args(out, batch, *extra):
+        return _args(t, t / out, "--batch", str(batch), "--steps", "4", "--save-every", "2", *extra)
+
+    def two_ranks(out, *extra):
+        cmd = [sys.executable, "-m", "offload", *args(out, 1, "--nproc", "2", *extra)]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run
+
+    def back_to_step_2(out):
+        ckpts = t / out / "checkpoints"
+        (ckpts / "latest").write_text(next(p.name for p in ckpts.glob("ckpt-00000002-*")))
+
+    def assert_same(out, want):
+        got = load_file(t / out / "hf" / "model.safetensors")
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=name)
+
+    assert main(args("one", 2)) == 0
+    one = load_file(t / "one" / "hf" / "model.safetensors")
+    two_ranks("two")
+    assert_same("two", one)
+
+    back_to_step_2("two")  # two ranks' checkpoint, one process
+    capsys.readouterr()
+    assert main(args("two", 2, "--resume")) == 0, capsys.readouterr().err
+    assert "continues it on 1 rank at --batch 2" in capsys.readouterr().err
+    assert_same("two", one)
+
+    shutil.copytree(t / "one", t / "again")  # one process's checkpoint, two ranks
+    back_to_step_2("again")
+    run = two_ranks("again", "--resume")
+    assert "continues it on 2 ranks at --batch 1" in run.stderr
+    assert_same("again", one)
+
+    capsys.readouterr()  # another global batch is still another run (its last: 2 x 1)
+    assert main(args("again", 1, "--resume")) == 2
+    assert "the checkpoint's run had ranks=2; this one has ranks=1" in capsys.readouterr().err

@@ -32,7 +32,9 @@ Note: several ranks
     each rank's loss, its tokens' sum over the step's count, is weighed by N). Rank 0 writes
     ``metrics.jsonl``, the report, the tokenizer and shows the progress; checkpoints and the
     export are collective (each rank writes its share; rank 0 the export). A resume at another
-    rank count is refused (its batches would differ).
+    rank count continues the run when ``--batch`` x ranks is the checkpoint's (the same
+    sequences per micro-batch: a run that lost a rank goes on at twice the ``--batch``); at
+    another global batch it is refused (its batches would differ).
 """
 
 from __future__ import annotations
@@ -374,6 +376,8 @@ def _run(opts, out, cfg, no_decay_given, lr_flag, rank, world, on_step) -> int:
             saved = extra["run"]
             saved = {"ranks": 1} | saved  # (a run saved before it said: one process)
             changed = [k for k in run_id if saved.get(k) != run_id[k]]
+            if _same_global_batch(saved, run_id, changed, say=lead):
+                changed = []
             if changed:
                 raise ValueError(
                     "--resume: the checkpoint's run had "
@@ -547,6 +551,28 @@ def _remove_swap(folder: Path) -> None:
     for sub in sorted(folder.glob("**/"), key=lambda p: len(p.parts), reverse=True):
         with contextlib.suppress(OSError):  # not empty
             sub.rmdir()
+
+
+def _same_global_batch(saved: dict, run_id: dict, changed: list[str], say: bool) -> bool:
+    """Whether a resume that changed only ``--batch`` and the rank count keeps the sequences of
+    each micro-batch (batch x ranks the same): it is then the same run (Note: several ranks;
+    the checkpoint reshards to any rank count), said on stderr."""
+    if not changed or not set(changed) <= {"batch", "ranks"}:
+        return False
+    if saved["batch"] * saved["ranks"] != run_id["batch"] * run_id["ranks"]:
+        return False
+    if say:
+
+        def on(run: dict) -> str:
+            return f"{run['ranks']} rank{'s' if run['ranks'] > 1 else ''} at --batch {run['batch']}"
+
+        print(
+            f"offload finetune: --resume: the checkpoint's run had {on(saved)}; this one "
+            f"continues it on {on(run_id)} (the same {run_id['batch'] * run_id['ranks']} "
+            "sequences per micro-batch)",
+            file=sys.stderr,
+        )
+    return True
 
 
 def _all_summed(value: float, comm) -> float:

@@ -274,3 +274,37 @@ def test_ctrl_c_anywhere_in_a_step(tmp_path, delay):
     assert code == 130, output[-3000:]
     assert "Traceback" not in output
     assert list(nvme.iterdir()) == []
+
+
+@needs_engine
+@pytest.mark.heavy
+def test_two_ranks_report_the_run_s_loss_and_tokens(tmp_path):
+    """With ``--nproc 2`` rank 0 reported its own step: the loss of its own batch and its own
+    tokens (half the run's tokens/s), under a header saying "2 ranks, batch 2 per rank". Now a
+    step's record is the run's: the mean of the ranks' losses (each rank's stream is seeded
+    with --seed + rank) and every rank's tokens."""
+    from offload.cli.demo import rss_before_model  # noqa: PLC0415
+    from offload.demo.data import ByteCorpus, batches  # noqa: PLC0415
+    from offload.demo.model import GPT, config_for_size, lm_loss  # noqa: PLC0415
+
+    cmd = [
+        sys.executable, "-m", "offload", "demo", "--size", "tiny", "--steps", "1",
+        "--batch-size", "2", "--nproc", "2", "--stage", "2", "--eval-batches", "0",
+        "--no-progress", "--report", str(tmp_path / "rep"),
+    ]  # fmt: skip
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (step,) = [r for r in _records(tmp_path / "rep") if r["kind"] == "step"]
+
+    gcfg = config_for_size("tiny")  # the demo's model, made as it makes it
+    torch.manual_seed(0)
+    corpus = ByteCorpus.from_stdlib()
+    rss_before_model()
+    model = GPT(gcfg)
+    losses = []
+    with torch.no_grad():
+        for rank in (0, 1):
+            x, y = next(batches(corpus.train, 2, gcfg.seq_len, seed=rank))
+            losses.append(float(lm_loss(model(x), y)))
+    assert step["tokens"] == 2 * 2 * gcfg.seq_len
+    assert step["loss"] == pytest.approx(sum(losses) / 2, abs=1e-5), losses

@@ -19,8 +19,9 @@ Note: several ranks
     under ``torchrun --standalone --nproc-per-node N`` (gloo on the CPU, NCCL on CUDA), each
     rank training on its own batches (``--batch-size`` per rank, the stream seeded with
     ``--seed`` + rank) with the state sharded by ``distributed.stage`` (``--stage``). Rank 0
-    shows the progress, prints the summary and writes the report; every rank's swap files go
-    in its own directory.
+    shows the progress, prints the summary and writes the report: a step's loss is the mean of
+    the ranks' and its tokens (tokens/s) every rank's (``offload.demo.loop``); every rank's swap
+    files go in its own directory.
 
 Note: clean stop
     Ctrl-C ends the training loop after the current operation; the report is written for the
@@ -367,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             # offload.wrap is this function; importing it from its home also works when an
             # editable install exposes `offload` as a namespace package (no top-level __init__).
-            from offload.api import wrap  # noqa: PLC0415
+            from offload.api import engine_of, wrap  # noqa: PLC0415
             from offload.config import load_config  # noqa: PLC0415
 
             try:
@@ -456,6 +457,7 @@ def run(args: argparse.Namespace) -> int:
             device=device,
             writer=writer,
             progress=not args.no_progress,
+            comm=engine_of(model).comm if world > 1 else None,  # the run's loss and tokens
         )
     except KeyboardInterrupt:  # Ctrl-C while setting up (wrap, first IO), before any step
         result = None

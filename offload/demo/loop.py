@@ -14,6 +14,13 @@ Note: where the numbers come from
     the device inside its forward/backward timers, so the three phases add up to the step and
     those two are parts of them, not more addends.
 
+Note: several ranks
+    With ``comm`` (the model's collectives, when several ranks train) a step's record is the
+    run's: its loss the mean of the ranks' losses (each the mean over its own batch of one
+    size) and its tokens every rank's, one all-reduce per step after the step's timing; the
+    time, IO and memory figures stay this rank's. Each rank then sees the same loss, so a
+    non-finite one stops every rank at the same step.
+
 Note: Ctrl-C
     ``KeyboardInterrupt`` anywhere in a step ends the loop; the result says how many steps
     finished, and the caller closes the engine and removes swap files in its ``finally``.
@@ -127,8 +134,10 @@ def train(
     writer: MetricsWriter | None = None,
     progress: bool = True,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    comm=None,
 ) -> TrainResult:
-    """Train for ``steps`` steps (see the module Notes); Ctrl-C ends it early and cleanly."""
+    """Train for ``steps`` steps (see the module Notes); Ctrl-C ends it early and cleanly.
+    ``comm``: the model's collectives when several ranks train (Note: several ranks)."""
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     result = TrainResult()
@@ -182,6 +191,8 @@ def train(
             wall = t3 - t0
             io_bytes = sum(rec["bytes"].values())
             tokens = x.numel()
+            if comm is not None:
+                loss_value, tokens = _over_ranks(comm, loss_value, tokens)
             rec.update(
                 kind="step",
                 step=step + 1,
@@ -223,3 +234,11 @@ def train(
     finally:
         bar.close()
     return result
+
+
+def _over_ranks(comm, loss: float, tokens: int) -> tuple[float, int]:
+    """The step's loss (the mean of the ranks') and tokens (their sum) over the ranks (Note:
+    several ranks); float64, so that every rank holds the same numbers."""
+    both = torch.tensor([loss, tokens], dtype=torch.float64)
+    comm.all_reduce(both, what="the step's loss and tokens").wait()
+    return float(both[0]) / comm.world, int(both[1])

@@ -308,3 +308,38 @@ def test_two_ranks_report_the_run_s_loss_and_tokens(tmp_path):
             losses.append(float(lm_loss(model(x), y)))
     assert step["tokens"] == 2 * 2 * gcfg.seq_len
     assert step["loss"] == pytest.approx(sum(losses) / 2, abs=1e-5), losses
+
+
+_STUCK_RANK = """
+import os, sys, time
+import offload.demo.model
+from offload.cli.main import main
+
+if os.environ["RANK"] == "1":  # stuck in its first forward (a hung data or device call)
+    offload.demo.model.GPT.forward = lambda self, *a, **k: time.sleep(100)
+main(["demo", "--size", "tiny", "--steps", "2", "--no-progress", "--no-report",
+      "--eval-batches", "0", "--config", {config!r}])
+"""
+
+
+@needs_engine
+@pytest.mark.heavy
+def test_a_rank_whose_peer_is_stuck_ends_at_the_distributed_timeout(tmp_path):
+    """Rank 0 said at ``distributed.timeout`` (15 s) that its gather did not complete, but its
+    process ended only when the stuck rank did (107 s here; 30 minutes, the group's own
+    timeout, for one stuck for good): the gather it left pending held the exit. The demo's
+    group now has ``distributed.timeout`` as its own timeout."""
+    from dist_harness import start_ranks, wait_all  # noqa: PLC0415
+
+    (tmp_path / "c.yaml").write_text("distributed: {timeout: 15}\n")
+    (tmp_path / "w.py").write_text(_STUCK_RANK.format(config=str(tmp_path / "c.yaml")))
+    procs = start_ranks([sys.executable, str(tmp_path / "w.py")], 2, tmp_path)
+    t0 = time.monotonic()
+    try:
+        ((rc0, _, err0),) = wait_all(procs[:1], 200)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    took = time.monotonic() - t0
+    assert rc0 == 1 and "did not complete within 15 s (distributed.timeout)" in err0, err0[-2000:]
+    assert took < 75, took  # starting, 15 s, the pending gather's 15 s: not the stuck 100 s

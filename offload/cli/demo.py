@@ -327,9 +327,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"offload demo: error: {exc}", file=sys.stderr)
         return 2
     device = _resolve_device(args.device)
-    rank, world, _ = (0, 1, False) if args.baseline else ranks.join_group(device)
-    if rank != 0:  # rank 0 reports (Note: several ranks)
-        args.no_progress, args.no_report = True, True
+    rank, world = 0, 1  # (several ranks: joined as the engine is made, below)
     n_params = param_count(gcfg)
     torch.manual_seed(args.seed)
     t_load = time.perf_counter()
@@ -374,10 +372,15 @@ def run(args: argparse.Namespace) -> int:
             try:
                 cfg = build_config(args, tmpdir, device)
                 norm = load_config(cfg)  # as the engine reads it (DeepSpeed mapped, sizes parsed)
+                # the group's own timeout is distributed.timeout (ranks.join_group): with
+                # torch's 30 minutes a rank whose peer was stuck said so, then did not end
+                rank, world, _ = ranks.join_group(device, norm.distributed.timeout)
                 model, optimizer = wrap(model, cfg)
             except (ValueError, OSError) as exc:  # ConfigError is a ValueError
                 print(f"offload demo: error: {exc}", file=sys.stderr)
                 return 2
+            if rank != 0:  # rank 0 reports (Note: several ranks)
+                args.no_progress, args.no_report, report_dir = True, True, None
             dtype_name = norm.dtype
             unit = largest_unit_params(gcfg)
             buffers = host_buffer_bytes(norm, unit)

@@ -343,3 +343,21 @@ def test_a_rank_whose_peer_is_stuck_ends_at_the_distributed_timeout(tmp_path):
     took = time.monotonic() - t0
     assert rc0 == 1 and "did not complete within 15 s (distributed.timeout)" in err0, err0[-2000:]
     assert took < 75, took  # starting, 15 s, the pending gather's 15 s: not the stuck 100 s
+
+
+@needs_engine
+@pytest.mark.heavy
+def test_a_rank_s_error_under_nproc_ends_as_in_one_process(tmp_path):
+    """A flag the ranks refuse (a --nvme-path that cannot be made) printed its one line on
+    each rank, then torchrun's own traceback and failure summary (40 lines), and ended with
+    torchrun's status 1 where one process ends with 2. Now: the ranks' lines, one line
+    naming the rank that failed first, and its status."""
+    cmd = [
+        sys.executable, "-m", "offload", "demo", "--size", "tiny", "--steps", "1",
+        "--nproc", "2", "--nvme-path", "/dev/null/swap", "--no-progress", "--no-report",
+    ]  # fmt: skip
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert "cannot make a swap directory in '/dev/null/swap'" in run.stderr
+    assert "Traceback" not in run.stderr and "ChildFailedError" not in run.stderr, run.stderr
+    assert "offload demo: rank " in run.stderr and "exited with status 2" in run.stderr

@@ -26,7 +26,7 @@ def launch(command: str, nproc: int, argv: list[str]) -> int:
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "offload.cli.ranks",  # torchrun, a rank's failure said as one line (torchrun())
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
@@ -66,3 +66,43 @@ def join_group(device: str, timeout: float | None = None) -> tuple[int, int, boo
     else:
         init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size(), True
+
+
+def torchrun(argv: list[str], command: str) -> int:
+    """``torchrun ARGV`` (``torch.distributed.run``) in this process, as ``launch`` runs it:
+    when a rank fails, torchrun stops the others and raised ``ChildFailedError``, which
+    printed its traceback and a 20-line summary after the rank's own error and ended with
+    status 1 (one process ends a refused flag with 2). Here the rank that failed first is
+    named in one line and its exit status is the command's (1 for a rank ended by a
+    signal, which is named)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
+    from torch.distributed.run import parse_args, run  # noqa: PLC0415
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        status = failure.exitcode
+        if status > 0:
+            how = f"exited with status {status} (its error is above)"
+        else:  # (killed: the kernel's OOM killer sends SIGKILL)
+            how = f"was ended by {_signal_name(-status)}"
+        print(
+            f"offload {command}: rank {rank} {how}; the other ranks were stopped",
+            file=sys.stderr,
+        )
+        return status if status > 0 else 1
+    return 0
+
+
+def _signal_name(number: int) -> str:
+    import signal  # noqa: PLC0415
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+if __name__ == "__main__":  # launch()'s torchrun: ARGV ends with "-m offload.cli.main COMMAND"
+    sys.exit(torchrun(sys.argv[1:], sys.argv[sys.argv.index("offload.cli.main") + 1]))

@@ -156,6 +156,24 @@ def test_demo_config_file_overrides_defaults(tmp_path, capsys):
     assert "offload_param.device" in err and "floppy" in err
 
 
+def test_the_configs_gradient_accumulation_steps_makes_each_step_that_many_batches(tmp_path):
+    """`--config` with gradient_accumulation_steps 2 stepped at every batch (one batch's
+    tokens a step, the config's value dropped unsaid); now a step is two micro-batches."""
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"gradient_accumulation_steps": 2, "gradient_clipping": 1.0}))
+    code = run_main(
+        "--size", "tiny", "--steps", "2", "--batch-size", "2", "--config", str(cfg),
+        "--eval-batches", "0", "--no-progress", "--nvme-path", str(tmp_path / "nvme"),
+        "--report", str(tmp_path / "rep"),
+    )  # fmt: skip
+    assert code == 0
+    records = _records(tmp_path / "rep")
+    seq = records[0]["model"]["seq_len"]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [r["tokens"] for r in steps] == [2 * 2 * seq] * 2
+    assert records[0]["gradient_accumulation_steps"] == 2
+
+
 def test_the_flags_and_the_swap_directory_apply_to_a_deepspeed_config_too(tmp_path):
     """A DeepSpeed file was used exactly as given: --dtype, --device, --stage and --nvme-path
     were dropped unsaid and an NVMe section without nvme_path was refused; one without

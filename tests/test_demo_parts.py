@@ -293,6 +293,38 @@ def test_train_loop_learns_and_writes_records(corpus, tmp_path, one_thread):
     assert demo_report.read_metrics(tmp_path / "m.jsonl") == res.records
 
 
+def test_train_loop_accumulates_the_configs_micro_batches_per_step(corpus, one_thread):
+    """The demo stepped at every batch whatever the config's gradient_accumulation_steps: a
+    step is that many micro-batches now, each loss divided by their count, as a torch loop."""
+    torch.manual_seed(0)
+    cfg = config_for_size("tiny", seq_len=16)
+    model, ref = GPT(cfg), GPT(cfg)
+    ref.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    res = demo_train.train(
+        model, opt, corpus, steps=3, batch_size=2, seq_len=16, lr=1e-3, progress=False,
+        accumulation=2,
+    )  # fmt: skip
+    stream = batches(corpus.train, 2, 16, 0)
+    losses = []
+    for _ in range(3):
+        total = 0.0
+        for _ in range(2):
+            x, y = next(stream)
+            loss = demo_train.lm_loss(ref(x), y) / 2
+            loss.backward()
+            total += float(loss)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(total)
+    steps = [r for r in res.records if r["kind"] == "step"]
+    assert [r["tokens"] for r in steps] == [2 * 2 * 16] * 3
+    assert [r["loss"] for r in steps] == pytest.approx(losses, rel=1e-6)
+    for (name, a), b in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_train_loop_uses_engine_counters_and_stops_on_ctrl_c(corpus, one_thread):
     torch.manual_seed(0)
     model = GPT(config_for_size("tiny", seq_len=16))

@@ -353,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
     result = None
     header: list[tuple[str, str]] = [("model", describe(gcfg))]
     report_dir = None if args.no_report else Path(args.report)
+    accumulation = 1  # micro-batches per step: the config's gradient_accumulation_steps
     try:
         if args.baseline:
             model = model.to(device)
@@ -382,6 +383,8 @@ def run(args: argparse.Namespace) -> int:
             if rank != 0:  # rank 0 reports (Note: several ranks)
                 args.no_progress, args.no_report, report_dir = True, True, None
             dtype_name = norm.dtype
+            if isinstance(norm.gradient_accumulation_steps, int):  # (else "auto": one)
+                accumulation = norm.gradient_accumulation_steps
             unit = largest_unit_params(gcfg)
             buffers = host_buffer_bytes(norm, unit)
             budget = host_memory_budget(buffers, unit) if buffers else None
@@ -411,6 +414,14 @@ def run(args: argparse.Namespace) -> int:
             ("data", f"{len(corpus.train) / 1e6:.1f} MB of stdlib source ({load_s:.1f} s)")
         )
         header.append(("device", f"{device}, dtype {dtype_name}"))
+        if accumulation > 1:
+            header.append(
+                (
+                    "accumulation",
+                    f"{accumulation} micro-batches of {args.batch_size} per step "
+                    "(gradient_accumulation_steps)",
+                )
+            )
         if report_dir is not None:
             try:
                 writer = rep.MetricsWriter(report_dir / "metrics.jsonl")
@@ -434,6 +445,7 @@ def run(args: argparse.Namespace) -> int:
                     "rss_before_model_bytes": rss_before,
                     "steps": args.steps,
                     "batch_size": args.batch_size,
+                    "gradient_accumulation_steps": accumulation,
                     "baseline": bool(args.baseline),
                 }
             )  # fmt: skip
@@ -461,6 +473,7 @@ def run(args: argparse.Namespace) -> int:
             writer=writer,
             progress=not args.no_progress,
             comm=engine_of(model).comm if world > 1 else None,  # the run's loss and tokens
+            accumulation=accumulation,
         )
     except KeyboardInterrupt:  # Ctrl-C while setting up (wrap, first IO), before any step
         result = None

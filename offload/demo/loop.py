@@ -21,6 +21,12 @@ Note: several ranks
     time, IO and memory figures stay this rank's. Each rank then sees the same loss, so a
     non-finite one stops every rank at the same step.
 
+Note: accumulation
+    With ``accumulation`` N > 1 (the config's ``gradient_accumulation_steps``) a step is N
+    micro-batches of ``batch_size``, each loss divided by N before its backward (the mean over
+    the step's sequences), then one ``optimizer.step()``: the step's record has the mean of
+    their losses, every micro-batch's tokens, and the forward and backward walls summed.
+
 Note: Ctrl-C
     ``KeyboardInterrupt`` anywhere in a step ends the loop; the result says how many steps
     finished, and the caller closes the engine and removes swap files in its ``finally``.
@@ -135,9 +141,11 @@ def train(
     progress: bool = True,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     comm=None,
+    accumulation: int = 1,
 ) -> TrainResult:
     """Train for ``steps`` steps (see the module Notes); Ctrl-C ends it early and cleanly.
-    ``comm``: the model's collectives when several ranks train (Note: several ranks)."""
+    ``comm``: the model's collectives when several ranks train (Note: several ranks);
+    ``accumulation``: micro-batches per step (Note: accumulation)."""
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     result = TrainResult()
@@ -169,28 +177,33 @@ def train(
             scale = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
             for group in optimizer.param_groups:
                 group["lr"] = lr * scale
-            x, y = next(stream)
-            x, y = x.to(device), y.to(device)
             c0 = time.process_time()
-            t0 = time.perf_counter()
-            loss = lm_loss(model(x), y)
-            t1 = time.perf_counter()
-            scale_loss = getattr(optimizer, "scale_loss", None)  # (fp16: offload's scaling)
-            (scale_loss(loss) if callable(scale_loss) else loss).backward()
+            walls = {"forward": 0.0, "backward": 0.0}
+            loss_value, tokens = 0.0, 0
+            for _ in range(accumulation):
+                x, y = next(stream)
+                x, y = x.to(device), y.to(device)
+                t1 = time.perf_counter()
+                loss = lm_loss(model(x), y) / accumulation
+                t2 = time.perf_counter()
+                scale_loss = getattr(optimizer, "scale_loss", None)  # (fp16: offload's scaling)
+                (scale_loss(loss) if callable(scale_loss) else loss).backward()
+                walls["forward"] += t2 - t1
+                walls["backward"] += time.perf_counter() - t2
+                loss_value += float(loss.detach())
+                tokens += x.numel()
             t2 = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad()
             t3 = time.perf_counter()
-            loss_value = float(loss.detach())
+            walls["optimizer"] = t3 - t2
             stats = stats_fn() if callable(stats_fn) else None
             rec = normalize_stats(stats)
-            walls = {"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
             for phase, wall in walls.items():
                 if not (stats or {}).get(f"{phase}_seconds"):
                     rec[f"{phase}_seconds"] = wall
-            wall = t3 - t0
+            wall = sum(walls.values())  # (the batches' slicing is not the step's)
             io_bytes = sum(rec["bytes"].values())
-            tokens = x.numel()
             if comm is not None:
                 loss_value, tokens = _over_ranks(comm, loss_value, tokens)
             rec.update(

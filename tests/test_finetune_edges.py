@@ -157,6 +157,28 @@ def test_a_metrics_line_cut_short_does_not_refuse_the_resume(setup, capsys):
     assert steps == [1, 2, 3, 4]
 
 
+def test_a_resumed_run_s_metrics_hold_one_summary_and_no_record_past_the_checkpoint(setup):
+    """--resume kept every record but the steps past the checkpoint: the stopped run's summary
+    (and an eval past the checkpoint, were there one) stayed in metrics.jsonl, so the resumed
+    run's file held two summaries, the first in the middle of the steps."""
+    t = setup
+    opts = Options(
+        model=str(t / "model"), data=str(t / "data.jsonl"), out=str(t / "a"),
+        config=str(t / "cfg.yaml"), steps=4, seq_len=16, batch=2, lr=1e-2, save_every=2,
+        progress=False,
+    )  # fmt: skip
+
+    def stop(rec):
+        if rec["step"] == 3:
+            raise KeyboardInterrupt
+
+    assert finetune(opts, on_step=stop) == 130
+    args = _args(t, t / "a", "--resume", "--steps", "4", "--save-every", "2")
+    assert main([a for a in args if a != "--no-report"]) == 0
+    kinds = [r["kind"] for r in read_metrics(t / "a" / "metrics.jsonl")]
+    assert kinds == ["run", "step", "step", "step", "step", "summary"], kinds
+
+
 def test_accumulation_weighs_every_covered_token_alike(setup):
     """With prompt / completion data the micro-batches cover different numbers of tokens; each
     one's mean divided by --accum weighed them unequally: --batch 2 --accum 2 ended 3.3e-3 off

@@ -16,7 +16,8 @@ Note: resuming bitwise
     checkpoint's. So ``--resume`` from the checkpoint of step ``s`` computes steps ``s+1...``
     exactly as the uninterrupted run did. A resume with another ``--seq-len``, ``--batch``,
     ``--accum``, ``--seed`` or data file is refused (it would not be the same run).
-    ``metrics.jsonl`` keeps the records up to the checkpoint's step and appends the rest.
+    ``metrics.jsonl`` keeps the records up to the checkpoint's step (not the stopped run's
+    summary) and appends the rest.
 
 Note: Ctrl-C
     Ends the loop after the current step; no export, the last checkpoint stays, the swap files
@@ -394,11 +395,11 @@ def _run(opts, out, cfg, no_decay_given, lr_flag, rank, world, on_step) -> int:
             sched.load_state_dict(extra["scheduler"])
             _resume_lr(optimizer, sched, lr_flag, start)
             _set_rng_state(extra["rng"])
-            if (out / "metrics.jsonl").exists():
+            if (out / "metrics.jsonl").exists():  # the run's records up to the checkpoint
                 records = [
                     r
                     for r in read_metrics(out / "metrics.jsonl", on_bad=_left_out)
-                    if r.get("kind") != "step" or r["step"] <= start
+                    if r.get("kind") != "summary" and r.get("step", 0) <= start
                 ]
         if opts.report:
             writer = MetricsWriter(out / "metrics.jsonl")

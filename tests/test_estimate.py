@@ -65,6 +65,27 @@ QWEN3_30B_A3B = {
     "tie_word_embeddings": False,
     "vocab_size": 151936,
 }
+OLMOE_1B_7B = {  # q/k RMSNorms over all heads: h for q, kv heads x head_dim for k
+    "model_type": "olmoe",
+    "hidden_size": 2048,
+    "intermediate_size": 1024,
+    "num_experts": 64,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "tie_word_embeddings": False,
+    "vocab_size": 50304,
+}
+OLMO2_7B = {
+    "model_type": "olmo2",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "tie_word_embeddings": False,
+    "vocab_size": 100352,
+}
 GEMMA_2B = {  # its config.json has no tie_word_embeddings: GemmaConfig's default (true) holds
     "model_type": "gemma",
     "hidden_size": 2048,
@@ -181,6 +202,8 @@ def test_fits_against_the_machine():
         (QWEN15_MOE_A27B, 14_315_784_192),
         (GEMMA_2B, 2_506_172_416),
         (QWEN3_30B_A3B, 30_532_122_624),
+        (OLMOE_1B_7B, 6_919_161_856),
+        (OLMO2_7B, 7_298_617_344),
         # dense layers by decoder_sparse_step 2 and mlp_only_layers (counted by transformers)
         (
             QWEN15_MOE_A27B
@@ -209,11 +232,62 @@ def test_fits_against_the_machine():
         "qwen1.5-moe-a2.7b",
         "gemma-2b-tied-unsaid",
         "qwen3-30b-a3b",
+        "olmoe-1b-7b",
+        "olmo2-7b",
         "qwen2-moe-dense-layers",
     ],
 )
 def test_hf_config_param_counts(cfg, expected):
     assert est.params_from_hf_config(cfg) == expected
+
+
+def _small_configs():
+    """Small configs of the layouts with something to get wrong (q/k norms over grouped k/v
+    heads, dense layers among MoE ones), as transformers' config classes write them."""
+    transformers = pytest.importorskip("transformers")
+    small = dict(hidden_size=64, num_attention_heads=4, vocab_size=300, tie_word_embeddings=False)
+    return {
+        "olmoe-gqa": transformers.OlmoeConfig(
+            **small, intermediate_size=32, num_experts=6, num_hidden_layers=2,
+            num_key_value_heads=2,
+        ),
+        "olmo2-gqa": transformers.Olmo2Config(
+            **small, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2,
+        ),
+        "qwen2_moe-sparse-step": transformers.Qwen2MoeConfig(
+            **small, intermediate_size=128, moe_intermediate_size=16, num_experts=6,
+            shared_expert_intermediate_size=40, num_hidden_layers=6, num_key_value_heads=2,
+            decoder_sparse_step=2, mlp_only_layers=[3],
+        ),
+        "qwen3_moe-head-dim": transformers.Qwen3MoeConfig(
+            **small, intermediate_size=128, moe_intermediate_size=16, num_experts=6,
+            num_hidden_layers=3, num_key_value_heads=2, head_dim=24, decoder_sparse_step=3,
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "arch",
+    ["olmoe-1b-7b", "olmo2-7b", "olmoe-gqa", "olmo2-gqa", "qwen2_moe-sparse-step"]
+    + ["qwen3_moe-head-dim"],
+)
+def test_counts_equal_the_models_transformers_builds(arch):
+    """The count and the largest block (the estimate's unit) equal those of the model that
+    transformers builds from the config (on the meta device: no memory for real sizes). OLMoE's
+    and OLMo2's q/k norms were left out: 65,536 and 262,144 parameters short."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    published = {"olmoe-1b-7b": OLMOE_1B_7B, "olmo2-7b": OLMO2_7B}
+    if arch in published:
+        config = transformers.AutoConfig.for_model(**published[arch])
+    else:
+        config = _small_configs()[arch]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    block = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
+    shape = est.shape_from_hf_config(json.loads(config.to_json_string()))
+    assert est.count_params(shape) == sum(p.numel() for p in model.parameters())
+    assert max(est.layer_params(shape), est.layer_params(shape, dense=True)) == block
 
 
 def test_llama2_7b_is_6_74b_and_tying_removes_one_table():

@@ -19,13 +19,16 @@ _GPT2_TYPES = {"gpt2", "gpt_bigcode"}
 _NEOX_TYPES = {"gpt_neox"}
 _QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}
 # Qwen2-MoE / Qwen3-MoE: layers whose MLP is dense, not experts, follow decoder_sparse_step and
-# mlp_only_layers; Qwen3's attention has a per-head RMSNorm on q and on k.
+# mlp_only_layers.
 _SPARSE_STEP_TYPES = {"qwen2_moe", "qwen3_moe"}
 # model_types whose transformers config class ties the head to the embeddings by default: their
 # config.json, saved by transformers 4.x, leaves tie_word_embeddings out when it is true (the
 # base class's default too), so an absent key means tied (Gemma-2B: 2.51 B, not 3.03 B)
 _TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3_text", "cohere", "ernie4_5", "smollm3"}
-_QK_NORM_TYPES = {"qwen3", "qwen3_moe"}
+# An RMSNorm on q and one on k: per head (Qwen3: head_dim weights each, shared by the heads) or
+# over all heads at once (OLMoE, OLMo2: heads x head_dim for q, kv heads x head_dim for k).
+_HEAD_QK_NORM_TYPES = {"qwen3", "qwen3_moe"}
+_FULL_QK_NORM_TYPES = {"olmoe", "olmo2"}
 # model_types whose count was checked against transformers' models (exact, or within 0.5 %: a
 # norm the formula leaves out); any other is counted with the LLaMA layout and says so, since a
 # plain MLP (OPT, Falcon, Phi-2, BLOOM, GPT-J: 2 h I), multi-head latent attention or shared
@@ -70,7 +73,7 @@ class ModelShape:
     expert_intermediate_size: int = 0  # an expert's MLP width (moe_intermediate_size; 0: I)
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (plus an h x 1 gate)
     dense_layers: int = 0  # layers of an MoE model whose MLP is dense (width I), not experts
-    qk_norm: bool = False  # per-head RMSNorm on q and k (head_dim weights each; Qwen3)
+    qk_norm: int = 0  # RMSNorm weights on q and k per layer (Qwen3: 2 head_dim; OLMoE: all heads)
     max_positions: int = 0  # learned position embeddings (gpt2 style only)
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -167,6 +170,11 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
         if not isinstance(only, list):
             raise EstimateError(f"{source}: mlp_only_layers must be a list, got {only!r}")
         dense = sum(1 for i in range(layers) if i in only or (i + 1) % step)
+    qk_norm = 0
+    if model_type in _HEAD_QK_NORM_TYPES:
+        qk_norm = 2 * head_dim
+    elif model_type in _FULL_QK_NORM_TYPES:
+        qk_norm = (heads + kv_heads) * head_dim
     positions = 0
     if style == "gpt2":
         positions = _positive_int(
@@ -186,7 +194,7 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
         expert_intermediate_size=moe_inter if experts > 1 else 0,
         shared_expert_intermediate_size=shared,
         dense_layers=dense,
-        qk_norm=model_type in _QK_NORM_TYPES,
+        qk_norm=qk_norm,
         max_positions=positions,
         attention_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -222,8 +230,7 @@ def layer_params(shape: ModelShape, *, dense: bool = False) -> int:
         attn += q_out + 2 * kv_out + h
     elif shape.qkv_bias:
         attn += q_out + 2 * kv_out
-    if shape.qk_norm:
-        attn += 2 * shape.head_dim
+    attn += shape.qk_norm
 
     def gated(width: int) -> int:
         return 3 * h * width + (2 * width + h if shape.mlp_bias else 0)

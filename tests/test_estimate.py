@@ -86,6 +86,41 @@ OLMO2_7B = {
     "tie_word_embeddings": False,
     "vocab_size": 100352,
 }
+DEEPSEEK_V2_LITE = {  # latent attention (no q bottleneck), 2 shared experts, 1 dense layer
+    "model_type": "deepseek_v2",
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "tie_word_embeddings": False,
+    "vocab_size": 102400,
+}
+DEEPSEEK_V3 = DEEPSEEK_V2_LITE | {  # transformers builds no multi-token prediction layer
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 3,
+    "q_lora_rank": 1536,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "vocab_size": 129280,
+    "n_group": 8,
+    "topk_group": 4,
+}
 GEMMA_2B = {  # its config.json has no tie_word_embeddings: GemmaConfig's default (true) holds
     "model_type": "gemma",
     "hidden_size": 2048,
@@ -204,6 +239,8 @@ def test_fits_against_the_machine():
         (QWEN3_30B_A3B, 30_532_122_624),
         (OLMOE_1B_7B, 6_919_161_856),
         (OLMO2_7B, 7_298_617_344),
+        (DEEPSEEK_V2_LITE, 15_706_484_224),
+        (DEEPSEEK_V3, 671_026_404_352),
         # dense layers by decoder_sparse_step 2 and mlp_only_layers (counted by transformers)
         (
             QWEN15_MOE_A27B
@@ -234,6 +271,8 @@ def test_fits_against_the_machine():
         "qwen3-30b-a3b",
         "olmoe-1b-7b",
         "olmo2-7b",
+        "deepseek-v2-lite",
+        "deepseek-v3",
         "qwen2-moe-dense-layers",
     ],
 )
@@ -243,7 +282,8 @@ def test_hf_config_param_counts(cfg, expected):
 
 def _small_configs():
     """Small configs of the layouts with something to get wrong (q/k norms over grouped k/v
-    heads, dense layers among MoE ones), as transformers' config classes write them."""
+    heads, dense layers among MoE ones, latent attention with and without a q bottleneck and
+    with biases), as transformers' config classes write them."""
     transformers = pytest.importorskip("transformers")
     small = dict(hidden_size=64, num_attention_heads=4, vocab_size=300, tie_word_embeddings=False)
     return {
@@ -263,21 +303,42 @@ def _small_configs():
             **small, intermediate_size=128, moe_intermediate_size=16, num_experts=6,
             num_hidden_layers=3, num_key_value_heads=2, head_dim=24, decoder_sparse_step=3,
         ),
+        "deepseek_v2-biases": transformers.DeepseekV2Config(
+            **small, intermediate_size=128, moe_intermediate_size=16, n_routed_experts=6,
+            n_shared_experts=2, first_k_dense_replace=1, num_hidden_layers=3,
+            num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=12, attention_bias=True, mlp_bias=True,
+            n_group=1, topk_group=1,
+        ),
+        "deepseek_v3-q-bottleneck": transformers.DeepseekV3Config(
+            **small, intermediate_size=128, moe_intermediate_size=16, n_routed_experts=6,
+            n_shared_experts=1, first_k_dense_replace=2, num_hidden_layers=3,
+            num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=20, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=12, attention_bias=True, n_group=1, topk_group=1,
+        ),
     }  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "arch",
     ["olmoe-1b-7b", "olmo2-7b", "olmoe-gqa", "olmo2-gqa", "qwen2_moe-sparse-step"]
-    + ["qwen3_moe-head-dim"],
+    + ["qwen3_moe-head-dim", "deepseek-v2-lite", "deepseek-v3", "deepseek_v2-biases"]
+    + ["deepseek_v3-q-bottleneck"],
 )
 def test_counts_equal_the_models_transformers_builds(arch):
     """The count and the largest block (the estimate's unit) equal those of the model that
     transformers builds from the config (on the meta device: no memory for real sizes). OLMoE's
-    and OLMo2's q/k norms were left out: 65,536 and 262,144 parameters short."""
+    and OLMo2's q/k norms were left out: 65,536 and 262,144 parameters short; DeepSeek's latent
+    attention, shared experts and dense layers were counted as LLaMA's: DeepSeek-V3 38.6 B for
+    671.0 B."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    published = {"olmoe-1b-7b": OLMOE_1B_7B, "olmo2-7b": OLMO2_7B}
+    published = {
+        "olmoe-1b-7b": OLMOE_1B_7B,
+        "olmo2-7b": OLMO2_7B,
+        "deepseek-v2-lite": DEEPSEEK_V2_LITE,
+        "deepseek-v3": DEEPSEEK_V3,
+    }
     if arch in published:
         config = transformers.AutoConfig.for_model(**published[arch])
     else:
@@ -308,6 +369,14 @@ def test_llama2_7b_is_6_74b_and_tying_removes_one_table():
         (
             LLAMA2_7B | {"num_attention_heads": 33, "num_key_value_heads": 33},
             "not a multiple of num_attention_heads",
+        ),
+        (
+            {k: v for k, v in DEEPSEEK_V2_LITE.items() if k != "v_head_dim"},
+            "missing key 'v_head_dim'",
+        ),
+        (
+            DEEPSEEK_V2_LITE | {"first_k_dense_replace": -1},
+            "first_k_dense_replace must be an integer >= 0",
         ),
     ],
 )
@@ -433,7 +502,8 @@ def test_a_model_type_of_another_layout_is_counted_with_a_note(tmp_path, capsys)
         "num_attention_heads": 71, "multi_query": True, "vocab_size": 65024,
     }  # fmt: skip
     assert est.unknown_layout(falcon) is not None
-    assert all(est.unknown_layout(c) is None for c in (LLAMA2_7B, GPT2_SMALL, QWEN3_30B_A3B))
+    known = (LLAMA2_7B, GPT2_SMALL, QWEN3_30B_A3B, DEEPSEEK_V2_LITE, DEEPSEEK_V3)
+    assert all(est.unknown_layout(c) is None for c in known)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(falcon))
     assert main(["estimate", "--hf-config", str(path)]) == 0

@@ -31,12 +31,12 @@ _HEAD_QK_NORM_TYPES = {"qwen3", "qwen3_moe"}
 _FULL_QK_NORM_TYPES = {"olmoe", "olmo2"}
 # model_types whose count was checked against transformers' models (exact, or within 0.5 %: a
 # norm the formula leaves out); any other is counted with the LLaMA layout and says so, since a
-# plain MLP (OPT, Falcon, Phi-2, BLOOM, GPT-J: 2 h I), multi-head latent attention or shared
-# experts (DeepSeek) make that count far off (Falcon-7B: 9.86 B for 6.92 B).
+# plain MLP (OPT, Falcon, Phi-2, BLOOM, GPT-J: 2 h I) or another attention makes that count far
+# off (Falcon-7B: 9.86 B for 6.92 B).
 KNOWN_MODEL_TYPES = frozenset(
     {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma"}
     | {"gemma2", "gemma3_text", "phi3", "granite", "olmo", "olmo2", "olmoe", "cohere"}
-    | {"stablelm", "smollm3", "exaone", "glm4", "ernie4_5"}
+    | {"stablelm", "smollm3", "exaone", "glm4", "ernie4_5", "deepseek_v2", "deepseek_v3"}
     | _GPT2_TYPES
     | _NEOX_TYPES
 )
@@ -57,7 +57,17 @@ class ModelShape:
 
     An MoE layer (``num_experts`` > 1) repeats the gated MLP per expert at
     ``moe_intermediate_size`` when the config gives one (Qwen-MoE experts are far narrower
-    than ``intermediate_size``, the width of its dense layers and shared expert).
+    than ``intermediate_size``, the width of its dense layers and shared expert). The experts
+    have no biases (transformers fuses them into two weights); a shared expert beside them is
+    one gated MLP: Qwen2-MoE's ``shared_expert_intermediate_size`` wide with an h x 1 gate,
+    DeepSeek's ``n_shared_experts`` x ``moe_intermediate_size`` wide without one.
+
+    ``kv_lora_rank`` > 0 is DeepSeek's multi-head latent attention, in place of q/k/v/o:
+    queries through a ``q_lora_rank`` bottleneck with its RMSNorm (h x r, r x n_q d; or one
+    h x n_q d projection when the config's rank is null), keys and values through
+    ``kv_lora_rank`` c (h x (c + rope), an RMSNorm of c, c x n_q (d - rope + v)) and an output
+    n_q v x h; ``head_dim`` d is a query head's nope + rope dims, ``v_head_dim`` v a value
+    head's; ``attention_bias`` adds biases to the two h x projections and the output.
     """
 
     hidden_size: int
@@ -71,9 +81,14 @@ class ModelShape:
     style: str = "llama"
     num_experts: int = 1  # MoE experts per layer (MLP repeated, plus an h x E router)
     expert_intermediate_size: int = 0  # an expert's MLP width (moe_intermediate_size; 0: I)
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (plus an h x 1 gate)
+    shared_expert_intermediate_size: int = 0  # the MoE layers' shared expert MLP (0: none)
+    shared_expert_gate: bool = False  # an h x 1 gate on the shared expert (Qwen2-MoE)
     dense_layers: int = 0  # layers of an MoE model whose MLP is dense (width I), not experts
     qk_norm: int = 0  # RMSNorm weights on q and k per layer (Qwen3: 2 head_dim; OLMoE: all heads)
+    q_lora_rank: int = 0  # latent attention's query bottleneck (0: one q projection)
+    kv_lora_rank: int = 0  # latent attention's key/value bottleneck (0: not latent attention)
+    qk_rope_head_dim: int = 0  # latent attention: the rotary part of head_dim
+    v_head_dim: int = 0  # latent attention: a value head's size
     max_positions: int = 0  # learned position embeddings (gpt2 style only)
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -140,8 +155,11 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
             f"{source}: num_attention_heads ({heads}) must be a multiple of "
             f"num_key_value_heads ({kv_heads})"
         )
+    latent = _latent_attention(cfg, source) if cfg.get("kv_lora_rank") else {}
     head_dim_raw = cfg.get("head_dim")
-    if head_dim_raw is None:
+    if latent:  # DeepseekV2Config writes its rope dims as head_dim: not a query head's size
+        head_dim = latent.pop("head_dim")
+    elif head_dim_raw is None:
         if h % heads:
             raise EstimateError(
                 f"{source}: hidden_size ({h}) is not a multiple of num_attention_heads "
@@ -153,8 +171,9 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
     tied_raw = cfg.get("tie_word_embeddings")
     tied_default = style == "gpt2" or model_type in _TIED_BY_DEFAULT
     tied = tied_default if tied_raw is None else bool(tied_raw)
-    experts_raw = cfg.get("num_local_experts", cfg.get("num_experts"))
-    experts = 1 if experts_raw is None else _positive_int(experts_raw, "num_local_experts", source)
+    expert_keys = ("num_local_experts", "num_experts", "n_routed_experts")  # n_: DeepSeek
+    experts_key = next((k for k in expert_keys if cfg.get(k) is not None), None)
+    experts = 1 if experts_key is None else _positive_int(cfg[experts_key], experts_key, source)
     moe_raw = cfg.get("moe_intermediate_size")
     moe_inter = 0 if moe_raw is None else _positive_int(moe_raw, "moe_intermediate_size", source)
     shared_raw = cfg.get("shared_expert_intermediate_size") if experts > 1 else None
@@ -163,6 +182,10 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
         if not shared_raw
         else _positive_int(shared_raw, "shared_expert_intermediate_size", source)
     )
+    shared_gate = shared > 0
+    if experts > 1 and cfg.get("n_shared_experts"):  # DeepSeek: n experts' width, in one MLP
+        n_shared = _positive_int(cfg["n_shared_experts"], "n_shared_experts", source)
+        shared = n_shared * (moe_inter or inter)
     dense = 0
     if experts > 1 and model_type in _SPARSE_STEP_TYPES:
         step = _positive_int(cfg.get("decoder_sparse_step", 1), "decoder_sparse_step", source)
@@ -170,6 +193,13 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
         if not isinstance(only, list):
             raise EstimateError(f"{source}: mlp_only_layers must be a list, got {only!r}")
         dense = sum(1 for i in range(layers) if i in only or (i + 1) % step)
+    elif experts > 1 and cfg.get("first_k_dense_replace") is not None:  # DeepSeek
+        first = cfg["first_k_dense_replace"]
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise EstimateError(
+                f"{source}: first_k_dense_replace must be an integer >= 0, got {first!r}"
+            )
+        dense = min(first, layers)
     qk_norm = 0
     if model_type in _HEAD_QK_NORM_TYPES:
         qk_norm = 2 * head_dim
@@ -193,13 +223,32 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
         num_experts=experts,
         expert_intermediate_size=moe_inter if experts > 1 else 0,
         shared_expert_intermediate_size=shared,
+        shared_expert_gate=shared_gate,
         dense_layers=dense,
         qk_norm=qk_norm,
         max_positions=positions,
         attention_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qkv_bias=model_type in _QKV_BIAS_TYPES,
+        **latent,
     )
+
+
+def _latent_attention(cfg: Mapping[str, Any], source: str) -> dict[str, int]:
+    """The latent attention fields of :class:`ModelShape` from a DeepSeek config, with its
+    ``head_dim`` (a query head: nope + rope dims)."""
+    dims = {
+        key: _positive_int(_get(cfg, (key,), source), key, source)
+        for key in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    }
+    q_rank = cfg.get("q_lora_rank")  # null in DeepSeek-V2-Lite's config: one q projection
+    return {
+        "q_lora_rank": 0 if q_rank is None else _positive_int(q_rank, "q_lora_rank", source),
+        "kv_lora_rank": dims["kv_lora_rank"],
+        "qk_rope_head_dim": dims["qk_rope_head_dim"],
+        "v_head_dim": dims["v_head_dim"],
+        "head_dim": dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"],
+    }
 
 
 def unknown_layout(cfg: Mapping[str, Any]) -> str | None:
@@ -225,24 +274,42 @@ def layer_params(shape: ModelShape, *, dense: bool = False) -> int:
         mlp = 2 * h * inter + inter + h
         norms = 2 * (2 * h)  # two LayerNorms, weight + bias
         return attn + mlp + norms
-    attn = h * (q_out + 2 * kv_out) + q_out * h
-    if shape.attention_bias:
-        attn += q_out + 2 * kv_out + h
-    elif shape.qkv_bias:
-        attn += q_out + 2 * kv_out
-    attn += shape.qk_norm
+    if shape.kv_lora_rank:
+        attn = _latent_attention_params(shape)
+    else:
+        attn = h * (q_out + 2 * kv_out) + q_out * h
+        if shape.attention_bias:
+            attn += q_out + 2 * kv_out + h
+        elif shape.qkv_bias:
+            attn += q_out + 2 * kv_out
+        attn += shape.qk_norm
 
-    def gated(width: int) -> int:
-        return 3 * h * width + (2 * width + h if shape.mlp_bias else 0)
+    def gated(width: int, bias: bool = shape.mlp_bias) -> int:
+        return 3 * h * width + (2 * width + h if bias else 0)
 
     mlp = gated(inter)
     if shape.num_experts > 1 and not dense:
         width = shape.expert_intermediate_size or inter
-        mlp = shape.num_experts * gated(width) + h * shape.num_experts  # experts + router
+        experts = shape.num_experts * gated(width, bias=False)  # fused: no biases
+        mlp = experts + h * shape.num_experts  # experts + router
         if shape.shared_expert_intermediate_size:
-            mlp += gated(shape.shared_expert_intermediate_size) + h  # shared expert + its gate
+            mlp += gated(shape.shared_expert_intermediate_size)
+            mlp += h if shape.shared_expert_gate else 0
     norms = 2 * h  # two RMSNorms, weight only
     return attn + mlp + norms
+
+
+def _latent_attention_params(shape: ModelShape) -> int:
+    """DeepSeek's multi-head latent attention (see :class:`ModelShape`)."""
+    h, heads, bias = shape.hidden_size, shape.num_heads, int(shape.attention_bias)
+    q_rank, kv_rank, rope = shape.q_lora_rank, shape.kv_lora_rank, shape.qk_rope_head_dim
+    q_out = heads * shape.head_dim
+    # down-projection (+ bias) and RMSNorm of the bottleneck, then up to the heads
+    q = (h + bias + 1) * q_rank + q_rank * q_out if q_rank else h * q_out
+    kv = (h + bias) * (kv_rank + rope) + kv_rank
+    kv += kv_rank * heads * (shape.head_dim - rope + shape.v_head_dim)
+    out = heads * shape.v_head_dim * h + bias * h
+    return q + kv + out
 
 
 def embedding_params(shape: ModelShape) -> int:

@@ -182,6 +182,35 @@ def test_write_from_and_read_into_nvme(tmp_path):
             store.read_into("m", torch.empty(5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_writes_outside_the_pool_keep_a_bounded_staging(tmp_path, backend, monkeypatch, dtype):
+    """Registering and ``write_from`` a shard larger than the store's staging write it a chunk
+    at a time (each chunk's checksum then checked by the whole reads); the store keeps no
+    buffer of the shard's size (it kept one of the largest shard for good, uncounted)."""
+    from offload.store import store as store_mod  # noqa: PLC0415
+
+    monkeypatch.setattr(store_mod, "STAGING_BYTES", 3 * KIB4)
+    numel = (1 << 14) + 3  # 5 chunks and a tail
+    size = ((numel * dtype.itemsize + KIB4 - 1) // KIB4) * KIB4
+    with make_store(tmp_path, buffers=2, buffer_size=size) as store:
+        init = torch.randn(numel)  # converted to the shard's dtype on the way
+        store.register("a", numel, dtype, Tier.NVME, init=init)
+        store.register("z", numel, dtype, Tier.NVME)
+        assert store._staging.numel() <= 3 * KIB4
+        assert torch.equal(store.fetch("a", Tier.HOST).wait(), init.to(dtype))
+        store.release("a", Tier.HOST)
+        out = torch.empty(numel, dtype=dtype)
+        store.read_into("z", out)
+        assert torch.count_nonzero(out) == 0
+        src = torch.randn(numel).to(dtype)
+        store.write_from("z", src)
+        store.read_into("z", out)
+        assert torch.equal(out, src)
+        assert torch.equal(store.fetch("z", Tier.HOST).wait(), src)
+        store.release("z", Tier.HOST)
+        assert store._staging.numel() <= 3 * KIB4
+
+
 def test_shard_larger_than_a_buffer_is_rejected_naming_the_key(tmp_path):
     with make_store(tmp_path, buffer_size=8192, name="offload_optimizer") as store:
         with pytest.raises(ValueError) as info:

@@ -19,6 +19,7 @@ import offload
 
 DIM, HIDDEN = 256, 1024
 PARAM_BUF, OPT_BUF = 256 * 1024, 512 * 1024
+VOCAB = 16384  # the LM's root: 2 x 16 MiB in fp32, 16 blocks
 
 
 class Stack(nn.Module):
@@ -31,6 +32,22 @@ class Stack(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.out(x)
+
+
+class LM(nn.Module):
+    """An LM whose root (embedding and head, untied) is its largest unit, many times a block."""
+
+    def __init__(self, blocks: int, vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, DIM)
+        self.blocks = nn.ModuleList(Block(DIM, HIDDEN) for _ in range(blocks))
+        self.head = nn.Linear(DIM, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
 
 
 def main() -> None:
@@ -56,19 +73,27 @@ def main() -> None:
             "nvme_path": str(workdir / "o"),
             "buffer_count": 8,
             "buffer_size": OPT_BUF,
-            "step_in_backward": sys.argv[3:] == ["step_in_backward"],
+            "step_in_backward": "step_in_backward" in sys.argv[3:],
         },
         "wrap": {"module_classes": ["Block"]},
     }
+    lm = "lm" in sys.argv[3:]  # the LM, with the "auto" swap buffers (the largest unit each)
+    if lm:
+        for section in ("offload_param", "offload_optimizer"):
+            del cfg[section]["buffer_count"], cfg[section]["buffer_size"]
     # Warm up what any training loop pays once, before the baseline: the autograd engine and
     # the first torch.optim.Optimizer (which imports torch._dynamo, ~50 MB of RSS).
     warm = nn.Linear(DIM, 1)
     F.mse_loss(warm(x), y).backward()
     torch.optim.SGD(warm.parameters(), lr=0.1).step()
+    if lm:
+        x, y = torch.randint(0, VOCAB, (2, 4)), torch.randint(0, VOCAB, (2, 4))
     base = proc.memory_info().rss  # before the model exists: everything after is the run's
-    model = Stack(int(sys.argv[2]))
+    model = LM(int(sys.argv[2])) if lm else Stack(int(sys.argv[2]))
     n_params = sum(p.numel() for p in model.parameters())
     unit_params = sum(p.numel() for p in model.blocks[0].parameters())
+    root_params = n_params - sum(p.numel() for p in model.blocks.parameters())
+    loss_fn = (lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())) if lm else F.mse_loss
     peak = [0]
     stop = threading.Event()
 
@@ -82,12 +107,13 @@ def main() -> None:
     t = threading.Thread(target=sample, daemon=True)
     t.start()
     for _ in range(3):
-        F.mse_loss(model(x), y).backward()
+        loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad()
     stop.set()
     t.join()
     peak[0] = max(peak[0], proc.memory_info().rss)
+    buffers = opt.stats()["host_reserved_bytes"]
     opt.close()
     print(
         json.dumps(
@@ -98,8 +124,9 @@ def main() -> None:
                 "growth": peak[0] - base,
                 "n_params": n_params,
                 "unit_params": unit_params,
+                "largest_unit": max(unit_params, root_params),
                 "fp32_state": 16 * n_params,
-                "buffers": 4 * PARAM_BUF + 8 * OPT_BUF,
+                "buffers": buffers if lm else 4 * PARAM_BUF + 8 * OPT_BUF,
             }
         )
     )

@@ -130,10 +130,8 @@ def test_the_config_s_gradient_clipping_holds_unless_the_flag_says_otherwise(set
     assert not same(off, from_file)
 
 
-def test_a_metrics_line_cut_short_does_not_refuse_the_resume(setup, capsys):
-    """A run killed while writing metrics.jsonl (or a full disk) left a line that is not JSON:
-    --resume stopped on it (after loading the model) and could not continue the run."""
-    t = setup
+def _stopped_at_step_3(t) -> None:
+    """A run of 4 steps into ``t / "a"``, checkpointed every 2, stopped by Ctrl-C at step 3."""
     opts = Options(
         model=str(t / "model"), data=str(t / "data.jsonl"), out=str(t / "a"),
         config=str(t / "cfg.yaml"), steps=4, seq_len=16, batch=2, lr=1e-2, save_every=2,
@@ -145,6 +143,13 @@ def test_a_metrics_line_cut_short_does_not_refuse_the_resume(setup, capsys):
             raise KeyboardInterrupt
 
     assert finetune(opts, on_step=stop) == 130
+
+
+def test_a_metrics_line_cut_short_does_not_refuse_the_resume(setup, capsys):
+    """A run killed while writing metrics.jsonl (or a full disk) left a line that is not JSON:
+    --resume stopped on it (after loading the model) and could not continue the run."""
+    t = setup
+    _stopped_at_step_3(t)
     metrics = t / "a" / "metrics.jsonl"
     lines = metrics.read_text().splitlines(keepends=True)
     assert json.loads(lines[-2])["step"] == 3  # then the summary
@@ -162,17 +167,7 @@ def test_a_resumed_run_s_metrics_hold_one_summary_and_no_record_past_the_checkpo
     (and an eval past the checkpoint, were there one) stayed in metrics.jsonl, so the resumed
     run's file held two summaries, the first in the middle of the steps."""
     t = setup
-    opts = Options(
-        model=str(t / "model"), data=str(t / "data.jsonl"), out=str(t / "a"),
-        config=str(t / "cfg.yaml"), steps=4, seq_len=16, batch=2, lr=1e-2, save_every=2,
-        progress=False,
-    )  # fmt: skip
-
-    def stop(rec):
-        if rec["step"] == 3:
-            raise KeyboardInterrupt
-
-    assert finetune(opts, on_step=stop) == 130
+    _stopped_at_step_3(t)
     args = _args(t, t / "a", "--resume", "--steps", "4", "--save-every", "2")
     assert main([a for a in args if a != "--no-report"]) == 0
     kinds = [r["kind"] for r in read_metrics(t / "a" / "metrics.jsonl")]

@@ -18,6 +18,13 @@ from offload.estimate.errors import EstimateError
 _GPT2_TYPES = {"gpt2", "gpt_bigcode"}
 _NEOX_TYPES = {"gpt_neox"}
 _QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}
+# attention_bias puts biases on q/k/v only (Seed-OSS: attention_out_bias for o; GLM-4.5: none)
+_QKV_ONLY_BIAS_TYPES = {"seed_oss", "glm4_moe"}
+# Norms other than two weight-only ones per layer: LayerNorm with a bias (weight + bias a
+# norm), none with weights (OLMo's), one per layer (Cohere's parallel block), four (Gemma 2/3)
+_BIASED_NORM_TYPES = {"stablelm", "phimoe"}
+_WEIGHTLESS_NORM_TYPES = {"olmo"}
+_FOUR_NORM_TYPES = {"gemma2", "gemma3_text"}
 # Qwen2-MoE / Qwen3-MoE: layers whose MLP is dense, not experts, follow decoder_sparse_step and
 # mlp_only_layers.
 _SPARSE_STEP_TYPES = {"qwen2_moe", "qwen3_moe"}
@@ -27,16 +34,20 @@ _SPARSE_STEP_TYPES = {"qwen2_moe", "qwen3_moe"}
 _TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3_text", "cohere", "ernie4_5", "smollm3"}
 # An RMSNorm on q and one on k: per head (Qwen3: head_dim weights each, shared by the heads) or
 # over all heads at once (OLMoE, OLMo2: heads x head_dim for q, kv heads x head_dim for k).
-_HEAD_QK_NORM_TYPES = {"qwen3", "qwen3_moe"}
-_FULL_QK_NORM_TYPES = {"olmoe", "olmo2"}
-# model_types whose count was checked against transformers' models (exact, or within 0.5 %: a
-# norm the formula leaves out); any other is counted with the LLaMA layout and says so, since a
+_HEAD_QK_NORM_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}
+_FULL_QK_NORM_TYPES = {"olmoe", "olmo2", "olmo3"}
+# ... or when a config key turns them on: per head (GLM-4.5's use_qk_norm) or over all heads
+# (Cohere's use_qk_norm, StableLM's qk_layernorm: one weight-only norm per head)
+_SWITCHED_QK_NORM = {"glm4_moe": ("use_qk_norm", "head")}
+_SWITCHED_QK_NORM |= {"cohere": ("use_qk_norm", "full"), "stablelm": ("qk_layernorm", "full")}
+# model_types whose count was checked against transformers' models (exact); any other is counted with the LLaMA layout and says so, since a
 # plain MLP (OPT, Falcon, Phi-2, BLOOM, GPT-J: 2 h I) or another attention makes that count far
 # off (Falcon-7B: 9.86 B for 6.92 B).
 KNOWN_MODEL_TYPES = frozenset(
     {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma"}
     | {"gemma2", "gemma3_text", "phi3", "granite", "olmo", "olmo2", "olmoe", "cohere"}
     | {"stablelm", "smollm3", "exaone", "glm4", "ernie4_5", "deepseek_v2", "deepseek_v3"}
+    | {"phimoe", "gpt_oss", "glm4_moe", "granitemoe", "granitemoeshared", "olmo3", "seed_oss"}
     | _GPT2_TYPES
     | _NEOX_TYPES
 )
@@ -54,6 +65,12 @@ class ModelShape:
       - ``"gpt2"``: fused qkv and output projection with biases, MLP h -> I -> h with biases,
         LayerNorm (weight + bias), learned position embeddings (``n_positions`` x h).
       - ``"gpt_neox"``: like gpt2 but rotary positions (no position weights).
+
+    In the llama layout ``norms_per_layer`` norms of ``norm_weights`` x h parameters each (1:
+    a weight; 2: LayerNorm's weight and bias; 0: OLMo's norms have none), the final one alike.
+    GPT-OSS adds a learned attention sink per head (``attention_sinks``), biases on its router
+    (``router_bias``) and experts (``expert_bias``); PhiMoE may add one to the head
+    (``head_bias``).
 
     An MoE layer (``num_experts`` > 1) repeats the gated MLP per expert at
     ``moe_intermediate_size`` when the config gives one (Qwen-MoE experts are far narrower
@@ -90,9 +107,15 @@ class ModelShape:
     qk_rope_head_dim: int = 0  # latent attention: the rotary part of head_dim
     v_head_dim: int = 0  # latent attention: a value head's size
     max_positions: int = 0  # learned position embeddings (gpt2 style only)
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v/o biases (q/k/v only: qkv_bias)
     mlp_bias: bool = False
     qkv_bias: bool = False
+    norms_per_layer: int = 2
+    norm_weights: int = 1  # parameters per hidden element of one norm (llama layout)
+    attention_sinks: bool = False  # one learned logit per query head (GPT-OSS)
+    router_bias: bool = False
+    expert_bias: bool = False  # biases on the fused experts' projections (GPT-OSS)
+    head_bias: bool = False  # a bias on the output head (PhiMoE's lm_head_bias)
 
 
 def _get(cfg: Mapping[str, Any], names: tuple[str, ...], source: str) -> Any:
@@ -176,13 +199,13 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
     experts = 1 if experts_key is None else _positive_int(cfg[experts_key], experts_key, source)
     moe_raw = cfg.get("moe_intermediate_size")
     moe_inter = 0 if moe_raw is None else _positive_int(moe_raw, "moe_intermediate_size", source)
-    shared_raw = cfg.get("shared_expert_intermediate_size") if experts > 1 else None
-    shared = (
-        0
-        if not shared_raw
-        else _positive_int(shared_raw, "shared_expert_intermediate_size", source)
+    shared_key = next(  # Qwen2-MoE's, with an h x 1 gate; Granite-MoE-shared's, without
+        (k for k in ("shared_expert_intermediate_size", "shared_intermediate_size") if k in cfg),
+        "shared_expert_intermediate_size",
     )
-    shared_gate = shared > 0
+    shared_raw = cfg.get(shared_key) if experts > 1 else None
+    shared = 0 if not shared_raw else _positive_int(shared_raw, shared_key, source)
+    shared_gate = shared > 0 and shared_key == "shared_expert_intermediate_size"
     if experts > 1 and cfg.get("n_shared_experts"):  # DeepSeek: n experts' width, in one MLP
         n_shared = _positive_int(cfg["n_shared_experts"], "n_shared_experts", source)
         shared = n_shared * (moe_inter or inter)
@@ -200,11 +223,30 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
                 f"{source}: first_k_dense_replace must be an integer >= 0, got {first!r}"
             )
         dense = min(first, layers)
-    qk_norm = 0
+    qk_kind = None
     if model_type in _HEAD_QK_NORM_TYPES:
-        qk_norm = 2 * head_dim
+        qk_kind = "head"
     elif model_type in _FULL_QK_NORM_TYPES:
-        qk_norm = (heads + kv_heads) * head_dim
+        qk_kind = "full"
+    elif model_type in _SWITCHED_QK_NORM and cfg.get(_SWITCHED_QK_NORM[model_type][0]):
+        qk_kind = _SWITCHED_QK_NORM[model_type][1]
+    qk_norm = {None: 0, "head": 2 * head_dim, "full": (heads + kv_heads) * head_dim}[qk_kind]
+    attention_bias = bool(cfg.get("attention_bias", False))
+    qkv_bias = model_type in _QKV_BIAS_TYPES or bool(cfg.get("use_qkv_bias"))  # StableLM's
+    if model_type in _QKV_ONLY_BIAS_TYPES:
+        qkv_bias, attention_bias = attention_bias, bool(cfg.get("attention_out_bias"))
+        qkv_bias = qkv_bias and not attention_bias  # (all four: attention_bias alone)
+    norms = 2
+    if model_type in _FOUR_NORM_TYPES:
+        norms = 4
+    elif model_type == "cohere" or (
+        model_type == "stablelm" and cfg.get("use_parallel_residual")
+    ):  # attention and MLP read one norm's output
+        norms = 1
+    norm_weights = (
+        2 if model_type in _BIASED_NORM_TYPES else 0 if model_type in _WEIGHTLESS_NORM_TYPES else 1
+    )
+    gpt_oss = model_type == "gpt_oss"
     positions = 0
     if style == "gpt2":
         positions = _positive_int(
@@ -227,9 +269,15 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
         dense_layers=dense,
         qk_norm=qk_norm,
         max_positions=positions,
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        attention_bias=attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qkv_bias=model_type in _QKV_BIAS_TYPES,
+        qkv_bias=qkv_bias,
+        norms_per_layer=norms,
+        norm_weights=norm_weights,
+        attention_sinks=gpt_oss,
+        router_bias=gpt_oss,
+        expert_bias=gpt_oss,
+        head_bias=bool(cfg.get("lm_head_bias")),
         **latent,
     )
 
@@ -282,7 +330,7 @@ def layer_params(shape: ModelShape, *, dense: bool = False) -> int:
             attn += q_out + 2 * kv_out + h
         elif shape.qkv_bias:
             attn += q_out + 2 * kv_out
-        attn += shape.qk_norm
+        attn += shape.qk_norm + (shape.num_heads if shape.attention_sinks else 0)
 
     def gated(width: int, bias: bool = shape.mlp_bias) -> int:
         return 3 * h * width + (2 * width + h if bias else 0)
@@ -290,13 +338,12 @@ def layer_params(shape: ModelShape, *, dense: bool = False) -> int:
     mlp = gated(inter)
     if shape.num_experts > 1 and not dense:
         width = shape.expert_intermediate_size or inter
-        experts = shape.num_experts * gated(width, bias=False)  # fused: no biases
-        mlp = experts + h * shape.num_experts  # experts + router
+        experts = shape.num_experts * gated(width, bias=shape.expert_bias)  # fused
+        mlp = experts + (h + shape.router_bias) * shape.num_experts  # experts + router
         if shape.shared_expert_intermediate_size:
             mlp += gated(shape.shared_expert_intermediate_size)
             mlp += h if shape.shared_expert_gate else 0
-    norms = 2 * h  # two RMSNorms, weight only
-    return attn + mlp + norms
+    return attn + mlp + shape.norms_per_layer * shape.norm_weights * h
 
 
 def _latent_attention_params(shape: ModelShape) -> int:
@@ -317,8 +364,8 @@ def embedding_params(shape: ModelShape) -> int:
     h = shape.hidden_size
     emb = shape.vocab_size * h * (1 if shape.tied_embeddings else 2)
     emb += shape.max_positions * h
-    emb += 2 * h if shape.style in ("gpt2", "gpt_neox") else h
-    return emb
+    emb += 2 * h if shape.style in ("gpt2", "gpt_neox") else shape.norm_weights * h
+    return emb + (shape.vocab_size if shape.head_bias else 0)
 
 
 def count_params(shape: ModelShape) -> int:

@@ -212,3 +212,39 @@ def test_start_time_is_field_22_of_proc_stat():
     with open("/proc/self/stat") as f:
         expected = int(f.read().rsplit(")", 1)[1].split()[19])
     assert _owner._proc_stat(os.getpid()) == ("R", expected)
+
+
+def _dead_store(path: Path) -> Path:
+    """A swap directory (with a file) whose owner was killed, as a SIGKILL leaves one."""
+    store = NvmeStore(path, keep=True)  # keep: its close leaves the directory and its file
+    store.allocate("k", 1 << 20)
+    store.close()
+    _rewrite(Path(store.directory), pid=_dead_pid(), keep=False)
+    return Path(store.directory)
+
+
+@pytest.mark.parametrize("killed_world", [1, 2], ids=["killed-1-rank", "killed-2-ranks"])
+def test_a_run_at_another_rank_count_reclaims_the_killed_run_s_swap(tmp_path, killed_world):
+    """A two-rank run killed by SIGKILL leaves its swap in ``nvme_path/rank-00000`` and
+    ``rank-00001``; the run resumed on one process (a checkpoint reshards to any rank count)
+    swaps in ``nvme_path`` itself and reclaimed only there: the killed run's files stayed for
+    good (4.1 MB of a TinyLM's 8.3 here, all of a 7B run's params and Adam state on a real
+    one), and a one-rank run's were never reclaimed by two ranks. Every store now reclaims
+    ``nvme_path`` and each ``rank-NNNNN`` under it."""
+    from offload.api.wrap import swap_dirs  # noqa: PLC0415
+
+    nvme = tmp_path / "nvme"
+    if killed_world == 1:
+        dead = [_dead_store(nvme)]
+        (nvme / "rank-00001").mkdir()
+        here = swap_dirs(str(nvme))  # what a rank of a two-rank run reclaims
+        assert str(nvme) in here
+        for d in here:
+            _owner.reclaim(d)
+    else:
+        dead = [_dead_store(nvme / f"rank-{r:05d}") for r in range(2)]
+        cfg = placement_config("nvme", "cpu", tmp_path)
+        cfg["offload_param"]["nvme_path"] = str(nvme)
+        model, opt = offload.wrap(make_model(), cfg)
+        opt.close()
+    assert [d for d in dead if d.exists()] == []

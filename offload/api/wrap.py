@@ -306,6 +306,9 @@ def _new_aio(cfg: OffloadConfig, resources: list):
     return aio
 
 
+_RANK_DIR = re.compile(r"rank-\d{5,}")  # rank_path's subdirectories
+
+
 def rank_path(nvme_path: str, comm: Comm) -> str:
     """Where this rank's NVMe files go: ``nvme_path`` itself with one rank, its own
     ``rank-NNNNN`` subdirectory (the global rank) with more, so ranks sharing a disk never
@@ -313,6 +316,18 @@ def rank_path(nvme_path: str, comm: Comm) -> str:
     if comm.world == 1:
         return nvme_path
     return os.path.join(nvme_path, f"rank-{comm.global_rank:05d}")
+
+
+def swap_dirs(nvme_path: str) -> list[str]:
+    """Every directory :func:`rank_path` gives under ``nvme_path`` at any rank count:
+    ``nvme_path`` and its ``rank-NNNNN`` subdirectories. A store reclaims the swap that killed
+    runs left in each (a run resumed at another rank count would otherwise never reclaim the
+    killed run's: ``offload.io._owner``'s Note on reclaiming)."""
+    try:
+        ranks = sorted(e.path for e in os.scandir(nvme_path) if _RANK_DIR.fullmatch(e.name))
+    except OSError:  # not made yet
+        ranks = []
+    return [nvme_path, *ranks]
 
 
 def _make_store(cfg: OffloadConfig, section: str, depth: int, b: _Parts, aio, resources: list):
@@ -325,6 +340,7 @@ def _make_store(cfg: OffloadConfig, section: str, depth: int, b: _Parts, aio, re
     try:
         nvme = NvmeStore(
             rank_path(sec.nvme_path, b.comm),
+            reclaim=swap_dirs(sec.nvme_path),
             aio=aio,
             checksum=cfg.aio.checksum,
             urgent_reads=section in URGENT_READS,

@@ -7,7 +7,9 @@ pid namespace, and whether the store was made with ``keep``. It is written under
 name and renamed, so a reader sees a whole record or none.
 
 Note: reclaiming. A store made on an ``nvme_path`` first looks at the ``offload-*`` directories
-already there. A directory is removed only when its record proves the owner gone: the same
+already there, and in the other directories it is given (``NvmeStore(reclaim=...)``: wrap gives
+``nvme_path`` and each ``rank-NNNNN`` under it, where runs at every rank count swap, so a run
+resumed at another rank count reclaims what the killed one left). A directory is removed only when its record proves the owner gone: the same
 host and pid namespace and either another boot, or no such pid, or the pid held by a process
 that started at another time, or a zombie (killed, not yet reaped; its files are closed). A
 directory without a readable record, with ``keep``, of another host or pid namespace (a shared

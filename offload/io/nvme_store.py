@@ -42,6 +42,7 @@ import shutil
 import tempfile
 import threading
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +110,9 @@ class NvmeStore:
         file_bytes: bytes per data file before a new one is started.
         urgent_reads: its reads go ahead of the queued requests of other stores sharing ``aio``
             (``AsyncIO.read``'s ``urgent``): the store whose reads the compute waits on.
+        reclaim: more directories whose dead owners' swap directories are reclaimed before
+            this store makes its own (``path`` always is): where runs at another rank count
+            put theirs (``offload.api.wrap.swap_dirs``).
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class NvmeStore:
         keep: bool = False,
         file_bytes: int = 64 << 30,
         urgent_reads: bool = False,
+        reclaim: Sequence[str | os.PathLike] = (),
     ) -> None:
         path = os.fspath(path)
         _make_path(path)
@@ -127,7 +132,8 @@ class NvmeStore:
             raise NotADirectoryError(
                 errno.ENOTDIR, "nvme_path is not a directory; allowed: a directory path", path
             )
-        _owner.reclaim(path)
+        for where in dict.fromkeys([path, *map(os.fspath, reclaim)]):
+            _owner.reclaim(where)
         try:
             self._dir = tempfile.mkdtemp(prefix=_owner.PREFIX, dir=path)  # mode 0700
             _owner.write_record(self._dir, keep)

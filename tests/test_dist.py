@@ -714,7 +714,10 @@ def test_a_frozen_unit_does_not_hold_back_the_reductions(two):
 # ------------------------------------------------------------------------------ failures
 def test_a_rank_that_raises_does_not_hang_the_others(tmp_path):
     """Rank 1 raises in its second step; rank 0, waiting in a collective, fails at once with
-    an error that says what it was waiting for and why."""
+    an error that says what it was waiting for and why, naming the rank that raised and its
+    exception (it named only itself: "on rank 0 of 2 failed (... Connection closed by peer
+    [127.0.0.1]:37776 ...)", so with more ranks which one failed, and why, was in another
+    process's log; the rank that raises says so through the group's store as it exits)."""
     spec = tmp_path / "spec.json"
     bad = job("fail", "cpu", "cpu", 3, steps=3, fail_at={"rank": 1, "step": 1})
     spec.write_text(json.dumps({"out": str(tmp_path), "jobs": [bad], "timeout": 120}))
@@ -725,7 +728,24 @@ def test_a_rank_that_raises_does_not_hang_the_others(tmp_path):
     assert rc1 == 1 and "injected failure on rank 1 at step 1" in err1
     assert rc0 == 1 and "CollectiveError: offload:" in err0 and "rank 0 of 2" in err0, err0[-2000:]
     assert "another rank raised, stopped or is stuck" in err0
+    error = next(line for line in err0.splitlines() if "CollectiveError: offload:" in line)
+    assert "rank 1 raised RuntimeError: injected failure on rank 1 at step 1" in error, error
     assert took < 100  # far below the 120 s timeouts: the closed connection ends it
+
+
+@pytest.mark.heavy
+def test_the_healthy_rank_s_error_names_a_rank_that_was_killed(tmp_path):
+    """A rank killed with SIGKILL (the out-of-memory killer) says nothing: the others' errors
+    name it, its pid being gone on this host."""
+    spec = tmp_path / "spec.json"
+    bad = job("kill", "cpu", "cpu", 3, steps=3, fail_at={"rank": 1, "step": 1, "kill": True})
+    spec.write_text(json.dumps({"out": str(tmp_path), "jobs": [bad], "timeout": 120}))
+    (rc0, _, err0), (rc1, _, _) = wait_all(
+        start_ranks([sys.executable, str(WORKER), str(spec)], 2, tmp_path), 120
+    )
+    error = next((line for line in err0.splitlines() if "CollectiveError: offload:" in line), "")
+    assert rc1 == -9 and rc0 == 1 and error, err0[-2000:]
+    assert "rank 1 (pid " in error and "ended without an error" in error, error
 
 
 @pytest.mark.slow

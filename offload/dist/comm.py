@@ -35,6 +35,22 @@ Note: failures and timeouts
     :class:`CollectiveError`, naming the operation, what it was for, this rank and the timeout.
     Nothing in offload waits on another rank without a timeout.
 
+    The error also names the rank that failed, when it can be known (:class:`Peers`): which
+    peer closed a connection is not in the backend's error (gloo gives an address and port),
+    so the ranks say it through the default group's key-value store, which every rank reaches
+    (under torchrun its agent's, which outlives every rank, one key space per restart; with a
+    plain ``env://`` rendezvous rank 0's process hosts it, so rank 0's own failure is read
+    only while that process still runs). At wrap each rank records who it is (pid, host:
+    ``offload.io._owner``'s owner record); a process that ends on an uncaught exception
+    records that exception as it exits (an ``atexit`` handler reading ``sys.last_value``,
+    which Python sets before the handlers run). A failure then names each peer that raised,
+    with its exception, and each peer on this host whose process is gone with nothing said
+    (killed: SIGKILL, the out-of-memory killer). A CollectiveError itself is not recorded: it
+    is the consequence, not the cause. A closed connection waits up to ``SAY_WAIT`` seconds for
+    a peer to say it (a script's ``finally: destroy_process_group()`` closes the connections
+    before the exception reaches the exit), a timeout not at all (the peers had the whole
+    timeout); a store that cannot be read leaves the message as it was.
+
 Note: the end of a process
     ``destroy_process_group`` destroys a group only when nothing else holds it; a group still
     alive when the interpreter finalizes can abort the process (exit status 134, "terminate
@@ -51,8 +67,11 @@ Note: the end of a process
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import json
 import pickle
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -159,16 +178,26 @@ class Comm:
             return {"collectives": {op: dict(v) for op, v in self._counts.items()}}
 
     def failure(self, op: str, what: str, exc: BaseException | None) -> CollectiveError:
+        timed_out = exc is None or "timed out" in str(exc).lower()
         why = (
             f"did not complete within {self.timeout:g} s (distributed.timeout)"
-            if exc is None or "timed out" in str(exc).lower()
+            if timed_out
             else f"failed ({exc})"
         )
+        # a peer that closed its connections says why as it exits; after a timeout it had
+        # the whole timeout to (module Note on failures)
+        known = self.failed_peers(wait=0.0 if timed_out else SAY_WAIT)
         return CollectiveError(
             f"offload: {op}{f' of {what}' if what else ''} on rank {self.rank} of {self.world} "
-            f"{why}: another rank raised, stopped or is stuck (its own error says why); every "
-            "rank must run the same forwards, backwards and steps"
+            f"{why}: {known + '; ' if known else ''}another rank raised, stopped or is stuck "
+            "(its own error says why); every rank must run the same forwards, backwards and "
+            "steps"
         )
+
+    def failed_peers(self, wait: float = 0.0) -> str:
+        """What is known of the other ranks' failures (module Note on failures), or "",
+        waiting up to ``wait`` seconds for a failed rank to say it."""
+        return ""
 
     def close(self) -> None:
         """The engine closed: lets go of what ties this object to other processes."""
@@ -198,6 +227,98 @@ class LocalComm(Comm):
 
     def barrier(self, what: str = "") -> None:
         pass
+
+
+_RAISED = "offload/raised/{}"  # store key: the uncaught exception a rank's process ended on
+_WHO = "offload/who/{}"  # store key: a rank's owner record (pid, host, start time)
+_EXITING: list = []  # the Peers of each store this process's groups used; told at exit
+SAY_WAIT = 3.0  # seconds a failed collective waits for a failed rank to say why
+
+
+class Peers:
+    """The ranks' records in the group's store (module Note on failures): who each rank is,
+    and the exception a rank's process ended on."""
+
+    def __init__(self, store, global_rank: int) -> None:
+        self.store, self.global_rank = store, global_rank
+
+    @staticmethod
+    def of_default_group(global_rank: int) -> Peers | None:
+        from torch.distributed import distributed_c10d  # noqa: PLC0415
+
+        try:
+            store = distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - no store (a backend without one): names nothing
+            return None
+        peers = Peers(store, global_rank)
+        from offload.io import _owner  # noqa: PLC0415
+
+        try:
+            store.set(_WHO.format(global_rank), json.dumps(_owner.this_process(keep=False)))
+        except Exception:  # noqa: BLE001
+            return None
+        atexit.unregister(_say_uncaught_at_exit)  # (once, and after the handlers before it)
+        atexit.register(_say_uncaught_at_exit)
+        _EXITING[:] = [p for p in _EXITING if p.store is not store] + [peers]
+        return peers
+
+    def _read(self, key: str) -> str | None:
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store's host is gone too: nothing known
+            return None
+
+    def describe(self, ranks: dict[int, int], wait: float) -> str:
+        """What the other ranks (``ranks``: group rank -> global rank) said or are, waiting up
+        to ``wait`` seconds for one to say it (module Note on failures: a failing rank's
+        ``finally`` can close its connections before it exits)."""
+        deadline = time.monotonic() + wait
+        while ranks:
+            said = [x for x in (self._one(rank, g) for rank, g in ranks.items()) if x]
+            if said or time.monotonic() >= deadline:
+                return "; ".join(said)
+            time.sleep(0.05)
+        return ""
+
+    def _one(self, rank: int, global_rank: int) -> str:
+        from offload.io import _owner  # noqa: PLC0415
+
+        raised = self._read(_RAISED.format(global_rank))
+        if raised is not None:
+            return f"rank {rank} raised {raised}"
+        who = self._read(_WHO.format(global_rank))
+        try:
+            record = json.loads(who) if who is not None else None
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and _owner.judge(record).gone:
+            if (raised := self._read(_RAISED.format(global_rank))) is not None:
+                return f"rank {rank} raised {raised}"  # (it said so as it ended)
+            return (
+                f"rank {rank} (pid {record.get('pid')} on this host) ended without an error "
+                "(killed: SIGKILL, the out-of-memory killer?)"
+            )
+        return ""
+
+    def say_raised(self, exc: BaseException) -> None:
+        text = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        try:
+            self.store.set(_RAISED.format(self.global_rank), text)
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+
+
+def _say_uncaught_at_exit() -> None:
+    """The process ends on an uncaught exception (``sys.last_value``): every group it joined
+    hears of it before its connections close (module Note on failures)."""
+    exc = getattr(sys, "last_value", None)
+    if exc is None or isinstance(exc, CollectiveError):
+        return
+    said = set()
+    for peers in _EXITING:
+        if id(peers.store) not in said:
+            said.add(id(peers.store))
+            peers.say_raised(exc)
 
 
 def _all_gather_fn():
@@ -231,6 +352,11 @@ class TorchComm(Comm):
         else:
             self.device = torch.device("cpu")
         self._ag, self._rs = _all_gather_fn(), _reduce_scatter_fn()
+        others = [r for r in range(self.world) if r != self.rank]
+        self._others = {
+            r: dist.get_global_rank(group, r) if group is not None else r for r in others
+        }
+        self._peers = Peers.of_default_group(self.global_rank)
 
     @property
     def group(self):
@@ -240,6 +366,9 @@ class TorchComm(Comm):
                 "process group was let go"
             )
         return self._group
+
+    def failed_peers(self, wait: float = 0.0) -> str:
+        return self._peers.describe(self._others, wait) if self._peers is not None else ""
 
     def close(self) -> None:
         """Drops the reference to a group given to ``wrap`` (module Note on exit)."""

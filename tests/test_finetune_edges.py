@@ -512,3 +512,85 @@ def test_a_resume_on_another_rank_count_with_the_same_global_batch_continues_the
     capsys.readouterr()  # another global batch is still another run (its last: 2 x 1)
     assert main(args("again", 1, "--resume")) == 2
     assert "the checkpoint's run had ranks=2; this one has ranks=1" in capsys.readouterr().err
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (Linux ``/proc``)."""
+    from pathlib import Path  # noqa: PLC0415
+
+    parents = {}
+    for p in Path("/proc").iterdir():
+        try:
+            parents[int(p.name)] = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        of = todo.pop()
+        kids = [c for c, parent in parents.items() if parent == of]
+        out += kids
+        todo += kids
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
+def test_a_signal_to_the_command_of_several_ranks_stops_its_ranks(setup, signum):
+    """``offload finetune --nproc 2`` ran torchrun as a child and waited for it: a SIGTERM to
+    the command (what a scheduler sends: Slurm's scancel, Kubernetes, ``timeout``) ended the
+    command alone, and torchrun and both ranks went on training in the background, writing
+    OUT's checkpoints and export (a resume started then raced them for the directory). Now
+    the command passes SIGTERM on to torchrun, which stops the ranks, and ends with 143
+    (128 + SIGTERM); a command killed outright (SIGKILL) takes torchrun with it (the parent
+    death signal), and torchrun its ranks."""
+    import contextlib  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from children import ROOT, default_sigint  # noqa: PLC0415
+
+    t = setup
+    out = t / "out"
+    args = _args(t, out, "--steps", "100000", "--save-every", "1", "--nproc", "2")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = subprocess.Popen(
+        [sys.executable, "-m", "offload", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=default_sigint,
+    )
+    under: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not list((out / "checkpoints").glob("ckpt-*")):  # the ranks train
+            assert cmd.poll() is None and time.monotonic() < deadline, cmd.stderr.read()[-3000:]
+            time.sleep(0.1)
+        under = _descendants(cmd.pid)
+        assert len(under) >= 3, under  # torchrun and its two ranks
+        cmd.send_signal(getattr(signal, signum))
+        status = cmd.wait(60)
+        deadline = time.monotonic() + 60
+        while any(_running(p) for p in under) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [p for p in under if _running(p)]
+        assert left == [], f"still running after the command ended by {signum}: {left}"
+        assert status == (143 if signum == "SIGTERM" else -9), status
+        assert not (out / "hf").exists()
+    finally:
+        for p in [cmd.pid, *_descendants(cmd.pid), *under]:  # (what is left: ours)
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+        cmd.communicate()

@@ -1,12 +1,25 @@
 """Several data-parallel ranks on this machine for a command (``--nproc N``): the command
 starts itself again under ``torchrun --standalone --nproc-per-node N``, and each rank joins
 the process group (gloo on the CPU, NCCL on CUDA). ``offload demo`` and ``offload finetune``
-share it; a command started by the user's own ``torchrun`` joins the same way."""
+share it; a command started by the user's own ``torchrun`` joins the same way.
+
+Note: signals
+    ``launch`` waits for torchrun, a child of its own. A SIGTERM (what a scheduler sends:
+    Slurm's scancel, Kubernetes, ``timeout``) ended that process alone, and torchrun and the
+    ranks trained on in the background, writing OUT (a resume started then raced them for the
+    directory); a Ctrl-C made it SIGKILL torchrun, leaving the ranks without it. Now SIGTERM
+    is passed on to torchrun, which stops the ranks (each rank's own handler closes its engine,
+    removing its swap files), and the command ends with 143 once they have; a terminal's
+    Ctrl-C reaches torchrun itself (the same process group) and is waited out (130), one sent
+    to this process alone is passed on after 5 s; and torchrun has SIGTERM as its parent death
+    signal, so a command killed outright (SIGKILL, the out-of-memory killer) takes it, and
+    with it the ranks, along."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 
 
@@ -35,10 +48,54 @@ def launch(command: str, nproc: int, argv: list[str]) -> int:
         *rest,
     ]
     print(f"offload {command}: {nproc} ranks: {' '.join(cmd[1:])}", file=sys.stderr)
+    # Signals (Note: signals below): torchrun ends with this process, however it ends; a
+    # SIGTERM goes on to torchrun; a Ctrl-C reaches torchrun too and is waited out
+    proc = subprocess.Popen(cmd, preexec_fn=_end_with(os.getpid()))
+    said: list[int] = []
+
+    def forward(signum, frame) -> None:
+        said.append(signum)
+        proc.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
     try:
-        return subprocess.call(cmd)
-    except KeyboardInterrupt:  # torchrun passed the Ctrl-C on to the ranks, which stopped
-        return 130
+        while True:
+            try:
+                status = proc.wait()
+                break
+            except KeyboardInterrupt:
+                said.append(signal.SIGINT)
+                try:
+                    status = proc.wait(5)
+                    break
+                except subprocess.TimeoutExpired:  # sent to this process alone: passed on
+                    proc.send_signal(signal.SIGINT)
+                except KeyboardInterrupt:
+                    pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if said:
+        return 128 + said[0]  # a shell's status for a process a signal ended (130, 143)
+    return status
+
+
+def _end_with(parent: int):
+    """torchrun's ``preexec_fn``: the kernel sends it SIGTERM when ``parent`` (this process)
+    ends, even by SIGKILL (Linux's parent death signal; elsewhere nothing is set up). libc is
+    loaded here, before the fork: only the call runs in the child."""
+    import ctypes  # noqa: PLC0415
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def setup() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent ended before that: no signal will come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return setup
 
 
 def join_group(device: str, timeout: float | None = None) -> tuple[int, int, bool]:

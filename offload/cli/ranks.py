@@ -132,11 +132,16 @@ def torchrun(argv: list[str], command: str) -> int:
     status 1 (one process ends a refused flag with 2). Here the rank that failed first is
     named in one line and its exit status is the command's (1 for a rank ended by a
     signal, which is named)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
     from torch.distributed.run import parse_args, run  # noqa: PLC0415
 
     try:
         run(parse_args(argv))
+    except SignalException as exc:  # (Note: signals) torchrun stopped the ranks: no traceback
+        name = _signal_name(int(exc.sigval))
+        print(f"offload {command}: {name}: the ranks were stopped", file=sys.stderr)
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         status = failure.exitcode

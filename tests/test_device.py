@@ -40,6 +40,25 @@ def test_pinning_is_decided_in_one_place():
     assert flat.tolist() == [0, 0, 1, 1, 1, 1, 0, 0] and COMPLETED.done()
 
 
+@pytest.mark.parametrize("world", [2, 1])
+def test_a_reduced_share_reaches_the_host_in_its_own_dtype(world):
+    """CUDA's gradient staging, run on the CPU: a unit's fp32 share of a sum over ranks (a
+    reduce dtype wider than the bf16 compute dtype) crosses through the pinned buffer's bytes
+    whole; copied into the bf16 buffer it was rounded back to bf16. A one-rank group's share
+    is larger than that buffer: it gets one of its own."""
+    from offload.device.memory import CudaGradStaging  # noqa: PLC0415
+
+    largest = 4096
+    cpu = torch.device("cpu")
+    staging = CudaGradStaging(Transfers(cpu), HostMemory(cpu), torch.bfloat16, largest)
+    share = torch.linspace(1.0, 2.0, largest // world, dtype=torch.float32) + 1e-4
+    for _ in range(2):  # (the buffer of its own is made once)
+        host = staging.share_to_host(share)
+        assert host.dtype == torch.float32 and torch.equal(host, share)
+    st = staging.transfers.stats()["tiers"]["device->host"]
+    assert st["bytes"] == 2 * 4 * share.numel()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_round_trip_without_device_synchronize(monkeypatch):
     """Streams + events on a real GPU: data intact, and no device-wide synchronize anywhere."""

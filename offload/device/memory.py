@@ -155,8 +155,10 @@ class CudaGradStaging(GradStaging):
     def __init__(self, transfers: Transfers, memory: HostMemory, dtype, largest: int) -> None:
         super().__init__(transfers, memory, dtype, largest)
         n = max(largest, 1)
+        self.memory = memory
         self._device = torch.empty(n, dtype=dtype, device=transfers.device)
         self._host = memory.empty(n, dtype, pin=True)
+        self._wide: torch.Tensor | None = None  # (share_to_host)
 
     def host_parts(self, unit: Unit) -> Parts:
         n = unit.layout.trainable
@@ -171,7 +173,16 @@ class CudaGradStaging(GradStaging):
         return [(0, n, host)]
 
     def share_to_host(self, share: torch.Tensor) -> torch.Tensor:
-        host = self._host[: share.numel()]
+        """Into the pinned buffer's bytes, in the share's own dtype (the reduce dtype, maybe
+        twice as wide as the compute dtype: a rank's share of a unit fits with two ranks or
+        more; a group of one rank gets a buffer of its own, pinned once)."""
+        nbytes = share.numel() * share.element_size()
+        host = self._host
+        if nbytes > host.numel() * host.element_size():
+            if self._wide is None or self._wide.numel() < share.numel():
+                self._wide = self.memory.empty(share.numel(), share.dtype, pin=True)
+            host = self._wide
+        host = host.view(torch.uint8)[:nbytes].view(share.dtype)
         self.transfers.wait(self.transfers.to_host(host, share), "device->host")
         return host
 

@@ -92,7 +92,7 @@ FULL = {
     },
     "wrap": {"module_classes": ["GPTBlock", "my_pkg.model.Layer"], "min_params": 1_000_000},
     "telemetry": {"jsonl_path": "/tmp/offload-telemetry.jsonl"},
-    "distributed": {"stage": 3, "timeout": 120.0},
+    "distributed": {"stage": 3, "timeout": 120.0, "reduce_dtype": "fp16"},
 }
 
 # The same config as a YAML file written by hand: unquoted 3e-4 / 1e-6 (YAML 1.1 reads them
@@ -122,7 +122,7 @@ loss_scale: {initial: 1024, growth_factor: 4, backoff_factor: 0.25, growth_inter
              min_scale: 2}
 wrap: {module_classes: [GPTBlock, my_pkg.model.Layer], min_params: 1e6}
 telemetry: {jsonl_path: /tmp/offload-telemetry.jsonl}
-distributed: {stage: 3, timeout: 120}
+distributed: {stage: 3, timeout: 120, reduce_dtype: half}
 """
 
 
@@ -396,6 +396,21 @@ BAD = [
     ({"wrap": {"module_classes": ["not a name"]}}, "wrap.module_classes", ["not a name"]),
     ({"wrap": {"min_params": -5}}, "wrap.min_params", -5),
     ({"telemetry": {"jsonl_path": 3}}, "telemetry.jsonl_path", 3),
+    ({"distributed": {"reduce_dtype": "fp8"}}, "distributed.reduce_dtype", "fp8"),
+    ({"distributed": {"reduce_dtype": 32}}, "distributed.reduce_dtype", 32),
+    ({"distributed": {"reduce_dtype": None}}, "distributed.reduce_dtype", None),
+    # a sum in a 16-bit dtype other than the compute dtype
+    ({"distributed": {"reduce_dtype": "fp16"}}, "distributed.reduce_dtype", "fp16"),
+    (
+        {"dtype": "fp32", "distributed": {"reduce_dtype": "bf16"}},
+        "distributed.reduce_dtype",
+        "bf16",
+    ),
+    (
+        {"dtype": "fp16", "distributed": {"reduce_dtype": "bf16"}},
+        "distributed.reduce_dtype",
+        "bf16",
+    ),
     # every wrap refused it, after `offload config` had called the file valid
     (
         {"offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 3}},
@@ -440,6 +455,41 @@ def test_a_stage_no_float_can_hold_is_refused_by_name(stage):
         load_config({"distributed": {"stage": stage}})
     assert err.value.key == "distributed.stage"
     assert "allowed: 1, 2, 3" in str(err.value) and len(str(err.value)) < 400
+
+
+@pytest.mark.parametrize(
+    "dtype, value, stored, summed",
+    [
+        ("bf16", None, "fp32", "fp32"),  # the default: the master's dtype
+        ("bf16", "BFloat16", "bf16", "bf16"),
+        ("bf16", "bfp16", "bf16", "bf16"),  # DeepSpeed's spelling
+        ("bf16", "auto", "auto", "bf16"),  # the compute dtype
+        ("fp16", "half", "fp16", "fp16"),
+        ("fp16", "auto", "auto", "fp16"),
+        ("fp16", "float32", "fp32", "fp32"),
+        ("fp32", "auto", "auto", "fp32"),
+    ],
+)
+def test_reduce_dtype_is_fp32_unless_asked_and_auto_is_the_compute_dtype(
+    dtype, value, stored, summed
+):
+    section = {} if value is None else {"reduce_dtype": value}
+    cfg = load_config({"dtype": dtype, "distributed": section})
+    assert cfg.distributed.reduce_dtype == stored
+    assert cfg.distributed.resolve_reduce_dtype(cfg.dtype) == summed
+    assert load_config(cfg.to_dict()) == cfg
+
+
+def test_a_reduce_dtype_the_compute_dtype_cannot_use_says_what_it_can():
+    with pytest.raises(ConfigError) as err:
+        load_config({"dtype": "bf16", "distributed": {"reduce_dtype": "fp16"}})
+    assert str(err.value) == (
+        "distributed.reduce_dtype: got 'fp16'; allowed: 'fp32', 'auto' or the compute dtype "
+        "(dtype is 'bf16')"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config({"distributed": {"reduce_dtype": "fp8"}})
+    assert "allowed: one of 'fp32', 'bf16', 'fp16', 'auto'" in str(err.value)
 
 
 @pytest.mark.parametrize(

@@ -209,6 +209,33 @@ def test_predicted_collectives_are_the_textbook_volumes():
     }
 
 
+@pytest.mark.parametrize(
+    "dtype, reduce, want, slots",
+    [
+        ("bf16", "fp32", torch.float32, 1),  # twice as wide: one unit's buffer, not two
+        ("bf16", "bf16", torch.bfloat16, 2),
+        ("fp16", "auto", torch.float16, 2),
+        ("fp32", "fp32", torch.float32, 2),
+    ],
+)
+def test_the_placement_sums_in_the_reduce_dtype_within_the_same_device_bytes(
+    dtype, reduce, want, slots
+):
+    """The flat buffers of the reduction hold two units in the compute dtype's width: two
+    slots of a reduce dtype as wide, one of a reduce dtype twice as wide."""
+    cfg = placement_config("cpu", "cpu", Path("/tmp/unused"), dtype=dtype)
+    cfg["distributed"] = {"stage": 2, "reduce_dtype": reduce}
+    plan = make_plan(make_model(), load_config(cfg), shard=ShardSpec(0, 2))
+    pl = plan.placement
+    assert pl.reduce_dtype == want and pl.reduce_slots == slots
+    assert pl.reduce_slots * want.itemsize <= 2 * pl.dtype.itemsize
+    # the gradients cross in the reduce dtype, the params in the compute dtype
+    psi = sum(u.layout.trainable for u in plan.units)
+    got = predict_collectives(plan, micro_steps=1)
+    assert got["reduce_scatter"] == psi * want.itemsize
+    assert got["all_gather"] == psi * pl.dtype.itemsize
+
+
 def test_estimate_comm_and_pools_per_rank():
     e = est.estimate(10**9, est.Machine(gpus_per_node=8), unit_params=10**7)
     rows = {(r.stage, r.placement): r for r in e.rows}

@@ -153,10 +153,10 @@ OPTIM_HOMES = {  # (who owns the master, offload_optimizer.device)
 GRAD_PATHS = {  # when gradients are reduced across ranks (plan.GradReduce)
     GradReduce.NONE: lambda b, owner, staging: Grads(owner, staging, b.plan.units, b.comm),
     GradReduce.PER_UNIT: lambda b, owner, staging: ScatteredGrads(
-        owner, staging, b.plan.units, b.comm, b.plan.placement.device, b.plan.placement.dtype
+        owner, staging, b.plan.units, b.comm, b.plan.placement
     ),
     GradReduce.AT_STEP: lambda b, owner, staging: StepScatteredGrads(
-        owner, staging, b.plan.units, b.comm, b.plan.placement.device, b.plan.placement.dtype
+        owner, staging, b.plan.units, b.comm, b.plan.placement
     ),
 }
 SCHEDULES = {

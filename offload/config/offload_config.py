@@ -84,7 +84,8 @@ class OffloadConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     """Per-step counters output."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    """ZeRO stage and collective timeout across the ranks of a process group."""
+    """ZeRO stage, gradient reduce dtype and collective timeout across the ranks of a process
+    group."""
 
     def __post_init__(self) -> None:
         self.device = _check_device("device", self.device)
@@ -116,6 +117,19 @@ class OffloadConfig:
                     f"a mapping of {f.name} keys "
                     f"({', '.join(_field_names(cls))}) or {cls.__name__}",
                 )
+        self._check_reduce_dtype()
+
+    def _check_reduce_dtype(self) -> None:
+        """The gradients are summed in fp32 or in the compute dtype: the compute dtype's
+        gradients summed in another 16-bit dtype would only lose range (bf16 into fp16, with
+        no loss scale to keep them in it) or precision (fp16 or fp32 into bf16)."""
+        dist = self.distributed
+        if dist.resolve_reduce_dtype(self.dtype) not in ("fp32", self.dtype):
+            raise ConfigError.bad(
+                "distributed.reduce_dtype",
+                dist.reduce_dtype,
+                f"'fp32', 'auto' or the compute dtype (dtype is {self.dtype!r})",
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> OffloadConfig:

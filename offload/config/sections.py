@@ -339,6 +339,13 @@ class TelemetryConfig(_Section):
 
 
 DEFAULT_TIMEOUT = 1800.0  # seconds; torch.distributed's own default for gloo and NCCL
+REDUCE_DTYPES: dict[str, tuple[str, ...]] = {
+    "fp32": ("float32", "float", "torch.float32"),
+    "bf16": ("bfloat16", "bfp16", "torch.bfloat16"),  # bfp16: DeepSpeed's spelling
+    "fp16": ("float16", "half", "torch.float16"),
+    "auto": (),
+}
+"""``distributed.reduce_dtype``'s names and their aliases."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -355,6 +362,13 @@ class DistributedConfig(_Section):
     timeout: float = DEFAULT_TIMEOUT
     """Seconds a collective may wait for the other ranks before it fails with an error naming
     the operation (> 0)."""
+    reduce_dtype: str = "fp32"
+    """Dtype the ranks' gradients are summed in: "fp32" (each unit's gradients widened on the
+    device before the sum, one unit at a time, in place of the second of the two buffers the
+    reduction overlaps with: no more device memory, twice the bytes of a 16-bit sum on the
+    wire), the compute dtype ("bf16" or "fp16": half the bytes, one more 16-bit rounding per
+    step than one process makes; fp16 divides by the world first so the sum cannot
+    overflow), or "auto": the compute dtype."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, str) and self.stage.strip().lower() == "auto":
@@ -369,6 +383,12 @@ class DistributedConfig(_Section):
         self.timeout = as_float(
             self._k("timeout"), self.timeout, lo=0.0, lo_open=True, what="seconds"
         )
+        self.reduce_dtype = as_choice(self._k("reduce_dtype"), self.reduce_dtype, REDUCE_DTYPES)
+
+    def resolve_reduce_dtype(self, dtype: str) -> str:
+        """The dtype gradients are summed in for compute ``dtype``: ``reduce_dtype``, with
+        "auto" the compute dtype."""
+        return dtype if self.reduce_dtype == "auto" else self.reduce_dtype
 
     def resolve_stage(self, param_device: str) -> int:
         """The stage to run: ``stage``, with "auto" decided by where the params live."""

@@ -128,6 +128,16 @@ class Placement:
     """When gradients are reduced across ranks (``ownership.py``)."""
     shard_params: bool = False
     """Stage 3 across ranks: each rank's param home holds its share of the compute params."""
+    reduce_dtype: torch.dtype = torch.float32
+    """The dtype the ranks' gradients are summed in (``distributed.reduce_dtype`` resolved;
+    moot with one rank)."""
+
+    @property
+    def reduce_slots(self) -> int:
+        """Units whose gradients are flattened for a reduction at once (count): two (one being
+        reduced while the next is filled) in the compute dtype's width, so one where the
+        reduce dtype is twice as wide (``offload.runtime.grads``, Note on the reduce dtype)."""
+        return 2 if self.reduce_dtype.itemsize <= self.dtype.itemsize else 1
 
     @property
     def versioned_params(self) -> bool:
@@ -308,6 +318,7 @@ def make_placement(
         stage=stage,
         grad_reduce=_grad_reduce(2 if sharded else 1, stage, schedule),
         shard_params=sharded and stage == 3,
+        reduce_dtype=DTYPES[cfg.distributed.resolve_reduce_dtype(cfg.dtype)],
     )
 
 

@@ -128,7 +128,8 @@ def _grad_pieces(schedule: Schedule, m: int, retained: bool) -> tuple[int, int]:
 def predict_collectives(plan: Plan, micro_steps: int = 1) -> dict[str, int]:
     """Bytes of each kind of collective one optimizer step of ``micro_steps`` forwards and
     backwards issues on every rank, as ``offload.dist`` counts them (the gathered or reduced
-    tensor), for the model the module docstring assumes; the norm's all-reduce aside.
+    tensor: gradients in ``distributed.reduce_dtype``, params in the compute dtype), for the
+    model the module docstring assumes; the norm's all-reduce aside.
 
     Stage 1: each unit's gradients reduce-scattered once, its updated params all-gathered once
     (before the next forward, so a step's record holds the previous update's). Stage 2:
@@ -144,7 +145,7 @@ def predict_collectives(plan: Plan, micro_steps: int = 1) -> dict[str, int]:
     for unit in plan.units:
         trainable, total = unit.layout.trainable * item, unit.layout.total * item
         steps = 1 if pl.grad_reduce is GradReduce.AT_STEP else micro_steps
-        out["reduce_scatter"] += steps * trainable
+        out["reduce_scatter"] += steps * unit.layout.trainable * pl.reduce_dtype.itemsize
         if pl.shard_params:  # a persistent unit stays gathered until the step
             r = unit.residency
             out["all_gather"] += (micro_steps * GATHERS_PER_MICRO[r] + GATHERS_PER_STEP[r]) * total

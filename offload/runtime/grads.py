@@ -22,11 +22,30 @@ Note: the mean over ranks
     micro-batch) is applied as a factor ``mean_scale = 1 / world`` where the gradients are used:
     inside the Adam kernel's gradient scale, and on the norm (:meth:`Grads.stats` returns the
     sum of squares of the mean). In fp32 the factor is exact for a power-of-two world.
-    fp16 is the exception: there each rank's gradients are divided by the world before the
-    reduction (``mean_scale`` is then 1), as FSDP pre-divides. Summed first, N ranks' finite
-    fp16 gradients of the one-process magnitude overflowed in the sum (65504 is fp16's
-    largest): a step one process takes was skipped on every rank, and the dynamic loss scale
-    settled N times lower. bf16 has fp32's range and keeps the sum.
+    A sum in fp16 is the exception: there each rank's gradients are divided by the world
+    before the reduction (``mean_scale`` is then 1), as FSDP pre-divides. Summed first, N
+    ranks' finite fp16 gradients of the one-process magnitude overflowed in the sum (65504 is
+    fp16's largest): a step one process takes was skipped on every rank, and the dynamic loss
+    scale settled N times lower. bf16 has fp32's range and keeps the sum.
+
+Note: the reduce dtype
+    The ranks' gradients are summed in ``Placement.reduce_dtype`` (``distributed.reduce_dtype``,
+    fp32 by default), which may be wider than the compute dtype: flattening a unit's
+    gradients for the reduction widens them on the device. One process adds each backward's
+    16-bit gradients into its fp32 owner (``offload.homes.grads``); a sum in bf16 rounds
+    once more per unit and micro-step: 2 ranks of the test model's bf16 training ended
+    1.2e-2 apart in the weights from one process running the ranks' micro-batches (losses
+    1.2e-2), and 1.2e-7 apart summed in fp32 (``tests/test_dist.py``). Stage 1 with gradient
+    accumulation still adds its micro-steps in the compute dtype, in ``p.grad``, before its
+    one reduction per step.
+
+    The flat buffers (:class:`ScatteredGrads`) hold ``Placement.reduce_slots`` units in the
+    reduce dtype: two in the compute dtype's width, one where the reduce dtype is twice as
+    wide, so an fp32 reduction of a 16-bit unit takes the bytes the two 16-bit slots took
+    (the largest unit's trainable elements x 4 bytes, plus this rank's share of it for the
+    result). With one slot the previous unit's reduction lands before the next unit is
+    flattened; it still overlaps the backward of the unit after it (a second fp32 slot did
+    not make the 5M demo GPT's step on 2 ranks faster: 1.07-1.30 s against 1.07-1.11 s).
 
 Note: the norm and the overflow flag
     Each rank's owner knows the sum of squares and the inf/NaN flag of its own share. Shares do
@@ -131,8 +150,9 @@ class _Flight:
 
 class ScatteredGrads(Grads):
     """Stages 2 and 3 (see the module docstring): one reduce-scatter per unit and micro-step,
-    the previous unit's in flight while the next one's backward runs. Two device slots of the
-    largest unit's gradients (one being reduced, one being filled).
+    the previous unit's in flight while the next one's backward runs. Device slots of the
+    largest unit's gradients: two in the compute dtype's width (one being reduced, one being
+    filled), one in a reduce dtype twice as wide.
 
     Every rank must issue the reductions in one order (gloo pairs them by call order, and units
     padded alike pair without a word). The order units complete is not always the same: one
@@ -140,18 +160,20 @@ class ScatteredGrads(Grads):
     backward's end there, and its gradients were summed with another unit's (2e-2 off, the
     probe). So they go out in the reverse of the units' first use in the forwards (the same on
     every rank, as the forwards are), then the units no forward used; a unit that completes
-    ahead of its turn waits in ``p.grad`` for the ones before it."""
+    ahead of its turn waits in ``p.grad`` for the ones before it.
 
-    def __init__(self, owner, staging, units, comm, device, dtype) -> None:
+    The sums are in ``placement.reduce_dtype`` (module Note on the reduce dtype)."""
+
+    def __init__(self, owner, staging, units, comm, placement) -> None:
         super().__init__(owner, staging, units, comm)
-        # fp16: the ranks' mean is taken before the sum, not after it (module Note)
+        dtype, device = placement.reduce_dtype, placement.device
+        # a sum in fp16: the ranks' mean is taken before the sum, not after it (module Note)
         self._predivide = float(comm.world) if dtype == torch.float16 else 1.0
         self.mean_scale = self._predivide / comm.world
         largest = max((u.layout.trainable for u in units), default=0)
-        self._send = [torch.empty(largest, dtype=dtype, device=device) for _ in range(2)]
-        self._recv = [
-            torch.empty(largest // comm.world, dtype=dtype, device=device) for _ in range(2)
-        ]
+        slots = range(placement.reduce_slots)
+        self._send = [torch.empty(largest, dtype=dtype, device=device) for _ in slots]
+        self._recv = [torch.empty(largest // comm.world, dtype=dtype, device=device) for _ in slots]
         self._flight: _Flight | None = None
         self._next_slot = 0
         self._used: dict[int, None] = {}  # units by first use in this micro-step's forwards
@@ -221,7 +243,9 @@ class ScatteredGrads(Grads):
         if n == 0:
             return
         slot = self._next_slot
-        self._next_slot = 1 - slot
+        self._next_slot = (slot + 1) % len(self._send)
+        if self._flight is not None and self._flight.slot == slot:
+            self.drain()  # one slot (a wider reduce dtype): the previous one lands first
         send = self._send[slot][:n]
         self.staging.flatten(unit, send)
         if self._predivide != 1.0:
@@ -263,8 +287,8 @@ class StepScatteredGrads(ScatteredGrads):
     """Stage 1 (see the module docstring): gradients stay in ``p.grad`` across micro-steps
     and are reduce-scattered once per step."""
 
-    def __init__(self, owner, staging, units, comm, device, dtype) -> None:
-        super().__init__(owner, staging, units, comm, device, dtype)
+    def __init__(self, owner, staging, units, comm, placement) -> None:
+        super().__init__(owner, staging, units, comm, placement)
         self._settled = True  # nothing in p.grad that the owner has not taken
         self._fresh = True  # the owner's next reduced gradients overwrite
 

@@ -296,6 +296,12 @@ def test_optimizer_device_none_maps_to_cpu_with_a_warning(caplog):
         ({"zero_optimization": {"stage": 3}, "aio": {"block_size": 0}}, "aio.block_size", 0),
         ({"fp16": {"enabled": True, "loss_scale": float("nan")}}, "fp16.loss_scale", float("nan")),
         ({"gradient_clipping": -1, "train_batch_size": 8}, "gradient_clipping", -1),
+        ({"communication_data_type": "fp8"}, "communication_data_type", "fp8"),
+        (  # a bf16 model's gradients summed in fp16
+            {"bf16": {"enabled": True}, "communication_data_type": "fp16"},
+            "communication_data_type",
+            "fp16",
+        ),
     ],
 )
 def test_errors_name_the_deepspeed_key(ds, key, value):
@@ -304,6 +310,28 @@ def test_errors_name_the_deepspeed_key(ds, key, value):
     msg = str(err.value)
     assert msg.startswith(f"{key}: got {value!r}; allowed: "), msg
     assert "\n" not in msg and err.value.key == key
+
+
+@pytest.mark.parametrize(
+    "dtype_section, value, want",
+    [
+        ({"bf16": {"enabled": True}}, "fp32", "fp32"),
+        ({"bf16": {"enabled": True}}, "bfp16", "bf16"),  # DeepSpeed's spelling
+        ({"bf16": {"enabled": True}}, "bf16", "bf16"),
+        ({"fp16": {"enabled": True}}, "fp16", "fp16"),
+        ({"fp16": {"enabled": True}}, None, "fp32"),  # absent: offload's default
+        ({"bf16": {"enabled": True}}, "auto", "fp32"),
+    ],
+)
+def test_communication_data_type_is_the_reduce_dtype(caplog, dtype_section, value, want):
+    """DeepSpeed's ``communication_data_type`` was listed among the keys offload ignores."""
+    ds = dict(dtype_section, zero_optimization={"stage": 2})
+    if value is not None:
+        ds["communication_data_type"] = value
+    with caplog.at_level(logging.INFO, logger="offload.config"):
+        cfg = load_config(ds)
+    assert cfg.distributed.reduce_dtype == want
+    assert not _warnings(caplog), [r.getMessage() for r in _warnings(caplog)]
 
 
 def test_mixing_formats_is_an_error():

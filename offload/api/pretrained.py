@@ -77,7 +77,7 @@ _OWN = (SINGLE, INDEX)
 
 logger = logging.getLogger("offload.api")
 
-# from_pretrained's keyword arguments that AutoModelForCausalLM.from_config reads itself (the
+# from_pretrained's keyword arguments that the model class's from_config reads itself (the
 # others that name config attributes override the config, as in transformers' from_pretrained)
 _FROM_CONFIG_KWARGS = (
     "dtype",
@@ -101,12 +101,14 @@ def _need_transformers(what: str):
 def from_pretrained(
     path: str | os.PathLike, config=None, *, before_wrap: Callable | None = None, **model_kwargs
 ):
-    """Builds the causal LM of the local Hugging Face directory ``path`` on the meta device and
-    wraps it with ``weights=path``; returns ``(model, optimizer)``. ``config`` is offload's
+    """Builds the model of the local Hugging Face directory ``path`` on the meta device (the class
+    its ``config.json`` names in ``architectures``: a causal LM, a seq2seq model, a classifier,
+    a vision model; a causal LM where it names none) and wraps it with ``weights=path``;
+    returns ``(model, optimizer)``. ``config`` is offload's
     config (as for :func:`offload.wrap`); ``model_kwargs`` are taken as ``transformers``'
     ``from_pretrained`` takes them: those that name attributes of the model's config override
     its values (``output_router_logits=True``, ``rope_scaling=...``), the rest go to
-    ``AutoModelForCausalLM.from_config`` (``dtype``, default the checkpoint's;
+    the class's ``from_config`` (``dtype``, default the checkpoint's;
     ``attn_implementation``).
     ``before_wrap(model)`` runs on the model before it is wrapped (its parameters on the meta
     device): where to freeze parameters, which wrap fixes (``requires_grad`` changed after
@@ -138,12 +140,55 @@ def from_pretrained(
         if isinstance(saved, str):
             saved = getattr(torch, saved, None)
         model_kwargs["dtype"] = saved if isinstance(saved, torch.dtype) else torch.float32
+    cls = _saved_architecture(transformers, hf_config)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, **model_kwargs)
+        if cls is None:
+            model = _causal_lm(transformers, hf_config, path, model_kwargs)
+        else:
+            model_kwargs.pop("trust_remote_code", None)  # a class of transformers' own
+            model = cls._from_config(hf_config, **model_kwargs)
     model.eval()  # as transformers' from_pretrained: dropout off until model.train()
     if before_wrap is not None:
         before_wrap(model)
     return wrap(model, config, weights=path)
+
+
+def _saved_architecture(transformers, hf_config):
+    """The class ``config.json``'s ``architectures`` names, where ``transformers`` has it for this
+    config (``T5ForConditionalGeneration``, ``BertForSequenceClassification``,
+    ``LlamaForCausalLM``): the head the weights were saved with, as ``transformers``' pipelines
+    pick it. Else None (no ``architectures``, or remote code), for ``AutoModelForCausalLM``.
+
+    ``AutoModelForCausalLM`` alone built the wrong model for every other head: the decoder-only
+    ``BartForCausalLM`` / ``WhisperForCausalLM`` / ``BertLMHeadModel`` of a seq2seq or
+    classifier directory (wrap then refused the encoder's keys as unexpected), and nothing at all
+    for T5 or ViT."""
+    names = getattr(hf_config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if names else None
+    base = transformers.PreTrainedModel
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        return None
+    config_class = getattr(cls, "config_class", None)
+    if config_class is not None and not isinstance(hf_config, config_class):
+        return None
+    return cls
+
+
+def _causal_lm(transformers, hf_config, path: Path, model_kwargs: dict):
+    try:
+        return transformers.AutoModelForCausalLM.from_config(hf_config, **model_kwargs)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+        names = getattr(hf_config, "architectures", None)
+        raise ValueError(
+            f"offload.from_pretrained: '{path}/config.json' has architectures={names!r} and "
+            f"model_type={getattr(hf_config, 'model_type', None)!r}: no class of transformers "
+            "by that name for this config, and no AutoModelForCausalLM for it; allowed: a "
+            "directory whose config.json names its transformers class in 'architectures' (as "
+            "save_pretrained writes it), or a causal LM; else build the model yourself and "
+            "call offload.wrap(model, config, weights=path)"
+        ) from None
 
 
 # ------------------------------------------------------------------------------------------ out
@@ -274,7 +319,7 @@ def save_pretrained(
     """Writes a wrapped model as a Hugging Face directory (see the module Notes): its current
     values (the fp32 masters of trainable parameters, in ``dtype``, default each parameter's
     dtype before wrap), and ``config.json`` when the model has a Hugging Face config. Loadable
-    with ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` or
+    with ``transformers``' ``from_pretrained(directory)`` of the model's class or
     :func:`from_pretrained`. Returns ``directory``."""
     from offload.api.wrap import engine_of  # noqa: PLC0415
 

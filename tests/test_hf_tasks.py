@@ -1,0 +1,107 @@
+"""Hugging Face models beyond the causal LM: encoder-decoders (T5, BART, Whisper), encoder-only
+classifiers (BERT) and vision models (ViT), through ``offload.from_pretrained`` /
+``save_pretrained`` and ``generate``, each compared with the same directory loaded by
+``transformers``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_models import VOCAB, nvme_config  # noqa: E402
+
+import offload  # noqa: E402
+
+TINY = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4)
+TINY.update(decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _t5():
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0,
+        pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _bart():
+    config = transformers.BartConfig(
+        vocab_size=VOCAB, max_position_embeddings=64, decoder_start_token_id=2, **TINY, **TOKENS
+    )
+    return transformers.BartForConditionalGeneration(config)
+
+
+def _whisper():
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=8, max_source_positions=16, max_target_positions=32,
+        decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None, **TINY,
+        **TOKENS,
+    )  # fmt: skip
+    return transformers.WhisperForConditionalGeneration(config)
+
+
+def _bert():
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, num_labels=3,
+    )  # fmt: skip
+    return transformers.BertForSequenceClassification(config)
+
+
+def _vit():
+    config = transformers.ViTConfig(
+        image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, num_labels=3,
+    )  # fmt: skip
+    return transformers.ViTForImageClassification(config)
+
+
+def _inputs(name):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 8), generator=g)
+    if name == "whisper":
+        return {"input_features": torch.randn(2, 8, 32, generator=g)}
+    if name == "vit":
+        return {"pixel_values": torch.randn(2, 3, 16, 16, generator=g)}
+    return {"input_ids": ids}
+
+
+MODELS = {"t5": _t5, "bart": _bart, "whisper": _whisper, "bert": _bert, "vit": _vit}
+SEQ2SEQ = ("t5", "bart", "whisper")
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_from_pretrained_builds_the_saved_architecture(tmp_path, name):
+    """config.json's ``architectures`` says which head the weights are for: a BART or Whisper
+    directory is a ``...ForConditionalGeneration`` (not the decoder-only ``...ForCausalLM``
+    that ``AutoModelForCausalLM`` maps their configs to, which then fit no key of the encoder),
+    a BERT classifier keeps its classifier, T5 and ViT have no causal LM at all. Logits,
+    ``generate`` and a ``save_pretrained`` round trip equal ``transformers``'."""
+    torch.manual_seed(0)
+    src = MODELS[name]()
+    src.save_pretrained(tmp_path / "src")
+    cls = type(src)
+    ref = cls.from_pretrained(tmp_path / "src").eval()
+    x = _inputs(name)
+    if name in SEQ2SEQ:
+        x["decoder_input_ids"] = torch.tensor([[0, 5, 6, 7], [0, 8, 9, 10]])
+    model, opt = offload.from_pretrained(tmp_path / "src", nvme_config(tmp_path, "nvme", "nvme"))
+    try:
+        assert type(model) is cls
+        with torch.no_grad():
+            want = ref(**x).logits
+            torch.testing.assert_close(model(**x).logits, want, rtol=1e-5, atol=1e-5)
+            if name in SEQ2SEQ:
+                gen = {k: v for k, v in x.items() if k != "decoder_input_ids"}
+                kw = dict(max_new_tokens=5, do_sample=False)
+                assert torch.equal(model.generate(**gen, **kw), ref.generate(**gen, **kw))
+        out = offload.save_pretrained(model, tmp_path / "out")
+    finally:
+        opt.close()
+    back = cls.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(**x).logits, want, rtol=1e-5, atol=1e-5)

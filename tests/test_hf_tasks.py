@@ -5,6 +5,8 @@ classifiers (BERT) and vision models (ViT), through ``offload.from_pretrained`` 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -105,3 +107,20 @@ def test_from_pretrained_builds_the_saved_architecture(tmp_path, name):
     back = cls.from_pretrained(out).eval()
     with torch.no_grad():
         torch.testing.assert_close(back(**x).logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,warned", [("fp16", True), ("bf16", False), ("fp32", False)])
+def test_wrap_says_which_modules_transformers_keeps_in_fp32(tmp_path, caplog, dtype, warned):
+    """T5 declares ``_keep_in_fp32_modules = ["wo"]``: transformers loads those layers in fp32
+    under fp16 (their activations overflow fp16), offload computes every parameter in its one
+    compute dtype. That difference is said at wrap, naming the layers and what to use."""
+    torch.manual_seed(0)
+    model = _t5()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        _, opt = offload.wrap(model, nvme_config(tmp_path, "none", "cpu", dtype=dtype))
+    opt.close()
+    said = [r.getMessage() for r in caplog.records if "_keep_in_fp32_modules" in r.getMessage()]
+    assert bool(said) == warned, said
+    if warned:
+        assert "encoder.block.0.layer.1.DenseReluDense.wo.weight" in said[0]
+        assert "dtype" in said[0] and "bf16" in said[0]

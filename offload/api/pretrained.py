@@ -191,6 +191,41 @@ def _causal_lm(transformers, hf_config, path: Path, model_kwargs: dict):
         ) from None
 
 
+def warn_kept_in_fp32(model: nn.Module, dtype: torch.dtype) -> None:
+    """Says at wrap which parameters ``transformers`` would keep in fp32 at this compute dtype
+    (the model's ``_keep_in_fp32_modules`` under fp16, ``_keep_in_fp32_modules_strict`` under
+    fp16 and bf16: T5's ``wo``, whose activations overflow fp16) and offload computes in
+    ``dtype`` as every other parameter (one compute dtype per model: the flat unit buffers hold
+    one dtype). Nothing is said for a model that declares none, or at fp32."""
+    plan = getattr(model, "_get_dtype_plan", None)
+    if dtype not in (torch.float16, torch.bfloat16) or not callable(plan):
+        return
+    try:
+        patterns = [k for k, v in plan(dtype).items() if v == torch.float32]
+    except Exception:  # noqa: BLE001 (another transformers' signature: nothing to say)
+        return
+    if not patterns:
+        return
+    # transformers matches the module names as globs on the parameter names' dotted parts
+    alt = "|".join(re.escape(k).replace(r"\*", r"[^.]+") for k in patterns)
+    match = re.compile(rf"(^|\.)({alt})(\.|$)")
+    names = [n for n, _ in model.named_parameters() if match.search(n)]
+    if not names:
+        return
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    logger.warning(
+        "offload.wrap: %s declares _keep_in_fp32_modules %s, which transformers keeps in fp32 "
+        "at %s; offload computes them in dtype=%s as every other parameter (%s): their "
+        "activations may overflow it. Use dtype %s to compute them as transformers would",
+        type(model).__name__,
+        sorted(patterns),
+        str(dtype).removeprefix("torch."),
+        "fp16" if dtype == torch.float16 else "bf16",
+        shown,
+        "'bf16' or 'fp32'" if dtype == torch.float16 else "'fp32'",
+    )
+
+
 # ------------------------------------------------------------------------------------------ out
 class _PieceReader:
     """One unit's tensors, chunk by chunk, from its owners (see the module Note)."""

@@ -41,6 +41,7 @@ from offload import _native
 from offload.api import clipping
 from offload.api.loss_scale import DynamicLossScaler
 from offload.api.optimizer import OffloadOptimizer
+from offload.api.pretrained import warn_kept_in_fp32
 from offload.config import ConfigError, OffloadConfig, load_config
 from offload.device import HostMemory, Transfers, for_device
 from offload.dist import Comm, LocalComm, comm_for
@@ -569,6 +570,7 @@ def wrap(
     if comm.world > 1:
         _check_ranks(comm, model, cfg, plan, weights)
     placement = plan.placement
+    warn_kept_in_fp32(model, placement.dtype)
     # the optimizer's order is torch's (state_dict numbers them so): model.parameters()
     order = {p: i for i, p in enumerate(model.parameters())}
     trainable = sorted((p for u in plan.units for p in u.trainable_params), key=order.__getitem__)

@@ -124,3 +124,48 @@ def test_wrap_says_which_modules_transformers_keeps_in_fp32(tmp_path, caplog, dt
     if warned:
         assert "encoder.block.0.layer.1.DenseReluDense.wo.weight" in said[0]
         assert "dtype" in said[0] and "bf16" in said[0]
+
+
+def test_from_pretrained_puts_a_new_head_on_a_pretrained_body(tmp_path, caplog):
+    """Fine-tuning a classifier starts from a checkpoint saved with another head (BERT's is
+    ``BertForMaskedLM``): ``model_class=AutoModelForSequenceClassification`` builds the
+    classifier as ``transformers`` does, the body read from the file, the head (and pooler)
+    the file lacks initialised by the model's ``_init_weights``, the MLM head's keys left
+    out, both said in a warning; it then trains."""
+    torch.manual_seed(0)
+    config = _bert().config
+    transformers.BertForMaskedLM(config).save_pretrained(tmp_path / "mlm")
+    auto = transformers.AutoModelForSequenceClassification
+    ref = auto.from_pretrained(tmp_path / "mlm", num_labels=3)
+    cfg = nvme_config(tmp_path, "nvme", "nvme")
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        model, opt = offload.from_pretrained(tmp_path / "mlm", cfg, model_class=auto, num_labels=3)
+    try:
+        assert type(model) is transformers.BertForSequenceClassification
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "classifier.weight" in said and "cls.predictions" in said
+        state = model.state_dict()
+        for name, want in ref.state_dict().items():
+            if not name.startswith(("classifier", "bert.pooler")):
+                assert torch.equal(state[name], want), name
+        head = state["classifier.weight"]
+        assert head.shape == (3, 32) and 0 < head.std() < 0.1  # initializer_range 0.02
+        torch.testing.assert_close(state["classifier.bias"], torch.zeros(3))
+        x, y = _inputs("bert")["input_ids"], torch.tensor([0, 2])
+        model.train()
+        losses = []
+        for _ in range(4):
+            loss = model(input_ids=x, labels=y).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0]
+    finally:
+        opt.close()
+
+
+def test_from_pretrained_model_class_is_checked(tmp_path):
+    _bert().save_pretrained(tmp_path / "m")
+    with pytest.raises(TypeError, match="model_class=.*allowed"):
+        offload.from_pretrained(tmp_path / "m", nvme_config(tmp_path, "cpu", "cpu"), model_class=3)

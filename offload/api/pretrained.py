@@ -99,7 +99,12 @@ def _need_transformers(what: str):
 
 
 def from_pretrained(
-    path: str | os.PathLike, config=None, *, before_wrap: Callable | None = None, **model_kwargs
+    path: str | os.PathLike,
+    config=None,
+    *,
+    before_wrap: Callable | None = None,
+    model_class=None,
+    **model_kwargs,
 ):
     """Builds the model of the local Hugging Face directory ``path`` on the meta device (the class
     its ``config.json`` names in ``architectures``: a causal LM, a seq2seq model, a classifier,
@@ -114,6 +119,12 @@ def from_pretrained(
     device): where to freeze parameters, which wrap fixes (``requires_grad`` changed after
     wrap is refused at the next backward). The model comes back in eval mode, as from
     ``transformers``' ``from_pretrained``: call ``model.train()`` to train with dropout.
+    ``model_class`` (a ``transformers`` class or ``AutoModelFor...`` class) builds another
+    head than the saved one, as that class's ``from_pretrained`` does: a classifier on a
+    checkpoint saved as ``BertForMaskedLM`` (``AutoModelForSequenceClassification``,
+    ``num_labels=3``); the parameters the file lacks (the new head) are initialised by the
+    model's ``_init_weights`` and the file's tensors the model lacks (the old head) are left
+    out, both named in a warning.
     Nothing is downloaded: ``path`` must be a directory."""
     transformers = _need_transformers("from_pretrained")
     from offload.api.wrap import wrap  # noqa: PLC0415
@@ -141,8 +152,16 @@ def from_pretrained(
             saved = getattr(torch, saved, None)
         model_kwargs["dtype"] = saved if isinstance(saved, torch.dtype) else torch.float32
     cls = _saved_architecture(transformers, hf_config)
+    if model_class is not None:
+        _check_model_class(transformers, model_class)
     with torch.device("meta"):
-        if cls is None:
+        if model_class is not None:
+            if hasattr(model_class, "_model_mapping"):  # an AutoModelFor... class
+                model = model_class.from_config(hf_config, **model_kwargs)
+            else:
+                model_kwargs.pop("trust_remote_code", None)
+                model = model_class._from_config(hf_config, **model_kwargs)
+        elif cls is None:
             model = _causal_lm(transformers, hf_config, path, model_kwargs)
         else:
             model_kwargs.pop("trust_remote_code", None)  # a class of transformers' own
@@ -150,7 +169,21 @@ def from_pretrained(
     model.eval()  # as transformers' from_pretrained: dropout off until model.train()
     if before_wrap is not None:
         before_wrap(model)
-    return wrap(model, config, weights=path)
+    return wrap(model, config, weights=path, _new_head=model_class is not None)
+
+
+def _check_model_class(transformers, model_class) -> None:
+    auto = isinstance(model_class, type) and hasattr(model_class, "_model_mapping")
+    concrete = isinstance(model_class, type) and issubclass(
+        model_class, transformers.PreTrainedModel
+    )
+    if not (auto or concrete):
+        raise TypeError(
+            f"offload.from_pretrained: model_class={model_class!r}; allowed: None (the class "
+            "config.json's architectures names), a transformers model class "
+            "(BertForSequenceClassification) or an AutoModelFor... class "
+            "(AutoModelForSequenceClassification)"
+        )
 
 
 def _saved_architecture(transformers, hf_config):

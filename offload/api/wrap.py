@@ -536,6 +536,7 @@ def wrap(
     process_group=None,
     _keep_grads: bool | None = None,
     _one_rank_collectives: bool = False,
+    _new_head: bool = False,
 ):
     """Wraps ``model`` for offloaded training; returns ``(model, optimizer)``.
 
@@ -555,7 +556,10 @@ def wrap(
     config, and then runs the same forwards, backwards and steps (data parallel: each on its
     own micro-batch). One rank, or no group, runs exactly as without one
     (``_one_rank_collectives``: a group of one rank shards and reduces through its collectives
-    all the same, for ``benchmarks/gpu_smoke.py``'s one-GPU NCCL check).
+    all the same, for ``benchmarks/gpu_smoke.py``'s one-GPU NCCL check). ``_new_head``
+    (``from_pretrained``'s ``model_class``): parameters ``weights`` lacks are initialised by
+    the model's ``_init_weights`` and its tensors the model lacks are left out, with a warning,
+    where otherwise both are errors.
     """
     cfg = load_config(config)
     _collect_dropped_engines()
@@ -606,7 +610,7 @@ def wrap(
     if weights is None:
         source: ParamValues = LiveParams(placement.dtype)
     else:  # checked against the model here, before anything is built
-        source = ModelWeights(model, weights, placement.dtype)
+        source = ModelWeights(model, weights, placement.dtype, new_head=_new_head)
     resources: list = []  # pools, NVMe stores and the IO engine, closed with the runtime
     try:
         source.fill_buffers(model)

@@ -48,6 +48,7 @@ Note: buffers the model computes
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -204,8 +205,13 @@ class ModelWeights(ParamValues):
     """The values of a model's parameters and persistent buffers from ``source`` (see the module
     Notes). Checked against the model when made; :meth:`close` closes its files."""
 
-    def __init__(self, model: nn.Module, source, compute_dtype: torch.dtype) -> None:
+    def __init__(
+        self, model: nn.Module, source, compute_dtype: torch.dtype, *, new_head: bool = False
+    ) -> None:
         super().__init__(compute_dtype)
+        # a head other than the file's (from_pretrained's model_class): parameters the file
+        # lacks are initialised, its tensors the model lacks left out (see _new_head)
+        self._new_head = new_head
         self.tensors, self.files, self.where = open_weights(source)
         try:
             # a Hugging Face model's checkpoint under its in-memory names (offload.runtime.conversion)
@@ -252,6 +258,9 @@ class ModelWeights(ParamValues):
             for n in self.tensors
             if n not in state and not (ignored is not None and ignored.search(n))
         ]
+        if self._new_head and (missing or unexpected):
+            missing = self._new_head_values(model, names, missing, unexpected)
+            unexpected = []
         problems = []
         if missing:
             problems.append(
@@ -265,6 +274,39 @@ class ModelWeights(ParamValues):
                 f"offload.wrap: weights={self.where} do not fit {type(model).__name__}:\n  "
                 + "\n  ".join(problems)
             )
+
+    def _new_head_values(self, model, names, missing: list[str], unexpected: list[str]):
+        """As ``transformers``' ``from_pretrained`` of another head: each missing parameter's
+        value from the model's ``_init_weights`` run on a copy of the module that holds it (its
+        own parameters given storage, filled with NaN first so that what it leaves alone is
+        seen); the unexpected tensors are left out. Both are said in one warning. Returns what
+        is still missing: buffers, and parameters ``_init_weights`` does not fill."""
+        init = getattr(model, "_init_weights", None)
+        by_name = {pnames[0]: p for p, pnames in names.items()}
+        left, made = [], []
+        for entry in missing:
+            name = entry.split(" (tied: ")[0]
+            p = by_name.get(name)
+            value = None if p is None or init is None else _initialised(model, init, name)
+            if value is None:
+                left.append(entry)
+                continue
+            self.tensors[name] = value
+            self._name[p] = name
+            made.append(entry)
+        if made or unexpected:
+            logger.warning(
+                "offload.from_pretrained: %s on the weights of %s: %s; %s",
+                type(model).__name__,
+                self.where,
+                _listing("parameters not in the file, newly initialised (train them)", made)
+                if made
+                else "no parameter newly initialised",
+                _listing("tensors of the file the model has not, left out", unexpected)
+                if unexpected
+                else "every tensor of the file used",
+            )
+        return left
 
     def _mismatch(self, name: str, shape, dtype: torch.dtype, what: str) -> list[str]:
         t = self.tensors[name]
@@ -298,6 +340,28 @@ class ModelWeights(ParamValues):
     def close(self) -> None:
         for f in self.files:
             f.close()
+
+
+def _initialised(model: nn.Module, init, name: str) -> torch.Tensor | None:
+    """The value the model's ``_init_weights`` gives parameter ``name``: run on a shallow copy
+    of its module whose own parameters have storage (NaN until written) and whose children
+    and buffers are left out; None where it leaves the parameter unwritten or fails."""
+    mname, _, leaf = name.rpartition(".")
+    module = model.get_submodule(mname)
+    clone = copy.copy(module)
+    clone._modules, clone._buffers = {}, {}
+    clone._parameters = {
+        n: nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype), p.requires_grad)
+        for n, p in module._parameters.items()
+        if p is not None
+    }
+    with torch.no_grad():
+        try:
+            init(clone)
+        except Exception:  # noqa: BLE001 - reported by the caller as a missing key
+            return None
+    value = clone._parameters[leaf].detach()
+    return None if torch.isnan(value).any() else value
 
 
 def tie_declared(model: nn.Module, source) -> None:

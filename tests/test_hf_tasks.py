@@ -175,3 +175,31 @@ def test_from_pretrained_model_class_is_checked(tmp_path):
     _bert().save_pretrained(tmp_path / "m")
     with pytest.raises(TypeError, match="model_class=.*allowed"):
         offload.from_pretrained(tmp_path / "m", nvme_config(tmp_path, "cpu", "cpu"), model_class=3)
+
+
+def test_save_pretrained_names_the_class_it_saves(tmp_path):
+    """A model built with another head than its checkpoint's (``model_class``, or a
+    transformers ``AutoModelForSequenceClassification.from_pretrained`` of an MLM checkpoint
+    wrapped) still has the checkpoint's ``architectures`` in its config: written as it was,
+    the saved classifier came back from ``offload.from_pretrained`` as ``BertForMaskedLM``
+    (refusing the classifier's keys). As ``transformers``' ``save_pretrained``, the config
+    written names the model's class."""
+    torch.manual_seed(0)
+    transformers.BertForMaskedLM(_bert().config).save_pretrained(tmp_path / "mlm")
+    auto = transformers.AutoModelForSequenceClassification
+    cfg = nvme_config(tmp_path / "a", "cpu", "cpu")
+    model, opt = offload.from_pretrained(tmp_path / "mlm", cfg, model_class=auto, num_labels=3)
+    x = _inputs("bert")
+    try:
+        with torch.no_grad():
+            want = model(**x).logits
+        out = offload.save_pretrained(model, tmp_path / "out")
+    finally:
+        opt.close()
+    again, opt = offload.from_pretrained(out, nvme_config(tmp_path / "b", "cpu", "cpu"))
+    try:
+        assert type(again) is transformers.BertForSequenceClassification
+        with torch.no_grad():
+            torch.testing.assert_close(again(**x).logits, want, rtol=1e-5, atol=1e-5)
+    finally:
+        opt.close()

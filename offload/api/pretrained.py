@@ -420,6 +420,10 @@ def _write_config(model: nn.Module, engine, directory: Path, dtype: torch.dtype 
     hf_config = getattr(model, "config", None)
     if hf_config is not None and hasattr(hf_config, "to_json_file"):
         hf_config = copy.deepcopy(hf_config)
+        # as transformers' save_pretrained: the class saved, not the checkpoint's it came from
+        # (a classifier built on an MLM checkpoint), which from_pretrained builds again
+        if callable(getattr(type(model), "_from_config", None)):  # a transformers model
+            hf_config.architectures = [type(model).__name__]
         saved = dtype or next((s.dtype for u in engine.units for s in u.layout.segments), None)
         if saved is not None:
             hf_config.dtype = saved

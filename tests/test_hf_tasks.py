@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from hf_models import VOCAB, nvme_config  # noqa: E402
 
 import offload  # noqa: E402
+from offload.runtime.weights import WeightsError  # noqa: E402
 
 TINY = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4)
 TINY.update(decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)
@@ -201,5 +202,33 @@ def test_save_pretrained_names_the_class_it_saves(tmp_path):
         assert type(again) is transformers.BertForSequenceClassification
         with torch.no_grad():
             torch.testing.assert_close(again(**x).logits, want, rtol=1e-5, atol=1e-5)
+    finally:
+        opt.close()
+
+
+def test_from_pretrained_resizes_a_classifier_with_ignore_mismatched_sizes(tmp_path, caplog):
+    """A vision classifier fine-tuned to other labels: a ``num_labels`` other than the file's
+    is an error naming the classifier's shapes, as in ``transformers``; with
+    ``ignore_mismatched_sizes=True`` the classifier is initialised anew and said so."""
+    torch.manual_seed(0)
+    _vit().save_pretrained(tmp_path / "v")
+    cfg = lambda sub: nvme_config(tmp_path / sub, "cpu", "cpu")  # noqa: E731
+    with pytest.raises(WeightsError, match=r"classifier.weight.*\[3, 32\].*\[10, 32\]"):
+        offload.from_pretrained(tmp_path / "v", cfg("a"), num_labels=10)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        model, opt = offload.from_pretrained(
+            tmp_path / "v", cfg("b"), num_labels=10, ignore_mismatched_sizes=True
+        )
+    try:
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "classifier.weight [3, 32] -> [10, 32]" in said
+        ref = transformers.ViTForImageClassification.from_pretrained(tmp_path / "v")
+        state = model.state_dict()
+        assert state["classifier.weight"].shape == (10, 32)
+        for name, want in ref.state_dict().items():
+            if not name.startswith("classifier"):
+                assert torch.equal(state[name], want), name
+        with torch.no_grad():
+            assert model(**_inputs("vit")).logits.shape == (2, 10)
     finally:
         opt.close()

@@ -124,7 +124,9 @@ def from_pretrained(
     checkpoint saved as ``BertForMaskedLM`` (``AutoModelForSequenceClassification``,
     ``num_labels=3``); the parameters the file lacks (the new head) are initialised by the
     model's ``_init_weights`` and the file's tensors the model lacks (the old head) are left
-    out, both named in a warning.
+    out, both named in a warning. ``ignore_mismatched_sizes=True``, as in ``transformers``,
+    initialises a parameter whose shape differs from the file's too (a classifier of another
+    ``num_labels``).
     Nothing is downloaded: ``path`` must be a directory."""
     transformers = _need_transformers("from_pretrained")
     from offload.api.wrap import wrap  # noqa: PLC0415
@@ -138,6 +140,7 @@ def from_pretrained(
     # as transformers' from_pretrained: kwargs that are config attributes override the config,
     # except those from_config itself reads; the rest go on to the model
     building = {k: model_kwargs.pop(k) for k in _FROM_CONFIG_KWARGS if k in model_kwargs}
+    resized = bool(model_kwargs.pop("ignore_mismatched_sizes", False))
     hf_config, model_kwargs = transformers.AutoConfig.from_pretrained(
         path,
         local_files_only=True,
@@ -169,7 +172,7 @@ def from_pretrained(
     model.eval()  # as transformers' from_pretrained: dropout off until model.train()
     if before_wrap is not None:
         before_wrap(model)
-    return wrap(model, config, weights=path, _new_head=model_class is not None)
+    return wrap(model, config, weights=path, _new_head=model_class is not None, _resized=resized)
 
 
 def _check_model_class(transformers, model_class) -> None:

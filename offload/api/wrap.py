@@ -537,6 +537,7 @@ def wrap(
     _keep_grads: bool | None = None,
     _one_rank_collectives: bool = False,
     _new_head: bool = False,
+    _resized: bool = False,
 ):
     """Wraps ``model`` for offloaded training; returns ``(model, optimizer)``.
 
@@ -559,7 +560,8 @@ def wrap(
     all the same, for ``benchmarks/gpu_smoke.py``'s one-GPU NCCL check). ``_new_head``
     (``from_pretrained``'s ``model_class``): parameters ``weights`` lacks are initialised by
     the model's ``_init_weights`` and its tensors the model lacks are left out, with a warning,
-    where otherwise both are errors.
+    where otherwise both are errors; ``_resized`` (``ignore_mismatched_sizes``): so are
+    parameters of another shape than the file's.
     """
     cfg = load_config(config)
     _collect_dropped_engines()
@@ -610,7 +612,7 @@ def wrap(
     if weights is None:
         source: ParamValues = LiveParams(placement.dtype)
     else:  # checked against the model here, before anything is built
-        source = ModelWeights(model, weights, placement.dtype, new_head=_new_head)
+        source = ModelWeights(model, weights, placement.dtype, new_head=_new_head, resized=_resized)
     resources: list = []  # pools, NVMe stores and the IO engine, closed with the runtime
     try:
         source.fill_buffers(model)

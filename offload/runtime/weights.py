@@ -206,12 +206,21 @@ class ModelWeights(ParamValues):
     Notes). Checked against the model when made; :meth:`close` closes its files."""
 
     def __init__(
-        self, model: nn.Module, source, compute_dtype: torch.dtype, *, new_head: bool = False
+        self,
+        model: nn.Module,
+        source,
+        compute_dtype: torch.dtype,
+        *,
+        new_head: bool = False,
+        resized: bool = False,
     ) -> None:
         super().__init__(compute_dtype)
         # a head other than the file's (from_pretrained's model_class): parameters the file
-        # lacks are initialised, its tensors the model lacks left out (see _new_head)
-        self._new_head = new_head
+        # lacks are initialised, its tensors the model lacks left out (see _new_head_values);
+        # resized (ignore_mismatched_sizes): a parameter of another shape than the file's is
+        # initialised too (a classifier of another number of labels)
+        self._new_head, self._resized = new_head or resized, resized
+        self._resized_names: list[str] = []
         self.tensors, self.files, self.where = open_weights(source)
         try:
             # a Hugging Face model's checkpoint under its in-memory names (offload.runtime.conversion)
@@ -237,6 +246,12 @@ class ModelWeights(ParamValues):
             if not found:
                 tied = f" (tied: {', '.join(pnames[1:])})" if len(pnames) > 1 else ""
                 missing.append(pnames[0] + tied)
+                continue
+            shape = tuple(self.tensors[found[0]].shape)
+            if self._resized and shape != tuple(p.shape):
+                self._resized_names.append(f"{found[0]} {list(shape)} -> {list(p.shape)}")
+                missing.append(pnames[0])
+                del self.tensors[found[0]]
                 continue
             self._name[p] = found[0]
             wrong += self._mismatch(found[0], p.shape, p.dtype, "parameter")
@@ -295,10 +310,14 @@ class ModelWeights(ParamValues):
             self._name[p] = name
             made.append(entry)
         if made or unexpected:
+            resized = self._resized_names
             logger.warning(
-                "offload.from_pretrained: %s on the weights of %s: %s; %s",
+                "offload.from_pretrained: %s on the weights of %s: %s%s; %s",
                 type(model).__name__,
                 self.where,
+                _listing("parameters of another shape in the file", resized) + ", "
+                if resized
+                else "",
                 _listing("parameters not in the file, newly initialised (train them)", made)
                 if made
                 else "no parameter newly initialised",

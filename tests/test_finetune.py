@@ -306,3 +306,25 @@ def test_a_bad_flag_is_named_before_anything_is_made(setup, capsys, flag, value,
     assert main([*args, flag, value]) == 2
     assert said in capsys.readouterr().err
     assert not (t / "out").exists()
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused(setup, capsys):
+    """The recipe trains a causal LM (labels = the tokens). ``from_pretrained`` builds the class
+    ``config.json`` names, so a seq2seq or masked-LM directory would have trained as something
+    else without a word (BERT's masked LM had been built as the decoder ``BertLMHeadModel``);
+    it is refused before anything is read, naming the class."""
+    import transformers  # noqa: PLC0415
+
+    t = setup
+    config = transformers.BertConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    transformers.BertForMaskedLM(config).save_pretrained(t / "mlm")
+    write_tokenizer(t / "mlm")
+    args = _args(t, t / "out")
+    args[args.index("--model") + 1] = str(t / "mlm")
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "BertForMaskedLM" in err and "causal LM" in err and "AutoModelForCausalLM" in err
+    assert not (t / "out" / "checkpoints").exists()

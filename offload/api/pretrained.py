@@ -210,6 +210,30 @@ def _saved_architecture(transformers, hf_config):
     return cls
 
 
+def check_causal_lm(path: str | os.PathLike, what: str) -> None:
+    """Refuses the directory ``path`` where its ``config.json`` names a class that is not a
+    causal LM (a seq2seq model, a masked LM, a classifier), which :func:`from_pretrained`
+    builds as it is; for callers that train a causal LM (``offload finetune``)."""
+    transformers = _need_transformers(what)
+    from transformers.models.auto.modeling_auto import (  # noqa: PLC0415
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    cls = _saved_architecture(transformers, hf_config)
+    if cls is None:
+        return  # AutoModelForCausalLM decides (and says what it cannot build)
+    causal = set()
+    for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        causal.update([names] if isinstance(names, str) else names)
+    if cls.__name__ not in causal:
+        raise ValueError(
+            f"{what}: '{path}' holds a {cls.__name__} (config.json's architectures), not a "
+            "causal LM; allowed: a model of the AutoModelForCausalLM architectures (Llama, "
+            "Qwen2, Mistral, GPT-2...), which this trains on next-token labels"
+        )
+
+
 def _causal_lm(transformers, hf_config, path: Path, model_kwargs: dict):
     try:
         return transformers.AutoModelForCausalLM.from_config(hf_config, **model_kwargs)

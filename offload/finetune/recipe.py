@@ -316,6 +316,7 @@ def _run(opts, out, cfg, no_decay_given, lr_flag, rank, world, on_step) -> int:
 
     import offload  # noqa: PLC0415
     from offload.api import engine_of  # noqa: PLC0415
+    from offload.api.pretrained import check_causal_lm  # noqa: PLC0415
     from offload.demo.loop import current_rss, normalize_stats  # noqa: PLC0415
     from offload.demo.report import (  # noqa: PLC0415
         MetricsWriter,
@@ -332,6 +333,7 @@ def _run(opts, out, cfg, no_decay_given, lr_flag, rank, world, on_step) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if lead:  # (the export's writer; the others wait for it in from_pretrained's collectives)
         _check_writable(out / "hf")
+    check_causal_lm(opts.model, "--model")  # from_pretrained builds what config.json names
     tokenizer = transformers.AutoTokenizer.from_pretrained(opts.model, local_files_only=True)
     data = load_data(opts.data, tokenizer, opts.seq_len).trained()
     if not len(data):

@@ -77,13 +77,7 @@ MODELS = {"t5": _t5, "bart": _bart, "whisper": _whisper, "bert": _bert, "vit": _
 SEQ2SEQ = ("t5", "bart", "whisper")
 
 
-# T5 and Whisper build, load and generate in 8-20 s here (their first use imports much): heavy
-ARCHITECTURES = [
-    pytest.param(n, marks=pytest.mark.heavy) if n in ("t5", "whisper") else n for n in MODELS
-]
-
-
-@pytest.mark.parametrize("name", ARCHITECTURES)
+@pytest.mark.parametrize("name", list(MODELS))
 def test_from_pretrained_builds_the_saved_architecture(tmp_path, name):
     """config.json's ``architectures`` says which head the weights are for: a BART or Whisper
     directory is a ``...ForConditionalGeneration`` (not the decoder-only ``...ForCausalLM``

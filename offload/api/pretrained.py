@@ -10,13 +10,14 @@ larger than ``max_shard_size``, plus ``config.json`` when the model has a Huggin
 Note: streaming out
     Each tensor is written chunk by chunk as it is read from its owner (``Values.flat``: the
     fp32 master of a trainable parameter, the compute values of a frozen one), one piece of its
-    unit at a time, the last piece kept for the next tensor that starts in it. So host memory
-    holds one piece (at most one swap buffer) and its conversion, whatever the size of the model
-    or of its largest tensor (a 128k-token embedding included). Shards are split the way
-    ``huggingface_hub`` splits a state dict: in order, a new shard when the next tensor would go
-    over ``max_shard_size``, a larger tensor alone in its shard; unlike it, the shard being
-    filled is closed before such a tensor, so every tensor is written in unit order (each unit
-    is read once, and with ranks every rank gathers the units in the same order).
+    unit at a time, the last piece kept for the next tensor that starts in it and dropped
+    with its last chunk when none does. So host memory holds one piece (at most one swap
+    buffer) and its conversion, whatever the size of the model or of its largest tensor (a
+    128k-token embedding included). Shards are split the way ``huggingface_hub`` splits a
+    state dict: in order, a new shard when the next tensor would go over ``max_shard_size``, a
+    larger tensor alone in its shard; unlike it, the shard being filled is closed before such
+    a tensor, so every tensor is written in unit order (each unit is read once, and with ranks
+    every rank gathers the units in the same order).
 
 With several ranks ``save_pretrained`` is collective, as ``export`` is: each unit is gathered
 whole from the ranks' shares and rank 0 writes (host memory then holds one unit).
@@ -294,6 +295,10 @@ class _PieceReader:
         self.values, self.unit = values, unit
         self._at: tuple[str, int] | None = None
         self._flat: torch.Tensor | None = None
+        # the end of the last tensor of each kind: past it no tensor of the unit needs a piece
+        self._last: dict[bool, int] = {}
+        for s in unit.layout.segments:
+            self._last[s.trainable] = max(self._last.get(s.trainable, 0), s.end)
 
     def chunks(self, seg: Segment) -> Iterator[torch.Tensor]:
         kind = "master" if seg.trainable else FROZEN
@@ -305,7 +310,14 @@ class _PieceReader:
                 self._flat = None  # the previous piece goes before the next is read
                 self._flat = self.values.flat(self.unit, kind, lo, hi)
                 self._at = (kind, lo)
-            yield self._flat[a - lo : b - lo]
+            chunk = self._flat[a - lo : b - lo]
+            if hi <= seg.end or seg.end >= self._last[seg.trainable]:
+                # no later tensor starts in this piece: it goes with its last chunk (every
+                # unit's reader lives until the last shard is written, and each one kept its
+                # last piece: the whole model in fp32 with pieces of a unit, module Note)
+                self._flat = self._at = None
+            yield chunk
+            del chunk
 
 
 def model_entries(

@@ -198,6 +198,8 @@ def write_stream(
             if sink is not None:
                 sink(data)
             written += len(data)
+            # before the producer reads its next chunk: one chunk in memory, not two
+            del chunk, data
         begin, end = header[name]["data_offsets"]
         if written != end - begin:
             raise RuntimeError(

@@ -232,9 +232,7 @@ class NvmeMaster:
         return (*fetched, item.out)
 
     def read(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
-        out = torch.empty(hi - lo, dtype=torch.float32)
-        self.store.read_into(_key(unit, "master", lo), out)
-        return out
+        return self.store.read(_key(unit, "master", lo))[: hi - lo]
 
     def load(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
         self.store.write_from(_key(unit, "master", lo), values)
@@ -251,9 +249,7 @@ class NvmeMaster:
 
     def read_committed(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         """The piece's master as an open version would roll it back (before the update)."""
-        out = torch.empty(hi - lo, dtype=torch.float32)
-        self.store.read_into(_key(unit, "master", lo), out, committed=True)
-        return out
+        return self.store.read(_key(unit, "master", lo), committed=True)[: hi - lo]
 
     def rewrite(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
         """Replaces what the open version wrote of the piece's master, and its compute
@@ -382,9 +378,7 @@ class NvmeOptim(OptimHome):
     def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:
         if kind == "master":
             return self.master.read(unit, lo, hi)
-        out = torch.empty(hi - lo, dtype=torch.float32)
-        self.store.read_into(self.key(unit, kind, lo), out)
-        return out
+        return self.store.read(self.key(unit, kind, lo))[: hi - lo]
 
     def held(self) -> dict[str, int]:
         """On disk: the shards of ``master.kinds``, twice with versions (each one's second

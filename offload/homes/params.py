@@ -624,16 +624,12 @@ class NvmeParams(_Released):
     def read(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         if self.storage.holds_lent(unit, lo):  # its pages are the unit's
             return self.storage.flat(unit)[lo:hi].clone()  # (a state_dict before a backward)
-        out = torch.empty(hi - lo, dtype=self.dtype)
-        self.store.read_into(self.key(unit, lo), out)
-        return out
+        return self.store.read(self.key(unit, lo))[: hi - lo]
 
     def read_committed(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         """:meth:`read` of the value an open version of the store would roll back to (the
         shards are the master of a speculative update: ``ParamShardsMaster``)."""
-        out = torch.empty(hi - lo, dtype=self.dtype)
-        self.store.read_into(self.key(unit, lo), out, committed=True)
-        return out
+        return self.store.read(self.key(unit, lo), committed=True)[: hi - lo]
 
     def load_shard(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
         self.reshard(unit)  # stale from here on (the caller reshards it too)

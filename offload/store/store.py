@@ -54,8 +54,11 @@ Note: synchronous access
     whose training then peaked at 1256-1292 MiB of RSS growth against a budget of 1200 MiB.
     Writes now go through a kept staging of at most ``STAGING_BYTES``, a chunk at a time
     (one extent is written at several offsets); a read takes the whole extent into a buffer
-    of its own that goes when it returns, so that the checksum of each write (recorded per
-    written range) is still checked by the read that covers it.
+    of its own, so that the checksum of each write (recorded per written range) is still
+    checked by the read that covers it. ``read`` returns that buffer itself as the new tensor
+    (the homes' reads for checkpoints and exports): ``read_into`` a new tensor held the piece
+    twice, the caller's and the buffer, 2 x 64 MiB over the run's RSS on the 325M LLaMA's
+    root while a checkpoint or an export read it.
 """
 
 from __future__ import annotations
@@ -468,13 +471,29 @@ class TieredStore:
             if shard.state is ShardState.HOST and not (committed and written):
                 out.copy_(shard.host_view().reshape(out.shape))
                 return
-            from offload.io import aligned_empty  # noqa: PLC0415 (only needed with NVMe)
+            out.copy_(self._read_extent(shard, committed).reshape(out.shape))
 
-            # the whole extent, in a buffer of this call's own (Note: synchronous access)
-            whole = aligned_empty(round_up(shard.io_nbytes))[: shard.io_nbytes]
-            self._nvme.read(shard.extent if committed else self._source(shard), whole).wait()
-            self._counters.moved(Tier.NVME, Tier.HOST, shard.io_nbytes)
-            out.copy_(whole[: shard.nbytes].view(shard.dtype).reshape(out.shape))
+    def read(self, key: str, *, committed: bool = False) -> torch.Tensor:
+        """A new 1-D host tensor with the newest data of ``key`` (``committed`` as in
+        :meth:`read_into`). Read from NVMe, it is the buffer the read went into, not a copy of
+        it (Note: synchronous access)."""
+        with self._lock:
+            shard = self._get(key)
+            self._settle(shard)
+            written = self._version is not None and shard.key in self._version
+            if shard.state is ShardState.HOST and not (committed and written):
+                return shard.host_view().reshape(-1).clone()
+            return self._read_extent(shard, committed)
+
+    def _read_extent(self, shard: Shard, committed: bool) -> torch.Tensor:
+        """The shard's elements read from its NVMe extent (the committed one with
+        ``committed``) into a buffer of this call's own (Note: synchronous access)."""
+        from offload.io import aligned_empty  # noqa: PLC0415 (only needed with NVMe)
+
+        whole = aligned_empty(round_up(shard.io_nbytes))[: shard.io_nbytes]
+        self._nvme.read(shard.extent if committed else self._source(shard), whole).wait()
+        self._counters.moved(Tier.NVME, Tier.HOST, shard.io_nbytes)
+        return whole[: shard.nbytes].view(shard.dtype)
 
     def write_from(self, key: str, src: torch.Tensor) -> None:
         """Overwrite ``key`` at its home with ``src`` (``numel`` elements), synchronously.

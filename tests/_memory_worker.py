@@ -50,6 +50,27 @@ class LM(nn.Module):
         return self.head(x)
 
 
+def _peak_of(fn) -> int:
+    """The peak RSS while ``fn()`` runs, sampled every 2 ms."""
+    proc = psutil.Process()
+    peak = [proc.memory_info().rss]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.002)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        fn()
+    finally:
+        stop.set()
+        t.join()
+    return max(peak[0], proc.memory_info().rss)
+
+
 def main() -> None:
     workdir = Path(sys.argv[1])
     torch.manual_seed(0)
@@ -113,11 +134,22 @@ def main() -> None:
     stop.set()
     t.join()
     peak[0] = max(peak[0], proc.memory_info().rss)
+    saves = {}
+    if "save" in sys.argv[3:]:  # a checkpoint and an export after training: peak over before
+        for what, save in (
+            ("export", lambda: offload.save_pretrained(model, workdir / "hf")),
+            ("checkpoint", lambda: offload.save_checkpoint(workdir / "ckpt", model, opt)),
+        ):
+            before = proc.memory_info().rss
+            top = _peak_of(save)
+            saves[what] = top - before
+            saves[f"{what}_growth"] = top - base
     buffers = opt.stats()["host_reserved_bytes"]
     opt.close()
     print(
         json.dumps(
-            {
+            saves
+            | {
                 "base": base,
                 "after_wrap": after_wrap,
                 "peak": peak[0],

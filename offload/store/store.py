@@ -45,7 +45,7 @@ Note: whose error
     returns or raises, the pin is given back.
 
 Note: synchronous access
-    Registering a shard with its initial value and ``write_from`` / ``read_into`` (loading
+    Registering a shard with its initial value and ``write_from`` / ``read[_into]`` (loading
     and exporting values, checkpoints) move a shard between a caller's tensor and its NVMe
     extent outside the pool, through a staging buffer of the store's own. That buffer used to
     be sized to the largest shard (up to ``buffer_size``) and was kept for the store's life:
@@ -56,9 +56,9 @@ Note: synchronous access
     (one extent is written at several offsets); a read takes the whole extent into a buffer
     of its own, so that the checksum of each write (recorded per written range) is still
     checked by the read that covers it. ``read`` returns that buffer itself as the new tensor
-    (the homes' reads for checkpoints and exports): ``read_into`` a new tensor held the piece
-    twice, the caller's and the buffer, 2 x 64 MiB over the run's RSS on the 325M LLaMA's
-    root while a checkpoint or an export read it.
+    (the homes' reads for checkpoints and exports): their ``read_into`` a new tensor held
+    each piece twice, the caller's tensor and the buffer (128 MiB for the 325M LLaMA's root
+    piece of 64 MiB while a checkpoint or an export read it).
 """
 
 from __future__ import annotations

@@ -144,6 +144,9 @@ def main() -> None:
             top = _peak_of(save)
             saves[what] = top - before
             saves[f"{what}_growth"] = top - base
+        before = proc.memory_info().rss
+        offload.load_checkpoint(workdir / "ckpt", model, opt)
+        saves["kept_by_load"] = proc.memory_info().rss - before  # after it returned
     buffers = opt.stats()["host_reserved_bytes"]
     opt.close()
     print(

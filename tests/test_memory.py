@@ -69,8 +69,12 @@ def test_checkpoint_and_export_hold_one_piece_at_a_time(tmp_path):
     kept its last piece until the file was written (the whole model in fp32: 2.2 GiB over the
     run's base on a 325M-parameter LLaMA against a budget of 976 MiB), the stream kept the
     previous chunk while reading the next, and a read held the piece twice (its buffer and the
-    caller's copy): a checkpoint held 3 pieces of 64 MiB on that LLaMA, over its budget."""
+    caller's copy): a checkpoint held 3 pieces of 64 MiB on that LLaMA, over its budget.
+    ``load_checkpoint`` then leaves no more than it found: its pieces and conversions went
+    through glibc's heap, which kept them (14 MiB here, 90 MiB on the LLaMA, whose resumed run
+    sat 51 MiB higher in every phase after it and crossed the budget)."""
     m = _measure(tmp_path, 16, "lm", "save")
+    assert m["kept_by_load"] <= 4 * 2**20, m
     piece = 4 * m["largest_unit"]
     slack = 8 * 2**20  # interpreter objects, the store's staging, allocator rounding
     assert m["checkpoint"] <= piece + slack, m

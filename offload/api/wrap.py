@@ -359,9 +359,10 @@ def _make_store(cfg: OffloadConfig, section: str, depth: int, b: _Parts, aio, re
     return TieredStore(pool=pool, nvme=nvme, prefetch_depth=depth, name=section)
 
 
-def _trim_host_heap() -> None:
+def trim_host_heap() -> None:
     """Gives the heap pages freed by moving the model's storage out back to the OS (glibc keeps
-    freed heap memory mapped otherwise, so RSS would stay as if the model were still there)."""
+    freed heap memory mapped otherwise, so RSS would stay as if the model were still there);
+    also the end of ``load_checkpoint``, whose pieces and conversions went through the heap."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
@@ -410,7 +411,7 @@ def _build(
         optim.create(unit, lambda lo, hi, u=unit: source.values(u, lo, hi, torch.float32))
         _materialize(unit)
         params.attach(unit)
-        _trim_host_heap()  # the unit's pieces were new tensors: no heap left holding them
+        trim_host_heap()  # the unit's pieces were new tensors: no heap left holding them
     largest = max((u.layout.trainable for u in plan.units), default=0)
     timers: dict[str, float] = defaultdict(float)
     stepped = [u for u in plan.units if plan.trainable_pieces(u)]
@@ -628,7 +629,7 @@ def wrap(
     runtime.install_hooks()
     _RUNTIMES[model] = weakref.ref(runtime)
     atexit.register(_close_at_exit, weakref.ref(runtime))
-    _trim_host_heap()
+    trim_host_heap()
     runtime.no_decay = NoDecay(no_decay)
     optimizer = OffloadOptimizer(
         runtime, group, gradient_clipping=cfg.gradient_clipping, scaler=scaler

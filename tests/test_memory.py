@@ -74,7 +74,7 @@ def test_checkpoint_and_export_hold_one_piece_at_a_time(tmp_path):
     through glibc's heap, which kept them (14 MiB here, 90 MiB on the LLaMA, whose resumed run
     sat 51 MiB higher in every phase after it and crossed the budget)."""
     m = _measure(tmp_path, 16, "lm", "save")
-    assert m["kept_by_load"] <= 4 * 2**20, m
+    assert m["kept_by_load"] <= 8 * 2**20, m  # 14 MiB before, -26 to 2 after (3 runs)
     piece = 4 * m["largest_unit"]
     slack = 8 * 2**20  # interpreter objects, the store's staging, allocator rounding
     assert m["checkpoint"] <= piece + slack, m

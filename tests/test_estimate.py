@@ -734,3 +734,30 @@ def test_a_unit_larger_than_the_model_is_refused():
     with pytest.raises(est.EstimateError, match=r"--unit-params 1000000000000: .*allowed: 1 to"):
         est.estimate(7_000_000_000, est.Machine(), unit_params=10**12)
     assert est.estimate(7_000_000_000, est.Machine(), unit_params=7_000_000_000)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_largest_unit_is_the_one_wrap_makes_of_the_config(tmp_path, tied):
+    """With --hf-config the largest unit is wrap's: every block a unit, and the root holding
+    the embeddings, the untied head and the final norm together (the head was left out: a
+    model with a large vocabulary got pools half the size of wrap's 'auto' ones)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import offload  # noqa: PLC0415
+    from offload.api.wrap import engine_of  # noqa: PLC0415
+
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=2000, tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = est.shape_from_hf_config(json.loads(config.to_json_string()))
+    wrapped, opt = offload.wrap(model, {"dtype": "fp32"})
+    try:
+        units = engine_of(wrapped).plan.units
+        largest = max(sum(p.numel() for p in u.params) for u in units)
+    finally:
+        opt.close()
+    got = est.estimate(est.count_params(shape), est.Machine(), shape=shape).unit_params
+    assert got == largest

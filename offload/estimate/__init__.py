@@ -548,7 +548,7 @@ def estimate(
     """Every stage x placement for ``params`` parameters on ``machine``.
 
     ``unit_params`` (the largest unit moved at once) defaults to the larger of one block and the
-    embedding table when ``shape`` is known, else to params / 32. Activations are estimated only
+    root unit wrap makes (the embeddings, an untied head, the final norm) when ``shape`` is known, else to params / 32. Activations are estimated only
     when both ``shape`` and ``seq_len`` are given.
     """
     _precision(precision)
@@ -563,8 +563,9 @@ def estimate(
         unit_source = "--unit-params"
     elif shape is not None:
         blocks = layer_params(shape), layer_params(shape, dense=True)
-        unit_params = max(*blocks, shape.vocab_size * shape.hidden_size)
-        unit_source = "largest block or embedding of the config"
+        # wrap's root unit: the embeddings with the untied head and the final norm
+        unit_params = max(*blocks, embedding_params(shape))
+        unit_source = "largest block or the root (embeddings, untied head) of the config"
     else:
         unit_params = _split(params, 32)
         unit_source = "assumed params / 32 (pass --hf-config or --unit-params)"

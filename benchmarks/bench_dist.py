@@ -8,9 +8,10 @@ for a few steps without gradient accumulation and reads, for every rank, the las
 counters (``optimizer.stats()``):
 
 - **collective bytes per rank and step** (``offload.dist``'s count: the gathered or reduced
-  tensor) against the textbook volume in the compute dtype: 2 Psi for stages 1 and 2 (the
-  gradients reduce-scattered, the updated params all-gathered), 3 Psi for stage 3 (all-gathered
-  for the forward and again for the backward, reduce-scattered), Psi = parameters x 2 bytes;
+  tensor) against the textbook volume: 2 Psi for stages 1 and 2 (the gradients
+  reduce-scattered, the updated params all-gathered), 3 Psi for stage 3 (all-gathered for the
+  forward and again for the backward, reduce-scattered), Psi = parameters x 2 bytes (bf16),
+  the gradients' Psi in ``distributed.reduce_dtype``'s bytes (fp32 by default: x 4);
 - **host and NVMe bytes per rank**: the training state the rank holds (``state_bytes``; with
   params and optimizer on NVMe the host figure is the two swap pools), and the NVMe bytes read
   and written per step, each against 1/N of the one-rank run of the same placement;
@@ -177,7 +178,8 @@ def table(records: list[dict]) -> list[dict]:
         if world == 1:
             continue
         psi = 2 * r["params"]  # bf16
-        textbook = (3 if r["stage"] == 3 else 2) * psi
+        # the gradients' Psi in distributed.reduce_dtype's default, fp32: twice bf16's
+        textbook = (2 if r["stage"] == 3 else 1) * psi + 4 * r["params"]
         base = one[r["placement"]]
         _, _, where = PLACEMENTS[r["placement"]]
         host = r["pools"] if where == "nvme" else r["state"]["host"]

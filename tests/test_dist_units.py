@@ -239,8 +239,15 @@ def test_the_placement_sums_in_the_reduce_dtype_within_the_same_device_bytes(
 def test_estimate_comm_and_pools_per_rank():
     e = est.estimate(10**9, est.Machine(gpus_per_node=8), unit_params=10**7)
     rows = {(r.stage, r.placement): r for r in e.rows}
-    assert rows[1, "none"].comm_per_rank == rows[2, "nvme"].comm_per_rank == 2 * 2 * 10**9
+    # bf16 params, gradients in the reduce dtype: fp32 by default, bf16 with "auto"
+    assert rows[1, "none"].comm_per_rank == rows[2, "nvme"].comm_per_rank == (4 + 2) * 10**9
+    assert rows[3, "cpu_optimizer"].comm_per_rank == (4 + 2 * 2) * 10**9
+    auto = est.estimate(10**9, est.Machine(gpus_per_node=8), unit_params=10**7, reduce_dtype="auto")
+    rows = {(r.stage, r.placement): r for r in auto.rows}
+    assert rows[1, "none"].comm_per_rank == 2 * 2 * 10**9
     assert rows[3, "cpu_optimizer"].comm_per_rank == 3 * 2 * 10**9
+    with pytest.raises(est.EstimateError, match="--reduce-dtype 'fp16'.*allowed fp32, auto"):
+        est.estimate(10**9, est.Machine(), precision="bf16", reduce_dtype="fp16")
     one = est.estimate(10**9, est.Machine(), unit_params=10**7)
     assert all(r.comm_per_rank == 0 for r in one.rows)
     pools8 = {p.section: p.size for p in e.staging}

@@ -106,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no s^2 attention-score term in the activation estimate",
     )
+    parser.add_argument(
+        "--reduce-dtype",
+        choices=est.REDUCE_DTYPES,
+        default="fp32",
+        help="dtype the ranks sum gradients in, as distributed.reduce_dtype (fp32; auto: the "
+        "compute dtype)",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -146,6 +153,7 @@ def build(args: argparse.Namespace) -> est.Estimate:
         micro_batch=args.micro_batch,
         activation_checkpointing=args.activation_checkpointing,
         flash_attention=args.flash_attention,
+        reduce_dtype=args.reduce_dtype,
     )
 
 
@@ -261,7 +269,8 @@ def format_estimate(result: est.Estimate) -> str:
         "dev states: persistent model state per device (ZeRO paper figure); dev working: "
         "gathered units + streaming grads; dev total adds activations when estimated; "
         "comm/step: collective bytes per rank and optimizer step (2 Psi, stage 3: 3 Psi; each "
-        "extra micro-step adds Psi at stage 2 and 3 Psi at stage 3). Host, NVMe and comm are "
+        "extra micro-step adds Psi at stage 2 and 3 Psi at stage 3; the gradients' Psi in "
+        "--reduce-dtype's bytes). Host, NVMe and comm are "
         "what `offload.wrap` holds and moves per rank (benchmarks/bench_dist.py measures them)."
     )
     if len(table) - 1 < len(result.rows):

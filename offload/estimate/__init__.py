@@ -35,11 +35,14 @@ Note: offload placements
 
 Note: collectives
     ``comm_per_rank`` is the textbook volume per rank and optimizer step (no gradient
-    accumulation), in bytes of the compute dtype, as ``offload.dist`` counts it: stage 0
-    all-reduces the gradients (2 Psi), stages 1 and 2 reduce-scatter them and all-gather the
-    updated params (2 Psi), stage 3 all-gathers every unit for its forward and again for its
-    backward and reduce-scatters the gradients (3 Psi). Each extra micro-step adds Psi at stage
-    2 (a reduce-scatter) and 3 Psi at stage 3; stage 1 reduces once per step. One rank: 0.
+    accumulation), as ``offload.dist`` counts it: params in bytes of the compute dtype,
+    gradients in those of ``distributed.reduce_dtype`` (fp32 by default: ``reduce_dtype``).
+    Stage 0 (DDP's, for comparison: offload's ranks run stages 1-3) all-reduces the gradients
+    in the compute dtype (2 Psi), stages 1 and 2 reduce-scatter them and
+    all-gather the updated params (2 Psi), stage 3 all-gathers every unit for its forward and
+    again for its backward and reduce-scatters the gradients (3 Psi). Each extra micro-step
+    adds Psi at stage 2 (a reduce-scatter) and 3 Psi at stage 3; stage 1 reduces once per
+    step. One rank: 0.
 
 Note: staging pools
     With NVMe placement each rank holds two pinned pools, ``offload_param`` and
@@ -282,12 +285,34 @@ def _device_states(params: int, ranks: int, stage: int, placement: str, prec: Pr
     return held
 
 
-def comm_bytes(params: int, ranks: int, stage: int, precision: str = "bf16") -> int:
+def comm_bytes(
+    params: int, ranks: int, stage: int, precision: str = "bf16", reduce_dtype: str = "fp32"
+) -> int:
     """Collective bytes per rank and optimizer step (see the module Note on collectives)."""
     _check_stage(stage)
     if ranks == 1:
         return 0
-    return (3 if stage == 3 else 2) * _precision(precision).params * params
+    p, g = _precision(precision).params, reduce_bytes(precision, reduce_dtype)
+    if stage == 0:  # DDP's all-reduce in the compute dtype (offload's ranks run stages 1-3)
+        return 2 * p * params
+    return (g + (2 if stage == 3 else 1) * p) * params
+
+
+REDUCE_DTYPES = ("fp32", "bf16", "fp16", "auto")
+
+
+def reduce_bytes(precision: str, reduce_dtype: str) -> int:
+    """Bytes a gradient element takes in the ranks' sums (``distributed.reduce_dtype``: fp32 or
+    the compute dtype, "auto")."""
+    prec = _precision(precision)
+    if reduce_dtype == "auto" or reduce_dtype == prec.name:
+        return prec.params
+    if reduce_dtype == "fp32":
+        return 4
+    raise EstimateError(
+        f"--reduce-dtype {reduce_dtype!r}: allowed fp32, auto or the compute dtype "
+        f"({prec.name}), as distributed.reduce_dtype"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,7 +440,7 @@ class Row:
     host_per_node: int
     nvme_per_rank: int
     nvme_per_node: int
-    comm_per_rank: int  # collective bytes per rank and optimizer step (compute dtype)
+    comm_per_rank: int  # collective bytes per rank and optimizer step (module Note)
     fits_device: bool | None  # None: limit not given
     fits_host: bool | None
     fits_nvme: bool | None
@@ -433,6 +458,7 @@ def placement_row(
     live_units: int = 2,
     activations: int = 0,
     staging: list[Pool] | None = None,
+    reduce_dtype: str = "fp32",
 ) -> Row:
     """The bytes one placement needs per device, per host and on NVMe (see the module Notes).
     ``staging``: the NVMe placement's pools when the caller has them (``staging_pools``, built
@@ -483,7 +509,7 @@ def placement_row(
         host_per_node=host * r,
         nvme_per_rank=nvme,
         nvme_per_node=nvme * r,
-        comm_per_rank=comm_bytes(params, ranks, stage, precision),
+        comm_per_rank=comm_bytes(params, ranks, stage, precision, reduce_dtype),
         fits_device=fits_device,
         fits_host=fits_host,
         fits_nvme=fits_nvme,
@@ -544,6 +570,7 @@ def estimate(
     micro_batch: int = 1,
     activation_checkpointing: bool = False,
     flash_attention: bool = False,
+    reduce_dtype: str = "fp32",
 ) -> Estimate:
     """Every stage x placement for ``params`` parameters on ``machine``.
 
@@ -552,6 +579,7 @@ def estimate(
     when both ``shape`` and ``seq_len`` are given.
     """
     _precision(precision)
+    reduce_bytes(precision, reduce_dtype)  # checked before any row
     if isinstance(live_units, bool) or not isinstance(live_units, int) or live_units < 1:
         raise EstimateError(f"--live-units: must be an integer >= 1, got {live_units!r}")
     if unit_params is not None:
@@ -604,6 +632,7 @@ def estimate(
                     live_units=live_units,
                     activations=act_bytes,
                     staging=est.staging,
+                    reduce_dtype=reduce_dtype,
                 )
             )
     return est

@@ -379,3 +379,47 @@ def test_a_rank_s_error_under_nproc_ends_as_in_one_process(tmp_path):
     assert "cannot make a swap directory in '/dev/null/swap'" in run.stderr
     assert "Traceback" not in run.stderr and "ChildFailedError" not in run.stderr, run.stderr
     assert "offload demo: rank " in run.stderr and "exited with status 2" in run.stderr
+
+
+_KILLED_STORE = """
+import os, signal, sys
+from offload.io import NvmeStore
+store = NvmeStore(sys.argv[1])
+store.allocate("k", 1 << 20)
+print(store.directory, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _killed_store_in(path: Path) -> str:
+    """A swap directory in ``path`` whose owner died by SIGKILL (a killed demo's)."""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", _KILLED_STORE, str(path)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+        timeout=120,
+    )
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    left = out.stdout.strip()
+    assert os.path.isdir(left), left
+    return left
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_a_killed_demo_s_swap_is_reclaimed_by_the_next_demo(tmp_path, monkeypatch, given):
+    """The demo swaps into one directory of its own per user (or ``--nvme-path``), not a new
+    temporary one per run: a demo killed outright left its swap files in a directory no later
+    run looked in, for good; the next demo's stores reclaim them as any store on a path does.
+    Two demos at once still each have their own store directory."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    where = tmp_path / "swap" if given else tmp_path / f"offload-demo-{os.getuid()}"
+    where.mkdir()
+    dead = _killed_store_in(where)
+    extra = ["--nvme-path", str(where)] if given else []
+    assert run_main("--size", "tiny", "--steps", "2", "--no-report", *extra) == 0
+    assert not os.path.exists(dead)
+    assert not list(where.glob("offload-*"))  # the demo's own went with it

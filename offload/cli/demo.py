@@ -1,7 +1,7 @@
 """``offload demo``: train a built-in byte-level GPT on local text with its state on NVMe.
 
-Defaults: a ~50M-parameter GPT (``--size``), params and optimizer state on NVMe under a
-temporary directory (``--nvme-path`` to choose the disk), host swap buffers of 2 pools x 4 x
+Defaults: a ~50M-parameter GPT (``--size``), params and optimizer state on NVMe under the
+system's temporary directory (``offload-demo-UID``; ``--nvme-path`` to choose the disk), host swap buffers of 2 pools x 4 x
 20 MiB = 168 MB, under a quarter of the model's 0.8 GB of fp32 state (params, grads, Adam m and
 v). It shows a
 progress bar with loss, tokens/s, IO GB/s and the step-time split, prints a summary table, and
@@ -33,13 +33,13 @@ Note: clean stop
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import importlib
 import importlib.util
 import math
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -100,7 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="compute dtype (fp32)")
     parser.add_argument("--device", help="compute device: cpu, cuda, cuda:N (auto)")
     parser.add_argument("--config", metavar="FILE", help="an offload (or DeepSpeed) config file")
-    parser.add_argument("--nvme-path", metavar="DIR", help="where swap files go (a temp dir)")
+    parser.add_argument(
+        "--nvme-path", metavar="DIR", help="where swap files go (TMPDIR/offload-demo-UID)"
+    )
     parser.add_argument(
         "--report",
         metavar="DIR",
@@ -336,10 +338,13 @@ def run(args: argparse.Namespace) -> int:
     rss_before = rss_before_model()
     model = GPT(gcfg)
 
+    # One directory for every run (the user's own, or --nvme-path), not a new one per run:
+    # each store makes its own swap directory in it, and reclaims those of owners that are
+    # gone, so a demo killed outright (SIGKILL, the out-of-memory killer) leaves nothing for
+    # good, where a new temporary directory per run was never looked in again
+    swap_dir = args.nvme_path or os.path.join(tempfile.gettempdir(), f"offload-demo-{os.getuid()}")
     try:
-        if args.nvme_path:
-            os.makedirs(args.nvme_path, exist_ok=True)
-        tmpdir = tempfile.mkdtemp(prefix="offload-demo-", dir=args.nvme_path)
+        os.makedirs(swap_dir, mode=0o700, exist_ok=True)
     except OSError as exc:
         where = args.nvme_path or tempfile.gettempdir()
         print(
@@ -371,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
             from offload.config import load_config  # noqa: PLC0415
 
             try:
-                cfg = build_config(args, tmpdir, device)
+                cfg = build_config(args, swap_dir, device)
                 norm = load_config(cfg)  # as the engine reads it (DeepSpeed mapped, sizes parsed)
                 # the group's own timeout is distributed.timeout (ranks.join_group): with
                 # torch's 30 minutes a rank whose peer was stuck said so, then did not end
@@ -487,7 +492,9 @@ def run(args: argparse.Namespace) -> int:
             if optimizer is not None and not args.baseline:
                 _close(optimizer, model)
         finally:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+            if not args.nvme_path:  # the stores removed their own: the run's directory, if
+                with contextlib.suppress(OSError):  # no other run uses it
+                    os.rmdir(swap_dir)
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
 

@@ -314,7 +314,8 @@ def test_two_ranks_train_as_one_process_on_their_joined_batch(setup, capsys):
     t = setup
     data = _prompts(t)
     (t / "nvme.yaml").write_text(
-        CPU + "offload_param: {device: nvme, buffer_count: 4, buffer_size: 16KiB}\n"
+        # 16000 bytes: a config note (rounded up to 16 KiB), said by rank 0 alone (below)
+        CPU + "offload_param: {device: nvme, buffer_count: 4, buffer_size: 16000}\n"
         "offload_optimizer: {device: nvme, buffer_count: 8, buffer_size: 16KiB}\n"
     )
 
@@ -334,6 +335,8 @@ def test_two_ranks_train_as_one_process_on_their_joined_batch(setup, capsys):
     assert main(args("one", 2)) == 0
     run = ranks("two", "--save-every", "2")
     assert "ranks                2" in run.stdout and not (t / "two" / "swap").exists()
+    # the config's notes, once: the same on every rank, rank 0 says them (each rank, before)
+    assert run.stderr.count("rounded up to 16384") == 1, run.stderr[-3000:]
     one = load_file(t / "one" / "hf" / "model.safetensors")
     two = load_file(t / "two" / "hf" / "model.safetensors")
     for name, want in one.items():

@@ -52,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if int(os.environ.get("RANK", "0") or 0) > 0:
+        # a rank other than 0 of a command under torchrun (--nproc, or the user's own): what
+        # the config and the plan say is the same on every rank, and rank 0 says it (N copies
+        # of each note, interleaved, before); a rank's own errors still reach its stderr
+        for name in ("offload.config", "offload.plan"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     if not args.command:
         parser.print_help()
         return 0

@@ -344,6 +344,10 @@ def _small_configs():
             **small, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2,
             head_dim=16, attention_bias=True, attention_out_bias=True,
         ),
+        "seed_oss-out-bias-only": transformers.SeedOssConfig(
+            **small, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2,
+            head_dim=16, attention_out_bias=True,
+        ),
         "gemma3_text": transformers.Gemma3TextConfig(
             **small, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2,
             head_dim=16,
@@ -370,7 +374,8 @@ def _small_configs():
     ["olmoe-1b-7b", "olmo2-7b", "olmoe-gqa", "olmo2-gqa", "qwen2_moe-sparse-step"]
     + ["qwen3_moe-head-dim", "deepseek-v2-lite", "deepseek-v3", "deepseek_v2-biases"]
     + ["deepseek_v3-q-bottleneck", "phimoe-biases", "gpt_oss", "glm4_moe-qk-norm"]
-    + ["granitemoeshared", "seed_oss-qkv-bias", "seed_oss-out-bias", "gemma3_text"]
+    + ["granitemoeshared", "seed_oss-qkv-bias", "seed_oss-out-bias", "seed_oss-out-bias-only"]
+    + ["gemma3_text"]
     + ["cohere-qk-norm"]
     + ["stablelm-parallel", "olmo", "olmo3"],
 )

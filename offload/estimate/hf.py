@@ -18,7 +18,7 @@ from offload.estimate.errors import EstimateError
 _GPT2_TYPES = {"gpt2", "gpt_bigcode"}
 _NEOX_TYPES = {"gpt_neox"}
 _QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}
-# attention_bias puts biases on q/k/v only (Seed-OSS: attention_out_bias for o; GLM-4.5: none)
+# attention_bias puts biases on q/k/v only (Seed-OSS: attention_out_bias on o; GLM-4.5: none)
 _QKV_ONLY_BIAS_TYPES = {"seed_oss", "glm4_moe"}
 # Norms other than two weight-only ones per layer: LayerNorm with a bias (weight + bias a
 # norm), none with weights (OLMo's), one per layer (Cohere's parallel block), four (Gemma 2/3)
@@ -38,8 +38,11 @@ _HEAD_QK_NORM_TYPES = {"qwen3", "qwen3_moe", "gemma3_text"}
 _FULL_QK_NORM_TYPES = {"olmoe", "olmo2", "olmo3"}
 # ... or when a config key turns them on: per head (GLM-4.5's use_qk_norm) or over all heads
 # (Cohere's use_qk_norm, StableLM's qk_layernorm: one weight-only norm per head)
-_SWITCHED_QK_NORM = {"glm4_moe": ("use_qk_norm", "head")}
-_SWITCHED_QK_NORM |= {"cohere": ("use_qk_norm", "full"), "stablelm": ("qk_layernorm", "full")}
+_SWITCHED_QK_NORM = {
+    "glm4_moe": ("use_qk_norm", "head"),
+    "cohere": ("use_qk_norm", "full"),
+    "stablelm": ("qk_layernorm", "full"),
+}
 # model_types whose count was checked against transformers' models (exact); any other is counted with the LLaMA layout and says so, since a
 # plain MLP (OPT, Falcon, Phi-2, BLOOM, GPT-J: 2 h I) or another attention makes that count far
 # off (Falcon-7B: 9.86 B for 6.92 B).
@@ -84,7 +87,7 @@ class ModelShape:
     h x n_q d projection when the config's rank is null), keys and values through
     ``kv_lora_rank`` c (h x (c + rope), an RMSNorm of c, c x n_q (d - rope + v)) and an output
     n_q v x h; ``head_dim`` d is a query head's nope + rope dims, ``v_head_dim`` v a value
-    head's; ``attention_bias`` adds biases to the two h x projections and the output.
+    head's; ``qkv_bias`` adds biases to its two h x projections, ``o_bias`` to the output.
     """
 
     hidden_size: int
@@ -107,9 +110,9 @@ class ModelShape:
     qk_rope_head_dim: int = 0  # latent attention: the rotary part of head_dim
     v_head_dim: int = 0  # latent attention: a value head's size
     max_positions: int = 0  # learned position embeddings (gpt2 style only)
-    attention_bias: bool = False  # q/k/v/o biases (q/k/v only: qkv_bias)
+    qkv_bias: bool = False  # biases on q/k/v (latent attention: on its down-projections)
+    o_bias: bool = False  # a bias on the output projection
     mlp_bias: bool = False
-    qkv_bias: bool = False
     norms_per_layer: int = 2
     norm_weights: int = 1  # parameters per hidden element of one norm (llama layout)
     attention_sinks: bool = False  # one learned logit per query head (GPT-OSS)
@@ -232,10 +235,10 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
         qk_kind = _SWITCHED_QK_NORM[model_type][1]
     qk_norm = {None: 0, "head": 2 * head_dim, "full": (heads + kv_heads) * head_dim}[qk_kind]
     attention_bias = bool(cfg.get("attention_bias", False))
-    qkv_bias = model_type in _QKV_BIAS_TYPES or bool(cfg.get("use_qkv_bias"))  # StableLM's
+    qkv_bias = attention_bias or model_type in _QKV_BIAS_TYPES or bool(cfg.get("use_qkv_bias"))
+    o_bias = attention_bias  # StableLM's use_qkv_bias above: q/k/v only
     if model_type in _QKV_ONLY_BIAS_TYPES:
-        qkv_bias, attention_bias = attention_bias, bool(cfg.get("attention_out_bias"))
-        qkv_bias = qkv_bias and not attention_bias  # (all four: attention_bias alone)
+        o_bias = bool(cfg.get("attention_out_bias"))
     norms = 2
     if model_type in _FOUR_NORM_TYPES:
         norms = 4
@@ -269,9 +272,9 @@ def shape_from_hf_config(cfg: Mapping[str, Any], *, source: str = "config") -> M
         dense_layers=dense,
         qk_norm=qk_norm,
         max_positions=positions,
-        attention_bias=attention_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
         qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
         norms_per_layer=norms,
         norm_weights=norm_weights,
         attention_sinks=gpt_oss,
@@ -326,10 +329,7 @@ def layer_params(shape: ModelShape, *, dense: bool = False) -> int:
         attn = _latent_attention_params(shape)
     else:
         attn = h * (q_out + 2 * kv_out) + q_out * h
-        if shape.attention_bias:
-            attn += q_out + 2 * kv_out + h
-        elif shape.qkv_bias:
-            attn += q_out + 2 * kv_out
+        attn += (q_out + 2 * kv_out) * shape.qkv_bias + h * shape.o_bias
         attn += shape.qk_norm + (shape.num_heads if shape.attention_sinks else 0)
 
     def gated(width: int, bias: bool = shape.mlp_bias) -> int:
@@ -348,14 +348,14 @@ def layer_params(shape: ModelShape, *, dense: bool = False) -> int:
 
 def _latent_attention_params(shape: ModelShape) -> int:
     """DeepSeek's multi-head latent attention (see :class:`ModelShape`)."""
-    h, heads, bias = shape.hidden_size, shape.num_heads, int(shape.attention_bias)
+    h, heads, bias = shape.hidden_size, shape.num_heads, int(shape.qkv_bias)
     q_rank, kv_rank, rope = shape.q_lora_rank, shape.kv_lora_rank, shape.qk_rope_head_dim
     q_out = heads * shape.head_dim
     # down-projection (+ bias) and RMSNorm of the bottleneck, then up to the heads
     q = (h + bias + 1) * q_rank + q_rank * q_out if q_rank else h * q_out
     kv = (h + bias) * (kv_rank + rope) + kv_rank
     kv += kv_rank * heads * (shape.head_dim - rope + shape.v_head_dim)
-    out = heads * shape.v_head_dim * h + bias * h
+    out = heads * shape.v_head_dim * h + shape.o_bias * h
     return q + kv + out
 
 

@@ -346,7 +346,7 @@ def _small_configs():
         ),
         "seed_oss-out-bias-only": transformers.SeedOssConfig(
             **small, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2,
-            head_dim=16, attention_out_bias=True,
+            head_dim=16, attention_bias=False, attention_out_bias=True,
         ),
         "gemma3_text": transformers.Gemma3TextConfig(
             **small, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=2,

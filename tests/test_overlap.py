@@ -213,16 +213,38 @@ def test_the_gathers_reads_go_ahead_of_the_updates_io(tmp_path):
         opt.close()
 
 
-def _second_backward_pieces(tmp_path, monkeypatch, hint: bool) -> list[bool]:
-    """Steps 2 and 3 of accumulation 2 with the step in backward, 12 optimizer buffers of 16 KiB
-    (4 grad pieces a block): per piece the second backward adds to, whether it was on its way
-    or in memory as its unit's backward ended (``hint``: with the owner's ``expect``)."""
+def _accumulating(tmp_path):
+    """Accumulation 2 with the step in backward over 4 blocks, 12 optimizer buffers of 16 KiB
+    (4 grad pieces a block): the model, its optimizer, the runtime, the gradients' owner and
+    the optimizer store."""
     cfg = _config(tmp_path, 2, opt_buffer="16KiB")
     cfg["gradient_accumulation_steps"] = 2
     cfg["offload_optimizer"]["step_in_backward"] = True
     model, opt = offload.wrap(StackLM(n=4, block=TimedBlock), cfg)
     runtime = engine_of(model)
-    owner, store = runtime.grads.owner, runtime.stores["offload_optimizer"]
+    return model, opt, runtime, runtime.grads.owner, runtime.stores["offload_optimizer"]
+
+
+def _train_accumulating(model, opt, steps: int, after_step=lambda: None) -> None:
+    """``steps`` optimizer steps of two backwards each, then the optimizer closed."""
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(steps):
+            for _ in range(2):
+                _backward(model, torch.randint(0, STACK_VOCAB, (2, 9), generator=gen))
+            opt.step()
+            opt.zero_grad()
+            after_step()
+        opt.synchronize()
+    finally:
+        opt.close()
+
+
+def _second_backward_pieces(tmp_path, monkeypatch, hint: bool) -> list[bool]:
+    """Steps 2 and 3 of :func:`_accumulating`'s training: per piece the second backward adds
+    to, whether it was on its way or in memory as its unit's backward ended (``hint``: with
+    the owner's ``expect``)."""
+    model, opt, runtime, owner, store = _accumulating(tmp_path)
     if not hint:
         monkeypatch.setattr(owner, "expect", lambda unit, first: None)
     seen: list[bool] = []
@@ -236,17 +258,9 @@ def _second_backward_pieces(tmp_path, monkeypatch, hint: bool) -> list[bool]:
         return real(unit, parts, first)
 
     monkeypatch.setattr(owner, "absorb", absorb)
-    gen = torch.Generator().manual_seed(0)
     try:
-        for _ in range(3):
-            for _ in range(2):
-                _backward(model, torch.randint(0, STACK_VOCAB, (2, 9), generator=gen))
-            opt.step()
-            opt.zero_grad()
-            steps[0] += 1
-        opt.synchronize()
+        _train_accumulating(model, opt, 3, after_step=lambda: steps.__setitem__(0, steps[0] + 1))
     finally:
-        opt.close()
         monkeypatch.undo()
     assert len(seen) == 2 * 4 * 4  # two steps, four blocks of four pieces
     return seen
@@ -260,12 +274,7 @@ def test_the_earlier_micro_steps_gradients_are_asked_for_before_the_unit_adds_to
     store to read ahead exactly that block's pieces; in the first backward, which overwrites,
     it asks for nothing. (The root's gradients are final only when the backward ends, and are
     read then: no hint holds its sum through the whole backward.)"""
-    cfg = _config(tmp_path, 2, opt_buffer="16KiB")
-    cfg["gradient_accumulation_steps"] = 2
-    cfg["offload_optimizer"]["step_in_backward"] = True
-    model, opt = offload.wrap(StackLM(n=4, block=TimedBlock), cfg)
-    runtime = engine_of(model)
-    owner, store = runtime.grads.owner, runtime.stores["offload_optimizer"]
+    model, opt, runtime, owner, store = _accumulating(tmp_path)
     asked: list[str] = []
     misses: list[tuple] = []
     real_read_ahead, real_absorb = store.read_ahead, owner.absorb
@@ -276,29 +285,17 @@ def test_the_earlier_micro_steps_gradients_are_asked_for_before_the_unit_adds_to
         return real_read_ahead(keys, *args, **kwargs)
 
     def absorb(unit, parts, first):
-        keys = [owner.key(unit, lo) for lo, _ in runtime.plan.trainable_pieces(unit)]
-        if unit.is_root:
-            pass
-        elif first:
-            if asked:
-                misses.append(("asked in an overwriting backward", list(asked)))
-        elif asked != keys:
-            misses.append((unit.label, list(asked), keys))
+        want = (
+            [] if first else [owner.key(unit, lo) for lo, _ in runtime.plan.trainable_pieces(unit)]
+        )
+        if not unit.is_root and asked != want:
+            misses.append((unit.label, first, list(asked), want))
         asked.clear()
         return real_absorb(unit, parts, first)
 
     monkeypatch.setattr(store, "read_ahead", read_ahead)
     monkeypatch.setattr(owner, "absorb", absorb)
-    gen = torch.Generator().manual_seed(0)
-    try:
-        for _ in range(2):
-            for _ in range(2):
-                _backward(model, torch.randint(0, STACK_VOCAB, (2, 9), generator=gen))
-            opt.step()
-            opt.zero_grad()
-        opt.synchronize()
-    finally:
-        opt.close()
+    _train_accumulating(model, opt, 2)
     assert not misses, misses
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 
 import pytest
 
@@ -18,3 +19,24 @@ def python_ctrl_c():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(name, *options)``: a tmpfs mounted at ``tmp_path / name`` (``"size=1m"``,
+    ``"ro"``), unmounted when the test ends; the test is skipped where mounting is not
+    permitted (it needs root)."""
+    mounted = []
+
+    def mount(name: str, *options: str):
+        d = tmp_path / name
+        d.mkdir(exist_ok=True)
+        cmd = ["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(d)]
+        if subprocess.run(cmd, capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in reversed(mounted):
+        subprocess.run(["umount", "-l", str(d)], check=True)

@@ -5,7 +5,6 @@ directory rules of a commit."""
 from __future__ import annotations
 
 import json
-import subprocess
 import tracemalloc
 from pathlib import Path
 
@@ -141,14 +140,9 @@ def test_a_failed_write_leaves_no_temp_directory(tmp_path):
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmpfs):
     """A tmpfs of 2,560 KiB (skipped where mounting is not permitted)."""
-    d = tmp_path / "disk"
-    d.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2560k", "tmpfs", str(d)]).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield d
-    subprocess.run(["umount", "-l", str(d)], check=True)
+    return tmpfs("disk", "size=2560k")
 
 
 def test_a_killed_save_does_not_keep_its_space_from_the_next(small_disk, caplog):

@@ -29,13 +29,6 @@ def aio(request):
     engine.close()
 
 
-def _mount_tmpfs(d, *opts):
-    d.mkdir(exist_ok=True)
-    cmd = ["mount", "-t", "tmpfs", "-o", ",".join(opts), "tmpfs", str(d)]
-    if subprocess.run(cmd, capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-
-
 def test_round_trip_many_shards_with_checksum(aio, tmp_path):
     gen = torch.Generator().manual_seed(0)
     sizes = {"a": 1, "b": 7, "c": 1023, "d": 4096, "e": (1 << 20) + 3, "f": 0}
@@ -165,36 +158,28 @@ def test_free_reuses_extents(aio, tmp_path):
             store.allocate("c", 100_000)
 
 
-def test_enospc_on_a_tiny_filesystem(aio, tmp_path):
-    d = tmp_path / "tiny"
-    _mount_tmpfs(d, "size=1m")
-    try:
-        with NvmeStore(d, aio=aio) as store:
-            store.allocate("fits", 256 * 1024)
-            with pytest.raises(OSError) as info:
-                store.allocate("too-big", 4 << 20)
-            assert info.value.errno == errno.ENOSPC
-            assert info.value.filename.startswith(str(d))
-            assert "'too-big'" in str(info.value)
-            # the store still works after the failure
-            store.write("fits", torch.ones(65536)).wait()
-            out = torch.empty(65536)
-            store.read("fits", out).wait()
-            assert torch.equal(out, torch.ones(65536))
-    finally:
-        subprocess.run(["umount", str(d)], check=True)
-
-
-def test_read_only_path(tmp_path):
-    d = tmp_path / "ro"
-    _mount_tmpfs(d, "size=1m", "ro")
-    try:
+def test_enospc_on_a_tiny_filesystem(aio, tmpfs):
+    d = tmpfs("tiny", "size=1m")
+    with NvmeStore(d, aio=aio) as store:
+        store.allocate("fits", 256 * 1024)
         with pytest.raises(OSError) as info:
-            NvmeStore(d)
-        assert info.value.errno == errno.EROFS and info.value.filename == str(d)
-        assert "writable" in str(info.value)
-    finally:
-        subprocess.run(["umount", str(d)], check=True)
+            store.allocate("too-big", 4 << 20)
+        assert info.value.errno == errno.ENOSPC
+        assert info.value.filename.startswith(str(d))
+        assert "'too-big'" in str(info.value)
+        # the store still works after the failure
+        store.write("fits", torch.ones(65536)).wait()
+        out = torch.empty(65536)
+        store.read("fits", out).wait()
+        assert torch.equal(out, torch.ones(65536))
+
+
+def test_read_only_path(tmpfs):
+    d = tmpfs("ro", "size=1m", "ro")
+    with pytest.raises(OSError) as info:
+        NvmeStore(d)
+    assert info.value.errno == errno.EROFS and info.value.filename == str(d)
+    assert "writable" in str(info.value)
 
 
 def test_missing_path_is_created_private_and_a_file_is_refused(tmp_path):

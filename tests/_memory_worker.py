@@ -115,25 +115,16 @@ def main() -> None:
     unit_params = sum(p.numel() for p in model.blocks[0].parameters())
     root_params = n_params - sum(p.numel() for p in model.blocks.parameters())
     loss_fn = (lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())) if lm else F.mse_loss
-    peak = [0]
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.002)
-
     model, opt = offload.wrap(model, cfg)  # the model's own fp32 storage is released here
     after_wrap = proc.memory_info().rss
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
-    for _ in range(3):
-        loss_fn(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    stop.set()
-    t.join()
-    peak[0] = max(peak[0], proc.memory_info().rss)
+
+    def train() -> None:
+        for _ in range(3):
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    peak = _peak_of(train)
     saves = {}
     if "save" in sys.argv[3:]:  # a checkpoint and an export after training: peak over before
         for what, save in (
@@ -155,8 +146,8 @@ def main() -> None:
             | {
                 "base": base,
                 "after_wrap": after_wrap,
-                "peak": peak[0],
-                "growth": peak[0] - base,
+                "peak": peak,
+                "growth": peak - base,
                 "n_params": n_params,
                 "unit_params": unit_params,
                 "largest_unit": max(unit_params, root_params),

@@ -462,6 +462,8 @@ def test_parse_count_rejects(text):
         ("64GiB", 64 * 2**30),
         ("512mb", 512 * 10**6),
         ("3.84TB", 3_840 * 10**9),
+        ("80G", 80 * 2**30),  # a bare letter is binary, as in the config's sizes
+        ("4k", 4096),
     ],
 )
 def test_parse_bytes(text, expected):

@@ -32,7 +32,7 @@ from typing import Any
 
 from offload.config.errors import ConfigError
 
-_UNITS: dict[str, int] = {
+SIZE_UNITS: dict[str, int] = {  # also the units of `offload estimate`'s sizes
     "": 1,
     "b": 1,
     "kb": 10**3,
@@ -98,14 +98,14 @@ def parse_bytes(value: Any) -> tuple[int | None, str]:
     if not isinstance(value, str):
         return None, ""
     match = _PATTERN.match(value)
-    if match is None or match.group(3).lower() not in _UNITS:
+    if match is None or match.group(3).lower() not in SIZE_UNITS:
         return None, ""
     number_text, exponent = match.group(1), match.group(2)
     if len(number_text) > _MAX_NUMBER_CHARS or (  # checked first: int() below stays cheap
         exponent is not None and abs(int(exponent)) > _MAX_EXPONENT
     ):
         return None, f"at most {_MAX_NUMBER_CHARS} characters, exponent within +-{_MAX_EXPONENT}"
-    number = Fraction(number_text) * _UNITS[match.group(3).lower()]
+    number = Fraction(number_text) * SIZE_UNITS[match.group(3).lower()]
     if number.denominator != 1:
         return None, "a whole number of bytes"
     return int(number), ""

@@ -90,6 +90,7 @@ from typing import Any
 
 from offload.config import ConfigError, OffloadConfig, resolve_auto_buffer_size
 from offload.config.sections import NVME_OPT_BUFFERS, OffloadOptimizerConfig, OffloadParamConfig
+from offload.config.sizes import SIZE_UNITS
 from offload.estimate.errors import EstimateError as EstimateError
 from offload.estimate.hf import (
     ModelShape as ModelShape,
@@ -183,18 +184,6 @@ PRECISIONS: dict[str, Precision] = {
 # ---------------------------------------------------------------------------------------------
 
 _COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-_SIZE_SUFFIX = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 
 
 def parse_count(value: str | int | float, *, what: str = "--params") -> int:
@@ -219,8 +208,8 @@ def parse_count(value: str | int | float, *, what: str = "--params") -> int:
 def parse_bytes(value: str | int | float, *, what: str = "size") -> int:
     """A byte size: ``80GB`` (10**9), ``64GiB`` (2**30), ``512MB``, ``3.84TB`` or an integer.
 
-    Same units as ``offload.config.parse_size`` (MB = 10**6, MiB = 2**20), but a fraction of a
-    byte is rounded (machine sizes such as ``3.84TB`` are estimates, not buffer sizes).
+    The units of ``offload.config.parse_size`` (MB = 10**6, MiB = 2**20, a bare K/M/G/T binary),
+    but a fraction of a byte is rounded (machine sizes such as ``3.84TB`` are estimates, not buffer sizes).
     """
     if isinstance(value, bool):
         raise EstimateError(f"{what}: expected a size such as 80GB or 64GiB, got {value!r}")
@@ -228,12 +217,13 @@ def parse_bytes(value: str | int | float, *, what: str = "size") -> int:
         number, scale = float(value), 1
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-        if m is None or m.group(2).lower() not in _SIZE_SUFFIX:
+        if m is None or m.group(2).lower() not in SIZE_UNITS:
             raise EstimateError(
                 f"{what}: expected a size such as 80GB, 512GB, 64GiB or 3.84TB "
-                f"(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {value!r}"
+                f"(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; a bare K, M, G, T is binary, as "
+                f"in the config), got {value!r}"
             )
-        number, scale = float(m.group(1)), _SIZE_SUFFIX[m.group(2).lower()]
+        number, scale = float(m.group(1)), SIZE_UNITS[m.group(2).lower()]
     size = number * scale
     if not math.isfinite(size) or size < 1:
         raise EstimateError(f"{what}: must be a size >= 1 byte, got {value!r}")

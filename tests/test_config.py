@@ -493,6 +493,35 @@ def test_a_reduce_dtype_the_compute_dtype_cannot_use_says_what_it_can():
 
 
 @pytest.mark.parametrize(
+    "dtype, value, added",
+    [
+        ("bf16", None, "fp32"),  # the default: as stages 2 and 3 and one rank add them
+        ("bf16", "bfloat16", "bf16"),
+        ("bf16", "auto", "bf16"),
+        ("fp16", "fp16", "fp16"),
+        ("fp32", "auto", "fp32"),
+    ],
+)
+def test_grad_accum_dtype_is_fp32_unless_asked(dtype, value, added):
+    section = {} if value is None else {"grad_accum_dtype": value}
+    cfg = load_config({"dtype": dtype, "distributed": section})
+    assert cfg.distributed.resolve_grad_accum_dtype(cfg.dtype) == added
+    assert load_config(cfg.to_dict()) == cfg
+
+
+def test_a_grad_accum_dtype_the_compute_dtype_cannot_use_says_what_it_can():
+    with pytest.raises(ConfigError) as err:
+        load_config({"dtype": "fp16", "distributed": {"grad_accum_dtype": "bf16"}})
+    assert str(err.value) == (
+        "distributed.grad_accum_dtype: got 'bf16'; allowed: 'fp32', 'auto' or the compute "
+        "dtype (dtype is 'fp16')"
+    )
+    assert err.value.key == "distributed.grad_accum_dtype"
+    with pytest.raises(ConfigError, match="allowed: one of 'fp32', 'bf16', 'fp16', 'auto'"):
+        load_config({"distributed": {"grad_accum_dtype": "int8"}})
+
+
+@pytest.mark.parametrize(
     "config, key, suggestion",
     [
         ({"offload_optimzer": {}}, "offload_optimzer", "offload_optimizer"),

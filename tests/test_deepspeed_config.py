@@ -334,6 +334,29 @@ def test_communication_data_type_is_the_reduce_dtype(caplog, dtype_section, valu
     assert not _warnings(caplog), [r.getMessage() for r in _warnings(caplog)]
 
 
+@pytest.mark.parametrize(
+    "dtype_section, value, want",
+    [
+        ({"bf16": {"enabled": True}}, "fp32", "fp32"),
+        ({"bf16": {"enabled": True}}, "bf16", "bf16"),
+        ({"bf16": {"enabled": True}}, None, "fp32"),  # absent: offload's default
+    ],
+)
+def test_grad_accum_dtype_maps(caplog, dtype_section, value, want):
+    """DeepSpeed's ``data_types.grad_accum_dtype`` (with ZeRO its default is the compute
+    dtype; offload's is fp32)."""
+    ds = dict(dtype_section, zero_optimization={"stage": 1})
+    if value is not None:
+        ds["data_types"] = {"grad_accum_dtype": value}
+    with caplog.at_level(logging.INFO, logger="offload.config"):
+        cfg = load_config(ds)
+    assert cfg.distributed.grad_accum_dtype == want
+    assert not _warnings(caplog), [r.getMessage() for r in _warnings(caplog)]
+    with pytest.raises(ConfigError) as err:
+        load_config(dict(ds, data_types={"grad_accum_dtype": "fp16"}))
+    assert str(err.value).startswith("data_types.grad_accum_dtype: got 'fp16'; allowed: ")
+
+
 def test_mixing_formats_is_an_error():
     with pytest.raises(ConfigError, match=r"^dtype: offload key in a DeepSpeed config"):
         load_config({"dtype": "bf16", "zero_optimization": {"stage": 3}})

@@ -236,6 +236,22 @@ def test_the_placement_sums_in_the_reduce_dtype_within_the_same_device_bytes(
     assert got["all_gather"] == psi * pl.dtype.itemsize
 
 
+@pytest.mark.parametrize(
+    "dtype, value, want",
+    [
+        ("bf16", None, torch.float32),  # the default: as one rank and stages 2 and 3 add them
+        ("bf16", "bf16", torch.bfloat16),
+        ("fp16", "auto", torch.float16),
+    ],
+)
+def test_the_placement_adds_stage_1_micro_steps_in_the_grad_accum_dtype(dtype, value, want):
+    cfg = placement_config("cpu", "cpu", Path("/tmp/unused"), dtype=dtype)
+    cfg["distributed"] = {"stage": 1} | ({} if value is None else {"grad_accum_dtype": value})
+    plan = make_plan(make_model(), load_config(cfg), shard=ShardSpec(0, 2))
+    assert plan.placement.grad_reduce is GradReduce.AT_STEP
+    assert plan.placement.grad_accum_dtype == want
+
+
 def test_estimate_comm_and_pools_per_rank():
     e = est.estimate(10**9, est.Machine(gpus_per_node=8), unit_params=10**7)
     rows = {(r.stage, r.placement): r for r in e.rows}

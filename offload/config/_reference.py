@@ -90,6 +90,7 @@ _DEEPSPEED_TABLE = """\
 | `aio.thread_count` or `aio.intra_op_parallelism` | `aio.thread_count` | count (`intra_op_parallelism` wins) |
 | `zero_optimization.stage` | `distributed.stage` | as is; `0` runs as `1` (logged at INFO: offload always shards the optimizer state across ranks) |
 | `communication_data_type` | `distributed.reduce_dtype` | `fp32`, `bf16` (or `bfp16`), `fp16`; absent: offload's default, `fp32` |
+| `data_types.grad_accum_dtype` | `distributed.grad_accum_dtype` | `fp32`, `bf16` (or `bfp16`), `fp16`; absent: offload's default, `fp32` (DeepSpeed's with ZeRO is the compute dtype) |
 | `offload_optimizer.pipeline_read/pipeline_write` | none | accepted without warning: offload's step is always pipelined |
 | `aio.single_submit: false`, `aio.overlap_events: true`, `aio.use_gds: false`, `fp16.hysteresis: 1`, `fp16.consecutive_hysteresis: false`, `optimizer.params.amsgrad: false`, `optimizer.params.torch_adam`, `offload_optimizer.ratio: 1` | none | offload behaves this way; any other value is listed in the warning |
 | anything else (`train_batch_size`, `zero_optimization.overlap_comm`, `stage3_prefetch_bucket_size`, `sub_group_size`, `scheduler`, ...) | none | listed in ONE warning on the `offload.config` logger |

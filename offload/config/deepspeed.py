@@ -2,8 +2,8 @@
 
 Note: what maps, what does not
     DeepSpeed's ``zero_optimization.offload_param`` / ``offload_optimizer``, ``aio``,
-    ``optimizer``, ``bf16`` / ``fp16``, ``gradient_clipping`` and ``communication_data_type``
-    have offload counterparts (the table ``_MAP`` below and the README's mapping table). Every
+    ``optimizer``, ``bf16`` / ``fp16``, ``gradient_clipping``, ``communication_data_type`` and
+    ``data_types.grad_accum_dtype`` have offload counterparts (the table ``_MAP`` below and the README's mapping table). Every
     other key present in the file is listed in ONE warning on the ``offload.config`` logger,
     never dropped silently. A few keys are consumed without a warning because offload always
     behaves the way they ask (``_SAME_BEHAVIOUR``), e.g. ``aio.single_submit: false`` or
@@ -425,6 +425,7 @@ _MAP: dict[str, _Rule] = {
     "gradient_clipping": "gradient_clipping",
     "gradient_accumulation_steps": "gradient_accumulation_steps",
     "communication_data_type": "distributed.reduce_dtype",
+    "data_types": {"grad_accum_dtype": "distributed.grad_accum_dtype"},
     "aio": {
         "block_size": "aio.block_size",
         "queue_depth": "aio.queue_depth",

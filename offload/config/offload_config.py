@@ -120,14 +120,21 @@ class OffloadConfig:
         self._check_reduce_dtype()
 
     def _check_reduce_dtype(self) -> None:
-        """The gradients are summed in fp32 or in the compute dtype: the compute dtype's
-        gradients summed in another 16-bit dtype would only lose range (bf16 into fp16, with
-        no loss scale to keep them in it) or precision (fp16 or fp32 into bf16)."""
+        """The gradients are summed (across ranks, and stage 1's micro-steps) in fp32 or in the
+        compute dtype: the compute dtype's gradients summed in another 16-bit dtype would only
+        lose range (bf16 into fp16, with no loss scale to keep them in it) or precision (fp16
+        or fp32 into bf16)."""
         dist = self.distributed
         if dist.resolve_reduce_dtype(self.dtype) not in ("fp32", self.dtype):
             raise ConfigError.bad(
                 "distributed.reduce_dtype",
                 dist.reduce_dtype,
+                f"'fp32', 'auto' or the compute dtype (dtype is {self.dtype!r})",
+            )
+        if dist.resolve_grad_accum_dtype(self.dtype) not in ("fp32", self.dtype):
+            raise ConfigError.bad(
+                "distributed.grad_accum_dtype",
+                dist.grad_accum_dtype,
                 f"'fp32', 'auto' or the compute dtype (dtype is {self.dtype!r})",
             )
 

@@ -345,7 +345,8 @@ REDUCE_DTYPES: dict[str, tuple[str, ...]] = {
     "fp16": ("float16", "half", "torch.float16"),
     "auto": (),
 }
-"""``distributed.reduce_dtype``'s names and their aliases."""
+"""``distributed.reduce_dtype``'s and ``distributed.grad_accum_dtype``'s names and their
+aliases."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -369,6 +370,13 @@ class DistributedConfig(_Section):
     wire), the compute dtype ("bf16" or "fp16": half the bytes, one more 16-bit rounding per
     step than one process makes; fp16 divides by the world first so the sum cannot
     overflow), or "auto": the compute dtype."""
+    grad_accum_dtype: str = "fp32"
+    """Dtype stage 1 adds a step's micro-steps (backwards) in before its one reduction: "fp32"
+    (from a step's second backward on, each unit's gradients are summed in an fp32 buffer on
+    the device: 4 bytes per trainable parameter, where a 16-bit p.grad takes 2), the compute
+    dtype (autograd adds them in p.grad: one 16-bit rounding per micro-step), or "auto": the
+    compute dtype. Stages 2 and 3 add every micro-step in fp32 whatever it says, as one rank
+    does."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, str) and self.stage.strip().lower() == "auto":
@@ -384,11 +392,19 @@ class DistributedConfig(_Section):
             self._k("timeout"), self.timeout, lo=0.0, lo_open=True, what="seconds"
         )
         self.reduce_dtype = as_choice(self._k("reduce_dtype"), self.reduce_dtype, REDUCE_DTYPES)
+        self.grad_accum_dtype = as_choice(
+            self._k("grad_accum_dtype"), self.grad_accum_dtype, REDUCE_DTYPES
+        )
 
     def resolve_reduce_dtype(self, dtype: str) -> str:
         """The dtype gradients are summed in for compute ``dtype``: ``reduce_dtype``, with
         "auto" the compute dtype."""
         return dtype if self.reduce_dtype == "auto" else self.reduce_dtype
+
+    def resolve_grad_accum_dtype(self, dtype: str) -> str:
+        """The dtype stage 1 adds micro-steps in for compute ``dtype``: ``grad_accum_dtype``,
+        with "auto" the compute dtype."""
+        return dtype if self.grad_accum_dtype == "auto" else self.grad_accum_dtype
 
     def resolve_stage(self, param_device: str) -> int:
         """The stage to run: ``stage``, with "auto" decided by where the params live."""

@@ -131,6 +131,10 @@ class Placement:
     reduce_dtype: torch.dtype = torch.float32
     """The dtype the ranks' gradients are summed in (``distributed.reduce_dtype`` resolved;
     moot with one rank)."""
+    grad_accum_dtype: torch.dtype = torch.float32
+    """The dtype stage 1 adds a step's micro-steps in before its reduction
+    (``distributed.grad_accum_dtype`` resolved; moot with one rank and at stages 2 and 3,
+    whose owners add every micro-step in fp32)."""
 
     @property
     def reduce_slots(self) -> int:
@@ -319,6 +323,7 @@ def make_placement(
         grad_reduce=_grad_reduce(2 if sharded else 1, stage, schedule),
         shard_params=sharded and stage == 3,
         reduce_dtype=DTYPES[cfg.distributed.resolve_reduce_dtype(cfg.dtype)],
+        grad_accum_dtype=DTYPES[cfg.distributed.resolve_grad_accum_dtype(cfg.dtype)],
     )
 
 

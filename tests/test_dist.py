@@ -443,11 +443,14 @@ def _reduce_dtype(stage: int, reduce_dtype: str) -> dict:
     return {"distributed": {"stage": stage, "timeout": 60, "reduce_dtype": reduce_dtype}}
 
 
+BF16_ACCUM = {"distributed": {"stage": 1, "timeout": 60, "grad_accum_dtype": "bf16"}}
 BF16_SUMS = [
     job("sum-s2-cpu-cpu", "cpu", "cpu", 2, dtype="bf16"),
     job("sum-s3-nvme-nvme", "nvme", "nvme", 3, dtype="bf16"),
-    job("sum-s1-none-cpu", "none", "cpu", 1, dtype="bf16", accum=1),  # (Note below)
+    job("sum-s1-none-cpu", "none", "cpu", 1, dtype="bf16"),
+    job("sum-s1-none-cpu-accum1", "none", "cpu", 1, dtype="bf16", accum=1),
     job("sum-s2-cpu-cpu-bf16", "cpu", "cpu", 2, dtype="bf16", config=_reduce_dtype(2, "bf16")),
+    job("sum-s1-none-cpu-bf16", "none", "cpu", 1, dtype="bf16", config=BF16_ACCUM),
 ]
 
 
@@ -459,8 +462,12 @@ def test_bf16_ranks_sum_what_one_process_sums(tmp_path):
     10 steps (losses 1.2e-2), at every stage and placement. Summed in fp32 (the default
     ``distributed.reduce_dtype``) they match to 1.2e-7 (losses equal), in one device buffer of
     the largest unit where two bf16 ones were. ``"bf16"`` still sums in bf16, with half the
-    bytes on the wire. (Stage 1 with gradient accumulation is left out: autograd adds its
-    micro-steps in bf16, in ``p.grad``, before the one reduction per step.)
+    bytes on the wire.
+
+    Stage 1 adds a step's micro-steps on each rank before its one reduction: autograd added
+    them in bf16, in ``p.grad``, and with accumulation 2 the weights ended 1.2e-2 apart
+    (losses 6.9e-3). Added in fp32 (the default ``distributed.grad_accum_dtype``) they match
+    to 1.2e-7 (losses equal); ``"bf16"`` still adds them in ``p.grad``.
 
     One process on the whole batch is not a reference this tight: its bf16 backward of 8 rows
     rounds other sums than two backwards of 4 rows (2.7e-2 apart, whatever the ranks sum in)."""
@@ -472,7 +479,7 @@ def test_bf16_ranks_sum_what_one_process_sums(tmp_path):
             refs[key] = _one_process_on_the_ranks_slices(tmp_path, *key)
         losses, state = refs[key]
         got = _final(tmp_path, j["name"])
-        if j["name"].endswith("-bf16"):  # the bf16 sum: within plain bf16 training's tolerance
+        if j["name"].endswith("-bf16"):  # a bf16 sum: within plain bf16 training's tolerance
             _bf16_close(got, state)
             assert max(float((got[k] - v).abs().max()) for k, v in state.items()) > 1e-4
             continue

@@ -10,9 +10,10 @@ The owner (``offload.homes.grads``) is the plan's choice; so is when the reducti
   flattened on the device and reduce-scattered asynchronously; this rank's reduced share goes
   to the owner when the reduction has landed, which is waited for only at the next unit's end
   (or the end of the backward), so it overlaps the next unit's backward.
-- :class:`StepScatteredGrads` (stage 1): autograd accumulates every micro-step in ``p.grad``;
-  each unit is reduce-scattered once, when the step needs the gradients (:meth:`Grads.settle`),
-  the next unit's flattening overlapping the previous one's reduction.
+- :class:`StepScatteredGrads` (stage 1): a step's micro-steps are added on the device (in
+  fp32 by default: Note on the accumulation dtype); each unit is reduce-scattered once, when
+  the step needs the gradients (:meth:`Grads.settle`), the next unit's flattening overlapping
+  the previous one's reduction.
 
 Each tracks the first micro-step after ``zero_grad`` (whose gradients overwrite instead of
 adding).
@@ -35,9 +36,8 @@ Note: the reduce dtype
     16-bit gradients into its fp32 owner (``offload.homes.grads``); a sum in bf16 rounds
     once more per unit and micro-step: 2 ranks of the test model's bf16 training ended
     1.2e-2 apart in the weights from one process running the ranks' micro-batches (losses
-    1.2e-2), and 1.2e-7 apart summed in fp32 (``tests/test_dist.py``). Stage 1 with gradient
-    accumulation still adds its micro-steps in the compute dtype, in ``p.grad``, before its
-    one reduction per step.
+    1.2e-2), and 1.2e-7 apart summed in fp32 (``tests/test_dist.py``). Stage 1 adds its
+    micro-steps before its one reduction per step (Note on the accumulation dtype).
 
     The flat buffers (:class:`ScatteredGrads`) hold ``Placement.reduce_slots`` units in the
     reduce dtype: two in the compute dtype's width, one where the reduce dtype is twice as
@@ -46,6 +46,23 @@ Note: the reduce dtype
     result). With one slot the previous unit's reduction lands before the next unit is
     flattened; it still overlaps the backward of the unit after it (a second fp32 slot did
     not make the 5M demo GPT's step on 2 ranks faster: 1.07-1.30 s against 1.07-1.11 s).
+
+Note: the accumulation dtype
+    One rank and stages 2 and 3 add each micro-step into an fp32 owner. Stage 1 keeps a
+    step's gradients on the device until its one reduction, and autograd adds the micro-steps
+    in ``p.grad``, in the compute dtype: with bf16 and accumulation 2, 2 ranks ended 1.2e-2
+    apart in the weights from one process running the ranks' micro-batches (losses 6.9e-3).
+    So they are added in ``Placement.grad_accum_dtype`` (``distributed.grad_accum_dtype``,
+    fp32 by default; DeepSpeed's ``data_types.grad_accum_dtype``), and end 1.2e-7 apart
+    (losses equal). The first micro-step's gradients stay in ``p.grad`` (one backward's
+    16-bit gradients are what one process adds too); the second backward begins by moving
+    each unit's into an fp32 sum of its own on the device, and each later backward's are
+    added to it as the unit's backward ends, ``p.grad`` dropped, so autograd starts each
+    unit from none (:class:`_WideSums`). A unit's sum is freed when its reduction has copied
+    it. The cost is device memory: with accumulation the step's gradients take 4 bytes per
+    trainable parameter where ``p.grad`` took 2 (a step of one micro-step holds ``p.grad``
+    only, as before), and two device passes over them per micro-step (the widening copy or
+    the add). ``"bf16"`` / ``"fp16"`` (the compute dtype) keeps them in ``p.grad``.
 
 Note: the norm and the overflow flag
     Each rank's owner knows the sum of squares and the inf/NaN flag of its own share. Shares do
@@ -58,7 +75,7 @@ from __future__ import annotations
 
 import torch
 
-from offload.device import GradStaging
+from offload.device import GradStaging, grad_parts
 from offload.dist import Comm, Handle, LocalComm
 from offload.homes.grads import GradHome
 from offload.plan import Unit
@@ -247,7 +264,7 @@ class ScatteredGrads(Grads):
         if self._flight is not None and self._flight.slot == slot:
             self.drain()  # one slot (a wider reduce dtype): the previous one lands first
         send = self._send[slot][:n]
-        self.staging.flatten(unit, send)
+        self._flatten(unit, send)
         if self._predivide != 1.0:
             send.div_(self._predivide)
         for p in unit.trainable_params:
@@ -257,6 +274,10 @@ class ScatteredGrads(Grads):
         previous, self._flight = self._flight, _Flight(unit, handle, share, first, slot)
         if previous is not None:
             self._land(previous)
+
+    def _flatten(self, unit: Unit, out: torch.Tensor) -> None:
+        """``out[:trainable]`` becomes the unit's gradients to reduce (a device-side copy)."""
+        self.staging.flatten(unit, out)
 
     def _land(self, flight: _Flight) -> None:
         flight.handle.wait()
@@ -283,23 +304,109 @@ class ScatteredGrads(Grads):
         self.drain()
 
 
+class _GradSums:
+    """Where stage 1 adds a step's micro-steps: autograd adds them in ``p.grad``, in the
+    compute dtype (``distributed.grad_accum_dtype`` the compute dtype, or fp32 compute)."""
+
+    def __init__(self, staging: GradStaging) -> None:
+        self.staging = staging
+
+    def later_backward(self, units: list[Unit]) -> None:
+        """A backward of the step after its first begins (before it adds anything)."""
+
+    def unit_done(self, unit: Unit) -> None:
+        """``unit``'s gradients of this backward are final."""
+
+    def flatten(self, unit: Unit, out: torch.Tensor) -> None:
+        """``out[:trainable]`` becomes the unit's sum of this step's micro-steps (the input of
+        its reduction)."""
+        self.staging.flatten(unit, out)
+
+    def clear(self) -> None:
+        """The step's gradients were reduced or dropped."""
+
+
+class _WideSums(_GradSums):
+    """A step's micro-steps added in a dtype wider than the compute dtype (fp32; module Note
+    on the accumulation dtype): the first stays in ``p.grad``; the next backward begins by
+    moving every unit's into a flat sum of its own on the device, into which each later
+    micro-step's gradients are added as its unit's backward ends. A unit's sum is freed once
+    its reduction has copied it, so a step of one micro-step holds nothing more than
+    ``p.grad``."""
+
+    def __init__(self, staging: GradStaging, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(staging)
+        self.dtype, self.device = dtype, device
+        self._sums: dict[int, torch.Tensor] = {}  # unit index -> its micro-steps' sum so far
+
+    def later_backward(self, units: list[Unit]) -> None:
+        for unit in units:
+            self._add(unit)
+
+    def unit_done(self, unit: Unit) -> None:
+        if unit.index in self._sums:
+            self._add(unit)
+        # (else this is the unit's first micro-step with gradients: they stay in p.grad)
+
+    def _add(self, unit: Unit) -> None:
+        """Adds the unit's ``p.grad`` into its sum (the first it takes becomes the sum) and
+        drops it, so that autograd's next micro-step starts from none."""
+        parts = [(a, b, g) for a, b, g in grad_parts(unit) if g is not None]
+        if not parts:
+            return
+        total = self._sums.get(unit.index)
+        if total is None:
+            total = torch.empty(unit.layout.trainable, dtype=self.dtype, device=self.device)
+            self.staging.flatten(unit, total)
+            self._sums[unit.index] = total
+        else:
+            for a, b, g in parts:
+                total[a:b].add_(g)
+        for p in unit.trainable_params:
+            p.grad = None
+
+    def flatten(self, unit: Unit, out: torch.Tensor) -> None:
+        total = self._sums.pop(unit.index, None)
+        if total is None:
+            super().flatten(unit, out)  # one micro-step's gradients, still in p.grad
+        else:
+            out.copy_(total)
+
+    def clear(self) -> None:
+        self._sums.clear()
+
+
 class StepScatteredGrads(ScatteredGrads):
-    """Stage 1 (see the module docstring): gradients stay in ``p.grad`` across micro-steps
-    and are reduce-scattered once per step."""
+    """Stage 1 (see the module docstring): a step's gradients stay on the device across its
+    micro-steps, added in ``placement.grad_accum_dtype`` (:class:`_WideSums` where that is
+    wider than the compute dtype, else in ``p.grad``), and are reduce-scattered once per
+    step."""
 
     def __init__(self, owner, staging, units, comm, placement) -> None:
         super().__init__(owner, staging, units, comm, placement)
-        self._settled = True  # nothing in p.grad that the owner has not taken
+        self._settled = True  # no gradient on the device that the owner has not taken
         self._fresh = True  # the owner's next reduced gradients overwrite
+        wide = placement.grad_accum_dtype.itemsize > placement.dtype.itemsize
+        self._sums = (
+            _WideSums(staging, placement.grad_accum_dtype, placement.device)
+            if wide
+            else _GradSums(staging)
+        )
 
     def unit_begins(self, unit: Unit) -> None:
         pass  # its gradients go to the owner at the step, not at the end of this backward
 
     def backward_begins(self) -> None:
-        pass  # every unit is reduced at the step, in the units' own order
+        # every unit is reduced at the step, in the units' own order: no order to agree on
+        if not self.first_micro_step:
+            self._sums.later_backward(self.units)
 
     def unit_done(self, unit: Unit) -> None:
         self._settled = False  # autograd accumulated this backward's gradients in p.grad
+        self._sums.unit_done(unit)
+
+    def _flatten(self, unit: Unit, out: torch.Tensor) -> None:
+        self._sums.flatten(unit, out)
 
     def backward_done(self) -> None:
         Grads.backward_done(self)
@@ -317,7 +424,9 @@ class StepScatteredGrads(ScatteredGrads):
     def step_ended(self) -> None:
         super().step_ended()
         self._fresh = True
+        self._sums.clear()
 
     def zero(self) -> None:
         super().zero()
         self._settled, self._fresh = True, True
+        self._sums.clear()

@@ -206,6 +206,37 @@ def test_estimate_rows_carry_the_paper_figure_and_offload_shrinks_the_device():
         assert 0 < opt.device_working <= nvme.device_working
 
 
+def test_stage_1_keeps_the_micro_steps_sum_in_the_grad_accum_dtype(capsys):
+    """With gradient accumulation stage 1 adds a step's micro-steps on the device in
+    ``distributed.grad_accum_dtype``: fp32 by default, 4 bytes per parameter where bf16's
+    ``p.grad`` takes 2; one micro-step, or the compute dtype, keeps ``p.grad``'s 2."""
+    psi, machine = 10**9, est.Machine(gpus_per_node=8)
+
+    def rows(**kw):
+        e = est.estimate(psi, machine, unit_params=10**7, **kw)
+        return {(r.stage, r.placement): r for r in e.rows}
+
+    one, accum, bf16 = rows(), rows(accumulation=4), rows(accumulation=4, grad_accum_dtype="auto")
+    for placement in ("cpu_optimizer_params", "nvme"):
+        assert one[1, placement].device_states == bf16[1, placement].device_states == 2 * psi
+        assert accum[1, placement].device_states == 4 * psi
+    for key, row in accum.items():
+        if key[0] != 1 or key[1] == "none":  # (the paper's row: DeepSpeed's stage 1)
+            assert row.device_states == one[key].device_states
+    # the collectives of 4 micro-steps: stages 2 and 3 reduce each, stage 1 once per step
+    assert accum[1, "nvme"].comm_per_rank == one[1, "nvme"].comm_per_rank == (4 + 2) * psi
+    assert accum[2, "nvme"].comm_per_rank == (4 * 4 + 2) * psi
+    assert accum[3, "nvme"].comm_per_rank == 4 * (4 + 2 * 2) * psi
+    assert est.held_grad_bytes("fp32", 4) == 4
+    with pytest.raises(est.EstimateError, match="--grad-accum-dtype 'fp16'.*allowed fp32, auto"):
+        est.estimate(psi, machine, grad_accum_dtype="fp16")
+    with pytest.raises(est.EstimateError, match="--accum: must be an integer >= 1, got 0"):
+        est.estimate(psi, machine, accumulation=0)
+    assert main(["estimate", "--params", "1e9", "--gpus", "8", "--accum", "4", "--json"]) == 0
+    got = {(r["stage"], r["placement"]): r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert got[1, "nvme"]["device_states"] == 4 * psi
+
+
 def test_fp32_uses_4_4_8_bytes():
     assert est.zero_model_state_bytes(10**9, 1, 0, "fp32") == 16 * 10**9
     assert est.zero_model_state_bytes(10**9, 4, 1, "fp32") == 8 * 10**9 + 2 * 10**9

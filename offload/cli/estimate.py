@@ -113,6 +113,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="dtype the ranks sum gradients in, as distributed.reduce_dtype (fp32; auto: the "
         "compute dtype)",
     )
+    parser.add_argument(
+        "--accum",
+        type=_positive_int,
+        default=1,
+        help="micro-steps per optimizer step, as gradient_accumulation_steps (1): stages 2 "
+        "and 3 reduce each; stage 1 keeps their sum on the device (see --grad-accum-dtype)",
+    )
+    parser.add_argument(
+        "--grad-accum-dtype",
+        choices=est.REDUCE_DTYPES,
+        default="fp32",
+        help="dtype stage 1 adds micro-steps in, as distributed.grad_accum_dtype (fp32: 4 "
+        "bytes per parameter on the device with --accum above 1; auto: the compute dtype)",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -154,6 +168,8 @@ def build(args: argparse.Namespace) -> est.Estimate:
         activation_checkpointing=args.activation_checkpointing,
         flash_attention=args.flash_attention,
         reduce_dtype=args.reduce_dtype,
+        accumulation=args.accum,
+        grad_accum_dtype=args.grad_accum_dtype,
     )
 
 

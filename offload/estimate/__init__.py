@@ -20,9 +20,11 @@ Note: offload placements
     keeps its compute params and streams each unit's gradients off as backward finishes it.
     ``cpu_optimizer_params``: the compute params live on the host too (P bytes per parameter of
     the partition); the device holds only the units being computed. At stage 1 over several
-    ranks the device also keeps the whole gradient between micro-steps (G bytes per parameter:
-    autograd accumulates it and each unit is reduce-scattered once per step), which stage 2
-    streams off unit by unit instead. ``nvme`` (ZeRO-Infinity):
+    ranks the device also keeps the whole gradient until the step (each unit is
+    reduce-scattered once per step), which stage 2 streams off unit by unit instead: G bytes
+    per parameter, or with gradient accumulation (``accumulation`` > 1) the micro-steps' sum
+    in ``distributed.grad_accum_dtype``, 4 bytes by default (``held_grad_bytes``). ``nvme``
+    (ZeRO-Infinity):
     both live on NVMe and the host holds only the pinned staging pools, sized as ``wrap`` sizes
     them (see the Note on staging pools). The step in backward (the default with NVMe) writes
     its speculative update to a second extent of the master and moments, so the NVMe figure
@@ -34,8 +36,9 @@ Note: offload placements
     means every rank keeps a full copy on its host or disk.
 
 Note: collectives
-    ``comm_per_rank`` is the textbook volume per rank and optimizer step (no gradient
-    accumulation), as ``offload.dist`` counts it: params in bytes of the compute dtype,
+    ``comm_per_rank`` is the textbook volume per rank and optimizer step (of
+    ``accumulation`` micro-steps, 1 by default), as ``offload.dist`` counts it: params in bytes
+    of the compute dtype,
     gradients in those of ``distributed.reduce_dtype`` (fp32 by default: ``reduce_dtype``).
     Stage 0 (DDP's, for comparison: offload's ranks run stages 1-3) all-reduces the gradients
     in the compute dtype (2 Psi), stages 1 and 2 reduce-scatter them and
@@ -261,7 +264,11 @@ def _check_stage(stage: int) -> None:
         raise EstimateError(f"ZeRO stage must be one of 0, 1, 2, 3, got {stage!r}")
 
 
-def _device_states(params: int, ranks: int, stage: int, placement: str, prec: Precision) -> int:
+def _device_states(
+    params: int, ranks: int, stage: int, placement: str, prec: Precision, held_bytes: int = 0
+) -> int:
+    """``held_bytes``: per parameter, what stage 1 keeps of the gradients on the device over
+    several ranks with offload (``held_grad_bytes``; 0: the compute dtype's G)."""
     _check_stage(stage)
     n_opt = ranks if stage >= 1 else 1
     n_grad = ranks if stage >= 2 else 1
@@ -269,23 +276,58 @@ def _device_states(params: int, ranks: int, stage: int, placement: str, prec: Pr
     par = _split(prec.params * params, n_par)
     if placement == "none":
         return par + _split(prec.grads * params, n_grad) + _split(prec.optimizer * params, n_opt)
-    held = prec.grads * params if stage == 1 and ranks > 1 else 0  # (Note: offload placements)
+    # stage 1 keeps the gradients until the step (Note: offload placements)
+    held = (held_bytes or prec.grads) * params if stage == 1 and ranks > 1 else 0
     if placement == "cpu_optimizer":
         return par + held
     return held
 
 
 def comm_bytes(
-    params: int, ranks: int, stage: int, precision: str = "bf16", reduce_dtype: str = "fp32"
+    params: int,
+    ranks: int,
+    stage: int,
+    precision: str = "bf16",
+    reduce_dtype: str = "fp32",
+    accumulation: int = 1,
 ) -> int:
-    """Collective bytes per rank and optimizer step (see the module Note on collectives)."""
+    """Collective bytes per rank and optimizer step of ``accumulation`` micro-steps (see the
+    module Note on collectives)."""
     _check_stage(stage)
     if ranks == 1:
         return 0
     p, g = _precision(precision).params, reduce_bytes(precision, reduce_dtype)
+    a = _check_accumulation(accumulation)
     if stage == 0:  # DDP's all-reduce in the compute dtype (offload's ranks run stages 1-3)
         return 2 * p * params
-    return (g + (2 if stage == 3 else 1) * p) * params
+    if stage == 1:
+        return (g + p) * params
+    if stage == 2:
+        return (a * g + p) * params
+    return a * (g + 2 * p) * params
+
+
+def _check_accumulation(accumulation: int) -> int:
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise EstimateError(f"--accum: must be an integer >= 1, got {accumulation!r}")
+    return accumulation
+
+
+def held_grad_bytes(precision: str, accumulation: int = 1, grad_accum_dtype: str = "fp32") -> int:
+    """Bytes per parameter stage 1 keeps of a step's gradients on each device over several
+    ranks (module Note on offload placements): the compute dtype's ``p.grad`` for one
+    micro-step; with more, their sum in ``distributed.grad_accum_dtype`` (fp32 or the compute
+    dtype, "auto")."""
+    prec = _precision(precision)
+    a = _check_accumulation(accumulation)
+    if grad_accum_dtype == "auto" or grad_accum_dtype == prec.name:
+        return prec.grads
+    if grad_accum_dtype == "fp32":
+        return 4 if a > 1 else prec.grads
+    raise EstimateError(
+        f"--grad-accum-dtype {grad_accum_dtype!r}: allowed fp32, auto or the compute dtype "
+        f"({prec.name}), as distributed.grad_accum_dtype"
+    )
 
 
 REDUCE_DTYPES = ("fp32", "bf16", "fp16", "auto")
@@ -449,6 +491,8 @@ def placement_row(
     activations: int = 0,
     staging: list[Pool] | None = None,
     reduce_dtype: str = "fp32",
+    accumulation: int = 1,
+    grad_accum_dtype: str = "fp32",
 ) -> Row:
     """The bytes one placement needs per device, per host and on NVMe (see the module Notes).
     ``staging``: the NVMe placement's pools when the caller has them (``staging_pools``, built
@@ -459,7 +503,8 @@ def placement_row(
     ranks = machine.ranks
     n_opt = ranks if stage >= 1 else 1
     n_par = ranks if stage >= 3 else 1
-    states = _device_states(params, ranks, stage, placement, prec)
+    held = held_grad_bytes(precision, accumulation, grad_accum_dtype)
+    states = _device_states(params, ranks, stage, placement, prec, held)
     params_gathered = stage == 3 or placement in ("cpu_optimizer_params", "nvme")
     grads_stream = placement != "none"
     working = (live_units * unit_params * prec.params if params_gathered else 0) + (
@@ -499,7 +544,7 @@ def placement_row(
         host_per_node=host * r,
         nvme_per_rank=nvme,
         nvme_per_node=nvme * r,
-        comm_per_rank=comm_bytes(params, ranks, stage, precision, reduce_dtype),
+        comm_per_rank=comm_bytes(params, ranks, stage, precision, reduce_dtype, accumulation),
         fits_device=fits_device,
         fits_host=fits_host,
         fits_nvme=fits_nvme,
@@ -561,6 +606,8 @@ def estimate(
     activation_checkpointing: bool = False,
     flash_attention: bool = False,
     reduce_dtype: str = "fp32",
+    accumulation: int = 1,
+    grad_accum_dtype: str = "fp32",
 ) -> Estimate:
     """Every stage x placement for ``params`` parameters on ``machine``.
 
@@ -570,6 +617,7 @@ def estimate(
     """
     _precision(precision)
     reduce_bytes(precision, reduce_dtype)  # checked before any row
+    held_grad_bytes(precision, accumulation, grad_accum_dtype)
     if isinstance(live_units, bool) or not isinstance(live_units, int) or live_units < 1:
         raise EstimateError(f"--live-units: must be an integer >= 1, got {live_units!r}")
     if unit_params is not None:
@@ -623,6 +671,8 @@ def estimate(
                     activations=act_bytes,
                     staging=est.staging,
                     reduce_dtype=reduce_dtype,
+                    accumulation=accumulation,
+                    grad_accum_dtype=grad_accum_dtype,
                 )
             )
     return est

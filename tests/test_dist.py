@@ -339,9 +339,9 @@ def test_fp32_four_ranks_match_one_process_on_the_whole_batch(
 def reference_mixed_ranks(model, world, dtype=torch.bfloat16, at_step=False, lr=1e-2, wd=0.1):
     """Data-parallel mixed precision in plain PyTorch: each rank's slice backpropagated in
     ``dtype``, the ranks' gradients summed in fp32 (``distributed.reduce_dtype``'s default),
-    accumulated over micro-steps in fp32 (``at_step``: in ``dtype`` first, in ``p.grad``, and
-    summed over ranks once per step, as stage 1 does), averaged, clipped; fp32 AdamW
-    masters."""
+    accumulated over micro-steps in fp32 (``at_step``: on each rank first, in fp32 as well
+    (``distributed.grad_accum_dtype``'s default), and summed over ranks once per step, as stage
+    1 does), averaged, clipped; fp32 AdamW masters."""
     data = batches(STEPS_DATA, batch=GLOBAL_BATCH)
     master, compute = copy.deepcopy(model), copy.deepcopy(model).to(dtype)
     mparams = [p for p in master.parameters() if p.requires_grad]
@@ -361,7 +361,7 @@ def reference_mixed_ranks(model, world, dtype=torch.bfloat16, at_step=False, lr=
                 for i, cp in enumerate(cparams):
                     g, cp.grad = cp.grad, None
                     if at_step:
-                        held[r][i] = g if held[r][i] is None else held[r][i] + g
+                        held[r][i] = g.float() if held[r][i] is None else held[r][i] + g
                     else:
                         summed[i] = g.float() if summed[i] is None else summed[i] + g.float()
             if not at_step:
@@ -369,9 +369,9 @@ def reference_mixed_ranks(model, world, dtype=torch.bfloat16, at_step=False, lr=
                     mp.grad = g if mp.grad is None else mp.grad + g
         if at_step:
             for i, mp in enumerate(mparams):
-                g = held[0][i].float()
+                g = held[0][i]
                 for r in range(1, world):
-                    g = g + held[r][i].float()
+                    g = g + held[r][i]
                 mp.grad = g
         for mp in mparams:
             mp.grad /= world

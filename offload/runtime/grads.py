@@ -61,8 +61,9 @@ Note: the accumulation dtype
     unit from none (:class:`_WideSums`). A unit's sum is freed when its reduction has copied
     it. The cost is device memory: with accumulation the step's gradients take 4 bytes per
     trainable parameter where ``p.grad`` took 2 (a step of one micro-step holds ``p.grad``
-    only, as before), and two device passes over them per micro-step (the widening copy or
-    the add). ``"bf16"`` / ``"fp16"`` (the compute dtype) keeps them in ``p.grad``.
+    only, as before), and one device pass over them per micro-step after the first (the
+    widening copy, then the adds): 11-25 ms of a 0.65-1.9 s step on the 5M demo GPT's 2 CPU
+    ranks. ``"bf16"`` / ``"fp16"`` (the compute dtype) keeps them in ``p.grad``.
 
 Note: the norm and the overflow flag
     Each rank's owner knows the sum of squares and the inf/NaN flag of its own share. Shares do

@@ -3,11 +3,11 @@
 Note: what maps, what does not
     DeepSpeed's ``zero_optimization.offload_param`` / ``offload_optimizer``, ``aio``,
     ``optimizer``, ``bf16`` / ``fp16``, ``gradient_clipping``, ``communication_data_type`` and
-    ``data_types.grad_accum_dtype`` have offload counterparts (the table ``_MAP`` below and the README's mapping table). Every
-    other key present in the file is listed in ONE warning on the ``offload.config`` logger,
-    never dropped silently. A few keys are consumed without a warning because offload always
-    behaves the way they ask (``_SAME_BEHAVIOUR``), e.g. ``aio.single_submit: false`` or
-    ``offload_optimizer.pipeline_read``.
+    ``data_types.grad_accum_dtype`` have offload counterparts (the table ``_MAP`` below and the
+    README's mapping table). Every other key present in the file is listed in ONE warning on
+    the ``offload.config`` logger, never dropped silently. A few keys are consumed without a
+    warning because offload always behaves the way they ask (``_SAME_BEHAVIOUR``), e.g.
+    ``aio.single_submit: false`` or ``offload_optimizer.pipeline_read``.
 
 Note: units that differ
     DeepSpeed's ``offload_param.buffer_size`` counts ELEMENTS of the compute dtype; offload's

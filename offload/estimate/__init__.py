@@ -212,7 +212,8 @@ def parse_bytes(value: str | int | float, *, what: str = "size") -> int:
     """A byte size: ``80GB`` (10**9), ``64GiB`` (2**30), ``512MB``, ``3.84TB`` or an integer.
 
     The units of ``offload.config.parse_size`` (MB = 10**6, MiB = 2**20, a bare K/M/G/T binary),
-    but a fraction of a byte is rounded (machine sizes such as ``3.84TB`` are estimates, not buffer sizes).
+    but a fraction of a byte is rounded (machine sizes such as ``3.84TB`` are estimates, not
+    buffer sizes).
     """
     if isinstance(value, bool):
         raise EstimateError(f"{what}: expected a size such as 80GB or 64GiB, got {value!r}")

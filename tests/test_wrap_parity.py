@@ -453,3 +453,44 @@ def test_torch_compile_of_the_wrapped_model_trains_as_torch(tmp_path, param_dev)
     finally:
         opt.close()
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
+def test_hooks_registered_after_wrap_read_their_unit_gathered(tmp_path, param_dev):
+    """Forward hooks the user registers on a unit's module after ``wrap`` (a penalty on the
+    block's weights added to its output) ran after offload's release, and a pre-hook with
+    ``prepend=True`` before its gather: both read the weights as zeros, 1.6e-2 off torch's loss
+    in the first step, no error. Offload's gather and release stay the outermost hooks."""
+
+    def hook_up(m):
+        blocks = m.blocks
+        blocks[1].register_forward_hook(lambda mod, a, o: o + 0.1 * mod.fc1.weight.sum())
+        blocks[2].register_forward_pre_hook(
+            lambda mod, a: (a[0] * mod.fc2.weight.mean(),), prepend=True
+        )
+
+    torch.manual_seed(0)
+    model = StackLM(n=3, frozen=False)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    cfg = placement_config(param_dev, "cpu", tmp_path)
+    cfg["wrap"] = {"module_classes": ["StackBlock"]}
+    model, opt = offload.wrap(model, cfg)
+    hook_up(ref)
+    hook_up(model)
+    try:
+        for tokens in batches(3, batch=2, seq=8):
+            losses = []
+            for m, o in ((ref, ref_opt), (model, opt)):
+                logits = m(tokens[:, :-1])
+                loss = F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+                )
+                loss.backward()
+                o.step()
+                o.zero_grad()
+                losses.append(float(loss))
+            assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+        _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
+    finally:
+        opt.close()

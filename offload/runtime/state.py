@@ -182,24 +182,26 @@ class Runtime:
             self._root_pre_forward, with_kwargs=True, prepend=True
         )
         self._handles.append(h)
+        # (hooks dict, handle id, at its end): the gathers and releases kept outermost
+        self._outermost = [(self.model._forward_pre_hooks, h.id, False)]
         self._handles.append(self.model.register_forward_hook(self._root_post_forward))
         self._handles.append(
             self.model.register_forward_hook(self._root_forward_failed, always_call=True)
         )
         for run in self.runs[1:]:
             module = run.unit.module
-            self._handles.append(
-                module.register_forward_pre_hook(lambda m, a, r=run: self._pre_forward(r))
-            )
+            h = module.register_forward_pre_hook(lambda m, a, r=run: self._pre_forward(r))
+            self._handles.append(h)
+            self._outermost.append((module._forward_pre_hooks, h.id, False))
             if run.watches_inputs:
                 self._handles.append(
                     module.register_forward_pre_hook(
                         lambda m, a, k, r=run: self._watch_inputs(r, a, k), with_kwargs=True
                     )
                 )
-            self._handles.append(
-                module.register_forward_hook(lambda m, a, o, r=run: self._post_forward(r, o))
-            )
+            h = module.register_forward_hook(lambda m, a, o, r=run: self._post_forward(r, o))
+            self._handles.append(h)
+            self._outermost.append((module._forward_hooks, h.id, True))
         self._guard_parts()
         # A tensor's hooks are held from C++, where the cycle collector cannot see them: one that
         # held this runtime would keep it and the model alive for good once the caller let go
@@ -302,9 +304,21 @@ class Runtime:
                 x = x.to(self.device)
         return x
 
+    def _keep_outermost(self) -> None:
+        """A unit's gather runs before the forward pre-hooks the user registered on its
+        module, and its release after the forward hooks, also those registered after wrap (a
+        hook that reads the block's weights: a regularizer, a probe) or with ``prepend=True``:
+        they would read released storage (zeros). Moved only when another hook took the place,
+        so the hooks dicts do not change otherwise (``torch.compile`` guards on them). Called
+        as the model's forward begins; the model's own pre-hook moves from its next forward."""
+        for hooks, key, last in self._outermost:
+            if key in hooks and next(reversed(hooks) if last else iter(hooks)) != key:
+                hooks.move_to_end(key, last=last)
+
     @_hook
     def _root_pre_forward(self, module, args, kwargs):
         self._check_open()
+        self._keep_outermost()
         self._settle_backward()
         if self.phase.phase is Phase.BACKWARD:
             return None  # recomputation of the whole model (unusual) keeps everything gathered

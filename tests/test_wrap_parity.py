@@ -494,3 +494,53 @@ def test_hooks_registered_after_wrap_read_their_unit_gathered(tmp_path, param_de
         _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
     finally:
         opt.close()
+
+
+class _RootUsesABlockWeight(nn.Module):
+    """The model uses a block's weight itself (``F.linear``), holding it as its own attribute
+    too: a parameter registered in a unit and outside every unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, STACK_DIM)
+        self.blocks = nn.Sequential(StackBlock(), StackBlock(), StackBlock())
+        self.proj = self.blocks[2].fc2.weight  # (STACK_DIM, 3 * STACK_DIM)
+        self.head = nn.Linear(STACK_DIM, 64)
+
+    def forward(self, tokens):
+        x = self.blocks[0](self.embed(tokens))
+        x = F.linear(x, self.proj[:, :STACK_DIM])  # before blocks[2] runs
+        return self.head(self.blocks[2](self.blocks[1](x)))
+
+
+@pytest.mark.parametrize("param_dev,opt_dev", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_a_block_weight_the_model_also_holds_is_the_roots(tmp_path, param_dev, opt_dev):
+    """A parameter registered on a block and on a module outside every unit (the model itself)
+    was owned by the block alone and released outside its forward: the model's own use read
+    zeros, 6e-2 off torch's loss in the first step, no error. It belongs to the root now, as a
+    parameter shared by two units does."""
+    from offload.plan import build_units
+
+    torch.manual_seed(0)
+    model = _RootUsesABlockWeight()
+    units = build_units(model, ["StackBlock"], 0, persistence_threshold=None)
+    assert [u.index for u in units if any(p is model.proj for p in u.params)] == [0]
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    cfg = placement_config(param_dev, opt_dev, tmp_path)
+    cfg["wrap"] = {"module_classes": ["StackBlock"]}
+    model, opt = offload.wrap(model, cfg)
+    try:
+        for tokens in batches(3, batch=2, seq=8):
+            losses = []
+            for m, o in ((ref, ref_opt), (model, opt)):
+                logits = m(tokens[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, 64), tokens[:, 1:].reshape(-1))
+                loss.backward()
+                o.step()
+                o.zero_grad()
+                losses.append(float(loss))
+            assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+        _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
+    finally:
+        opt.close()

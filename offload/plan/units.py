@@ -4,8 +4,9 @@ A unit is a group of modules whose parameters move together: by default one tran
 Units are chosen by class name (``wrap.module_classes``), or automatically (repeated classes
 whose name ends in ``Block`` or ``Layer``, and torch's Transformer layers), or by a parameter
 count threshold (``wrap.min_params``). Units never nest: the outermost match wins. Parameters
-outside every unit, and parameters used by more than one unit (tied weights), belong to the
-root unit, which stays gathered from the start of a forward to the end of its backward.
+outside every unit, and parameters used by more than one unit (tied weights) or registered in a
+unit and outside every unit, belong to the root unit, which stays gathered from the start of a
+forward to the end of its backward.
 
 The :class:`Unit` record is read-only after wrap: what changes during training (gathered or
 not, grads pending) lives in the runtime's and the homes' own records, keyed by unit.
@@ -121,18 +122,27 @@ def build_units(
     units of at most this many (padded) elements stay gathered until the step; None: none do
     (the params live on the device anyway)."""
     chosen = select_units(model, module_classes, min_params)
+    # Every place a parameter is registered counts, the unit it is under or the root (-1):
+    # one registered on a unit's module and also on a module outside every unit (the model
+    # using ``self.w = self.blocks[2].fc.weight`` itself) is the root's, as one shared by two
+    # units is. Owned by the unit alone, it read as zeros (released) where the root used it.
+    unit_of = {id(mod): i for i, (_, mod) in enumerate(chosen)}
+    modules = dict(model.named_modules(remove_duplicate=False))
     users: dict[nn.Parameter, set[int]] = {}
     names: dict[nn.Parameter, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, name)
-    for i, (_, mod) in enumerate(chosen):
-        for _, p in mod.named_parameters(remove_duplicate=False):
-            users.setdefault(p, set()).add(i)
+        parts, owner = name.split("."), -1
+        for k in range(1, len(parts)):
+            owner = unit_of.get(id(modules[".".join(parts[:k])]), -1)
+            if owner >= 0:
+                break
+        users.setdefault(p, set()).add(owner)
     per_unit: list[list[tuple[str, nn.Parameter]]] = [[] for _ in chosen]
     root: list[tuple[str, nn.Parameter]] = []
     for p, name in names.items():
-        owners = users.get(p, set())
-        (per_unit[next(iter(owners))] if len(owners) == 1 else root).append((name, p))
+        owner = next(iter(users[p])) if len(users[p]) == 1 else -1
+        (per_unit[owner] if owner >= 0 else root).append((name, p))
     units = [Unit(0, "", model, FlatLayout.build(root, shard), is_root=True)]
     for i, ((qual, mod), named) in enumerate(zip(chosen, per_unit)):
         layout = FlatLayout.build(named, shard)

@@ -544,3 +544,44 @@ def test_a_block_weight_the_model_also_holds_is_the_roots(tmp_path, param_dev, o
         _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("param_dev,opt_dev", [("cpu", "cpu"), ("nvme", "nvme"), ("none", "nvme")])
+def test_backward_hooks_on_a_unit_read_its_weights_as_torch(tmp_path, param_dev, opt_dev):
+    """A full backward hook on a block that reads the block's weights (a gradient rescaled by
+    a weight statistic) runs as the block's inputs' gradients are computed, after its
+    parameters' last gradient: it read them released (zeros, 5e-6 off torch after a step) or,
+    where the update ran in the backward (parameters on the device, the NVMe optimizer),
+    already updated (3e-6). The unit now waits for its inputs' gradients, as one holding
+    frozen layers does."""
+
+    seen = {}  # model -> the weight statistic its hook read, backward after backward
+
+    def hook_up(m):
+        def rescale(mod, grad_in, grad_out):
+            stat = mod.fc1.weight.abs().mean()
+            seen.setdefault(id(m), []).append(float(stat))
+            return (grad_in[0] * (1 + stat),)
+
+        m.blocks[1].register_full_backward_hook(rescale)
+
+    torch.manual_seed(0)
+    model = StackLM(n=3, frozen=False)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    cfg = placement_config(param_dev, opt_dev, tmp_path)
+    cfg["wrap"] = {"module_classes": ["StackBlock"]}
+    model, opt = offload.wrap(model, cfg)
+    hook_up(ref)
+    hook_up(model)
+    try:
+        for tokens in batches(3, batch=2, seq=8):
+            for m, o in ((ref, ref_opt), (model, opt)):
+                logits = m(tokens[:, :-1])
+                F.cross_entropy(logits.reshape(-1, 64), tokens[:, 1:].reshape(-1)).backward()
+                o.step()
+                o.zero_grad()
+        assert seen[id(model)] == pytest.approx(seen[id(ref)], rel=1e-6)
+        _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6)
+    finally:
+        opt.close()

@@ -193,7 +193,7 @@ class Runtime:
             h = module.register_forward_pre_hook(lambda m, a, r=run: self._pre_forward(r))
             self._handles.append(h)
             self._outermost.append((module._forward_pre_hooks, h.id, False))
-            if run.watches_inputs:
+            if run.may_watch_inputs:
                 self._handles.append(
                     module.register_forward_pre_hook(
                         lambda m, a, k, r=run: self._watch_inputs(r, a, k), with_kwargs=True
@@ -461,7 +461,7 @@ class Runtime:
     def _watch_inputs(self, run: UnitRun, args, kwargs):
         """The unit's inputs that need a gradient go through :class:`OffloadUnitInputs`, whose
         backward tells :meth:`_inputs_done` (the unit holds frozen layers: ``UnitRun``)."""
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not run.watches_inputs_now():
             return None
         flat, spec = tree_flatten((args, kwargs))
         at = [i for i, t in enumerate(flat) if _grad_tensor(t)]

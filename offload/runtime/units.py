@@ -12,6 +12,7 @@ import time
 import weakref
 
 import torch
+import torch.nn as nn
 
 from offload.homes.params import ParamHome
 from offload.plan import Residency, Unit
@@ -29,6 +30,7 @@ class UnitRun:
         "timers",
         "grads_pending",
         "backward_done",
+        "may_watch_inputs",
         "watches_inputs",
         "inputs",
     )
@@ -41,8 +43,13 @@ class UnitRun:
         # A frozen layer's backward (its input's gradient) can come after the last gradient
         # of the unit's trainable parameters; where that gradient would release the unit, the
         # unit's backward also waits for the gradients of its forward inputs (OffloadUnitInputs).
+        # So does a unit whose module has backward hooks (``register_full_backward_hook``,
+        # registered before or after wrap), which run as its inputs' gradients are computed
+        # and may read its weights (``watches_inputs_now``): released, or already updated by
+        # the step in backward, also where the parameters stay on the device.
         frozen = any(not s.trainable for s in unit.layout.segments)
-        self.watches_inputs = frozen and self.residency.finishes_in_backward and home.releases
+        self.may_watch_inputs = self.residency.finishes_in_backward
+        self.watches_inputs = frozen and self.may_watch_inputs and home.releases
         self.inputs: list[weakref.ref] = []  # the OffloadUnitInputs nodes of its forwards (weakly)
 
     def gather(self, phase: str) -> None:
@@ -81,6 +88,21 @@ class UnitRun:
             task = torch._C._current_graph_task_id()
             for node in self._live_inputs():
                 node.expected = task if will_run(node) else None
+
+    def watches_inputs_now(self) -> bool:
+        """Whether this forward's inputs go through :class:`OffloadUnitInputs` (see
+        ``watches_inputs``); the module's backward hooks are looked at at each forward."""
+        if self.watches_inputs:
+            return True
+        if not self.may_watch_inputs:
+            return False
+        module = self.unit.module
+        return bool(
+            module._backward_hooks
+            or module._backward_pre_hooks
+            or nn.modules.module._global_backward_hooks
+            or nn.modules.module._global_backward_pre_hooks
+        )
 
     def grad_ready(self) -> bool:
         """One of the unit's gradients is final; True when that was the last one."""

@@ -466,18 +466,32 @@ class _OtherRank(LocalComm):
         ),
         (
             lambda cfg, model: model.blocks[1].requires_grad_(False),
-            "unit 'blocks.1'.trainable is",
+            "unit 'blocks.1' parameter 'blocks.1.norm.weight'.trainable is True on rank 0 and "
+            "False",
+        ),
+        (  # the parameter, not the root's padded sizes (18432 and 12288 elements) it changes
+            lambda cfg, model: model.blocks[1].fc1.bias.requires_grad_(False),
+            "unit 'blocks.1' parameter 'blocks.1.fc1.bias'.trainable is True",
+        ),
+        (
+            lambda cfg, model: setattr(
+                model.head, "weight", torch.nn.Parameter(model.embed.weight.detach().clone())
+            ),
+            "unit '<root>' parameter 'head.weight' is absent on rank 0 and {'shape': [64, 32]",
         ),
         (
             lambda cfg, model: torch.nn.init.zeros_(model.norm.weight),
             "values",  # the parameter's name follows
         ),
     ],
-    ids=["lr", "clipping", "frozen", "values"],
+    ids=["lr", "clipping", "frozen", "frozen-bias", "untied", "values"],
 )
 def test_ranks_that_wrap_differently_are_told_the_key_and_both_values(change, named):
     """Every rank must wrap the same model, config and values; where they differ, the error names
-    the first key that differs and its value on both ranks, not just "a different config"."""
+    the first key that differs and its value on both ranks, not just "a different config". A
+    layout that differs is told by its parameter: it was told by the unit's padded sizes first
+    ("unit ''.trainable is 18432 on rank 0 and 12288 on rank 1" for a model tied and a bias
+    frozen on one of 3 ranks), which name no parameter, and the root as ''."""
     from offload.api.wrap import _check_ranks, _fingerprint  # noqa: PLC0415
 
     def wrapped(alter):
@@ -497,6 +511,10 @@ def test_ranks_that_wrap_differently_are_told_the_key_and_both_values(change, na
         _check_ranks(_OtherRank(other), model, cfg, plan, None)
     message = str(err.value)
     assert "rank 0 and rank 1" in message and named in message, message
+    if "absent" in named:  # told by the parameter on the other rank too (not the offsets after it)
+        with pytest.raises(ValueError) as err:
+            _check_ranks(_OtherRank(_fingerprint(model, cfg, plan, None)), *wrapped(True), None)
+        assert "parameter 'head.weight' is {'shape': [64, 32]" in str(err.value), str(err.value)
     if named == "values":
         assert "norm.weight is" in message, message
 

@@ -442,19 +442,23 @@ def _fingerprint(model: nn.Module, cfg: OffloadConfig, plan: Plan, weights) -> d
     """What every rank must agree on: the config, the layout and the parameters' values (with
     ``weights=``, the model holds none yet: the source, when it is a path). Keyed by name, so
     that a difference can be told by its key."""
-    layout = {
-        "units": [u.name for u in plan.units],
-        **{
-            f"unit {u.name!r}": {
-                "trainable": u.layout.trainable,
-                "numel": u.layout.total,
-                **{
-                    s.name: [s.offset, list(s.shape), s.trainable, str(s.dtype)]
-                    for s in u.layout.segments
-                },
+    layout = {"units": [u.label for u in plan.units]}
+    for u in plan.units:
+        for s in u.layout.segments:
+            layout[f"unit {u.label!r} parameter {s.name!r}"] = {
+                "shape": list(s.shape),
+                "trainable": s.trainable,
+                "dtype": str(s.dtype),
+                "offset": s.offset,
             }
-            for u in plan.units
-        },
+    # compared after the parameters: they differ whenever a parameter does, and the parameter
+    # is what tells the difference (one frozen or tied on one rank)
+    sizes = {
+        f"unit {u.label!r} padded elements": {
+            "trainable": u.layout.trainable,
+            "total": u.layout.total,
+        }
+        for u in plan.units
     }
     if weights is not None:
         source = os.path.abspath(weights) if isinstance(weights, (str, os.PathLike)) else None
@@ -476,15 +480,38 @@ def _fingerprint(model: nn.Module, cfg: OffloadConfig, plan: Plan, weights) -> d
     }
     if pl.shard_params:  # which units stay gathered: which all-gathers each forward issues
         config["offload_param"] = {"persistence_threshold": cfg.offload_param.persistence_threshold}
-    return {"config": config, "layout": layout, "values": values}
+    return {"config": config, "layout": layout, "sizes": sizes, "values": values}
+
+
+class _Absent:
+    """A fingerprint's key that one rank has and the other lacks (a parameter tied there)."""
+
+    def __repr__(self) -> str:
+        return "absent"
+
+
+_ABSENT = _Absent()
+
+
+def _merged_keys(mine: dict, theirs: dict) -> list:
+    """Both dicts' keys in order, each key only the other has placed after the key it follows
+    there (a parameter one rank lacks is told before the offsets it shifts)."""
+    keys = list(mine)
+    after = None
+    for k in theirs:
+        if k not in keys:
+            keys.insert(keys.index(after) + 1 if after is not None else 0, k)
+        after = k
+    return keys
 
 
 def _first_difference(mine, theirs, key: str = ""):
     """``(key, mine, theirs)`` where two fingerprints first differ, or None; keys are dotted
-    (``optimizer.lr``); a list is told whole."""
+    (``optimizer.lr``); a list is told whole; a key one side lacks is ``absent`` there."""
     if isinstance(mine, dict) and isinstance(theirs, dict):
-        for k in list(mine) + [k for k in theirs if k not in mine]:
-            found = _first_difference(mine.get(k), theirs.get(k), f"{key}.{k}" if key else k)
+        for k in _merged_keys(mine, theirs):
+            a, b = mine.get(k, _ABSENT), theirs.get(k, _ABSENT)
+            found = _first_difference(a, b, f"{key}.{k}" if key else k)
             if found:
                 return found
         return None
@@ -500,6 +527,7 @@ def _check_ranks(comm: Comm, model: nn.Module, cfg: OffloadConfig, plan: Plan, w
         for part, what in (
             ("config", "config"),
             ("layout", "model (units and parameters)"),
+            ("sizes", "model (units' sizes)"),
             ("values", "parameter values (seed every rank alike, or load the same weights)"),
         ):
             found = _first_difference(mine[part], other[part])

@@ -14,8 +14,8 @@ global batch (``GLOBAL_BATCH`` rows split evenly over the ranks) and writes ``<n
 Job keys: ``name``, ``param``, ``optim``, ``dtype`` (fp32), ``stage``, ``steps``, ``start``
 (0), ``accum`` (2), ``clip`` (1.0), ``config`` (extra top-level config keys), ``load`` /
 ``save`` (checkpoint directories; the scheduler and the step go in its extra values),
-``fail_at`` ({"rank": r, "step": s, "hang": bool, "kill": bool}: that rank raises there, or
-sleeps, or kills itself with SIGKILL),
+``fail_at`` ({"rank": r, "step": s, "hang": bool, "kill": bool, "abort": bool}: that rank
+raises there, or sleeps, or kills itself with SIGKILL, or aborts as gloo aborts a rank),
 ``optimizer_state`` (keep the gathered optimizer state_dict), ``export`` and
 ``save_pretrained`` (paths),
 ``pairs`` (wrap over a process group of ranks {0,1} / {2,3}; only the first pair reports),
@@ -215,6 +215,8 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
                     time.sleep(600)
                 if fail.get("kill"):
                     os.kill(os.getpid(), signal.SIGKILL)
+                if fail.get("abort"):  # (a collective that differs from the other ranks')
+                    os.abort()
                 raise RuntimeError(f"injected failure on rank {rank} at step {s}")
             batch = slice_of(data[(s * accum + m) % len(data)], rank, world)
             if job.get("model") == "branch":  # the middle block's extra layer, on one rank

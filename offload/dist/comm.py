@@ -45,7 +45,9 @@ Note: failures and timeouts
     records that exception as it exits (an ``atexit`` handler reading ``sys.last_value``,
     which Python sets before the handlers run). A failure then names each peer that raised,
     with its exception, and each peer on this host whose process is gone with nothing said
-    (killed: SIGKILL, the out-of-memory killer). A CollectiveError itself is not recorded: it
+    (killed: SIGKILL, the out-of-memory killer; or aborted: SIGABRT, which gloo raises in a
+    rank whose collective does not match the others', a call made on some ranks only; a
+    process that is not our child does not tell which). A CollectiveError itself is not recorded: it
     is the consequence, not the cause. A closed connection waits up to ``SAY_WAIT`` seconds for
     a peer to say it (a script's ``finally: destroy_process_group()`` closes the connections
     before the exception reaches the exit), a timeout not at all (the peers had the whole
@@ -294,9 +296,11 @@ class Peers:
         if isinstance(record, dict) and _owner.judge(record).gone:
             if (raised := self._read(_RAISED.format(global_rank))) is not None:
                 return f"rank {rank} raised {raised}"  # (it said so as it ended)
-            return (
+            return (  # which signal is not known here (not our child): both common ones
                 f"rank {rank} (pid {record.get('pid')} on this host) ended without an error "
-                "(killed: SIGKILL, the out-of-memory killer?)"
+                "(a signal: SIGKILL, as the out-of-memory killer sends, or SIGABRT, as gloo "
+                "aborts a rank whose collective differs from the other ranks', e.g. a call "
+                "made on some ranks only; its own output says which)"
             )
         return ""
 

@@ -16,7 +16,8 @@ Job keys: ``name``, ``param``, ``optim``, ``dtype`` (fp32), ``stage``, ``steps``
 ``save`` (checkpoint directories; the scheduler and the step go in its extra values),
 ``fail_at`` ({"rank": r, "step": s, "hang": bool, "kill": bool, "abort": bool}: that rank
 raises there, or sleeps, or kills itself with SIGKILL, or aborts as gloo aborts a rank),
-``optimizer_state`` (keep the gathered optimizer state_dict), ``export`` and
+``optimizer_state`` (keep the gathered optimizer state_dict), ``load_model`` (a file of
+``{"state": values by name}`` that ``model.load_state_dict(strict=False)`` loads after wrap), ``export`` and
 ``save_pretrained`` (paths),
 ``pairs`` (wrap over a process group of ranks {0,1} / {2,3}; only the first pair reports),
 ``load_state`` (an optimizer state_dict file to load, the scheduler advanced to ``start``),
@@ -195,6 +196,8 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
     log = _Log(model, runtime) if job.get("log") else None
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     start = job.get("start", 0)
+    if job.get("load_model"):  # some of the model's values (a partial load, PEFT's)
+        model.load_state_dict(torch.load(job["load_model"])["state"], strict=False)
     if job.get("load_state"):  # an optimizer state_dict saved by another job (any world size)
         opt.load_state_dict(torch.load(job["load_state"])["optimizer"])
         for _ in range(start):

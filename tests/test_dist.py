@@ -811,6 +811,33 @@ def test_a_frozen_unit_does_not_hold_back_the_reductions(two):
     assert issued < backward.index(("embed-grad",)), backward
 
 
+@pytest.mark.heavy
+def test_a_model_load_refreshes_the_same_units_on_every_rank(tmp_path):
+    """``model.load_state_dict`` at stages 1 and 2 (the params whole on every rank, each rank
+    writing its share): a rank marked a unit for the next forward's all-gather only where its
+    own share held a loaded value, so the ranks gathered different units (here
+    ``blocks.1.norm.weight`` lies in rank 0's share, ``norm.weight`` in rank 1's) and gloo
+    aborted a rank ("Received data size doesn't match expected size"; a full load did so at 3
+    or 4 ranks, where a unit smaller than the world's pages leaves some ranks only padding).
+    Every rank now marks each unit a value was given for; the training is the plain
+    model's from the loaded values."""
+    values = {"blocks.1.norm.weight": torch.full((32,), 1.5), "norm.weight": torch.full((32,), 0.5)}
+    torch.save({"state": values}, tmp_path / "part.pt")
+    placements = ((1, "none"), (2, "cpu"), (2, "nvme"))
+    jobs = [
+        job(f"part-s{s}-{p}", p, "cpu", s, steps=3, load_model=str(tmp_path / "part.pt"))
+        for s, p in placements
+    ]
+    run_ranks(2, jobs, tmp_path)
+    model = make_model()
+    model.load_state_dict(values, strict=False)
+    data = batches(STEPS_DATA, batch=GLOBAL_BATCH)
+    model, losses = reference_fp32(model, data, 3, ACCUM, CLIP)
+    for s, p in placements:
+        _losses_close(result(tmp_path, f"part-s{s}-{p}")["losses"], losses)
+        _close(_final(tmp_path, f"part-s{s}-{p}"), model.state_dict())
+
+
 # ------------------------------------------------------------------------------ failures
 def test_a_rank_that_raises_does_not_hang_the_others(tmp_path):
     """Rank 1 raises in its second step; rank 0, waiting in a collective, fails at once with

@@ -183,6 +183,12 @@ class ParamHome:
         if self._replicated and lo < unit.layout.trainable:
             self._stale.add(unit.index)
 
+    def loaded(self, unit: Unit) -> None:
+        """A load gave values to some of the unit's trainable parameters: every rank calls it
+        for the same units, whichever share each wrote (a rank whose share held none of them
+        wrote nothing, and the ranks' next forwards would gather different units)."""
+        self._written(unit, 0)
+
     _views = False  # whether the parameters view the home (then they are always "gathered")
 
     @property

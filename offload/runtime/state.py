@@ -1119,6 +1119,8 @@ class Runtime:
         source = GivenValues(given, self.values.flat, self.params.dtype)
         for run in self.runs:
             self.values.load(run.unit, source)
+            if any(s.trainable and s.param in given for s in run.unit.layout.segments):
+                self.params.loaded(run.unit)  # (on every rank: its share may hold none)
             run.release()  # a gathered copy would be stale
 
     def _loaded_values(self, module, incompatible) -> None:

@@ -4,7 +4,8 @@ jobs in one process group.
 Environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (``env://``, what
 torchrun sets). Argument: a JSON file ``{"out": DIR, "timeout": seconds, "jobs": [...]}``;
 each job wraps ``engine_models.make_model()`` (or ``StackLM`` with ``"model": "stack"``,
-``LoraLM`` with ``"model": "lora"``, ``StackLM`` of ``NormBlock`` with ``"model": "norm"``, of ``BranchBlock`` with
+``LoraLM`` with ``"model": "lora"``, ``RepeatLM`` with ``"model": "repeat"`` (see
+``repeats``), ``StackLM`` of ``NormBlock`` with ``"model": "norm"``, of ``BranchBlock`` with
 ``"model": "branch"``: see ``skips``) with
 ``placement_config(param, optim, ...)`` and ``distributed.stage``, trains its slice of every
 global batch (``GLOBAL_BATCH`` rows split evenly over the ranks) and writes ``<name>.<rank>.json``
@@ -25,7 +26,9 @@ raises there, or sleeps, or kills itself with SIGKILL, or aborts as gloo aborts 
 ``block`` (checkpoint block checksum size), ``peek`` (after each step's backwards, a loss
 with gradients on, looked at and let go before the step; ``"refused"``: after the first
 step, that forward must be refused, the update in the backward having written the weights),
-``log`` (record when collectives
+``slow_update`` ({"rank": r, "unit": label, "seconds": s}: that rank's update writes that
+unit's params s seconds late), ``pause`` ({"rank": r, "seconds": s}: that rank waits s
+seconds before each step's first forward, the first step's aside), ``log`` (record when collectives
 are issued and waited and when units compute, on rank 0), ``count_reads`` (bytes read from
 checkpoint files).
 
@@ -50,6 +53,7 @@ from engine_models import (
     BranchBlock,
     LoraLM,
     NormBlock,
+    RepeatLM,
     SkipLM,
     StackLM,
     batches,
@@ -88,6 +92,12 @@ def skips_unit(step: int, micro: int, rank: int) -> int | None:
     return 2 if (rank, step, micro) == (1, 1, 1) else None
 
 
+def repeats(step: int) -> int | None:
+    """``"model": "repeat"``: the block every rank runs twice (the second, in even steps: the
+    first forward after each step uses the units in another order than the one before)."""
+    return 1 if step % 2 == 0 else None
+
+
 def slice_of(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     per = batch.shape[0] // world
     return batch[rank * per : (rank + 1) * per]
@@ -106,6 +116,9 @@ def _model(job: dict):
     if job.get("model") == "unitskip":
         torch.manual_seed(0)
         return SkipLM(n=4), {"module_classes": ["StackBlock"]}
+    if job.get("model") == "repeat":
+        torch.manual_seed(0)
+        return RepeatLM(n=4), {"module_classes": ["StackBlock"]}
     if job.get("model") == "lora":
         torch.manual_seed(0)
         return LoraLM(), {"module_classes": ["LoraBlock", "FrozenBlock"]}
@@ -193,6 +206,15 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
     cfg.update(job.get("config", {}))
     model, opt = offload.wrap(model, cfg, process_group=group)
     runtime = engine_of(model)
+    if (slow := job.get("slow_update")) and slow["rank"] == rank:  # this rank's update of
+        real_commit = runtime.params.commit  # that unit lands late (a busy core, a slow disk)
+
+        def late_commit(unit, lo, hi):
+            if unit.label == slow["unit"]:
+                time.sleep(slow["seconds"])
+            real_commit(unit, lo, hi)
+
+        runtime.params.commit = late_commit
     log = _Log(model, runtime) if job.get("log") else None
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     start = job.get("start", 0)
@@ -222,10 +244,14 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
                     os.abort()
                 raise RuntimeError(f"injected failure on rank {rank} at step {s}")
             batch = slice_of(data[(s * accum + m) % len(data)], rank, world)
+            if (pause := job.get("pause")) and pause["rank"] == rank and m == 0 and s > start:
+                time.sleep(pause["seconds"])  # (its update in the background done meanwhile)
             if job.get("model") == "branch":  # the middle block's extra layer, on one rank
                 model.blocks[1].skip = skips(s, rank)
             if job.get("model") == "unitskip":
                 model.skip = skips_unit(s, m, rank)
+            if job.get("model") == "repeat":
+                model.repeat = repeats(s)
             loss = lm_loss(model, batch) / accum
             if job.get("eval_held"):  # an evaluation (its gathers collective) under that loss
                 with torch.no_grad():

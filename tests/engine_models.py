@@ -132,6 +132,20 @@ class SkipLM(StackLM):
         return self.head(x)
 
 
+class RepeatLM(StackLM):
+    """A stack whose caller may run one block once more, before the others (``repeat``: its
+    index), on every rank alike: the order in which the units are used differs from one step
+    to the next."""
+
+    repeat: int | None = None
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        if self.repeat is not None:
+            x = self.blocks[self.repeat](x)
+        return self.head(self.blocks(x))
+
+
 class LoraBlock(nn.Module):
     """A frozen base layer with a trainable low-rank adapter beside it (LoRA), a frozen layer
     whose only gradient is the one it passes to its input (``mid``), and a trainable layer:

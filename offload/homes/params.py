@@ -39,7 +39,10 @@ Note: across ranks
     share of the trainable prefix, so after an update (or a load) the other shares are stale.
     :meth:`ParamHome.refresh`, called before the unit's next use in a forward, all-gathers them
     (a broadcast per rank and piece on NVMe, where the pool cannot hold every rank's piece at
-    once), with the next unit's all-gather in flight while this one computes.
+    once), with the next unit's all-gather in flight while this one computes. Whether the next
+    unit is gathered ahead is asked only once its own update is done on this rank (``gate``):
+    its update marks it stale, so the answer must not depend on how far each rank's
+    background update has got.
 
     Stage 3 (:class:`ShardedParams`): an inner home of any of the three kinds holds this rank's
     share only (``Plan.home_regions``, packed at ``Plan.home_slice``); ``unshard`` brings the
@@ -208,10 +211,15 @@ class ParamHome:
             return
         nxt = self.order.record(unit.index)
         self._finish_refresh(unit)
-        if nxt is not None and nxt in self._stale and nxt not in self._refreshing:
+        if nxt is not None and nxt not in self._refreshing:
             ahead = self.plan.units[nxt]
+            # its pending update done before asking whether it is stale: the update marks it
+            # so, and where it ran on one rank and not yet on another, the ranks issued
+            # different gathers (when the unit did not come next after all, a unit called a
+            # varying number of times, gloo aborted a rank on their sizes)
             self.gate(ahead)
-            self._refreshing[nxt] = self._start_refresh(ahead)
+            if nxt in self._stale:
+                self._refreshing[nxt] = self._start_refresh(ahead)
 
     def _finish_refresh(self, unit: Unit) -> None:
         handle = self._refreshing.pop(unit.index, None)

@@ -18,8 +18,8 @@ Job keys: ``name``, ``param``, ``optim``, ``dtype`` (fp32), ``stage``, ``steps``
 ``fail_at`` ({"rank": r, "step": s, "hang": bool, "kill": bool, "abort": bool}: that rank
 raises there, or sleeps, or kills itself with SIGKILL, or aborts as gloo aborts a rank),
 ``optimizer_state`` (keep the gathered optimizer state_dict), ``load_model`` (a file of
-``{"state": values by name}`` that ``model.load_state_dict(strict=False)`` loads after wrap), ``export`` and
-``save_pretrained`` (paths),
+``{"state": values by name}`` that ``model.load_state_dict(strict=False)`` loads after
+wrap), ``export`` and ``save_pretrained`` (paths),
 ``pairs`` (wrap over a process group of ranks {0,1} / {2,3}; only the first pair reports),
 ``load_state`` (an optimizer state_dict file to load, the scheduler advanced to ``start``),
 ``restore`` (close with ``restore=True`` and compare the plain model's values),

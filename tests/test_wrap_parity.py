@@ -489,7 +489,7 @@ def test_hooks_registered_after_wrap_read_their_unit_gathered(tmp_path, param_de
                 loss.backward()
                 o.step()
                 o.zero_grad()
-                losses.append(float(loss))
+                losses.append(loss.item())
             assert losses[1] == pytest.approx(losses[0], rel=1e-6)
         _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
     finally:
@@ -539,7 +539,7 @@ def test_a_block_weight_the_model_also_holds_is_the_roots(tmp_path, param_dev, o
                 loss.backward()
                 o.step()
                 o.zero_grad()
-                losses.append(float(loss))
+                losses.append(loss.item())
             assert losses[1] == pytest.approx(losses[0], rel=1e-6)
         _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
     finally:

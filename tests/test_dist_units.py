@@ -548,3 +548,27 @@ def test_ranks_whose_persistence_threshold_differs_at_stage_3_are_told_it():
     assert "offload_param.persistence_threshold is 0 on rank 0 and 100000 on rank 1" in message, (
         message
     )
+
+
+# ------------------------------------------------------------------------------ NCCL's device
+@pytest.mark.parametrize(
+    ("device", "local_rank", "want"),
+    [("auto", "1", "cuda:1"), ("cuda", "3", "cuda:3"), ("cuda:2", "0", "cuda:2")],
+)
+def test_a_nccl_rank_collects_on_its_own_device(monkeypatch, device, local_rank, want):
+    """The group's Comm is made before wrap resolves the device, when the current device may
+    still be cuda:0 on every rank (torchrun with no set_device of the script's own): wrap
+    then makes the rank's device current and the one NCCL's tensors are staged onto. Left at
+    cuda:0, each rank's collectives staged onto cuda:0 and NCCL saw every rank on one GPU."""
+    from offload.api.wrap import _resolve_cuda  # noqa: PLC0415
+    from offload.dist.comm import TorchComm  # noqa: PLC0415
+
+    comm = TorchComm.__new__(TorchComm)  # (no process group: only what _resolve_cuda reads)
+    comm.backend, comm.device = "nccl", torch.device("cuda", 0)
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    cfg = _resolve_cuda(load_config({"device": device}), comm)
+    assert cfg.device == want
+    assert comm.device == torch.device(want) and made_current == [torch.device(want)]

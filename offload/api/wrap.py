@@ -543,7 +543,11 @@ def _check_ranks(comm: Comm, model: nn.Module, cfg: OffloadConfig, plan: Plan, w
 
 def _resolve_cuda(cfg: OffloadConfig, comm: Comm) -> OffloadConfig:
     """With NCCL every rank computes on its own device: "auto" and "cuda" become
-    ``cuda:LOCAL_RANK`` (torchrun sets it), made the current device."""
+    ``cuda:LOCAL_RANK`` (torchrun sets it); that device, or the config's ``cuda:N``, is made the
+    current device and the one the group's collectives run on. The group's :class:`Comm` was
+    made before, when the current device could still be ``cuda:0`` on every rank: its
+    collectives then staged each rank's tensors onto ``cuda:0``, and NCCL saw every rank on one
+    GPU."""
     if comm.backend == "nccl":
         if cfg.device == "cpu":
             raise ConfigError(
@@ -552,8 +556,10 @@ def _resolve_cuda(cfg: OffloadConfig, comm: Comm) -> OffloadConfig:
             )
         if cfg.device in ("auto", "cuda"):
             index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
-            torch.cuda.set_device(index)
             cfg = load_config(dict(cfg.to_dict(), device=f"cuda:{index}"))
+        device = torch.device(cfg.device)
+        torch.cuda.set_device(device)
+        comm.use_device(device)
     return cfg
 
 

@@ -362,6 +362,13 @@ class TorchComm(Comm):
         }
         self._peers = Peers.of_default_group(self.global_rank)
 
+    def use_device(self, device: torch.device) -> None:
+        """NCCL's tensors go to ``device``, this rank's compute device (``wrap`` says it once
+        the config's device is resolved: at ``__init__`` the current device may not have been
+        set to this rank's yet, and every rank would have staged onto ``cuda:0``)."""
+        if self.backend == "nccl":
+            self.device = device
+
     @property
     def group(self):
         if self._closed:

@@ -94,7 +94,7 @@ def test_aligned_empty_pins_only_when_asked():
     if torch.cuda.is_available():
         assert aligned_empty(8192, pin=True).is_pinned()
     else:  # asking for pinned memory really asks for it: without a GPU that is an error
-        with pytest.raises(RuntimeError, match="pin"):
+        with pytest.raises(MemoryError, match="page-locking 8192 bytes"):
             aligned_empty(8192, pin=True)
 
 

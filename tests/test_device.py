@@ -85,3 +85,33 @@ def test_cuda_round_trip_without_device_synchronize(monkeypatch):
         w.commit(dev, lo, hi)
     w.quiesce()
     assert torch.equal(dev.cpu(), host)
+
+
+def test_a_pin_the_host_refuses_names_what_to_change():
+    """On CUDA a host buffer asked to be pinned is page-locked; where the host refuses (here:
+    no GPU at all, on a GPU host: RAM or a container's locked-memory limit) the error says
+    which settings to lower instead of torch's bare RuntimeError."""
+    if torch.cuda.is_available():
+        pytest.skip("pins for real with a GPU")
+    cuda = HostMemory(torch.device("cuda"))
+    assert cuda.pins(True) and not cuda.pins(False)
+    assert not cuda.empty(8, torch.float32, pin=False).is_pinned()
+    with pytest.raises(MemoryError, match=r"32 bytes.*pin_memory: false in offload_param"):
+        cuda.empty(8, torch.float32, pin=True)
+
+
+def test_a_pinned_buffer_is_asked_for_its_exact_size(monkeypatch):
+    """torch's pinned allocator rounds up to a power of two and returns page-aligned memory:
+    a pinned aligned buffer asks for exactly its bytes (with the 4095 bytes that align an
+    unpinned one, a pool of 1 MiB took a pinned block of 2 MiB)."""
+    from offload.io import aligned  # noqa: PLC0415
+
+    asked = []
+
+    def fake(nbytes, pin):  # page-aligned, as cudaHostAlloc's memory is
+        asked.append((nbytes, pin))
+        return aligned._huge_page_mapping(aligned.round_up(nbytes))[:nbytes]
+
+    monkeypatch.setattr(aligned, "_allocate", fake)
+    out = aligned.aligned_empty(1 << 20, pin=True)
+    assert asked == [(1 << 20, True)] and out.numel() == 1 << 20 and aligned.is_aligned(out)

@@ -40,8 +40,14 @@ class HostMemory:
         return wanted and self.is_cuda
 
     def empty(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        t = torch.empty(numel, dtype=dtype)
-        return t.pin_memory() if self.pins(pin) else t
+        """Page-locked where :meth:`pins` says so, allocated so directly (``pin_memory()`` of
+        a pageable tensor held both copies at once); a host that cannot page-lock it raises
+        a :class:`MemoryError` naming the settings to change."""
+        if self.pins(pin):
+            from offload.io.aligned import pinned_empty  # noqa: PLC0415 (as the store imports io)
+
+            return pinned_empty(numel, dtype)
+        return torch.empty(numel, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------- parameter storage

@@ -10,6 +10,11 @@ Note: pinning. With ``pin=True`` the allocation is made through torch's pinned h
 (``pin_memory=True``, i.e. ``cudaHostAlloc``), which is page-locked and still sliced to a 4096
 boundary the same way. Whether to pin is not decided here: the caller passes what the device's
 pinning policy says (``offload.device.HostMemory``); without a GPU, asking for it is an error.
+torch's pinned allocator rounds every request up to a power of two and hands out page-aligned
+memory, so a pinned buffer is asked for its exact size (the 4095 bytes of slack that align an
+unpinned one turned a pool of exactly 1 GiB into a pinned block of 2 GiB). Where the host
+cannot page-lock a request (the RAM, a container's ``ulimit -l``), :func:`pinned_empty` raises
+a :class:`MemoryError` that says which settings to lower.
 
 Note: huge pages. An O_DIRECT read or write hands the kernel the buffer's physical pages, one
 scatter-gather segment per physically contiguous run; a disk request can hold only so many
@@ -47,11 +52,28 @@ def round_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
+def pinned_empty(numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """``torch.empty(numel, dtype=dtype, pin_memory=True)``, with an error that says what to
+    change where the host cannot page-lock that much (see the Note on pinning)."""
+    try:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    except RuntimeError as exc:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        raise MemoryError(
+            f"offload: page-locking {nbytes} bytes of host memory for CUDA copies failed "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}). Pinned memory "
+            "is limited by the host's RAM and, in containers, by the locked-memory limit "
+            "(ulimit -l); torch rounds each pinned allocation up to a power of two. Lower "
+            "buffer_count / buffer_size, or set pin_memory: false in offload_param / "
+            "offload_optimizer (the copies are then synchronous)"
+        ) from exc
+
+
 def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
     """A flat uint8 tensor of ``nbytes`` bytes, page-locked for CUDA when ``pin``."""
     if pin:
         # cudaHostAlloc-backed: page-locked, so host<->device copies can be asynchronous DMA.
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return pinned_empty(nbytes)
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
@@ -107,7 +129,11 @@ def aligned_empty(
     if out is not None:
         out = out[:nbytes]
     else:
-        raw = _allocate(nbytes + ALIGN - 1, bool(pin))
+        # pinned memory comes page-aligned: asked for ALIGN - 1 bytes more, a pool of exactly
+        # 1 GiB was rounded up to a pinned block of 2 GiB (see the Note on pinning)
+        raw = _allocate(nbytes, True) if pin else None
+        if raw is None or raw.data_ptr() % ALIGN:
+            raw = _allocate(nbytes + ALIGN - 1, bool(pin))
         skip = (-raw.data_ptr()) % ALIGN
         out = raw[skip : skip + nbytes]
     if dtype != torch.uint8:

@@ -1,6 +1,7 @@
 """The one prepared script for a lent GPU: CUDA parity for every placement and a throughput run.
 
-    python benchmarks/gpu_smoke.py [--device cuda] [--minutes 5] [--nvme-path DIR]
+    python benchmarks/gpu_smoke.py [--device cuda] [--seconds 120] [--nvme-path DIR]
+        [--skip-parity] [--skip-throughput]
 
 Part 1 runs the engine parity checks (the same model and loops as tests/test_wrap_parity.py) with
 the compute on ``--device``: fp32 against torch.optim.AdamW(foreach=False) and bf16 against the
@@ -10,8 +11,14 @@ the demo GPT (~125M) in bf16 with params and optimizer on NVMe and prints tokens
 split. Part 3 (``group_parity``) runs ZeRO stages 1-3 through a process group of one rank
 (NCCL on CUDA, gloo on the CPU) whose collectives run all the same (``wrap``'s
 ``_one_rank_collectives``): the NCCL staging, the device-side flattening and reduce-scatter,
-the stage-3 gathers into per-parameter storages, against the fp32 reference. Everything printed is also written as JSON to $OUT/gpu_smoke.json when $OUT is set. It also
-runs on the CPU (``--device cpu``) so the script itself is tested here.
+the stage-3 gathers into per-parameter storages, against the fp32 reference. Before all of
+them, ``device_checks`` tests each CUDA branch of ``offload.device`` alone, with a stream kept
+busy so that a missing wait shows as wrong values (fences, the compute stream's waits, the
+writer's pinned slots, a user's non-default stream, a second thread) and measures what pinned
+pools cost; ``side_stream_parity`` trains under a user's own stream. Each row is one JSON line
+with ``ok``; the end says how many of each part passed, repeats the failures, and prints
+PASS or FAIL. Everything printed is also written as JSON to $OUT/gpu_smoke.json when $OUT is
+set. It also runs on the CPU (``--device cpu``) so the script itself is tested here.
 """
 
 from __future__ import annotations
@@ -49,6 +56,170 @@ def _max_abs(sd, ref) -> float:
         float((sd[k].detach().float().cpu() - r.detach().float().cpu()).abs().max())
         for k, r in ref.items()
     )
+
+
+class _Delay:
+    """Keeps a stream busy for ``ms`` milliseconds before the work queued after it (CUDA: a
+    spinning kernel, ``torch.cuda._sleep``), so that work ordered wrongly against it lands
+    first and the check reads the wrong values. On the CPU every copy is done at once and
+    there is nothing to delay: the checks then test the script itself."""
+
+    def __init__(self, device: str, ms: float = 50.0) -> None:
+        self.cuda = device.startswith("cuda")
+        self.cycles = 0
+        if self.cuda:  # the SM clock in kHz where torch says it; ~2 GHz otherwise
+            khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 2e6
+            self.cycles = int(khz * ms)
+
+    def on(self, stream=None) -> None:
+        if not self.cuda:
+            return
+        if stream is None:
+            torch.cuda._sleep(self.cycles)
+        else:
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(self.cycles)
+
+
+def _check(rows: list[dict], name: str, ok: bool, **numbers) -> None:
+    rows.append({"check": name, "ok": bool(ok), **numbers})
+    print(json.dumps(rows[-1]), flush=True)
+
+
+def device_checks(device: str) -> list[dict]:
+    """The CUDA branches of ``offload.device`` one by one, each made to fail if its ordering
+    were wrong (a stream kept busy so that a missing wait lets the other side land first):
+    the fence before a copy into memory the compute stream still writes, the compute stream
+    waiting for a copy, a copy to the host after the compute that writes its source, the
+    writer's two pinned slots reused while copies are in flight, all of it again on a user's
+    non-default stream and from a second thread (the update's worker), and what pinned host
+    buffers really cost (torch's pinned allocator rounds up to a power of two)."""
+    import threading  # noqa: PLC0415
+
+    from offload.device import Transfers, for_device  # noqa: PLC0415
+
+    rows: list[dict] = []
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    memory, _, writer_cls = for_device(dev)
+    delay = _Delay(device)
+    n = 1 << 22  # 16 MiB of fp32: a copy takes long enough to be caught
+    src = memory.empty(n, torch.float32, pin=True)
+    src.fill_(2.0)
+    _check(rows, "host buffers pinned where CUDA computes", src.is_pinned() == delay.cuda)
+
+    def ordering(label: str, t: Transfers) -> None:
+        dst = torch.empty(n, device=dev)
+        # 1. the copy waits for the compute queued before it (the fence)
+        delay.on()
+        dst.fill_(1.0)
+        t.to_device([(dst, src)])
+        got = float(dst.min().item())  # (.item() waits on the compute stream only)
+        _check(
+            rows,
+            f"{label}: a copy to the device waits for earlier compute",
+            got == 2.0,
+            min_value=got,
+        )
+        # 2. the compute stream waits for the copy (order_after)
+        delay.on(getattr(t.copier, "_to_device", None))
+        t.to_device([(dst, src)])
+        dst.add_(1.0)
+        got = float(dst.min().item())
+        _check(rows, f"{label}: compute after a copy sees its values", got == 3.0, min_value=got)
+        # 3. a copy to the host waits for the compute that writes its source
+        back = memory.empty(n, torch.float32, pin=True)
+        delay.on()
+        dst.fill_(5.0)
+        t.wait(t.to_host(back, dst), "device->host")
+        got = float(back.min())
+        _check(
+            rows, f"{label}: a copy to the host waits for the compute", got == 5.0, min_value=got
+        )
+        # 4. the writer's two pinned slots, reused while the copies up are in flight
+        w = writer_cls(t, memory, torch.float32)
+        k = n // 8
+        delay.on(getattr(t.copier, "_to_device", None))
+        for j in range(8):
+            w.out(dst, j * k, (j + 1) * k).fill_(float(j))
+            w.commit(dst, j * k, (j + 1) * k)
+        w.quiesce()
+        want = torch.arange(8, dtype=torch.float32).repeat_interleave(k)
+        bad = int((dst.cpu() != want).sum())
+        _check(
+            rows,
+            f"{label}: the writer's slots are reused only after their copies",
+            bad == 0,
+            wrong_elements=bad,
+        )
+        # 5. from another thread (the background update's), ordered on the captured stream
+        out: list = []
+
+        def worker() -> None:
+            try:
+                delay.on(getattr(t.copier, "_to_device", None))
+                t.to_device([(dst, src)])
+            except BaseException as exc:  # noqa: BLE001 - reported as the check's failure
+                out.append(exc)
+
+        th = threading.Thread(target=worker)
+        th.start()
+        th.join()
+        dst.mul_(4.0)  # on the compute stream, after the worker's order_after
+        got = float(dst.min().item())
+        _check(
+            rows,
+            f"{label}: a copy queued by another thread orders the compute stream",
+            not out and got == 8.0,
+            min_value=got,
+            error=repr(out[0]) if out else None,
+        )
+
+    ordering("default stream", Transfers(dev))
+    if delay.cuda:  # the user's own stream, captured as a forward captures it
+        side = torch.cuda.Stream(dev)
+        with torch.cuda.stream(side):
+            t = Transfers(dev)
+            t.capture_stream()
+            ordering("user's stream", t)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        rows += _pinned_cost()
+    return rows
+
+
+def _pinned_cost() -> list[dict]:
+    """Host bytes a pinned buffer pool really takes (CUDA): one pool of exactly 1 GiB and one
+    of 17 x 64 MiB. torch's pinned allocator rounds each allocation up to a power of two, so
+    the second one takes 2 GiB: over the budget the config states (a finding, not fixed)."""
+    import psutil  # noqa: PLC0415
+
+    from offload.io import BufferPool  # noqa: PLC0415
+
+    rows: list[dict] = []
+    proc = psutil.Process()
+    for count in (16, 17):
+        asked = count * (64 << 20)
+        stats = getattr(torch.cuda, "host_memory_stats", None)
+        before_rss = proc.memory_info().rss
+        before = stats().get("reserved_bytes.current", None) if stats else None
+        pool = BufferPool(count, 64 << 20, pin=True)
+        after_rss = proc.memory_info().rss
+        after = stats().get("reserved_bytes.current", None) if stats else None
+        took = (after - before) if before is not None and after is not None else None
+        rss = after_rss - before_rss
+        cost = took if took else rss
+        _check(
+            rows,
+            f"a pinned pool of {count} x 64 MiB takes what it asks",
+            cost <= 1.05 * asked,
+            asked_bytes=asked,
+            pinned_reserved_bytes=took,
+            rss_bytes=rss,
+            pinned=pool.pinned,
+        )
+        del pool
+    return rows
 
 
 def parity(device: str, tmp: Path) -> list[dict]:
@@ -129,6 +300,44 @@ def step_in_backward_parity(device: str, tmp: Path) -> list[dict]:
             row["ok"] = runs[0][0] == runs[1][0] and diff == 0.0
         except Exception as exc:  # report and go on
             row = {"step_in_backward": True, "params": p_dev, "ok": False}
+            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def side_stream_parity(device: str, tmp: Path) -> list[dict]:
+    """fp32 training whose wrap, forwards, backwards and steps all run on a stream of the
+    user's own (``with torch.cuda.stream(s)``), against the reference on the default stream:
+    the fences and waits must use the stream a forward captured (``Transfers.capture_stream``),
+    not the default one. On the CPU there is no stream: the same loop as ``parity``."""
+    import contextlib  # noqa: PLC0415
+
+    rows = []
+    data = [d.to(device) for d in batches(8)]
+    steps, accum, clip = 4, 2, 1.0
+    ref, ref_losses = reference_fp32(make_model().to(device), data, steps, accum, clip)
+    cuda = device.startswith("cuda")
+    side = torch.cuda.Stream(torch.device(device)) if cuda else None
+    for p_dev, o_dev in (("none", "cpu"), ("cpu", "cpu"), ("nvme", "nvme")):
+        row = {"side_stream": cuda, "params": p_dev, "optimizer": o_dev, "ok": False}
+        try:
+            cfg = placement_config(p_dev, o_dev, tmp / f"side-{p_dev}-{o_dev}")
+            cfg["device"] = device
+            with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+                if cuda:
+                    side.wait_stream(torch.cuda.default_stream(torch.device(device)))
+                model, opt = offload.wrap(make_model(), cfg)
+                try:
+                    losses, _ = train_wrapped(model, opt, data, steps, accum, clip)
+                    sd = model.state_dict()
+                finally:
+                    opt.close()
+            loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+            param_err = _max_abs(sd, ref.state_dict())
+            row |= {"loss_rel_err": loss_err, "param_max_abs_err": param_err}
+            row["ok"] = loss_err < 1e-4 and param_err < 1e-3
+        except Exception as exc:  # report and go on
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -265,19 +474,30 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=120.0, help="throughput run time cap")
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--skip-throughput", action="store_true")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(dir=args.nvme_path))
     out: dict = {"device": args.device, "torch": torch.__version__}
     if args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name(0)
+    out["device_checks"] = device_checks(args.device)
     if not args.skip_parity:
         out["parity"] = parity(args.device, tmp) + step_in_backward_parity(args.device, tmp)
+        out["parity"] += side_stream_parity(args.device, tmp)
         out["parity"] += group_parity(args.device, tmp)
-    out["throughput"] = throughput(args.device, tmp, args.size, args.steps, args.seconds)
-    print(json.dumps(out["throughput"]))
+    if not args.skip_throughput:
+        out["throughput"] = throughput(args.device, tmp, args.size, args.steps, args.seconds)
+        print(json.dumps(out["throughput"]))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_smoke.json").write_text(json.dumps(out, indent=1))
-    ok = all(r["ok"] for r in out.get("parity", []))
+    ok = True
+    for part in ("device_checks", "parity"):
+        rows = out.get(part, [])
+        failed = [r for r in rows if not r["ok"]]
+        ok = ok and not failed
+        print(f"{part}: {len(rows) - len(failed)}/{len(rows)} passed", flush=True)
+        for r in failed:
+            print(f"  FAIL {json.dumps(r)}", flush=True)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

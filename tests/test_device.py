@@ -115,3 +115,116 @@ def test_a_pinned_buffer_is_asked_for_its_exact_size(monkeypatch):
     monkeypatch.setattr(aligned, "_allocate", fake)
     out = aligned.aligned_empty(1 << 20, pin=True)
     assert asked == [(1 << 20, True)] and out.numel() == 1 << 20 and aligned.is_aligned(out)
+
+
+# ---------------------------------------------------------------- the CUDA branches' order
+class _Late:
+    """A copy's event that has not completed until someone waits on it (as a CUDA event
+    behind a busy stream); says when it was waited."""
+
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name, self.waited = log, name, False
+
+    def done(self) -> bool:
+        return self.waited
+
+    def wait(self) -> None:
+        self.log.append(("wait", self.name))
+        self.waited = True
+
+
+class _RecordingCopier(Copier):
+    """The CUDA copier's calls, written down instead of queued: each thread's "current
+    stream" is its name (a worker thread's is not the captured one); copies happen at once
+    but their events are late."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        self.log: list = []
+        self.copies = 0
+
+    def current_stream(self):
+        import threading  # noqa: PLC0415
+
+        return threading.current_thread().name
+
+    def fence(self, stream):
+        self.log.append(("fence", stream))
+        return ("fence", stream)
+
+    def order_after(self, stream, event) -> None:
+        self.log.append(("order_after", stream, event.name))
+
+    def _copy(self, kind, dst, src, after):
+        self.copies += 1
+        dst.copy_(src)
+        self.log.append((kind, after, f"e{self.copies}"))
+        return _Late(self.log, f"e{self.copies}")
+
+    def to_device(self, dst, src, after):
+        return self._copy("to_device", dst, src, after)
+
+    def to_host(self, dst, src, after):
+        return self._copy("to_host", dst, src, after)
+
+
+def _recording_transfers() -> tuple[Transfers, _RecordingCopier]:
+    t = Transfers(torch.device("cpu"))
+    t.copier = copier = _RecordingCopier()
+    t.capture_stream()  # this (main) thread's stream is the compute stream
+    return t, copier
+
+
+def test_copies_are_fenced_and_ordered_on_the_captured_stream_from_any_thread():
+    """Transfers' contract with the copier (copier.py's Note): a copy to the device waits for a
+    fence of the compute stream recorded before it, and the compute stream then waits for the
+    last copy; a copy to the host waits for a fence. Both use the stream captured at hook
+    time, also when the call comes from the update's worker thread."""
+    import threading  # noqa: PLC0415
+
+    t, copier = _recording_transfers()
+    main = threading.current_thread().name
+    src, dst = torch.arange(8.0), torch.empty(8)
+    worker = threading.Thread(target=lambda: t.to_device([(dst[:4], src[:4]), (dst[4:], src[4:])]))
+    worker.start()
+    worker.join()
+    fence = ("fence", main)
+    assert copier.log == [
+        fence,
+        ("to_device", fence, "e1"),
+        ("to_device", fence, "e2"),
+        ("order_after", main, "e2"),  # the last copy's event covers the earlier ones (FIFO)
+    ]
+    copier.log.clear()
+    event = t.to_host(torch.empty(8), dst)
+    assert copier.log == [fence, ("to_host", fence, "e3")] and not event.done()
+
+
+def test_the_writer_reuses_a_pinned_slot_only_after_its_copy():
+    """CUDA's device writer: two pinned slots; writing into one first waits for the copy that
+    last read it (the commit two before), never for nothing, and quiesce waits for both."""
+    from offload.device.memory import CudaDeviceWriter  # noqa: PLC0415
+
+    t, copier = _recording_transfers()
+    w = CudaDeviceWriter(t, HostMemory(torch.device("cpu")), torch.float32)
+    flat = torch.zeros(12)
+    for j in range(3):
+        w.out(flat, 4 * j, 4 * j + 4).fill_(j + 1.0)
+        w.commit(flat, 4 * j, 4 * j + 4)
+        waits = [e for e in copier.log if e[0] == "wait"]
+        assert waits == ([("wait", "e1")] if j == 2 else []), (j, copier.log)
+    assert flat.tolist() == [1.0] * 4 + [2.0] * 4 + [3.0] * 4
+    copier.log.clear()
+    w.quiesce()
+    assert sorted(copier.log) == [("wait", "e2"), ("wait", "e3")]
+
+
+def test_a_gradient_share_is_read_on_the_host_only_after_its_copy():
+    """CUDA's gradient staging hands the host a pinned buffer only once the copy into it has
+    completed (the host reads it next, and the next call overwrites it)."""
+    from offload.device.memory import CudaGradStaging  # noqa: PLC0415
+
+    t, copier = _recording_transfers()
+    staging = CudaGradStaging(t, HostMemory(torch.device("cpu")), torch.float32, 64)
+    host = staging.share_to_host(torch.ones(32))
+    assert copier.log[-1] == ("wait", "e1") and torch.equal(host, torch.ones(32))

@@ -188,6 +188,16 @@ def device_checks(device: str) -> list[dict]:
     return rows
 
 
+def _pinned_now(stats) -> int | None:
+    """Bytes torch's pinned allocator holds (its blocks, cached ones included, at their
+    rounded size), or None where this torch does not say."""
+    if stats is None:
+        return None
+    now = stats()
+    held = [now[k] for k in ("allocated_bytes.current", "reserved_bytes.current") if k in now]
+    return max(held) if held else None
+
+
 def _pinned_cost() -> list[dict]:
     """Host bytes a pinned buffer pool really takes (CUDA): one pool of exactly 1 GiB and one
     of 17 x 64 MiB. torch's pinned allocator rounds each allocation up to a power of two, so
@@ -202,10 +212,10 @@ def _pinned_cost() -> list[dict]:
         asked = count * (64 << 20)
         stats = getattr(torch.cuda, "host_memory_stats", None)
         before_rss = proc.memory_info().rss
-        before = stats().get("reserved_bytes.current", None) if stats else None
+        before = _pinned_now(stats)
         pool = BufferPool(count, 64 << 20, pin=True)
         after_rss = proc.memory_info().rss
-        after = stats().get("reserved_bytes.current", None) if stats else None
+        after = _pinned_now(stats)
         took = (after - before) if before is not None and after is not None else None
         rss = after_rss - before_rss
         cost = took if took else rss
@@ -427,6 +437,8 @@ def group_parity(device: str, tmp: Path) -> list[dict]:
     init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     rows = []
     try:
+        if backend == "nccl":
+            rows.append(_nccl_wait(device))
         data = [d.to(device) for d in batches(16)]
         steps, accum, clip = 6, 2, 1.0
         ref, ref_losses = reference_fp32(make_model().to(device), data, steps, accum, clip)
@@ -458,6 +470,40 @@ def group_parity(device: str, tmp: Path) -> list[dict]:
     finally:
         dist.destroy_process_group()
     return rows
+
+
+def _nccl_wait(device: str) -> dict:
+    """``offload.dist``'s Note says a NCCL handle's wait orders the caller's stream after the
+    collective and does not block the host (so a unit's reduce-scatter overlaps the next
+    unit's backward). Checked: the stream kept busy 50 ms before an all-reduce, the wait
+    must return well before that, and the compute after it see the result. ``Handle.wait``
+    passes ``distributed.timeout`` to ``Work.wait``; a torch whose NCCL wait blocks the host
+    when given a timeout fails here with the milliseconds it blocked."""
+    from offload.dist import comm_for  # noqa: PLC0415
+
+    comm = comm_for(None, 120.0, one_rank=True)
+    dev = torch.device(device)
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    comm.use_device(dev)
+    t = torch.ones(1 << 20, device=dev)
+    torch.cuda.synchronize(dev)
+    _Delay(device).on()
+    handle = comm.all_reduce(t, what="the wait check")
+    t0 = time.perf_counter()
+    handle.wait()
+    waited_ms = 1e3 * (time.perf_counter() - t0)
+    t.add_(1.0)
+    got = float(t.min().item())
+    row = {
+        "check": "a NCCL handle's wait orders the stream, the host goes on",
+        "ok": waited_ms < 25.0 and got == 2.0,
+        "host_wait_ms": round(waited_ms, 2),
+        "min_value": got,
+    }
+    print(json.dumps(row), flush=True)
+    comm.close()
+    return row
 
 
 def _count(gcfg) -> int:

@@ -227,6 +227,11 @@ def _pinned_cost() -> list[dict]:
             pinned_reserved_bytes=took,
             rss_bytes=rss,
             pinned=pool.pinned,
+            why=None
+            if cost <= 1.05 * asked
+            else "torch's pinned allocator rounds each allocation up to a power of two: the "
+            "pool is over the budget its config states (offload.io.aligned, Note on pinning); "
+            "pinning exactly needs a mapping of its own registered with cudaHostRegister",
         )
         del pool
     return rows

@@ -228,3 +228,40 @@ def test_a_gradient_share_is_read_on_the_host_only_after_its_copy():
     staging = CudaGradStaging(t, HostMemory(torch.device("cpu")), torch.float32, 64)
     host = staging.share_to_host(torch.ones(32))
     assert copier.log[-1] == ("wait", "e1") and torch.equal(host, torch.ones(32))
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_unpinned_param_homes_on_cuda_are_warned_of(monkeypatch, caplog, tmp_path, pin):
+    """With CUDA, gathers from pageable memory wait for the compute queued before them
+    (CUDA stages such copies with the host waiting for the stream): wrap says so when
+    ``offload_param.pin_memory`` is false. A CUDA device stood in for by a CPU policy that
+    says it is CUDA and pins nothing."""
+    import importlib  # noqa: PLC0415
+    import logging  # noqa: PLC0415
+
+    from engine_models import make_model, placement_config  # noqa: PLC0415
+
+    import offload  # noqa: PLC0415
+
+    wrap_mod = importlib.import_module("offload.api.wrap")  # (the package exports the function)
+
+    class SaysCuda(HostMemory):
+        is_cuda = True
+
+        def __init__(self, device) -> None:
+            pass
+
+        def pins(self, wanted: bool) -> bool:
+            return False
+
+    real = wrap_mod.for_device
+    monkeypatch.setattr(
+        wrap_mod, "for_device", lambda device: (SaysCuda(device), *real(device)[1:])
+    )
+    cfg = placement_config("cpu", "cpu", tmp_path)
+    cfg["offload_param"]["pin_memory"] = pin
+    with caplog.at_level(logging.WARNING, logger="offload.api"):
+        _, opt = offload.wrap(make_model(), cfg)
+        opt.close()
+    warned = [r for r in caplog.records if "pin_memory=false with CUDA" in r.getMessage()]
+    assert len(warned) == (0 if pin else 1)

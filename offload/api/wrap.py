@@ -393,6 +393,15 @@ def _build(
 ) -> Runtime:
     placement = plan.placement
     memory, staging, writer = for_device(placement.device)
+    if memory.is_cuda and placement.param_home != "none" and not placement.pin["offload_param"]:
+        # (CUDA's API synchronization behavior: a copy from pageable memory may wait for its
+        # stream, which waits for the compute queued before the gather)
+        logger.warning(
+            "offload.wrap: offload_param.pin_memory=false with CUDA: each gather copies from "
+            "pageable host memory, which the driver stages with the host waiting for the copy "
+            "stream, so the gathers do not overlap the compute; pin_memory: true (the "
+            "default) lets them run beside it"
+        )
     transfers = Transfers(placement.device)
     b = _Parts(plan, cfg, transfers, memory, staging, writer, {}, comm)
     aio = None  # one IO engine for every store, made with the first

@@ -444,6 +444,7 @@ def group_parity(device: str, tmp: Path) -> list[dict]:
     try:
         if backend == "nccl":
             rows.append(_nccl_wait(device))
+        rows.append(_staged_collectives(device))
         data = [d.to(device) for d in batches(16)]
         steps, accum, clip = 6, 2, 1.0
         ref, ref_losses = reference_fp32(make_model().to(device), data, steps, accum, clip)
@@ -508,6 +509,42 @@ def _nccl_wait(device: str) -> dict:
     }
     print(json.dumps(row), flush=True)
     comm.close()
+    return row
+
+
+def _staged_collectives(device: str) -> dict:
+    """The collectives' staging (``offload.dist``'s Note on where tensors are) with tensors on
+    the other side of the backend: host tensors through NCCL (a host home's all-gather in
+    place, a pool buffer's broadcast, the norm's float64 all-reduce, a host reduce-scatter),
+    which a group of one rank does not reach in training (its homes are never stale, its norm
+    is not all-reduced). One rank: each result is its input (or its sum of one)."""
+    from offload.dist import comm_for  # noqa: PLC0415
+
+    comm = comm_for(None, 120.0, one_rank=True)
+    if device.startswith("cuda"):
+        dev = torch.device(device)
+        comm.use_device(dev if dev.index is not None else torch.device("cuda", 0))
+    errors = []
+    flat = torch.arange(4096, dtype=torch.bfloat16)  # a host home: gathered in place
+    want = flat.clone()
+    comm.all_gather(flat, flat, "a host home").wait()
+    errors += [] if torch.equal(flat, want) else ["all_gather in place"]
+    buf = torch.full((1000,), 3.0)
+    comm.broadcast(buf, 0, "a pool buffer").wait()
+    errors += [] if bool((buf == 3.0).all()) else ["broadcast"]
+    both = torch.tensor([0.0, 12.5], dtype=torch.float64)
+    comm.all_reduce(both, what="the norm").wait()
+    errors += [] if both.tolist() == [0.0, 12.5] else ["all_reduce float64"]
+    out = torch.empty(512)
+    comm.reduce_scatter(out, torch.linspace(0, 1, 512), "host grads").wait()
+    errors += [] if torch.equal(out, torch.linspace(0, 1, 512)) else ["reduce_scatter"]
+    comm.close()
+    row = {
+        "check": f"host tensors through {comm.backend}'s staging come back whole",
+        "ok": not errors,
+        "wrong": errors,
+    }
+    print(json.dumps(row), flush=True)
     return row
 
 

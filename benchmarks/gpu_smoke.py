@@ -507,6 +507,13 @@ def _nccl_wait(device: str) -> dict:
         "host_wait_ms": round(waited_ms, 2),
         "min_value": got,
     }
+    if waited_ms >= 25.0:
+        row["why"] = (
+            "Work.wait(timeout) blocked the host until the collective completed (torch polls "
+            "for completion when given a timeout): every Handle.wait of offload.dist is then a "
+            "host wait, against its Note; a NCCL wait without a timeout orders the stream only "
+            "(the group's own watchdog timeout then bounds a stuck peer)"
+        )
     print(json.dumps(row), flush=True)
     comm.close()
     return row

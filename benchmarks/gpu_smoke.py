@@ -81,6 +81,17 @@ class _Delay:
                 torch.cuda._sleep(self.cycles)
 
 
+def _guarded(name: str, run) -> list[dict]:
+    """``run()``'s rows, or one failed row saying what it raised (the parts after it still
+    run: one broken check must not hide the others)."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - reported as the check's failure
+        row = {"check": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        print(json.dumps(row), flush=True)
+        return [row]
+
+
 def _check(rows: list[dict], name: str, ok: bool, **numbers) -> None:
     rows.append({"check": name, "ok": bool(ok), **numbers})
     print(json.dumps(rows[-1]), flush=True)
@@ -443,8 +454,8 @@ def group_parity(device: str, tmp: Path) -> list[dict]:
     rows = []
     try:
         if backend == "nccl":
-            rows.append(_nccl_wait(device))
-        rows.append(_staged_collectives(device))
+            rows += _guarded("the NCCL wait check", lambda: [_nccl_wait(device)])
+        rows += _guarded("the staging check", lambda: [_staged_collectives(device)])
         data = [d.to(device) for d in batches(16)]
         steps, accum, clip = 6, 2, 1.0
         ref, ref_losses = reference_fp32(make_model().to(device), data, steps, accum, clip)
@@ -575,14 +586,17 @@ def main() -> int:
     out: dict = {"device": args.device, "torch": torch.__version__}
     if args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name(0)
-    out["device_checks"] = device_checks(args.device)
+    out["device_checks"] = _guarded("device_checks", lambda: device_checks(args.device))
     if not args.skip_parity:
         out["parity"] = parity(args.device, tmp) + step_in_backward_parity(args.device, tmp)
         out["parity"] += side_stream_parity(args.device, tmp)
         out["parity"] += group_parity(args.device, tmp)
     if not args.skip_throughput:
-        out["throughput"] = throughput(args.device, tmp, args.size, args.steps, args.seconds)
-        print(json.dumps(out["throughput"]))
+        try:
+            out["throughput"] = throughput(args.device, tmp, args.size, args.steps, args.seconds)
+        except Exception as exc:  # noqa: BLE001 - the parts before it are still reported
+            out["throughput"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        print(json.dumps(out["throughput"]), flush=True)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu_smoke.json").write_text(json.dumps(out, indent=1))
     ok = True

@@ -607,6 +607,9 @@ def main() -> int:
         print(f"{part}: {len(rows) - len(failed)}/{len(rows)} passed", flush=True)
         for r in failed:
             print(f"  FAIL {json.dumps(r)}", flush=True)
+    if "error" in out.get("throughput", {}):
+        ok = False
+        print(f"throughput: FAIL {out['throughput']['error']}", flush=True)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

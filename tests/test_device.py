@@ -265,3 +265,22 @@ def test_unpinned_param_homes_on_cuda_are_warned_of(monkeypatch, caplog, tmp_pat
         opt.close()
     warned = [r for r in caplog.records if "pin_memory=false with CUDA" in r.getMessage()]
     assert len(warned) == (0 if pin else 1)
+
+
+def test_only_memory_a_copy_reads_or_writes_asks_to_be_pinned(tmp_path):
+    """The param homes' host memory is what the gathers copy from: pinned as
+    ``offload_param.pin_memory`` says. Nothing copies to or from the optimizer's (the
+    gradients cross through the staging's own pinned buffer): it never asks, whatever
+    ``offload_optimizer.pin_memory`` says, so its NVMe swap pool keeps its huge pages and its
+    buffers are not rounded up to a power of two by torch's pinned allocator."""
+    from engine_models import make_model, placement_config  # noqa: PLC0415
+
+    from offload.config import load_config  # noqa: PLC0415
+    from offload.plan import make_plan  # noqa: PLC0415
+
+    for wanted in (True, False):
+        cfg = placement_config("cpu", "nvme", tmp_path)
+        cfg["offload_param"]["pin_memory"] = wanted
+        cfg["offload_optimizer"]["pin_memory"] = True
+        pin = make_plan(make_model(), load_config(cfg)).placement.pin
+        assert pin == {"offload_param": wanted, "offload_optimizer": False}

@@ -149,7 +149,8 @@ class OffloadOptimizerConfig(_SwapPool):
     """Directory for the state files when device is "nvme" (created 0700 if missing; a private
     subdirectory is made in it, and a crashed run's is reclaimed by the next)."""
     pin_memory: bool = True
-    """Page-lock the host buffers for fast asynchronous device copies (CUDA only)."""
+    """Accepted as DeepSpeed configs set it; never page-locks: no device copy reads or writes
+    the optimizer's host memory (gradients cross through a pinned staging buffer of their own)."""
     buffer_count: int = 8
     """Host swap buffers for streaming the state from NVMe (count; wrap needs >= 4 with "nvme")."""
     buffer_size: int | str = "auto"

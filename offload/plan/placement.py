@@ -316,7 +316,11 @@ def make_placement(
         buffer_sizes=sizes,
         pin={
             "offload_param": cfg.offload_param.pin_memory,
-            "offload_optimizer": opt.pin_memory,
+            # nothing in the optimizer's host memory is copied to or from the device (the
+            # gradients cross through the staging's own pinned buffer): pinned, its swap pool
+            # lost its huge pages and took torch's power-of-two rounding, and so did every
+            # unit's fp32 gradient buffer (offload.io.aligned, Notes on pinning and huge pages)
+            "offload_optimizer": False,
         },
         world=world,
         stage=stage,

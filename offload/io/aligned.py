@@ -64,8 +64,8 @@ def pinned_empty(numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}). Pinned memory "
             "is limited by the host's RAM and, in containers, by the locked-memory limit "
             "(ulimit -l); torch rounds each pinned allocation up to a power of two. Lower "
-            "buffer_count / buffer_size, or set pin_memory: false in offload_param / "
-            "offload_optimizer (the copies are then synchronous)"
+            "offload_param.buffer_count / buffer_size, or set offload_param.pin_memory: "
+            "false (the gathers' copies then wait for the host)"
         ) from exc
 
 

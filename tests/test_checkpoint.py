@@ -49,21 +49,32 @@ def test_resume_in_fresh_process_is_bitwise_identical(tmp_path):
     assert json.loads((tmp_path / "second.json").read_text()) == full_losses[10:]
 
 
-@pytest.mark.parametrize("param_dev,opt_dev", [("none", "cpu"), ("cpu", "nvme")])
-def test_save_load_in_process_and_state_dict_roundtrip(tmp_path, param_dev, opt_dev):
+@pytest.mark.parametrize(
+    "param_dev,opt_dev,dtype",
+    [("none", "cpu", "fp32"), ("cpu", "nvme", "fp32"), ("nvme", "nvme", "bf16")],
+)
+def test_save_load_in_process_and_state_dict_roundtrip(tmp_path, param_dev, opt_dev, dtype):
+    """In bf16 with params on NVMe the load writes the compute params from the fp32 master,
+    converted as the home writes them (``ParamHome.load_shard``): the loss after the load is
+    the loss of the run that saved."""
     data = batches(8)
-    model, opt = offload.wrap(make_model(), placement_config(param_dev, opt_dev, tmp_path / "a"))
+    cfg = lambda d: placement_config(param_dev, opt_dev, tmp_path / d, dtype=dtype)  # noqa: E731
+    model, opt = offload.wrap(make_model(), cfg("a"))
     train_wrapped(model, opt, data, 3, 1, 0.0)
     offload.save_checkpoint(tmp_path / "ck", model, opt)
+    with torch.no_grad():
+        saved_loss = lm_loss(model, data[0])
     sd_opt = opt.state_dict()
     sd_model = {k: v.clone() for k, v in model.state_dict().items()}
     train_wrapped(model, opt, data, 2, 1, 0.0)  # move away from the saved state
     offload.load_checkpoint(tmp_path / "ck", model, opt)
     for k, v in model.state_dict().items():
         assert torch.equal(v, sd_model[k]), k
+    with torch.no_grad():
+        assert torch.equal(lm_loss(model, data[0]), saved_loss)
     # the torch-format optimizer state (fp32 masters included) loads into a freshly wrapped
     # model; frozen parameters are not optimizer state, so model2 starts from the same seed
-    model2, opt2 = offload.wrap(make_model(), placement_config(param_dev, opt_dev, tmp_path / "b"))
+    model2, opt2 = offload.wrap(make_model(), cfg("b"))
     trainable = {n for n, p in make_model().named_parameters() if p.requires_grad}
     assert any(
         not torch.equal(v, sd_model[k]) for k, v in model2.state_dict().items() if k in trainable

@@ -40,6 +40,27 @@ Note: a load changes everything or nothing
     the values, piece by piece, and last the counters and hyperparameters. What can still fail
     in (3) is IO of the model's own state (an EIO of the swap device): the error then says
     which unit was being written; earlier units hold the checkpoint's values.
+
+Note: what a load leaves in host memory
+    A resumed run must hold what a run never resumed holds (README, "Memory"), but glibc keeps
+    freed memory where trimming gives back only part of it, and a load used to leave some in
+    two such places (a 67M-parameter LLaMA in bf16 with "auto" buffers, 2026-12-05: RSS after
+    each resumed step 45-67 MiB over the run never resumed, training peaks up to 32 MiB over
+    the budget of 1008 MiB):
+
+    - the checksum threads' buffers (8 MiB each) in those threads' malloc arenas, whose free
+      top glibc keeps and ``malloc_trim`` does not give back: 16 MiB on two cores for good.
+      They are anonymous mappings now (``checkpoint_files._sha256_of``).
+    - holes in the main heap: the compute-dtype copy of each unit's master (25 MiB) left a hole
+      that the next unit's copy did not fit, small blocks having been taken from it meanwhile,
+      so the heap grew by a piece per unit (75 MiB over 4). The trim when the load returns gave
+      their pages back, but the steps then spread over the larger heap and touched 36 MiB more
+      of it than a run never resumed. The homes now convert as they write
+      (``ParamHome.load_shard``) and the reads share one scratch buffer
+      (``VerifiedCheckpoint.read``): a load does not grow the heap.
+
+    The rest it frees (Python objects, a scratch below glibc's mmap threshold) is given back by
+    the trim when it returns.
 """
 
 from __future__ import annotations
@@ -388,9 +409,9 @@ def load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) -
     try:
         return _load_checkpoint(directory, model, optimizer)
     finally:
-        # the pieces read and their conversions were freed into glibc's heap, which kept up
-        # to 64 MiB of it resident after the load (its trim threshold, twice the dynamic mmap
-        # threshold): a resumed 325M LLaMA's run sat 51 MiB higher in every later phase
+        # what it freed into glibc's heap stayed resident otherwise, up to 64 MiB (its trim
+        # threshold, twice the dynamic mmap threshold): a resumed 325M LLaMA's run sat 51 MiB
+        # higher in every later phase (module Note: what a load leaves in host memory)
         trim_host_heap()
 
 

@@ -139,7 +139,7 @@ class HostMaster(ParamsMaster):
     def load(self, unit: Unit, buf: torch.Tensor, lo: int, hi: int, values: torch.Tensor) -> None:
         base = unit.layout.local_trainable[0]
         buf[lo - base : hi - base].copy_(values)
-        self.params.load_shard(unit, lo, hi, values.to(self.params.dtype))
+        self.params.load_shard(unit, lo, hi, values)
 
     def out(self, unit: Unit, lo: int, hi: int) -> torch.Tensor | None:
         return self.params.out_buffer(unit, lo, hi)
@@ -236,7 +236,7 @@ class NvmeMaster:
 
     def load(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
         self.store.write_from(_key(unit, "master", lo), values)
-        self.params.load_shard(unit, lo, hi, values.to(self.params.dtype))
+        self.params.load_shard(unit, lo, hi, values)
 
     def stores(self) -> tuple:
         """Every store whose shards an update writes (its versions are theirs)."""
@@ -245,7 +245,7 @@ class NvmeMaster:
     def derive_params(self, unit: Unit, pieces: list[tuple[int, int]]) -> None:
         """Writes the unit's compute params from the master (after a rollback)."""
         for lo, hi in pieces:
-            self.params.load_shard(unit, lo, hi, self.read(unit, lo, hi).to(self.params.dtype))
+            self.params.load_shard(unit, lo, hi, self.read(unit, lo, hi))
 
     def read_committed(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         """The piece's master as an open version would roll it back (before the update)."""
@@ -256,7 +256,7 @@ class NvmeMaster:
         params."""
         with self.store.borrow(_key(unit, "master", lo), read=False) as buf:
             buf[: hi - lo].copy_(values)
-        self.params.load_shard(unit, lo, hi, values.to(self.params.dtype))
+        self.params.load_shard(unit, lo, hi, values)
 
 
 class ParamShardsMaster(NvmeMaster):

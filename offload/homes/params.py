@@ -169,7 +169,13 @@ class ParamHome:
 
     def load_shard(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
         """Overwrites compute values of elements ``[lo, hi)`` (a piece) in the home; a gathered
-        copy of the unit is stale afterwards (the caller reshards it)."""
+        copy of the unit is stale afterwards (the caller reshards it). ``values`` may be in any
+        dtype (a load passes the fp32 master): the home converts them as it writes them, on
+        NVMe a staging chunk at a time. The callers' compute-dtype copy of each piece went
+        through glibc's heap, and the next unit's did not fit the hole it left (small blocks
+        were taken from it meanwhile): a load grew the heap by a piece per unit, pages that a
+        resumed run's steps then touched and kept (``offload.api.checkpoint``, Note: what a
+        load leaves in host memory)."""
         out = self.out_buffer(unit, lo, hi)
         out.copy_(values)
         self.commit(unit, lo, hi)
@@ -647,7 +653,7 @@ class NvmeParams(_Released):
 
     def load_shard(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
         self.reshard(unit)  # stale from here on (the caller reshards it too)
-        self.store.write_from(self.key(unit, lo), values.to(self.dtype).contiguous())
+        self.store.write_from(self.key(unit, lo), values)  # converted a chunk at a time
         self._written(unit, lo)
 
     def _start_refresh(self, unit: Unit) -> Handle:

@@ -215,6 +215,6 @@ class Values:
                 if values is None:
                     continue
                 if kind == FROZEN:
-                    self.params.load_shard(unit, lo, hi, values.to(self.params.dtype))
+                    self.params.load_shard(unit, lo, hi, values)
                 else:
                     self.optim.load(unit, kind, lo, hi, values)

@@ -3,8 +3,12 @@ state on NVMe, against the host memory the configuration allows. Prints one JSON
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
+import re
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -71,6 +75,29 @@ def _peak_of(fn) -> int:
     return max(peak[0], proc.memory_info().rss)
 
 
+def _arena_bytes() -> list[int] | None:
+    """The bytes each of glibc's malloc arenas holds from the OS (``malloc_info``'s current
+    system size per heap, the main arena first), None where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.fopen.restype = ctypes.c_void_p
+        libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        libc.fclose.argtypes = [ctypes.c_void_p]
+        libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "malloc_info.xml")
+        f = libc.fopen(path.encode(), b"w")
+        libc.malloc_info(0, f)
+        libc.fclose(f)
+        with open(path) as xml:
+            heaps = re.findall(
+                r'<heap nr="\d+">.*?<system type="current" size="(\d+)"', xml.read(), re.S
+            )
+    return [int(n) for n in heaps]
+
+
 def main() -> None:
     workdir = Path(sys.argv[1])
     torch.manual_seed(0)
@@ -98,6 +125,8 @@ def main() -> None:
         },
         "wrap": {"module_classes": ["Block"]},
     }
+    if "bf16" in sys.argv[3:]:  # (the LM's inputs are token ids: its compute dtype is free)
+        cfg["dtype"] = "bf16"
     lm = "lm" in sys.argv[3:]  # the LM, with the "auto" swap buffers (the largest unit each)
     if lm:
         for section in ("offload_param", "offload_optimizer"):
@@ -135,9 +164,21 @@ def main() -> None:
             top = _peak_of(save)
             saves[what] = top - before
             saves[f"{what}_growth"] = top - base
-        before = proc.memory_info().rss
+        before, arenas = proc.memory_info().rss, _arena_bytes()
         offload.load_checkpoint(workdir / "ckpt", model, opt)
         saves["kept_by_load"] = proc.memory_info().rss - before  # after it returned
+        if arenas is not None:  # what each arena grew by (one made by the load: all of it)
+            after = _arena_bytes()
+            arenas += [0] * (len(after) - len(arenas))
+            saves["arenas_grown_by_load"] = sum(max(0, a - b) for a, b in zip(after, arenas))
+    if "resume" in sys.argv[3:]:  # the loaded run goes on: training, a checkpoint, an export
+        saves["resumed_growth"] = _peak_of(train) - base
+        saves["resumed_checkpoint_growth"] = (
+            _peak_of(lambda: offload.save_checkpoint(workdir / "ckpt", model, opt)) - base
+        )
+        saves["resumed_export_growth"] = (
+            _peak_of(lambda: offload.save_pretrained(model, workdir / "hf")) - base
+        )
     buffers = opt.stats()["host_reserved_bytes"]
     opt.close()
     print(

@@ -314,7 +314,7 @@ def test_train_loop_accumulates_the_configs_micro_batches_per_step(corpus, one_t
             x, y = next(stream)
             loss = demo_train.lm_loss(ref(x), y) / 2
             loss.backward()
-            total += float(loss)
+            total += loss.item()
         ref_opt.step()
         ref_opt.zero_grad()
         losses.append(total)

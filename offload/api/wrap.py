@@ -505,11 +505,12 @@ _ABSENT = _Absent()
 def _merged_keys(mine: dict, theirs: dict) -> list:
     """Both dicts' keys in order, each key only the other has placed after the key it follows
     there (a parameter one rank lacks is told before the offsets it shifts)."""
-    keys = list(mine)
+    keys, known = list(mine), set(mine)  # (a set: a model has thousands of parameters)
     after = None
     for k in theirs:
-        if k not in keys:
+        if k not in known:
             keys.insert(keys.index(after) + 1 if after is not None else 0, k)
+            known.add(k)
         after = k
     return keys
 

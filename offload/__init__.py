@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it (imported on first use, so `import offload` is cheap)
 _EXPORTS = {
     "wrap": "offload.api",
+    "register_external_parameter": "offload.api",
     "save_checkpoint": "offload.api",
     "load_checkpoint": "offload.api",
     "export": "offload.api",
@@ -40,6 +41,7 @@ _EXPORTS = {
 __all__ = [
     "__version__",
     "wrap",
+    "register_external_parameter",
     "save_checkpoint",
     "load_checkpoint",
     "export",
@@ -59,6 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
         export,
         from_pretrained,
         load_checkpoint,
+        register_external_parameter,
         save_checkpoint,
         save_pretrained,
         wrap,

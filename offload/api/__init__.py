@@ -8,7 +8,7 @@ runtime (``offload.runtime``) over homes (``offload.homes``); everything below i
 from offload.api.checkpoint import CheckpointError, export, load_checkpoint, save_checkpoint
 from offload.api.optimizer import OffloadOptimizer
 from offload.api.pretrained import from_pretrained, save_pretrained
-from offload.api.wrap import engine_of, wrap
+from offload.api.wrap import engine_of, register_external_parameter, wrap
 
 __all__ = [
     "CheckpointError",
@@ -17,6 +17,7 @@ __all__ = [
     "export",
     "from_pretrained",
     "load_checkpoint",
+    "register_external_parameter",
     "save_checkpoint",
     "save_pretrained",
     "wrap",

@@ -67,6 +67,7 @@ from offload.plan import (
     check_host_buffers,
     make_plan,
 )
+from offload.plan.units import note_external_use
 from offload.runtime import Runtime
 from offload.runtime.grads import Grads, ScatteredGrads, StepScatteredGrads
 from offload.runtime.schedule import Background, Immediate, InBackward
@@ -208,6 +209,43 @@ def _not_decayed(model: nn.Module, patterns: list[str], trainable: list) -> froz
             )
         found.update(hits)
     return frozenset(p for p in trainable if p in found)
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Declares that ``module``'s forward reads ``parameter``, which is registered elsewhere
+    (``F.linear(x, self.blocks[2].fc.weight)`` in the model's forward or another block's):
+    ``wrap`` then counts it as used by ``module``'s unit, or by the root where ``module`` is
+    outside every unit, so that a parameter read by two units or by the root becomes the
+    root's, gathered from the start of a forward to the end of its backward (DeepSpeed's
+    ``deepspeed.zero.register_external_parameter``). Unregistered, such a read sees released
+    storage (zeros on the CPU) with no error. Names are unchanged: ``state_dict()`` and
+    ``named_parameters()`` list the parameter where it is registered. Call it before
+    ``wrap`` (the plan is made there); it is kept with ``module`` (not its ``deepcopy``).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            "offload.register_external_parameter: expected a torch.nn.Module as module, got "
+            f"{type(module).__name__}"
+        )
+    if not isinstance(parameter, nn.Parameter):
+        raise TypeError(
+            "offload.register_external_parameter: expected an nn.Parameter as parameter, got "
+            f"{type(parameter).__name__}"
+        )
+    for wrapped, runtime in _runtimes():
+        if runtime.closed:
+            continue
+        owns = any(p is parameter for u in runtime.units for p in u.params)
+        if owns or any(m is module for m in wrapped.modules()):
+            named = wrapped.named_parameters(remove_duplicate=False)
+            name = next((n for n, p in named if p is parameter), None)
+            what = f"'{name}'" if name else f"of shape {tuple(parameter.shape)}"
+            raise ValueError(
+                f"offload.register_external_parameter: parameter {what} of a model already "
+                f"wrapped ({type(wrapped).__name__}): its units were planned at wrap. Call "
+                "register_external_parameter before offload.wrap"
+            )
+    note_external_use(module, parameter)
 
 
 def _check_model(model: nn.Module, has_weights: bool) -> None:

@@ -6,7 +6,10 @@ whose name ends in ``Block`` or ``Layer``, and torch's Transformer layers), or b
 count threshold (``wrap.min_params``). Units never nest: the outermost match wins. Parameters
 outside every unit, and parameters used by more than one unit (tied weights) or registered in a
 unit and outside every unit, belong to the root unit, which stays gathered from the start of a
-forward to the end of its backward.
+forward to the end of its backward. A module's forward that reads a parameter registered
+elsewhere (``F.linear(x, self.blocks[2].fc.weight)``) says so with
+``offload.register_external_parameter(module, parameter)`` before wrap: the parameter counts as
+used where that module is, as if registered there too (:func:`note_external_use`).
 
 The :class:`Unit` record is read-only after wrap: what changes during training (gathered or
 not, grads pending) lives in the runtime's and the homes' own records, keyed by unit.
@@ -15,6 +18,7 @@ not, grads pending) lives in the runtime's and the homes' own records, keyed by 
 from __future__ import annotations
 
 import enum
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
@@ -23,6 +27,19 @@ import torch.nn as nn
 from offload.plan.layout import FlatLayout, ShardSpec
 
 _AUTO_CLASSES = ("TransformerEncoderLayer", "TransformerDecoderLayer")
+
+# module -> the parameters registered elsewhere that its forward reads
+# (``offload.register_external_parameter``), read by :func:`build_units`. Weak in the module, so
+# a model dropped before wrap takes its registrations with it; its ``copy.deepcopy`` has none.
+_EXTERNAL: weakref.WeakKeyDictionary[nn.Module, list[nn.Parameter]] = weakref.WeakKeyDictionary()
+
+
+def note_external_use(module: nn.Module, param: nn.Parameter) -> None:
+    """Records that ``module``'s forward reads ``param`` (idempotent); the caller checks that no
+    wrapped model's plan is past taking it into account."""
+    uses = _EXTERNAL.setdefault(module, [])
+    if not any(p is param for p in uses):
+        uses.append(param)
 
 
 class Residency(enum.Enum):
@@ -126,18 +143,33 @@ def build_units(
     # one registered on a unit's module and also on a module outside every unit (the model
     # using ``self.w = self.blocks[2].fc.weight`` itself) is the root's, as one shared by two
     # units is. Owned by the unit alone, it read as zeros (released) where the root used it.
+    # A registration with register_external_parameter counts as one on its module.
     unit_of = {id(mod): i for i, (_, mod) in enumerate(chosen)}
     modules = dict(model.named_modules(remove_duplicate=False))
+
+    def unit_under(qual: str) -> int:
+        """The unit the module ``qual`` is (or is under), -1 where it is under none."""
+        parts = qual.split(".") if qual else []
+        for k in range(1, len(parts) + 1):
+            owner = unit_of.get(id(modules[".".join(parts[:k])]), -1)
+            if owner >= 0:
+                return owner
+        return -1
+
     users: dict[nn.Parameter, set[int]] = {}
     names: dict[nn.Parameter, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, name)
-        parts, owner = name.split("."), -1
-        for k in range(1, len(parts)):
-            owner = unit_of.get(id(modules[".".join(parts[:k])]), -1)
-            if owner >= 0:
-                break
-        users.setdefault(p, set()).add(owner)
+        users.setdefault(p, set()).add(unit_under(name.rpartition(".")[0]))
+    for qual, mod in modules.items():
+        for p in _EXTERNAL.get(mod, ()):
+            if p not in users:
+                raise ValueError(
+                    f"offload.register_external_parameter: module '{qual or '<model>'}' "
+                    f"({type(mod).__name__}) reads a parameter of shape {tuple(p.shape)} that "
+                    "is not this model's: register a parameter of the model being wrapped"
+                )
+            users[p].add(unit_under(qual))
     per_unit: list[list[tuple[str, nn.Parameter]]] = [[] for _ in chosen]
     root: list[tuple[str, nn.Parameter]] = []
     for p, name in names.items():

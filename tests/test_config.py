@@ -395,6 +395,8 @@ BAD = [
     ({"wrap": {"module_classes": "GPTBlock"}}, "wrap.module_classes", "GPTBlock"),
     ({"wrap": {"module_classes": ["not a name"]}}, "wrap.module_classes", ["not a name"]),
     ({"wrap": {"min_params": -5}}, "wrap.min_params", -5),
+    ({"wrap": {"check_reads": -1}}, "wrap.check_reads", -1),
+    ({"wrap": {"check_reads": True}}, "wrap.check_reads", True),
     ({"telemetry": {"jsonl_path": 3}}, "telemetry.jsonl_path", 3),
     ({"distributed": {"reduce_dtype": "fp8"}}, "distributed.reduce_dtype", "fp8"),
     ({"distributed": {"reduce_dtype": 32}}, "distributed.reduce_dtype", 32),

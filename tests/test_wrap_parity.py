@@ -686,3 +686,58 @@ def test_register_external_parameter_after_wrap_says_to_call_it_before(tmp_path)
     offload.register_external_parameter(other.blocks[0], nn.Parameter(torch.zeros(2)))
     with pytest.raises(ValueError, match=r"module 'blocks\.0' .* not this model's"):
         build_units(other, ["_PeekBlock"], 0, persistence_threshold=None)
+
+
+@pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
+def test_check_reads_names_a_released_parameter_read_outside_its_unit(tmp_path, param_dev):
+    """``wrap.check_reads``: the reads that computed with zeros without an error raise in the
+    first forward, naming the parameter, its unit and the module whose forward read it, and
+    what to call; declared, the model trains and the check ends after its forwards."""
+    cfg = placement_config(param_dev, "cpu", tmp_path)
+    cfg["wrap"] = {"module_classes": ["_PeekBlock"], "check_reads": 2}
+    tokens = batches(3, batch=2, seq=8)
+    for declared, expect in (
+        (0, r"blocks\.2\.fc2\.weight is read by the forward of <model> .* unit blocks\.2,"),
+        (1, r"blocks\.0\.fc1\.weight is read by the forward of blocks\.1 \(_PeekBlock\)"),
+        (2, None),
+    ):
+        torch.manual_seed(0)
+        model = _ReadsOtherBlocksWeights()
+        if declared >= 1:
+            offload.register_external_parameter(model, model.blocks[2].fc2.weight)
+        if declared == 2:
+            offload.register_external_parameter(model.blocks[1], model.blocks[0].fc1.weight)
+        model, opt = offload.wrap(model, cfg)
+        try:
+            if expect is not None:
+                with pytest.raises(RuntimeError, match=expect + r".*register_external_parameter"):
+                    model(tokens[0][:, :-1])
+                assert torch._C._len_torch_function_stack() == 0  # the check's mode left
+                continue
+            hooks = len(model._forward_hooks)
+            for t in tokens:
+                F.cross_entropy(model(t[:, :-1]).reshape(-1, 64), t[:, 1:].reshape(-1)).backward()
+                opt.step()
+                opt.zero_grad()
+            assert torch._C._len_torch_function_stack() == 0
+            assert len(model._forward_hooks) == hooks - 1  # the check's, gone after 2 forwards
+        finally:
+            opt.close()
+
+
+@pytest.mark.parametrize("param_dev,opt_dev", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_check_reads_passes_the_parity_model(tmp_path, fp32_reference, param_dev, opt_dev):
+    """No false alarm on the parity model (tied embeddings, a block called twice, activation
+    checkpointing, a frozen parameter, root parameters), every forward checked, and the same
+    numbers as torch's."""
+    data, _, ref_losses = fp32_reference
+    cfg = placement_config(param_dev, opt_dev, tmp_path)
+    cfg["wrap"] = dict(cfg["wrap"], check_reads=10**6)
+    model, opt = offload.wrap(make_model(), cfg)
+    try:
+        losses, _ = train_wrapped(model, opt, data, 3, ACCUM, CLIP)
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses[:3]), rtol=1e-5, atol=0
+        )
+    finally:
+        opt.close()

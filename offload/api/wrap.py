@@ -70,6 +70,7 @@ from offload.plan import (
 from offload.plan.units import note_external_use
 from offload.runtime import Runtime
 from offload.runtime.grads import Grads, ScatteredGrads, StepScatteredGrads
+from offload.runtime.reads import ReadCheck
 from offload.runtime.schedule import Background, Immediate, InBackward
 from offload.runtime.telemetry import Telemetry, check_jsonl_path
 from offload.runtime.values import LiveParams, ParamValues
@@ -709,6 +710,8 @@ def wrap(
     finally:
         source.close()
     runtime.install_hooks()
+    if cfg.wrap.check_reads and runtime.params.releases:
+        runtime._handles.append(ReadCheck(model, runtime, cfg.wrap.check_reads))
     _RUNTIMES[model] = weakref.ref(runtime)
     atexit.register(_close_at_exit, weakref.ref(runtime))
     trim_host_heap()

@@ -320,10 +320,13 @@ class WrapConfig(_Section):
     """Class names (plain or dotted) whose instances are units; empty = automatic policy."""
     min_params: int = 0
     """Without a class match, modules with >= this many params are units (elements; 0 = off)."""
+    check_reads: int = 0
+    """The first forwards in which reading a released unit's parameter outside it raises (count; 0 = off; slow)."""
 
     def __post_init__(self) -> None:
         self.module_classes = as_name_list(self._k("module_classes"), self.module_classes)
         self.min_params = as_int(self._k("min_params"), self.min_params, lo=0, what="elements")
+        self.check_reads = as_int(self._k("check_reads"), self.check_reads, lo=0, what="forwards")
 
 
 @dataclass(kw_only=True, slots=True)

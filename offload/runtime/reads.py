@@ -87,6 +87,11 @@ _METADATA = frozenset(
 _CALLS = (nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__)
 
 
+def _in_torch(frame) -> bool:
+    name = frame.f_globals.get("__name__", "")
+    return name == "torch" or name.startswith("torch.")
+
+
 class _Watch:
     """A watched parameter: its name, and its unit's label and gathered flag."""
 
@@ -116,7 +121,7 @@ class _ReleasedReads(TorchFunctionMode):
 
     def _refuse(self, w: _Watch) -> None:
         frame = sys._getframe(2)
-        while frame is not None and frame.f_globals.get("__name__", "").startswith("torch"):
+        while frame is not None and _in_torch(frame):
             frame = frame.f_back
         if frame is not None and frame.f_globals.get("__name__", "").startswith("offload."):
             return  # offload's own (a gather's copy into the parameter)

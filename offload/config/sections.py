@@ -321,7 +321,8 @@ class WrapConfig(_Section):
     min_params: int = 0
     """Without a class match, modules with >= this many params are units (elements; 0 = off)."""
     check_reads: int = 0
-    """The first forwards in which reading a released unit's parameter outside it raises (count; 0 = off; slow)."""
+    """The first forwards in which reading a released unit's parameter outside it raises
+    (count; 0 = off; slow)."""
 
     def __post_init__(self) -> None:
         self.module_classes = as_name_list(self._k("module_classes"), self.module_classes)

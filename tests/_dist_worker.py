@@ -30,7 +30,11 @@ step, that forward must be refused, the update in the backward having written th
 unit's params s seconds late), ``pause`` ({"rank": r, "seconds": s}: that rank waits s
 seconds before each step's first forward, the first step's aside), ``log`` (record when collectives
 are issued and waited and when units compute, on rank 0), ``count_reads`` (bytes read from
-checkpoint files).
+checkpoint files), ``diverge`` ({"rank": r, "step": s, "what": w}: in step s that rank alone
+runs an evaluation forward before the step's first (``"eval"``), leaves out its last micro-step
+(``"micro"``), or does not call ``clip_grad_norm_`` (``"clip"``) or ``step()`` (``"step"``);
+a ``RankDivergenceError`` ends the job, recorded in ``<name>.<rank>.json`` as ``diverged``:
+the step, the seconds from that step's start and the message).
 
 After the jobs: ``threads.w<world>.<rank>.json``, this process's threads by name before and after
 ``destroy_process_group``.
@@ -66,6 +70,7 @@ import offload
 from offload.api import checkpoint_files
 from offload.api.wrap import engine_of
 from offload.dist import init_process_group
+from offload.runtime.agree import RankDivergenceError
 from offload.runtime.grads import UnitOrderError
 from offload.runtime.phase import PhaseError
 
@@ -96,6 +101,11 @@ def repeats(step: int) -> int | None:
     """``"model": "repeat"``: the block every rank runs twice (the second, in even steps: the
     first forward after each step uses the units in another order than the one before)."""
     return 1 if step % 2 == 0 else None
+
+
+def _diverges(diverge: dict, rank: int, step: int, what: str) -> bool:
+    """Whether this rank alone does ``what`` differently in this step (``diverge`` jobs)."""
+    return diverge.get("rank") == rank and diverge.get("step") == step and diverge["what"] == what
 
 
 def slice_of(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -232,59 +242,74 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
     accum, clip = job.get("accum", 2), job.get("clip", 1.0)
     losses, stats, norms, refused = [], [], [], []
     fail = job.get("fail_at") or {}
-    for s in range(start, job["steps"]):
-        total = 0.0
-        for m in range(accum):
-            if fail.get("rank") == rank and fail.get("step") == s:
-                if fail.get("hang"):
-                    time.sleep(600)
-                if fail.get("kill"):
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if fail.get("abort"):  # (a collective that differs from the other ranks')
-                    os.abort()
-                raise RuntimeError(f"injected failure on rank {rank} at step {s}")
-            batch = slice_of(data[(s * accum + m) % len(data)], rank, world)
-            if (pause := job.get("pause")) and pause["rank"] == rank and m == 0 and s > start:
-                time.sleep(pause["seconds"])  # (its update in the background done meanwhile)
-            if job.get("model") == "branch":  # the middle block's extra layer, on one rank
-                model.blocks[1].skip = skips(s, rank)
-            if job.get("model") == "unitskip":
-                model.skip = skips_unit(s, m, rank)
-            if job.get("model") == "repeat":
-                model.repeat = repeats(s)
-            loss = lm_loss(model, batch) / accum
-            if job.get("eval_held"):  # an evaluation (its gathers collective) under that loss
-                with torch.no_grad():
-                    assert lm_loss(model, batch).item() > 0
-            try:
-                loss.backward()
-            except UnitOrderError as exc:  # refused on every rank before it took anything:
-                refused.append([s, m, str(exc)])  # the micro-step is left out, the earlier kept
-                continue
-            if job.get("probe_one_rank") and rank == 1:  # a unit called by itself, one rank
-                with torch.no_grad():
-                    model.blocks[1](torch.zeros(1, 2, STACK_DIM))
-            total += float(loss.detach())
-        if job.get("peek"):  # a forward (its gathers collective) no backward follows
-            batch = slice_of(data[s % len(data)], rank, world)
-            if job.get("peek") == "refused" and s > start:  # (the first step counts backwards)
+    diverge = job.get("diverge") or {}
+    s, began = start, time.monotonic()
+    try:
+        for s in range(start, job["steps"]):
+            total, began = 0.0, time.monotonic()
+            for m in range(accum):
+                if _diverges(diverge, rank, s, "micro") and m == accum - 1:
+                    continue
+                if _diverges(diverge, rank, s, "eval") and m == 0:
+                    with torch.no_grad():  # (logging on one rank)
+                        lm_loss(model, slice_of(data[0], rank, world))
+                if fail.get("rank") == rank and fail.get("step") == s:
+                    if fail.get("hang"):
+                        time.sleep(600)
+                    if fail.get("kill"):
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if fail.get("abort"):  # (a collective that differs from the other ranks')
+                        os.abort()
+                    raise RuntimeError(f"injected failure on rank {rank} at step {s}")
+                batch = slice_of(data[(s * accum + m) % len(data)], rank, world)
+                if (pause := job.get("pause")) and pause["rank"] == rank and m == 0 and s > start:
+                    time.sleep(pause["seconds"])  # (its update in the background done meanwhile)
+                if job.get("model") == "branch":  # the middle block's extra layer, on one rank
+                    model.blocks[1].skip = skips(s, rank)
+                if job.get("model") == "unitskip":
+                    model.skip = skips_unit(s, m, rank)
+                if job.get("model") == "repeat":
+                    model.repeat = repeats(s)
+                loss = lm_loss(model, batch) / accum
+                if job.get("eval_held"):  # an evaluation (its gathers collective) under that loss
+                    with torch.no_grad():
+                        assert lm_loss(model, batch).item() > 0
                 try:
-                    lm_loss(model, batch)
-                except PhaseError as e:
-                    assert "a forward of the model" in str(e), e
+                    loss.backward()
+                except UnitOrderError as exc:  # refused on every rank before it took anything:
+                    refused.append([s, m, str(exc)])  # the micro-step is left out, the earlier kept
+                    continue
+                if job.get("probe_one_rank") and rank == 1:  # a unit called by itself, one rank
+                    with torch.no_grad():
+                        model.blocks[1](torch.zeros(1, 2, STACK_DIM))
+                total += float(loss.detach())
+            if job.get("peek"):  # a forward (its gathers collective) no backward follows
+                batch = slice_of(data[s % len(data)], rank, world)
+                if job.get("peek") == "refused" and s > start:  # (the first step counts backwards)
+                    try:
+                        lm_loss(model, batch)
+                    except PhaseError as e:
+                        assert "a forward of the model" in str(e), e
+                    else:
+                        raise AssertionError("a forward after the update in the backward ran")
                 else:
-                    raise AssertionError("a forward after the update in the backward ran")
-            else:
-                assert lm_loss(model, batch).item() > 0
-        if clip:
-            norms.append(float(opt.clip_grad_norm_(clip)))
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(total)
-        st = opt.stats()
-        keep = ("collectives", "collective_bytes", "collective_wait_seconds", "bytes")
-        stats.append({k: st[k] for k in keep} | {"state_bytes": st["state_bytes"]})
+                    assert lm_loss(model, batch).item() > 0
+            if clip and not _diverges(diverge, rank, s, "clip"):
+                norms.append(float(opt.clip_grad_norm_(clip)))
+            if not _diverges(diverge, rank, s, "step"):
+                opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(total)
+            st = opt.stats()
+            keep = ("collectives", "collective_bytes", "collective_wait_seconds", "bytes")
+            stats.append({k: st[k] for k in keep} | {"state_bytes": st["state_bytes"]})
+    except RankDivergenceError as exc:  # every rank, at the same check: the job ends
+        seconds = time.monotonic() - began
+        result = {"diverged": [s, seconds, str(exc)], "losses": losses}
+        (out / f"{job['name']}.{rank}.json").write_text(json.dumps(result))
+        opt.close()
+        return
     mean = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(mean, group=group)
     mean /= world

@@ -283,6 +283,76 @@ def test_a_unit_one_rank_skips_is_refused_on_every_rank(two, name):
     _close(_final(two, name), model.state_dict())
 
 
+def _diverge(name, param, stage, rank, what, **kw) -> dict:
+    """A job whose ``rank`` alone does ``what`` differently in step 1 (``_dist_worker``)."""
+    at = {"rank": rank, "step": 1, "what": what}
+    return job(name, param, "cpu", stage, steps=3, model="stack", diverge=at, timeout=20, **kw)
+
+
+DIVERGE = [  # (job, the calls each rank is at when they find out)
+    (
+        _diverge("div-eval-s3", "cpu", 3, 0, "eval"),
+        ("a forward of the model under no_grad", "a forward of the model ("),
+    ),
+    (
+        _diverge("div-eval-s1", "none", 1, 0, "eval"),
+        ("a forward of the model under no_grad", "a forward of the model ("),
+    ),
+    (_diverge("div-micro-s2", "cpu", 2, 1, "micro"), ("a backward", "the gradient norm")),
+    (
+        _diverge("div-micro-s3", "nvme", 3, 1, "micro"),
+        ("a forward of the model (", "the gradient norm"),
+    ),
+    (_diverge("div-clip-s2", "none", 2, 1, "clip"), ("the gradient norm", "optimizer.step()")),
+    (
+        _diverge("div-step-s3", "cpu", 3, 1, "step"),
+        ("optimizer.step()", "a forward of the model ("),
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def diverged(tmp_path_factory) -> Path:
+    """A group of 2 ranks whose calls differ in one step (``DIVERGE``), and stage 1 with one
+    micro-step fewer on one rank (which it supports)."""
+    root = tmp_path_factory.mktemp("diverged")
+    jobs = [j for j, _ in DIVERGE] + [_diverge("micro-s1", "none", 1, 1, "micro")]
+    run_ranks(2, jobs, root)
+    return root
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("case", DIVERGE, ids=[j["name"] for j, _ in DIVERGE])
+def test_ranks_at_different_calls_stop_at_once_saying_where_each_is(diverged, case):
+    """One rank alone runs an evaluation forward, leaves out a micro-step, or skips
+    ``clip_grad_norm_`` or ``step()``. Its next collective met another kind on the other ranks:
+    each waited for ``distributed.timeout`` (20 s here, 1800 by default) or gloo aborted one,
+    and at stage 3 a rank that skipped ``step()`` trained on with its share one update behind
+    (2.4e-2 off after 3 steps, no error). Every rank now stops at its next call, within a
+    fraction of a second, naming each rank's call (``offload.runtime.agree``)."""
+    spec, (at0, at1) = case
+    for rank in range(2):
+        diverged_at = result(diverged, spec["name"], rank).get("diverged")
+        assert diverged_at is not None, f"rank {rank} trained on"
+        step, seconds, message = diverged_at
+        assert step in (1, 2) and seconds < 10, diverged_at  # (2: step() left out of 1)
+        assert "the ranks reached different calls" in message, message
+        assert f"rank 0 at {at0}" in message and f"rank 1 at {at1}" in message, message
+        assert "Every rank must run the same forwards" in message, message
+
+
+@pytest.mark.heavy
+def test_stage_1_takes_one_micro_step_fewer_on_one_rank_as_data_parallel(diverged):
+    """Stage 1 reduces once per step, so a rank may run fewer micro-steps (its loss still
+    divided by the accumulation): the result is data parallel's without that micro-batch."""
+    torch.manual_seed(0)
+    model = StackLM(n=4)
+    losses = _data_parallel(model, 3, lambda s, m, rank: (s, m, rank) != (1, 1, 1))
+    assert result(diverged, "micro-s1").get("diverged") is None
+    _losses_close(result(diverged, "micro-s1")["losses"], losses)
+    _close(_final(diverged, "micro-s1"), model.state_dict())
+
+
 def test_a_unit_one_rank_calls_under_no_grad_does_not_change_the_reductions(two):
     """Rank 1 calls one block by itself under ``no_grad`` after each backward (a probe, no
     collective at stage 2): it took its place in the order of the next backward's reductions

@@ -20,6 +20,7 @@ from offload.api.loss_scale import DynamicLossScaler
 from offload.homes.optim import KINDS, MOMENTS
 from offload.plan import GradOwner
 from offload.runtime import Runtime
+from offload.runtime.agree import Call
 from offload.runtime.values import ParamTensors
 
 logger = logging.getLogger("offload.api")
@@ -182,6 +183,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         engine = self._engine
         self._check_groups("optimizer.step()")
         engine.check_can_step()
+        engine.agreement.check(Call.STEP, engine.step_count, engine.backwards_since_step)
         if engine.backwards_since_step == 0:
             self._empty_step()
             return loss

@@ -158,6 +158,11 @@ class Comm:
         timeout."""
         raise NotImplementedError
 
+    def check_in(self, row: torch.Tensor, what: str = "") -> torch.Tensor:
+        """Every rank's ``row`` (a few int64, the same length on every rank), concatenated in
+        rank order; blocking, with the timeout, not counted (``offload.runtime.agree``)."""
+        raise NotImplementedError
+
     def barrier(self, what: str = "") -> None:
         """Returns once every rank has called it (with this comm's timeout)."""
         self.all_reduce(torch.zeros(1), what=what or "barrier").wait()
@@ -226,6 +231,9 @@ class LocalComm(Comm):
 
     def all_gather_object(self, obj, what: str = "") -> list:
         return [obj]
+
+    def check_in(self, row: torch.Tensor, what: str = "") -> torch.Tensor:
+        return row.clone()
 
     def barrier(self, what: str = "") -> None:
         pass
@@ -471,12 +479,19 @@ class TorchComm(Comm):
         rows = everyone.view(self.world, width)
         return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(self.world)]
 
-    def _gather_bytes(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> None:
+    def check_in(self, row: torch.Tensor, what: str = "") -> torch.Tensor:
+        out = torch.empty(row.numel() * self.world, dtype=row.dtype)
+        self._gather_bytes(out, row, what, op="check_in")
+        return out
+
+    def _gather_bytes(
+        self, out: torch.Tensor, inp: torch.Tensor, what: str, op: str = "all_gather_object"
+    ) -> None:
         o = out if self._here(out) else torch.empty_like(out, device=self.device)
         i = self._staged_in(inp)
         try:
             work = self._ag(o, i, group=self.group, async_op=True)
         except Exception as exc:  # noqa: BLE001 - a peer already gone fails at issue time
-            raise self.failure("all_gather_object", what, exc) from exc
+            raise self.failure(op, what, exc) from exc
         finish = (lambda: out.copy_(o)) if o is not out else None
-        Handle(self, "all_gather_object", what, work, finish).wait()
+        Handle(self, op, what, work, finish).wait()

@@ -84,6 +84,9 @@ from offload.runtime.phase import PhaseError
 
 
 class Grads:
+    reduces_in_backward = False
+    """Whether the backward reduces (stages 2-3): the ranks' backwards must then match."""
+
     def __init__(
         self,
         owner: GradHome,
@@ -181,6 +184,8 @@ class ScatteredGrads(Grads):
     ahead of its turn waits in ``p.grad`` for the ones before it.
 
     The sums are in ``placement.reduce_dtype`` (module Note on the reduce dtype)."""
+
+    reduces_in_backward = True
 
     def __init__(self, owner, staging, units, comm, placement) -> None:
         super().__init__(owner, staging, units, comm)
@@ -382,6 +387,8 @@ class StepScatteredGrads(ScatteredGrads):
     micro-steps, added in ``placement.grad_accum_dtype`` (:class:`_WideSums` where that is
     wider than the compute dtype, else in ``p.grad``), and are reduce-scattered once per
     step."""
+
+    reduces_in_backward = False
 
     def __init__(self, owner, staging, units, comm, placement) -> None:
         super().__init__(owner, staging, units, comm, placement)

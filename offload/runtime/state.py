@@ -49,6 +49,7 @@ from offload.homes.grads import Hyper
 from offload.homes.optim import OptimHome
 from offload.homes.params import ParamHome
 from offload.plan import Plan
+from offload.runtime.agree import Agreement, Call
 from offload.runtime.grads import Grads
 from offload.runtime.overrides import ModelOverrides
 from offload.runtime.phase import Phase, PhaseError, PhaseTracker
@@ -127,6 +128,9 @@ class Runtime:
         self._trace_starts = trace_starts
         self.comm = grads.comm  # the model's process group (offload.dist)
         self.values = Values(plan, params, optim, self.comm)
+        # the ranks reach the same calls (its Note); stage 1 may differ in micro-steps
+        self.agreement = Agreement(self.comm, count_backwards=grads.reduces_in_backward)
+        self._sharded = plan.placement.shard_params
         params.gate = self._gate
         self.timers = timers  # seconds of the current step (the schedule's worker adds too)
         self.runs = [UnitRun(u, params, timers) for u in self.units]
@@ -323,6 +327,10 @@ class Runtime:
         if self.phase.phase is Phase.BACKWARD:
             return None  # recomputation of the whole model (unusual) keeps everything gathered
         self.check_in_model("a forward of the model")
+        if self._sharded or self.backwards_since_step == 0:  # (it gathers: agree's Note)
+            self.agreement.check(
+                Call.FORWARD, self.step_count, self.backwards_since_step, torch.is_grad_enabled()
+            )
         # if it raises, _root_forward_failed drops it (with the micro-step, when no earlier
         # forward's outputs are held)
         if self.phase.phase is Phase.IDLE:
@@ -538,6 +546,8 @@ class Runtime:
         self._check_scaled()
         self._check_zeroed()
         self._check_no_clip()
+        if self.grads.reduces_in_backward:
+            self.agreement.check(Call.BACKWARD, self.step_count, self.backwards_since_step)
         self.grads.backward_begins()
         self.schedule.backward_begins(self._step_hyper, self.backwards_since_step)
         if self.backwards_since_step == 0:
@@ -801,6 +811,7 @@ class Runtime:
         """(any inf/NaN, sum of squares) of the accumulated gradients (still loss-scaled)."""
         self._settle_backward()
         self.schedule.check_grad_norm()
+        self.agreement.check(Call.NORM, self.step_count, self.backwards_since_step)
         return self.grads.stats()
 
     def check_idle(self, what: str, *, restoring: bool = False) -> None:

@@ -74,6 +74,9 @@ Note: the norm and the overflow flag
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
+
 import torch
 
 from offload.device import GradStaging, grad_parts
@@ -113,8 +116,10 @@ class Grads:
     def forward_use(self, unit: Unit) -> None:
         """``unit`` runs in a forward (not a recomputation)."""
 
-    def backward_begins(self) -> None:
-        """A backward begins, before it reduces anything."""
+    def backward_begins(self, agree: Callable[[int], bool] | None = None) -> None:
+        """A backward begins, before it reduces anything. ``agree(digest)``: the ranks' check
+        before a backward (``offload.runtime.agree``), told a digest of what this rank's
+        backward will reduce; whether every rank's was the same."""
 
     def taken(self) -> list[Unit]:
         """The units whose gradients their owner took since the last call (in that order)."""
@@ -153,6 +158,12 @@ class Grads:
         for unit in self.units:
             for p in unit.trainable_params:
                 p.grad = None
+
+
+def _digest(order: list[int]) -> int:
+    """A signed 64-bit digest of a list of unit indices, the same in every process."""
+    raw = hashlib.blake2b(repr(order).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little", signed=True)
 
 
 class UnitOrderError(PhaseError):
@@ -206,7 +217,7 @@ class ScatteredGrads(Grads):
     def forward_use(self, unit: Unit) -> None:
         self._used.setdefault(unit.index)
 
-    def backward_begins(self) -> None:
+    def backward_begins(self, agree: Callable[[int], bool] | None = None) -> None:
         """The order this backward reduces in, the same on every rank or an error on each
         before any reduction. A rank whose forwards skipped a whole unit (a data-dependent
         branch around it: MoE experts made units) reduced it last, so the ranks' reductions
@@ -217,13 +228,17 @@ class ScatteredGrads(Grads):
         unit's updated shares as it uses it) the ranks' gathers already differ (one rank
         gathers a unit the other does not), so the check is reached only where they happened
         to pair (the look-ahead gathered the skipped unit anyway); otherwise the ranks stop at
-        ``distributed.timeout`` or gloo aborts a process, as before."""
+        ``distributed.timeout`` or gloo aborts a process, as before. The ranks' check before
+        the backward (``agree``) carries a digest of the order: the orders themselves are
+        gathered, to name the units, only where the digests differ."""
         if self._turns is not None:
             return  # (a backward that was entered twice before its first unit)
         used = [self.units[i] for i in reversed(self._used)]
         rest = [u for u in reversed(self.units) if u.index not in self._used]
         self._turns = [u for u in used + rest if u.layout.trainable]
         mine = [u.index for u in self._turns]
+        if agree is not None and agree(_digest(mine)):
+            return
         orders = self.comm.all_gather_object(mine, what="the units of this backward's forwards")
         for rank, theirs in enumerate(orders):
             if theirs != mine:
@@ -404,7 +419,7 @@ class StepScatteredGrads(ScatteredGrads):
     def unit_begins(self, unit: Unit) -> None:
         pass  # its gradients go to the owner at the step, not at the end of this backward
 
-    def backward_begins(self) -> None:
+    def backward_begins(self, agree: Callable[[int], bool] | None = None) -> None:
         # every unit is reduced at the step, in the units' own order: no order to agree on
         if not self.first_micro_step:
             self._sums.later_backward(self.units)

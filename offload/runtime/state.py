@@ -546,9 +546,10 @@ class Runtime:
         self._check_scaled()
         self._check_zeroed()
         self._check_no_clip()
-        if self.grads.reduces_in_backward:
-            self.agreement.check(Call.BACKWARD, self.step_count, self.backwards_since_step)
-        self.grads.backward_begins()
+        step, backwards = self.step_count, self.backwards_since_step
+        self.grads.backward_begins(
+            lambda order: self.agreement.check(Call.BACKWARD, step, backwards, detail=order)
+        )
         self.schedule.backward_begins(self._step_hyper, self.backwards_since_step)
         if self.backwards_since_step == 0:
             for store in self._trace_starts.get("backward", ()):

@@ -105,8 +105,13 @@ class Agreement:
         if all(r[:-1] == mine[:-1] for r in rows):
             return all(r[-1] == mine[-1] for r in rows)
         me = self.comm.rank
+        groups: dict[tuple, list[int]] = {}  # ranks at one call, together (many ranks)
+        for r, row in enumerate(rows):
+            groups.setdefault(tuple(row[:-1]), []).append(r)
         each = "; ".join(
-            f"rank {r} at {_says(row, self.count_backwards)}" for r, row in enumerate(rows)
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} at "
+            f"{_says([*row, 0], self.count_backwards)}"
+            for row, ranks in groups.items()
         )
         raise RankDivergenceError(
             f"offload: the ranks reached different calls (rank {me} of {self.comm.world}): "

@@ -573,3 +573,39 @@ def test_a_nccl_rank_collects_on_its_own_device(monkeypatch, device, local_rank,
     cfg = _resolve_cuda(load_config({"device": device}), comm)
     assert cfg.device == want
     assert comm.device == torch.device(want) and made_current == [torch.device(want)]
+
+
+class _Rows:
+    """A comm of ``len(rows)`` ranks whose check-in returns ``rows`` (the other ranks')."""
+
+    def __init__(self, rank: int, rows) -> None:
+        self.rank, self.world, self.rows, self.sent = rank, len(rows), rows, []
+
+    def check_in(self, row, what=""):
+        self.sent.append(row.tolist())
+        return torch.tensor([v for r in self.rows for v in r], dtype=torch.int64)
+
+
+def test_the_ranks_check_names_every_rank_s_call_grouped_and_compares_details_apart():
+    """``offload.runtime.agree``: equal rows pass; a detail (the backward's order digest)
+    that differs is the caller's to report; a call that differs raises on the rank, naming
+    the ranks at each call together. Stage 1 compares only whether a rank took a backward."""
+    from offload.runtime.agree import Agreement, Call, RankDivergenceError  # noqa: PLC0415
+
+    same = [[2, 0, 4, 1, 1, 7]] * 3
+    assert Agreement(_Rows(1, same)).check(Call.BACKWARD, 4, 1, detail=7) is True
+    other = [[2, 0, 4, 1, 1, 7], [2, 0, 4, 1, 1, 8], [2, 0, 4, 1, 1, 7]]
+    assert Agreement(_Rows(0, other)).check(Call.BACKWARD, 4, 1, detail=7) is False
+    split = [[1, 0, 4, 1, 1, 0], [3, 0, 4, 1, 1, 0], [1, 0, 4, 1, 1, 0]]
+    agreement = Agreement(_Rows(2, split))
+    with pytest.raises(RankDivergenceError) as err:
+        agreement.check(Call.FORWARD, 4, 1)
+    message = str(err.value)
+    assert "(rank 2 of 3)" in message, message
+    assert "ranks 0, 2 at a forward of the model (step 5, backwards into it: 1" in message
+    assert "rank 1 at the gradient norm (clip_grad_norm_) (step 5" in message
+    assert agreement.seq == 1  # (the next check is the second, on every rank alike)
+    stage1 = _Rows(0, [[4, 0, 4, 1, 1, 0]] * 2)
+    assert Agreement(stage1, count_backwards=False).check(Call.STEP, 4, 3) is True
+    assert stage1.sent == [[4, 0, 4, 1, 1, 0]]  # 3 backwards sent as "some"
+    assert Agreement(LocalComm()).check(Call.STEP, 0, 0) is True  # one rank: nothing sent

@@ -455,6 +455,21 @@ def test_torch_compile_of_the_wrapped_model_trains_as_torch(tmp_path, param_dev)
         torch._dynamo.reset()
 
 
+def _train_beside_torch(ref, ref_opt, model, opt) -> None:
+    """Three steps of a wrapped language model and of its torch copy on the same batches, the
+    losses equal (1e-6) at each step."""
+    for tokens in batches(3, batch=2, seq=8):
+        losses = []
+        for m, o in ((ref, ref_opt), (model, opt)):
+            logits = m(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
 @pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
 def test_hooks_registered_after_wrap_read_their_unit_gathered(tmp_path, param_dev):
     """Forward hooks the user registers on a unit's module after ``wrap`` (a penalty on the
@@ -479,18 +494,7 @@ def test_hooks_registered_after_wrap_read_their_unit_gathered(tmp_path, param_de
     hook_up(ref)
     hook_up(model)
     try:
-        for tokens in batches(3, batch=2, seq=8):
-            losses = []
-            for m, o in ((ref, ref_opt), (model, opt)):
-                logits = m(tokens[:, :-1])
-                loss = F.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
-                )
-                loss.backward()
-                o.step()
-                o.zero_grad()
-                losses.append(loss.item())
-            assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+        _train_beside_torch(ref, ref_opt, model, opt)
         _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
     finally:
         opt.close()
@@ -531,16 +535,7 @@ def test_a_block_weight_the_model_also_holds_is_the_roots(tmp_path, param_dev, o
     cfg["wrap"] = {"module_classes": ["StackBlock"]}
     model, opt = offload.wrap(model, cfg)
     try:
-        for tokens in batches(3, batch=2, seq=8):
-            losses = []
-            for m, o in ((ref, ref_opt), (model, opt)):
-                logits = m(tokens[:, :-1])
-                loss = F.cross_entropy(logits.reshape(-1, 64), tokens[:, 1:].reshape(-1))
-                loss.backward()
-                o.step()
-                o.zero_grad()
-                losses.append(loss.item())
-            assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+        _train_beside_torch(ref, ref_opt, model, opt)
         _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
     finally:
         opt.close()
@@ -575,12 +570,7 @@ def test_backward_hooks_on_a_unit_read_its_weights_as_torch(tmp_path, param_dev,
     hook_up(ref)
     hook_up(model)
     try:
-        for tokens in batches(3, batch=2, seq=8):
-            for m, o in ((ref, ref_opt), (model, opt)):
-                logits = m(tokens[:, :-1])
-                F.cross_entropy(logits.reshape(-1, 64), tokens[:, 1:].reshape(-1)).backward()
-                o.step()
-                o.zero_grad()
+        _train_beside_torch(ref, ref_opt, model, opt)
         assert seen[id(model)] == pytest.approx(seen[id(ref)], rel=1e-6)
         _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6)
     finally:

@@ -125,18 +125,16 @@ class OffloadConfig:
         lose range (bf16 into fp16, with no loss scale to keep them in it) or precision (fp16
         or fp32 into bf16)."""
         dist = self.distributed
-        if dist.resolve_reduce_dtype(self.dtype) not in ("fp32", self.dtype):
-            raise ConfigError.bad(
-                "distributed.reduce_dtype",
-                dist.reduce_dtype,
-                f"'fp32', 'auto' or the compute dtype (dtype is {self.dtype!r})",
-            )
-        if dist.resolve_grad_accum_dtype(self.dtype) not in ("fp32", self.dtype):
-            raise ConfigError.bad(
-                "distributed.grad_accum_dtype",
-                dist.grad_accum_dtype,
-                f"'fp32', 'auto' or the compute dtype (dtype is {self.dtype!r})",
-            )
+        for key, resolved in (
+            ("reduce_dtype", dist.resolve_reduce_dtype(self.dtype)),
+            ("grad_accum_dtype", dist.resolve_grad_accum_dtype(self.dtype)),
+        ):
+            if resolved not in ("fp32", self.dtype):
+                raise ConfigError.bad(
+                    f"distributed.{key}",
+                    getattr(dist, key),
+                    f"'fp32', 'auto' or the compute dtype (dtype is {self.dtype!r})",
+                )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> OffloadConfig:

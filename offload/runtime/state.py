@@ -50,6 +50,7 @@ from offload.homes.optim import OptimHome
 from offload.homes.params import ParamHome
 from offload.plan import Plan
 from offload.runtime.agree import Agreement, Call
+from offload.runtime.autocast import AutocastSaves
 from offload.runtime.grads import Grads
 from offload.runtime.overrides import ModelOverrides
 from offload.runtime.phase import Phase, PhaseError, PhaseTracker
@@ -134,6 +135,7 @@ class Runtime:
         params.gate = self._gate
         self.timers = timers  # seconds of the current step (the schedule's worker adds too)
         self.runs = [UnitRun(u, params, timers) for u in self.units]
+        self.autocast = AutocastSaves(self.runs, self.device)  # (its Note)
         self._hyper = hyper  # the optimizer's param group values now
         self.no_decay = NoDecay()  # the parameters weight decay leaves alone (set_no_decay)
         self.telemetry = telemetry
@@ -339,6 +341,7 @@ class Runtime:
         self._forward_thread = threading.get_ident()
         self._forward_graph = _Graph()
         self.phase.to(Phase.FORWARD)
+        self.autocast.begin_forward()
         self._use(self.runs[0])
         return tree_map(self._cast_input, args), tree_map(self._cast_input, kwargs)
 
@@ -377,6 +380,7 @@ class Runtime:
         partial outputs, which a traceback may hold, keep nothing)."""
         self._forward_open = False
         self._forward_graph = None
+        self.autocast.end_forward()
 
     def _drop_forward(self) -> None:
         """The open root forward gets no backward (an inference, or one that failed): closed,
@@ -448,6 +452,7 @@ class Runtime:
             self._begin_micro_step()
             self.phase.to(Phase.FORWARD)
         self._use(run)
+        self.autocast.unit_begins(run)
 
     def _use(self, run: UnitRun) -> None:
         """Gathers a unit for its forward (or its recomputation inside a backward)."""
@@ -498,6 +503,7 @@ class Runtime:
     def _post_forward(self, run: UnitRun, output):
         if self.phase.phase is Phase.BACKWARD:
             return output  # activation-checkpoint recomputation: keep gathered for its backward
+        self.autocast.unit_ends()
         if torch.is_grad_enabled():
             self._hook_outputs(run, output)
             self._ran_last = run

@@ -1,0 +1,142 @@
+"""Forwards under ``torch.autocast``: the low-precision copies autocast makes of the parameters
+are not kept from the forward to the backward.
+
+Note: what autocast holds, and what offload holds instead
+    Under ``torch.autocast`` a matmul takes a low-precision copy of its fp32 weight (a cast,
+    ``ToCopyBackward0`` when the weight is trainable) and saves that copy for its backward.
+    Released or not, every unit's weights then stay on the device as copies from the forward
+    to the backward: 2 bytes a parameter of the whole model under bf16, where offload's bound
+    is a few units (a 100M-parameter stack of 12 blocks saved 184 MiB of bf16 copies in one
+    forward). Autocast's cast cache holds the copies of trainable weights too, until the
+    outermost autocast region ends: the whole model's by the end of the forward, also in an
+    inference.
+
+    So, during a root forward under autocast on the compute device, autocast's cache is off
+    (offload's forward computes what torch computes with ``cache_enabled=False``: a weight
+    used twice in one forward is cast twice, and its gradient sums the two in fp32 where the
+    cache sums them in the low precision), and, where the forward records a graph and no
+    ``saved_tensors_hooks`` of the caller's (``save_on_cpu``) or of a checkpoint around the
+    whole model are in place, which decide what is saved themselves, a ``saved_tensors_hooks``
+    pair saves a cast of a wrapped parameter as a reference to the parameter; the backward casts
+    it again when it needs it. The backward reads the parameter at that point where, without
+    autocast, it would read the parameter itself: offload's hooks gather it for its unit's
+    backward and update it only after, so the cast is bitwise the forward's. A cast is
+    recognized by its autograd history (a trainable parameter) or, for a frozen one (no
+    history), by shape and then by value against the running unit's frozen parameters (a
+    tensor equal to the cast is the cast, for the backward). What it costs: the backward casts
+    each saved weight again, as an activation checkpoint's recomputation does, and a frozen
+    weight's match casts and compares it once more in the forward (a stack of 8 blocks of
+    1024 x 4096 on 512 tokens, 2 CPU cores: fwd+bwd 0.67-0.72 s against 0.64-0.68 s with its
+    weights trainable, 0.52-0.53 s against 0.42-0.43 s frozen). Not covered: an autocast
+    region entered inside the model's forward (the hooks look at the root forward's start);
+    casts made inside a region ``torch.compile`` compiled were not checked (compiled blocks
+    under autocast train with torch's numbers, the copies they keep were not counted).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offload.runtime.units import UnitRun
+
+
+class _CastOf:
+    """What is saved for a cast of ``param`` (or a view of the cast: a linear's ``weight.t()``)."""
+
+    __slots__ = ("param", "dtype", "view")
+
+    def __init__(self, param: torch.Tensor, dtype: torch.dtype, saved: torch.Tensor) -> None:
+        self.param, self.dtype = param, dtype
+        self.view = (
+            (saved.size(), saved.stride(), saved.storage_offset())
+            if saved._base is not None
+            else None
+        )
+
+    def cast(self) -> torch.Tensor:
+        out = self.param.to(self.dtype)
+        return out if self.view is None else out.as_strided(*self.view)
+
+
+class AutocastSaves:
+    """The saved-tensor hooks of one runtime's root forwards under autocast (module Note)."""
+
+    def __init__(self, runs: list[UnitRun], device: torch.device) -> None:
+        self.device_type = device.type
+        self.trainable = {id(p): p for run in runs for p in run.unit.trainable_params}
+        # per unit index: its frozen parameters by shape, what a frozen cast is matched to
+        self.frozen: dict[int, dict[torch.Size, list[torch.Tensor]]] = {}
+        for run in runs:
+            by_shape = self.frozen.setdefault(run.unit.index, {})
+            for s in run.unit.layout.segments:
+                if not s.trainable and s.param.is_floating_point():
+                    by_shape.setdefault(s.param.shape, []).append(s.param)
+        self.root = runs[0].unit.index
+        self.hooks = (self._pack, self._unpack)
+        self._context = None  # the pushed saved_tensors_hooks, during a root forward
+        self._cache: bool | None = None  # autocast's cache setting the root forward found
+        self._unit = self.root  # the index of the unit whose forward runs
+
+    def begin_forward(self) -> None:
+        """A root forward begins: under autocast on the compute device, its cast cache is off
+        for the forward, and where the forward records a graph and nobody else's saved-tensor
+        hooks are in place, the hooks go in."""
+        if self._cache is not None or not torch.is_autocast_enabled(self.device_type):
+            return
+        self._cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        if torch.is_grad_enabled() and _saved_tensors_hooks() is None:
+            self._context = torch.autograd.graph.saved_tensors_hooks(*self.hooks)
+            self._context.__enter__()
+        self._unit = self.root
+
+    def end_forward(self) -> None:
+        """The root forward returned, raised or was stopped: the cache's setting comes back and
+        the hooks come out (only when they are on top: what was pushed after them and left
+        is not taken out with them)."""
+        if self._cache is None:
+            return
+        torch.set_autocast_cache_enabled(self._cache)
+        self._cache = None
+        if self._context is not None:
+            top = _saved_tensors_hooks()
+            if top is not None and top[0] == self.hooks[0]:
+                self._context.__exit__(None, None, None)
+            self._context = None
+
+    def unit_begins(self, run: UnitRun) -> None:
+        self._unit = run.unit.index
+
+    def unit_ends(self) -> None:
+        self._unit = self.root
+
+    def _pack(self, saved: torch.Tensor):
+        base = saved if saved._base is None else saved._base
+        param = self._cast_source(base)
+        return saved if param is None else _CastOf(param, base.dtype, saved)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.cast() if isinstance(packed, _CastOf) else packed
+
+    def _cast_source(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The wrapped parameter ``t`` is a cast of, or None."""
+        fn = t.grad_fn
+        if fn is not None:
+            if fn.name() != "ToCopyBackward0":
+                return None
+            edge = fn.next_functions[0][0]
+            p = self.trainable.get(id(getattr(edge, "variable", None)))
+            return p if p is not None and p is edge.variable and p.dtype != t.dtype else None
+        if t.requires_grad or not t.is_floating_point():
+            return None
+        for p in self.frozen[self._unit].get(t.shape, ()):
+            if p.dtype != t.dtype and torch.equal(t, p.to(t.dtype)):
+                return p
+        return None
+
+
+def _saved_tensors_hooks():
+    """The innermost ``saved_tensors_hooks`` in place on this thread (pack, unpack), or None
+    (private in torch; what ``torch.autograd.graph`` reads it with)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)

@@ -1,0 +1,197 @@
+"""Training under ``torch.autocast`` (fp32 weights, bf16 matmuls): torch's numbers, and no
+low-precision copy of the weights kept from the forward to the backward
+(``offload/runtime/autocast.py``, its Note).
+
+Autocast's matmuls save their bf16 copy of the weight for the backward. Before offload saved
+a reference instead, every unit's copy stayed from the forward to the backward (a 100M
+stack of 12 blocks: 184 MiB of bf16 copies), whatever the placement, and autocast's cache held
+the trainable ones until the autocast region ended. Offload's forward computes what torch
+computes with ``cache_enabled=False`` (a weight used twice in one forward is cast twice).
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import pytest
+import torch
+from engine_models import (
+    LoraLM,
+    batches,
+    lm_loss,
+    make_model,
+    placement_config,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import offload
+
+PLACEMENTS = [("none", "cpu"), ("cpu", "cpu"), ("nvme", "nvme")]
+MODELS = {
+    # tied embeddings, a block called twice, a checkpointed block, a frozen bias
+    "tiny": (make_model, ["Block", "HugeCheapBlock"]),
+    # frozen base layers beside trainable adapters (casts with no autograd history)
+    "lora": (lambda: _seeded(LoraLM), ["LoraBlock", "FrozenBlock"]),
+    "lora-reentrant": (lambda: _seeded(LoraLM, inner=True), ["LoraBlock", "FrozenBlock"]),
+}
+# The weights' tolerance after the steps. TinyLM calls a block twice: with autocast's cache off
+# (each use cast on its own) offload's gradient norm is 4.8e-7 off torch's in the first step, as
+# it was before offload saved references (a user's ``cache_enabled=False``), and Adam magnifies
+# that on elements whose gradient nearly cancels (1e-4 after three steps; the losses still
+# equal). Cache on, before, they were 1e-6 apart: the cause is not found.
+ATOL = {"tiny": 1e-3, "lora": 1e-6, "lora-reentrant": 1e-6}
+
+
+def _seeded(cls, **kw):
+    torch.manual_seed(0)
+    return cls(**kw)
+
+
+def _autocast(cache: bool = True):
+    return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache)
+
+
+def _steps(model, opt, data, steps=3, accum=2, clip=1.0, cache=True):
+    """Training under autocast as a user writes it (the forward and the loss inside, the
+    backward outside); ``opt`` is torch's or offload's."""
+    losses = []
+    for s in range(steps):
+        total = 0.0
+        for m in range(accum):
+            with _autocast(cache):
+                loss = lm_loss(model, data[s * accum + m]) / accum
+            loss.backward()
+            total += loss.item()
+        if clip:
+            if isinstance(opt, torch.optim.AdamW):
+                torch.nn.utils.clip_grad_norm_(
+                    [p for p in model.parameters() if p.requires_grad], clip
+                )
+            else:
+                opt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("param_dev,opt_dev", PLACEMENTS)
+def test_training_under_autocast_is_torchs_without_the_cast_cache(
+    tmp_path, kind, param_dev, opt_dev
+):
+    build, classes = MODELS[kind]
+    plain = build()
+    data = batches(6, batch=2, seq=8)
+    ref = copy.deepcopy(plain)
+    ref_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1, foreach=False
+    )
+    expected = _steps(ref, ref_opt, data, cache=False)
+    cfg = placement_config(param_dev, opt_dev, tmp_path, wrap={"module_classes": classes})
+    model, opt = offload.wrap(copy.deepcopy(plain), cfg)
+    try:
+        assert _steps(model, opt, data) == expected  # bitwise: the same casts, the same sums
+        sd, rsd = model.state_dict(), ref.state_dict()
+        for k in rsd:
+            torch.testing.assert_close(sd[k], rsd[k], rtol=0, atol=ATOL[kind], msg=k)
+        assert torch.is_autocast_cache_enabled()  # the caller's setting came back
+    finally:
+        opt.close()
+
+
+class _LiveCasts(TorchDispatchMode):
+    """Every bf16 copy the forward makes of a 2-D tensor of ``shapes`` (the weights'), held
+    weakly: how many are alive now, and at most while the mode ran."""
+
+    def __init__(self, shapes) -> None:
+        super().__init__()
+        self.shapes, self.refs, self.peak = shapes, [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (
+            func is torch.ops.aten._to_copy.default
+            and out.dtype == torch.bfloat16
+            and tuple(out.shape) in self.shapes
+        ):
+            self.refs.append(weakref.ref(out))
+            self.peak = max(self.peak, self.live())
+        return out
+
+    def live(self) -> int:
+        return sum(ref() is not None for ref in self.refs)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "lora"])
+@pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
+def test_no_copy_of_the_weights_lives_from_the_forward_to_the_backward(tmp_path, kind, param_dev):
+    """After a forward under autocast, torch holds a bf16 copy of (nearly) every weight for its
+    backward; offload none. In a forward with gradients and in an inference, at most two at a
+    time."""
+    build, classes = MODELS[kind]
+    plain = build()
+    shapes = {tuple(p.shape) for p in plain.parameters() if p.dim() == 2}
+    tokens = batches(1, batch=2, seq=8)[0]
+
+    def forward(model, grad=True):
+        casts = _LiveCasts(shapes)
+        with torch.set_grad_enabled(grad), _autocast(), casts:
+            loss = lm_loss(model, tokens)
+        return loss, casts
+
+    loss, casts = forward(copy.deepcopy(plain))
+    assert casts.live() >= 4  # what the counter sees in torch's forward
+    cfg = placement_config(param_dev, "cpu", tmp_path, wrap={"module_classes": classes})
+    model, opt = offload.wrap(copy.deepcopy(plain), cfg)
+    try:
+        loss, casts = forward(model)
+        # at most the matmul's copy and, for a frozen weight, the one it is matched with
+        assert casts.live() == 0 and casts.peak <= 2, (casts.live(), casts.peak)
+        loss.backward()  # (each saved copy cast again, for its backward: the parity test)
+        opt.step()
+        opt.zero_grad()
+        _, casts = forward(model, grad=False)  # the cache held each one to the end before
+        assert casts.peak <= 2
+    finally:
+        opt.close()
+
+
+def test_the_callers_saved_tensor_hooks_decide_what_is_saved(tmp_path):
+    """Under the caller's own ``saved_tensors_hooks`` (``save_on_cpu``, a checkpoint of the
+    whole model) offload puts none of its own in between: the caller's see the copies."""
+    plain = make_model()
+    data = batches(2, batch=2, seq=8)
+    cfg = placement_config("cpu", "cpu", tmp_path)
+    model, opt = offload.wrap(copy.deepcopy(plain), cfg)
+    seen = []
+
+    def pack(t):
+        seen.append(t.dtype)
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with _autocast():
+                loss = lm_loss(model, data[0])
+            loss.backward()
+        assert torch.bfloat16 in seen
+        opt.step()
+    finally:
+        opt.close()
+
+
+def test_a_forward_that_raises_gives_the_cache_setting_and_the_hooks_back(tmp_path):
+    model, opt = offload.wrap(make_model(), placement_config("cpu", "cpu", tmp_path))
+    try:
+        with _autocast(), pytest.raises(IndexError):
+            model(torch.full((2, 8), 10_000))  # a token id past the embedding
+        assert torch.is_autocast_cache_enabled()
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        with _autocast():
+            loss = lm_loss(model, batches(1, batch=2, seq=8)[0])  # and training goes on
+        loss.backward()
+        opt.step()
+    finally:
+        opt.close()

@@ -10,10 +10,12 @@ transfers dwarf compute and a missing wait shows up as wrong numbers.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 VOCAB, DIM = 64, 32
@@ -323,3 +325,26 @@ def placement_config(param_dev: str, opt_dev: str, tmp_path, dtype="fp32", **ove
     for k, v in over.items():
         cfg[k] = v
     return cfg
+
+
+class LiveCasts(TorchDispatchMode):
+    """A dispatch mode that sees every bf16 copy made of a tensor of one of ``shapes`` (the
+    weights'), held weakly: how many are alive now, and at most while the mode ran."""
+
+    def __init__(self, shapes) -> None:
+        super().__init__()
+        self.shapes, self.refs, self.peak = shapes, [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (
+            func is torch.ops.aten._to_copy.default
+            and out.dtype == torch.bfloat16
+            and tuple(out.shape) in self.shapes
+        ):
+            self.refs.append(weakref.ref(out))
+            self.peak = max(self.peak, self.live())
+        return out
+
+    def live(self) -> int:
+        return sum(ref() is not None for ref in self.refs)

@@ -12,18 +12,17 @@ computes with ``cache_enabled=False`` (a weight used twice in one forward is cas
 from __future__ import annotations
 
 import copy
-import weakref
 
 import pytest
 import torch
 from engine_models import (
+    LiveCasts,
     LoraLM,
     batches,
     lm_loss,
     make_model,
     placement_config,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
 
@@ -102,29 +101,6 @@ def test_training_under_autocast_is_torchs_without_the_cast_cache(
         opt.close()
 
 
-class _LiveCasts(TorchDispatchMode):
-    """Every bf16 copy the forward makes of a 2-D tensor of ``shapes`` (the weights'), held
-    weakly: how many are alive now, and at most while the mode ran."""
-
-    def __init__(self, shapes) -> None:
-        super().__init__()
-        self.shapes, self.refs, self.peak = shapes, [], 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if (
-            func is torch.ops.aten._to_copy.default
-            and out.dtype == torch.bfloat16
-            and tuple(out.shape) in self.shapes
-        ):
-            self.refs.append(weakref.ref(out))
-            self.peak = max(self.peak, self.live())
-        return out
-
-    def live(self) -> int:
-        return sum(ref() is not None for ref in self.refs)
-
-
 @pytest.mark.parametrize("kind", ["tiny", "lora"])
 @pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
 def test_no_copy_of_the_weights_lives_from_the_forward_to_the_backward(tmp_path, kind, param_dev):
@@ -137,7 +113,7 @@ def test_no_copy_of_the_weights_lives_from_the_forward_to_the_backward(tmp_path,
     tokens = batches(1, batch=2, seq=8)[0]
 
     def forward(model, grad=True):
-        casts = _LiveCasts(shapes)
+        casts = LiveCasts(shapes)
         with torch.set_grad_enabled(grad), _autocast(), casts:
             loss = lm_loss(model, tokens)
         return loss, casts
@@ -155,6 +131,41 @@ def test_no_copy_of_the_weights_lives_from_the_forward_to_the_backward(tmp_path,
         opt.zero_grad()
         _, casts = forward(model, grad=False)  # the cache held each one to the end before
         assert casts.peak <= 2
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
+def test_an_autocast_the_models_forward_opens_is_found_at_its_first_unit(tmp_path, param_dev):
+    """Accelerate's mixed precision wraps ``model.forward`` in autocast: the region opens after
+    offload's root pre-hook ran (the Trainer's ``bf16=True`` on an fp32 model)."""
+    plain = make_model()
+    data = batches(6, batch=2, seq=8)
+    shapes = {tuple(p.shape) for p in plain.parameters() if p.dim() == 2}
+
+    def inside(model):
+        model.forward = _autocast(cache=False)(model.forward)  # (torch's, as the reference)
+        return model
+
+    ref = inside(copy.deepcopy(plain))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    steps = dict(steps=3, accum=1, clip=0.0)
+    expected = _steps(ref, ref_opt, data, cache=False, **steps)
+    cfg = placement_config(param_dev, "cpu", tmp_path, gradient_clipping=0.0)
+    model, opt = offload.wrap(copy.deepcopy(plain), cfg)
+    model = inside(model)
+    try:
+        casts = LiveCasts(shapes)
+        with casts:
+            loss = lm_loss(model, data[0])
+        # (the root's head, before the forward's end: cast and saved before the first unit
+        # would stay; TinyLM's root casts only after its units)
+        assert casts.live() == 0, casts.live()
+        loss.backward()
+        opt.zero_grad()
+        model.load_state_dict(plain.state_dict())
+        assert _steps(model, opt, data, cache=False, **steps) == expected
+        assert torch.is_autocast_cache_enabled()  # as the region left it
     finally:
         opt.close()
 

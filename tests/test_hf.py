@@ -502,6 +502,50 @@ def test_trainer_clips_through_offload_for_every_placement(
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
 
 
+def test_trainer_bf16_on_an_fp32_model_keeps_no_copy_of_the_weights(tmp_path):
+    """``bf16=True`` over offload's fp32 compute: Accelerate wraps ``model.forward`` in
+    autocast, whose matmuls saved a bf16 copy of every weight from the forward to the
+    backward (offload's hooks ran before that region opened; ``offload/runtime/autocast.py``).
+    Now at most two at a time, and the Trainer's losses and norms are plain Trainer's."""
+    from engine_models import LiveCasts  # noqa: PLC0415
+    from transformers import Trainer  # noqa: PLC0415
+
+    d = write_model(tmp_path / "m")
+    ref = AutoModelForCausalLM.from_pretrained(d)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    args = dict(bf16=True, max_steps=3)
+    plain = Trainer(
+        model=ref,
+        args=_trainer_args(tmp_path / "r", **args),
+        train_dataset=_dataset(),
+        optimizers=(opt, None),
+    )
+    shapes = {tuple(p.shape) for p in ref.parameters() if p.dim() == 2}
+    torch_casts = LiveCasts(shapes)
+    with torch_casts:
+        plain.train()
+    cfg = nvme_config(tmp_path, "nvme", "nvme")
+    cfg["optimizer"]["lr"] = LR
+    model, opt = offload.from_pretrained(d, cfg)
+    try:
+        trainer = offload.OffloadTrainer(
+            model=model,
+            args=_trainer_args(tmp_path / "o", **args),
+            train_dataset=_dataset(),
+            optimizers=(opt, None),
+        )
+        casts = LiveCasts(shapes)
+        with casts:
+            trainer.train()
+    finally:
+        opt.close()
+    assert torch_casts.peak >= 8 and casts.peak <= 2, (torch_casts.peak, casts.peak)
+    # (equal to the last bit where the clipping coefficient is: offload's norm sums in
+    # another order, one ulp, which Adam magnifies in later steps)
+    for got, want in zip(_history(trainer), _history(plain), strict=True):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=0)
+
+
 def test_trainer_refuses_an_accumulation_the_step_in_backward_cannot_run(tmp_path):
     """With the update in the step's last backward, a Trainer accumulating 4 micro-batches
     over a config of 2 failed at the third, half way through a step."""

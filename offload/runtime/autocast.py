@@ -27,9 +27,10 @@ Note: what autocast holds, and what offload holds instead
     each saved weight again, as an activation checkpoint's recomputation does, and a frozen
     weight's match casts and compares it once more in the forward (a stack of 8 blocks of
     1024 x 4096 on 512 tokens, 2 CPU cores: fwd+bwd 0.67-0.72 s against 0.64-0.68 s with its
-    weights trainable, 0.52-0.53 s against 0.42-0.43 s frozen). Not covered: an autocast
-    region entered inside the model's forward (the hooks look at the root forward's start);
-    casts made inside a region ``torch.compile`` compiled were not checked (compiled blocks
+    weights trainable, 0.52-0.53 s against 0.42-0.43 s frozen). An autocast region the
+    model's forward opens (Accelerate's ``mixed_precision``, which wraps ``model.forward``)
+    is found at the first unit's forward inside it: the casts of the root's layers before
+    that stay saved as copies. Not covered: casts made inside a region ``torch.compile`` compiled were not checked (compiled blocks
     under autocast train with torch's numbers, the copies they keep were not counted).
 """
 
@@ -81,14 +82,15 @@ class AutocastSaves:
         """A root forward begins: under autocast on the compute device, its cast cache is off
         for the forward, and where the forward records a graph and nobody else's saved-tensor
         hooks are in place, the hooks go in."""
-        if self._cache is not None or not torch.is_autocast_enabled(self.device_type):
+        if not torch.is_autocast_enabled(self.device_type):
             return
-        self._cache = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)
-        if torch.is_grad_enabled() and _saved_tensors_hooks() is None:
+        if self._cache is None:
+            self._cache = torch.is_autocast_cache_enabled()
+            torch.set_autocast_cache_enabled(False)
+        # (asked again at each unit: one inside a checkpoint has the checkpoint's hooks)
+        if self._context is None and torch.is_grad_enabled() and _saved_tensors_hooks() is None:
             self._context = torch.autograd.graph.saved_tensors_hooks(*self.hooks)
             self._context.__enter__()
-        self._unit = self.root
 
     def end_forward(self) -> None:
         """The root forward returned, raised or was stopped: the cache's setting comes back and
@@ -96,15 +98,22 @@ class AutocastSaves:
         is not taken out with them)."""
         if self._cache is None:
             return
-        torch.set_autocast_cache_enabled(self._cache)
+        if torch.is_autocast_enabled(self.device_type):  # (else its region ended, and set it)
+            torch.set_autocast_cache_enabled(self._cache)
         self._cache = None
+        self._unit = self.root
         if self._context is not None:
             top = _saved_tensors_hooks()
             if top is not None and top[0] == self.hooks[0]:
                 self._context.__exit__(None, None, None)
             self._context = None
 
-    def unit_begins(self, run: UnitRun) -> None:
+    def unit_begins(self, run: UnitRun, in_model: bool) -> None:
+        """A unit's forward begins (``in_model``: inside the root forward). An autocast region
+        the model's forward opened after the root forward began (Accelerate's mixed precision
+        wraps ``model.forward`` in one, inside the call's hooks) is found here."""
+        if in_model:
+            self.begin_forward()
         self._unit = run.unit.index
 
     def unit_ends(self) -> None:

@@ -452,7 +452,7 @@ class Runtime:
             self._begin_micro_step()
             self.phase.to(Phase.FORWARD)
         self._use(run)
-        self.autocast.unit_begins(run)
+        self.autocast.unit_begins(run, self._forward_open)
 
     def _use(self, run: UnitRun) -> None:
         """Gathers a unit for its forward (or its recomputation inside a backward)."""

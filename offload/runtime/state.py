@@ -19,6 +19,9 @@ Note: the hooks (what FSDP2 does, in words)
     - one callback queued on the autograd engine at the first pre-backward hook finishes every
       unit that did not complete (unused params, frozen units, the root) and returns to IDLE.
     - during backward a forward hook means activation-checkpoint recomputation: gather, keep.
+    - a root forward under ``torch.autocast`` (found at its start or at its first unit) runs
+      with autocast's cache off and saves casts of the weights as references
+      (:class:`~offload.runtime.autocast.AutocastSaves`, its Note).
 
     The time inside these hooks (all that offload does on the thread that runs the model,
     its waits for reads and for updates included) is the step's ``hook_seconds`` (``_hook``).

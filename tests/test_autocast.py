@@ -194,6 +194,22 @@ def test_the_callers_saved_tensor_hooks_decide_what_is_saved(tmp_path):
         opt.close()
 
 
+def test_a_forward_where_saved_tensor_hooks_are_disabled_runs(tmp_path):
+    """``disable_saved_tensors_hooks`` (``torch.func``'s transforms set it) makes pushing any
+    raise with its message: offload pushes none there, and the forward runs (LoraLM: no
+    checkpoint, which needs hooks itself)."""
+    build, classes = MODELS["lora"]
+    cfg = placement_config("cpu", "cpu", tmp_path, wrap={"module_classes": classes})
+    model, opt = offload.wrap(build(), cfg)
+    try:
+        with torch.autograd.graph.disable_saved_tensors_hooks("not here"), _autocast():
+            loss = lm_loss(model, batches(1, batch=2, seq=8)[0])
+        loss.backward()
+        opt.step()
+    finally:
+        opt.close()
+
+
 def test_a_forward_that_raises_gives_the_cache_setting_and_the_hooks_back(tmp_path):
     model, opt = offload.wrap(make_model(), placement_config("cpu", "cpu", tmp_path))
     try:

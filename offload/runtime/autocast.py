@@ -88,7 +88,7 @@ class AutocastSaves:
             self._cache = torch.is_autocast_cache_enabled()
             torch.set_autocast_cache_enabled(False)
         # (asked again at each unit: one inside a checkpoint has the checkpoint's hooks)
-        if self._context is None and torch.is_grad_enabled() and _saved_tensors_hooks() is None:
+        if self._context is None and torch.is_grad_enabled() and _hooks_free():
             self._context = torch.autograd.graph.saved_tensors_hooks(*self.hooks)
             self._context.__enter__()
 
@@ -143,6 +143,13 @@ class AutocastSaves:
             if p.dtype != t.dtype and torch.equal(t, p.to(t.dtype)):
                 return p
         return None
+
+
+def _hooks_free() -> bool:
+    """Whether hooks may go in: none in place, and not disabled
+    (``torch.autograd.graph.disable_saved_tensors_hooks``, as ``torch.func``'s transforms do:
+    pushing any there raises)."""
+    return _saved_tensors_hooks() is None and torch._C._autograd._saved_tensors_hooks_is_enabled()
 
 
 def _saved_tensors_hooks():

@@ -392,6 +392,10 @@ BAD = [
     ({"loss_scale": {"growth_factor": 0.5}}, "loss_scale.growth_factor", 0.5),
     ({"loss_scale": {"growth_interval": 0}}, "loss_scale.growth_interval", 0),
     ({"loss_scale": {"min_scale": 1e6}}, "loss_scale.min_scale", 1e6),
+    ({"loss_scale": {"enabled": "yes"}}, "loss_scale.enabled", "yes"),
+    ({"loss_scale": {"enabled": 1}}, "loss_scale.enabled", 1),
+    # fp16 compute's gradients need the scale
+    ({"dtype": "fp16", "loss_scale": {"enabled": False}}, "loss_scale.enabled", False),
     ({"wrap": {"module_classes": "GPTBlock"}}, "wrap.module_classes", "GPTBlock"),
     ({"wrap": {"module_classes": ["not a name"]}}, "wrap.module_classes", ["not a name"]),
     ({"wrap": {"min_params": -5}}, "wrap.min_params", -5),

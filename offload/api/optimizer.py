@@ -2,8 +2,9 @@
 
 ``param_groups`` holds one group with the user's parameters and hyperparameters (so LR
 schedulers work); the runtime reads that same group when a step starts. ``step()`` runs the
-runtime's per-unit CPU Adam over the flat buffers wherever they live. fp16 training needs loss
-scaling::
+runtime's per-unit CPU Adam over the flat buffers wherever they live. fp16 training (fp16
+compute, or ``torch.autocast(dtype=torch.float16)`` over fp32 with ``loss_scale.enabled: true``)
+needs loss scaling::
 
     optimizer.scale_loss(loss).backward()   # dynamic scaling; an overflow skips the step
 """
@@ -42,7 +43,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.gradient_clipping = gradient_clipping
         self.scaler = scaler
         runtime.needs_scaled_loss = scaler is not None
-        self.skipped_steps = 0  # fp16 steps an overflow skipped
+        self.skipped_steps = 0  # steps an overflow skipped (with a loss scaler)
         self.empty_steps = 0  # step() calls with no backward since the last (_empty_step)
         self._group, self._params = self.param_groups[0], tuple(self.param_groups[0]["params"])
         # torch.amp.GradScaler.step hands an optimizer that says this its scale in
@@ -127,8 +128,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- training
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the current loss scale (fp16); ``loss`` itself otherwise. With fp16 a
-        backward that does not start from a loss scaled here is refused."""
+        """``loss`` times the current loss scale (with a loss scaler: fp16 compute, or
+        ``loss_scale.enabled: true``); ``loss`` itself otherwise. With a loss scaler a backward
+        that does not start from a loss scaled here is refused."""
         if self.scaler is None:
             return loss
         scaled = loss * self.scaler.scale
@@ -259,7 +261,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             "and fp32 need no loss scaling: drop the GradScaler (loss.backward(), "
             "optimizer.step()). With fp16 offload scales the loss itself: "
             "optimizer.scale_loss(loss).backward(), then optimizer.step(), tuned by the "
-            "config's loss_scale section"
+            "config's loss_scale section (for torch.autocast(dtype=torch.float16) over fp32 "
+            "compute, set loss_scale.enabled: true)"
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -684,7 +684,7 @@ def wrap(
     if cfg.offload_optimizer.threads:
         _native.set_num_threads(cfg.offload_optimizer.threads)
     scaler = None
-    if placement.dtype == torch.float16:
+    if cfg.loss_scale.resolve_enabled(cfg.dtype):  # fp16, or fp16 autocast over fp32 (asked)
         ls = cfg.loss_scale
         scaler = DynamicLossScaler(
             initial=ls.initial,

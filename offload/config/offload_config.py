@@ -78,7 +78,7 @@ class OffloadConfig:
     updates each unit; fewer before optimizer.step() is fine, more is an error. "auto": the
     first step counts them (its update runs after its backwards)."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
-    """Dynamic loss scaling, used when dtype is "fp16"."""
+    """Dynamic loss scaling: with dtype "fp16", or asked for (fp16 autocast over fp32)."""
     wrap: WrapConfig = field(default_factory=WrapConfig)
     """Which modules form offload units."""
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
@@ -118,6 +118,13 @@ class OffloadConfig:
                     f"({', '.join(_field_names(cls))}) or {cls.__name__}",
                 )
         self._check_reduce_dtype()
+        if self.dtype == "fp16" and self.loss_scale.enabled is False:
+            raise ConfigError.bad(
+                "loss_scale.enabled",
+                False,
+                '"auto" or true with dtype "fp16" (its gradients underflow unscaled; a static '
+                "scale is growth_factor = backoff_factor = 1)",
+            )
 
     def _check_reduce_dtype(self) -> None:
         """The gradients are summed (across ranks, and stage 1's micro-steps) in fp32 or in the

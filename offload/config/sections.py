@@ -275,12 +275,16 @@ class PrefetchConfig(_Section):
 
 @dataclass(kw_only=True, slots=True)
 class LossScaleConfig(_Section):
-    """Dynamic loss scaling for fp16 (unused for bf16/fp32): grow after clean steps, back off
-    and skip the step on inf/nan gradients. growth_factor = backoff_factor = 1 is a static scale.
+    """Dynamic loss scaling: grow after clean steps, back off and skip the step on inf/nan
+    gradients. growth_factor = backoff_factor = 1 is a static scale. On with fp16 compute; with
+    fp32 compute for ``torch.autocast(dtype=torch.float16)`` when ``enabled`` is true.
     """
 
     KEY: ClassVar[str] = "loss_scale"
 
+    enabled: bool | str = "auto"
+    """Whether the loss is scaled: "auto" (with dtype "fp16" only), true (with any dtype: fp16
+    autocast over fp32 or bf16 compute) or false (refused with fp16 compute)."""
     initial: float = 65536.0
     """Loss scale of the first step (> 0; 2**16)."""
     growth_factor: float = 2.0
@@ -293,6 +297,10 @@ class LossScaleConfig(_Section):
     """The scale never drops below this (> 0, <= initial)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.enabled, str) and self.enabled.strip().lower() == "auto":
+            self.enabled = "auto"
+        elif not isinstance(self.enabled, bool):
+            raise ConfigError.bad(self._k("enabled"), self.enabled, '"auto", true or false')
         self.initial = as_float(self._k("initial"), self.initial, lo=0.0, lo_open=True)
         self.growth_factor = as_float(self._k("growth_factor"), self.growth_factor, lo=1.0)
         self.backoff_factor = as_float(
@@ -308,6 +316,11 @@ class LossScaleConfig(_Section):
                 self.min_scale,
                 f"a number > 0 and <= loss_scale.initial ({self.initial:g})",
             )
+
+    def resolve_enabled(self, dtype: str) -> bool:
+        """Whether the loss is scaled with compute dtype ``dtype``: ``enabled``, with "auto"
+        decided by the dtype (fp16 only)."""
+        return dtype == "fp16" if self.enabled == "auto" else self.enabled
 
 
 @dataclass(kw_only=True, slots=True)

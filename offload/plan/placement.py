@@ -113,7 +113,7 @@ class Placement:
     (the step in backward; ``offload.store``'s Note on versions)."""
     retain_grads: bool
     """Step in backward: keep the gradients the speculative update consumed until the step
-    commits (clipping is configured or the compute is fp16, so a redo may need them)."""
+    commits (clipping or loss scaling is configured, so a redo may need them)."""
     stores: dict[str, int]
     """Config section of each store to build -> its trace prefetch depth (shards ahead)."""
     buffer_sizes: dict[str, int]
@@ -311,7 +311,7 @@ def make_placement(
             None if cfg.gradient_accumulation_steps == "auto" else cfg.gradient_accumulation_steps
         ),
         versioned_state=schedule is Schedule.IN_BACKWARD,
-        retain_grads=cfg.gradient_clipping > 0 or dtype == torch.float16,
+        retain_grads=cfg.gradient_clipping > 0 or cfg.loss_scale.resolve_enabled(cfg.dtype),
         stores=stores,
         buffer_sizes=sizes,
         pin={

@@ -163,8 +163,9 @@ class Runtime:
         self._grads_incomplete = False
         # zero_grad() was called since the last step (or no step ran yet): see _check_zeroed
         self._zeroed = True
-        # fp16 (a loss scaler): the optimizer's scale_loss marks the backward that starts from
-        # its scaled loss (mark_scaled); one that does not is refused (_check_scaled)
+        # a loss scaler (fp16, or loss_scale.enabled): the optimizer's scale_loss marks the
+        # backward that starts from its scaled loss (mark_scaled); one that does not is refused
+        # (_check_scaled)
         self.needs_scaled_loss = False
         self._scaled = False
         # the clipping optimizer.clip_grad_norm_ asked since the last step (its coefficient;
@@ -603,14 +604,15 @@ class Runtime:
         self._scaled = True
 
     def _check_scaled(self) -> None:
-        """fp16 without ``scale_loss``: the step divides the gradients by the loss scale
-        (2**16 at first) that the loss never got, so every update was about that much too
+        """A loss scaler without ``scale_loss``: the step divides the gradients by the loss
+        scale (2**16 at first) that the loss never got, so every update was about that much too
         small, and no overflow could show it: refused before this backward takes anything."""
         scaled, self._scaled = self._scaled, False
         if self.needs_scaled_loss and not scaled:
             raise PhaseError(
-                "offload: loss.backward() with fp16 compute but without loss scaling: the step "
-                "divides the gradients by the loss scale, so the loss must be multiplied by it; "
+                "offload: loss.backward() without loss scaling, with a loss scaler (fp16 "
+                "compute or loss_scale.enabled): the step divides the gradients by the loss "
+                "scale, so the loss must be multiplied by it; "
                 "call optimizer.scale_loss(loss).backward() (for several losses, scale their "
                 "sum, or each of them)"
             )

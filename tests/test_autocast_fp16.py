@@ -12,6 +12,7 @@ scaled by 1e-6, where a scale of 2**16 lost 1% of them).
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -120,5 +121,34 @@ def test_a_backward_from_an_unscaled_loss_is_refused(tmp_path):
             loss = lm_loss(model, batches(1, batch=2, seq=8)[0])
         with pytest.raises(PhaseError, match=r"optimizer\.scale_loss\(loss\)\.backward\(\)"):
             loss.backward()
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_fp16_autocast_without_loss_scaling_says_so_once(tmp_path, caplog, scaled):
+    """With no loss scaler (the default with fp32 compute), the first forward with gradients
+    under fp16 autocast warns, naming ``loss_scale.enabled``; bf16 autocast and inference do
+    not, nor a run that scales."""
+    over = {"loss_scale": {"enabled": True}} if scaled else {}
+    cfg = placement_config("cpu", "cpu", tmp_path, **over)
+    model, opt = offload.wrap(make_model(), cfg)
+    tokens = batches(1, batch=2, seq=8)[0]
+    said = lambda: [r for r in caplog.records if "loss_scale.enabled" in r.getMessage()]  # noqa: E731
+    try:
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            with torch.no_grad(), _fp16():
+                model(tokens)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = lm_loss(model, tokens)
+            opt.scale_loss(loss).backward()
+            opt.zero_grad()
+            assert said() == []
+            for _ in range(2):
+                with _fp16():
+                    loss = lm_loss(model, tokens)
+                opt.scale_loss(loss).backward()
+                opt.zero_grad()
+        assert len(said()) == (0 if scaled else 1)
     finally:
         opt.close()

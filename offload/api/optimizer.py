@@ -42,7 +42,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._engine = runtime
         self.gradient_clipping = gradient_clipping
         self.scaler = scaler
-        runtime.needs_scaled_loss = scaler is not None
+        runtime.needs_scaled_loss = runtime.autocast.loss_scaled = scaler is not None
         self.skipped_steps = 0  # steps an overflow skipped (with a loss scaler)
         self.empty_steps = 0  # step() calls with no backward since the last (_empty_step)
         self._group, self._params = self.param_groups[0], tuple(self.param_groups[0]["params"])

@@ -32,13 +32,30 @@ Note: what autocast holds, and what offload holds instead
     is found at the first unit's forward inside it: the casts of the root's layers before
     that stay saved as copies. Not covered: casts made inside a region ``torch.compile`` compiled were not checked (compiled blocks
     under autocast train with torch's numbers, the copies they keep were not counted).
+
+Note: fp16 autocast needs a loss scale
+    Under ``torch.autocast(dtype=torch.float16)`` the activations' gradients are fp16: those
+    below 2**-24 are flushed to zero (a 3-layer MLP whose loss was scaled by 1e-6: every
+    weight gradient 0, where a scale of 2**16 lost 1% of its elements). torch's
+    ``GradScaler`` cannot reach the gradients where offload holds them (it can where they stay
+    in ``p.grad``: CPU device, fp32, optimizer on the CPU), so offload scales the loss itself
+    when the config asks (``loss_scale.enabled: true``: ``optimizer.scale_loss``, overflow
+    checks and skipped steps as with fp16 compute: the check reads the fp32 gradients the step
+    would apply, an inf or NaN of an fp16 gradient carried into them). A forward with gradients
+    under fp16 autocast on the compute device without a loss scaler says so, once
+    (``begin_forward``; also where a ``GradScaler`` of the caller's scales, as offload cannot
+    tell).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from offload.runtime.units import UnitRun
+
+logger = logging.getLogger("offload.runtime")
 
 
 class _CastOf:
@@ -77,6 +94,9 @@ class AutocastSaves:
         self._context = None  # the pushed saved_tensors_hooks, during a root forward
         self._cache: bool | None = None  # autocast's cache setting the root forward found
         self._unit = self.root  # the index of the unit whose forward runs
+        # whether the optimizer scales the loss (set by it); without, fp16 autocast is said once
+        self.loss_scaled = False
+        self._said_unscaled = False
 
     def begin_forward(self) -> None:
         """A root forward begins: under autocast on the compute device, its cast cache is off
@@ -87,6 +107,7 @@ class AutocastSaves:
         if self._cache is None:
             self._cache = torch.is_autocast_cache_enabled()
             torch.set_autocast_cache_enabled(False)
+            self._say_unscaled_fp16()
         # (asked again at each unit: one inside a checkpoint has the checkpoint's hooks)
         if self._context is None and torch.is_grad_enabled() and _hooks_free():
             self._context = torch.autograd.graph.saved_tensors_hooks(*self.hooks)
@@ -107,6 +128,22 @@ class AutocastSaves:
             if top is not None and top[0] == self.hooks[0]:
                 self._context.__exit__(None, None, None)
             self._context = None
+
+    def _say_unscaled_fp16(self) -> None:
+        """A forward with gradients under fp16 autocast and no loss scaler (Note: fp16
+        autocast needs a loss scale), said once."""
+        if self.loss_scaled or self._said_unscaled or not torch.is_grad_enabled():
+            return
+        if torch.get_autocast_dtype(self.device_type) != torch.float16:
+            return
+        self._said_unscaled = True
+        logger.warning(
+            "offload: a forward under torch.autocast(dtype=torch.float16) with no loss scaling: "
+            "its fp16 gradients below 2**-24 become 0, and torch.amp.GradScaler cannot reach "
+            "the gradients offload holds. Set the config's loss_scale.enabled: true and call "
+            "optimizer.scale_loss(loss).backward() (overflowing steps are then skipped), or "
+            "use dtype=torch.bfloat16; said once"
+        )
 
     def unit_begins(self, run: UnitRun, in_model: bool) -> None:
         """A unit's forward begins (``in_model``: inside the root forward). An autocast region

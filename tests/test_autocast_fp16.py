@@ -125,16 +125,24 @@ def test_a_backward_from_an_unscaled_loss_is_refused(tmp_path):
         opt.close()
 
 
-@pytest.mark.parametrize("scaled", [False, True])
-def test_fp16_autocast_without_loss_scaling_says_so_once(tmp_path, caplog, scaled):
-    """With no loss scaler (the default with fp32 compute), the first forward with gradients
-    under fp16 autocast warns, naming ``loss_scale.enabled``; bf16 autocast and inference do
-    not, nor a run that scales."""
+@pytest.mark.parametrize(
+    "placement,scaled,says",
+    [("nvme", False, 1), ("nvme", True, 0), ("cpu", False, 0)],
+    ids=["held-unscaled", "held-scaled", "in-p.grad"],
+)
+def test_fp16_autocast_without_loss_scaling_says_so_once(tmp_path, caplog, placement, scaled, says):
+    """With no loss scaler (the default with fp32 compute) and the gradients held by offload
+    (NVMe here), the first forward with gradients under fp16 autocast warns, naming
+    ``loss_scale.enabled``; bf16 autocast and inference do not, nor a run that scales, nor one
+    whose gradients stay in ``p.grad`` (cpu/cpu), where torch's GradScaler scales them."""
     over = {"loss_scale": {"enabled": True}} if scaled else {}
-    cfg = placement_config("cpu", "cpu", tmp_path, **over)
+    cfg = placement_config(placement, placement, tmp_path, **over)
     model, opt = offload.wrap(make_model(), cfg)
     tokens = batches(1, batch=2, seq=8)[0]
-    said = lambda: [r for r in caplog.records if "loss_scale.enabled" in r.getMessage()]  # noqa: E731
+
+    def said():
+        return [r for r in caplog.records if "loss_scale.enabled" in r.getMessage()]
+
     try:
         with caplog.at_level(logging.WARNING, logger="offload"):
             with torch.no_grad(), _fp16():
@@ -149,6 +157,6 @@ def test_fp16_autocast_without_loss_scaling_says_so_once(tmp_path, caplog, scale
                     loss = lm_loss(model, tokens)
                 opt.scale_loss(loss).backward()
                 opt.zero_grad()
-        assert len(said()) == (0 if scaled else 1)
+        assert len(said()) == says
     finally:
         opt.close()

@@ -42,7 +42,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self._engine = runtime
         self.gradient_clipping = gradient_clipping
         self.scaler = scaler
-        runtime.needs_scaled_loss = runtime.autocast.loss_scaled = scaler is not None
+        runtime.needs_scaled_loss = scaler is not None
+        held = runtime.plan.placement.grads is not GradOwner.AUTOGRAD  # (out of GradScaler's reach)
+        runtime.autocast.warn_unscaled_fp16 = scaler is None and held
         self.skipped_steps = 0  # steps an overflow skipped (with a loss scaler)
         self.empty_steps = 0  # step() calls with no backward since the last (_empty_step)
         self._group, self._params = self.param_groups[0], tuple(self.param_groups[0]["params"])

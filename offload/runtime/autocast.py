@@ -30,8 +30,9 @@ Note: what autocast holds, and what offload holds instead
     weights trainable, 0.52-0.53 s against 0.42-0.43 s frozen). An autocast region the
     model's forward opens (Accelerate's ``mixed_precision``, which wraps ``model.forward``)
     is found at the first unit's forward inside it: the casts of the root's layers before
-    that stay saved as copies. Not covered: casts made inside a region ``torch.compile`` compiled were not checked (compiled blocks
-    under autocast train with torch's numbers, the copies they keep were not counted).
+    that stay saved as copies. Not covered: casts made inside a region ``torch.compile``
+    compiled were not checked (compiled blocks under autocast train with torch's numbers, the
+    copies they keep were not counted).
 
 Note: fp16 autocast needs a loss scale
     Under ``torch.autocast(dtype=torch.float16)`` the activations' gradients are fp16: those
@@ -42,9 +43,9 @@ Note: fp16 autocast needs a loss scale
     when the config asks (``loss_scale.enabled: true``: ``optimizer.scale_loss``, overflow
     checks and skipped steps as with fp16 compute: the check reads the fp32 gradients the step
     would apply, an inf or NaN of an fp16 gradient carried into them). A forward with gradients
-    under fp16 autocast on the compute device without a loss scaler says so, once
-    (``begin_forward``; also where a ``GradScaler`` of the caller's scales, as offload cannot
-    tell).
+    under fp16 autocast on the compute device without a loss scaler, where offload holds the
+    gradients, says so, once (``begin_forward``). Where they stay in ``p.grad``, scaling them
+    is torch's ``GradScaler``'s, which offload cannot see, and nothing is said (as in torch).
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ class AutocastSaves:
         self._context = None  # the pushed saved_tensors_hooks, during a root forward
         self._cache: bool | None = None  # autocast's cache setting the root forward found
         self._unit = self.root  # the index of the unit whose forward runs
-        # whether the optimizer scales the loss (set by it); without, fp16 autocast is said once
-        self.loss_scaled = False
+        # set by the optimizer: no loss scaler, and the gradients out of GradScaler's reach (see
+        # Note: fp16 autocast needs a loss scale); fp16 autocast is then said once
+        self.warn_unscaled_fp16 = False
         self._said_unscaled = False
 
     def begin_forward(self) -> None:
@@ -132,7 +134,7 @@ class AutocastSaves:
     def _say_unscaled_fp16(self) -> None:
         """A forward with gradients under fp16 autocast and no loss scaler (Note: fp16
         autocast needs a loss scale), said once."""
-        if self.loss_scaled or self._said_unscaled or not torch.is_grad_enabled():
+        if not self.warn_unscaled_fp16 or self._said_unscaled or not torch.is_grad_enabled():
             return
         if torch.get_autocast_dtype(self.device_type) != torch.float16:
             return

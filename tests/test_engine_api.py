@@ -1360,6 +1360,41 @@ def test_parameters_read_right_after_step_are_the_stepped_ones(
         opt.close()
 
 
+@pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
+def test_an_ema_from_the_state_dict_is_torchs_averaged_model(tmp_path, param_dev):
+    """An EMA of the weights where they are released between uses: ``AveragedModel`` reads
+    the parameter tensors (zeros there, the README says so); the average updated from
+    ``model.state_dict()`` (the first copied, then ``lerp`` by 1 - decay, as
+    ``get_ema_multi_avg_fn``) is torch's ``AveragedModel`` over the plain model."""
+    swa, decay = torch.optim.swa_utils, 0.9
+    plain = make_model()
+    ref_opt = torch.optim.AdamW(
+        [p for p in plain.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1, foreach=False
+    )
+    ref_ema = swa.AveragedModel(copy.deepcopy(plain), multi_avg_fn=swa.get_ema_multi_avg_fn(decay))
+    model, opt = offload.wrap(copy.deepcopy(plain), placement_config(param_dev, "cpu", tmp_path))
+    names = [n for n, _ in plain.named_parameters()]
+    ema: dict[str, torch.Tensor] = {}
+    try:
+        for tokens in batches(3):
+            for m, o in ((plain, ref_opt), (model, opt)):
+                lm_loss(m, tokens).backward()
+                o.step()
+                o.zero_grad()
+            ref_ema.update_parameters(plain)
+            values = model.state_dict()
+            for name in names:
+                v = values[name]
+                ema[name] = v.clone() if name not in ema else ema[name].lerp_(v, 1 - decay)
+        for name, want in zip(names, ref_ema.module.parameters(), strict=True):
+            torch.testing.assert_close(ema[name], want.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        zeros = swa.AveragedModel(copy.deepcopy(plain))
+        zeros.update_parameters(model)  # what the README warns of: the released tensors
+        assert zeros.module.blocks[0].fc1.weight.abs().max() == 0
+    finally:
+        opt.close()
+
+
 def test_a_deep_copy_of_the_wrapped_model_says_to_copy_before_wrap(tmp_path):
     """``copy.deepcopy`` (an EMA's usual start) copied the engine the hooks hold and failed
     deep inside ``copy`` ("cannot pickle '_thread.lock' object"); it says what to do instead,

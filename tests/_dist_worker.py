@@ -34,7 +34,10 @@ checkpoint files), ``diverge`` ({"rank": r, "step": s, "what": w}: in step s tha
 runs an evaluation forward before the step's first (``"eval"``), leaves out its last micro-step
 (``"micro"``), or does not call ``clip_grad_norm_`` (``"clip"``) or ``step()`` (``"step"``);
 a ``RankDivergenceError`` ends the job, recorded in ``<name>.<rank>.json`` as ``diverged``:
-the step, the seconds from that step's start and the message).
+the step, the seconds from that step's start and the message), ``autocast`` (each forward and
+its loss under ``torch.autocast("cpu", dtype=torch.bfloat16)``, autocast's cache left on as a
+user leaves it; recorded per micro-step in ``casts``: the bf16 copies of the model's 2-D
+weights alive after the forward, and at most during it, ``engine_models.LiveCasts``).
 
 After the jobs: ``threads.w<world>.<rank>.json``, this process's threads by name before and after
 ``destroy_process_group``.
@@ -55,6 +58,7 @@ import torch.distributed as dist
 from engine_models import (
     STACK_DIM,
     BranchBlock,
+    LiveCasts,
     LoraLM,
     NormBlock,
     RepeatLM,
@@ -211,6 +215,7 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
     cfg = placement_config(job["param"], job["optim"], tmp, dtype=job.get("dtype", "fp32"))
     cfg["distributed"] = {"stage": job["stage"], "timeout": job.get("timeout", 60)}
     model, wrap_classes = _model(job)
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}  # (before sharding)
     if wrap_classes:
         cfg["wrap"] = wrap_classes
     cfg.update(job.get("config", {}))
@@ -240,7 +245,7 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
         start = extra["step"]
     data = batches(STEPS_DATA, batch=GLOBAL_BATCH)
     accum, clip = job.get("accum", 2), job.get("clip", 1.0)
-    losses, stats, norms, refused = [], [], [], []
+    losses, stats, norms, refused, casts = [], [], [], [], []
     fail = job.get("fail_at") or {}
     diverge = job.get("diverge") or {}
     s, began = start, time.monotonic()
@@ -270,7 +275,13 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
                     model.skip = skips_unit(s, m, rank)
                 if job.get("model") == "repeat":
                     model.repeat = repeats(s)
-                loss = lm_loss(model, batch) / accum
+                if job.get("autocast"):
+                    live = LiveCasts(shapes)
+                    with torch.autocast("cpu", dtype=torch.bfloat16), live:
+                        loss = lm_loss(model, batch) / accum
+                    casts.append([live.live(), live.peak])
+                else:
+                    loss = lm_loss(model, batch) / accum
                 if job.get("eval_held"):  # an evaluation (its gathers collective) under that loss
                     with torch.no_grad():
                         assert lm_loss(model, batch).item() > 0
@@ -349,6 +360,7 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
         "norms": norms,
         "save_error": save_error,
         "refused": refused,
+        "casts": casts,
         "stats": stats,
         "rank": rank,
         "world": world,

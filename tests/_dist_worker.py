@@ -4,7 +4,8 @@ jobs in one process group.
 Environment: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (``env://``, what
 torchrun sets). Argument: a JSON file ``{"out": DIR, "timeout": seconds, "jobs": [...]}``;
 each job wraps ``engine_models.make_model()`` (or ``StackLM`` with ``"model": "stack"``,
-``LoraLM`` with ``"model": "lora"``, ``RepeatLM`` with ``"model": "repeat"`` (see
+``LoraLM`` with ``"model": "lora"`` (``"lora-reentrant"``: each block checkpointed inside,
+reentrant), ``RepeatLM`` with ``"model": "repeat"`` (see
 ``repeats``), ``StackLM`` of ``NormBlock`` with ``"model": "norm"``, of ``BranchBlock`` with
 ``"model": "branch"``: see ``skips``) with
 ``placement_config(param, optim, ...)`` and ``distributed.stage``, trains its slice of every
@@ -133,9 +134,10 @@ def _model(job: dict):
     if job.get("model") == "repeat":
         torch.manual_seed(0)
         return RepeatLM(n=4), {"module_classes": ["StackBlock"]}
-    if job.get("model") == "lora":
+    if job.get("model") in ("lora", "lora-reentrant"):  # (checkpointing inside each block)
         torch.manual_seed(0)
-        return LoraLM(), {"module_classes": ["LoraBlock", "FrozenBlock"]}
+        inner = True if job["model"] == "lora-reentrant" else None
+        return LoraLM(inner=inner), {"module_classes": ["LoraBlock", "FrozenBlock"]}
     return make_model(), None
 
 

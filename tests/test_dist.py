@@ -588,11 +588,22 @@ AUTOCAST.append(
     job("ac-s3-cpu-nvme-sib", "cpu", "nvme", 3, steps=AUTOCAST_STEPS, accum=1, clip=0)
     | {"autocast": True}
 )
-# frozen base layers (casts with no autograd history, matched by value), a frozen unit
+# frozen base layers (casts with no autograd history, matched by value), a frozen unit; and
+# reentrant checkpointing inside each block (its recomputation casts in the backward)
 AUTOCAST += [
-    job(f"ac-lora-s{s}-{p}-{o}", p, o, s, steps=AUTOCAST_STEPS, model="lora", autocast=True)
-    for s, p, o in ((2, "none", "cpu"), (3, "cpu", "cpu"), (3, "nvme", "nvme"))
+    job(f"ac-{m}-s{s}-{p}-{o}", p, o, s, steps=AUTOCAST_STEPS, model=m, autocast=True)
+    for m, s, p, o in (
+        ("lora", 2, "none", "cpu"),
+        ("lora", 3, "cpu", "cpu"),
+        ("lora", 3, "nvme", "nvme"),
+        ("lora-reentrant", 3, "cpu", "nvme"),
+    )
 ]
+AUTOCAST_MODELS = {  # the workers' models (``_dist_worker._model``), as each is built there
+    None: make_model,
+    "lora": LoraLM,
+    "lora-reentrant": lambda: LoraLM(inner=True),
+}
 AUTOCAST_3 = [j | {"name": f"w3-{j['name']}"} for j in AUTOCAST if j["stage"] == 3]
 
 
@@ -642,11 +653,10 @@ def _autocast_ranks(model, world: int, accum: int, clip: float) -> tuple[list, l
 def _autocast_matches(out: Path, jobs: list[dict], world: int) -> None:
     refs = {}
     for j in jobs:
-        lora = j.get("model") == "lora"
-        key = (lora, j.get("accum", ACCUM), j.get("clip", CLIP))
+        key = (j.get("model"), j.get("accum", ACCUM), j.get("clip", CLIP))
         if key not in refs:
             torch.manual_seed(0)
-            refs[key] = _autocast_ranks(LoraLM() if lora else make_model(), world, *key[1:])
+            refs[key] = _autocast_ranks(AUTOCAST_MODELS[key[0]](), world, *key[1:])
         losses, norms, state = refs[key]
         _losses_close(result(out, j["name"])["losses"], losses, rtol=1e-6)
         # (accumulation 1 and clipping: see the test's docstring)
@@ -657,7 +667,7 @@ def _autocast_matches(out: Path, jobs: list[dict], world: int) -> None:
             assert len(casts) == AUTOCAST_STEPS * key[1]
             # none after each forward; during it, at most the one a matmul computes with and,
             # for a frozen weight, the one it is matched with
-            peak = 2 if lora else 1
+            peak = 1 if key[0] is None else 2
             assert all(n == 0 and most <= peak for n, most in casts), (j["name"], rank, casts)
 
 

@@ -37,8 +37,9 @@ runs an evaluation forward before the step's first (``"eval"``), leaves out its 
 a ``RankDivergenceError`` ends the job, recorded in ``<name>.<rank>.json`` as ``diverged``:
 the step, the seconds from that step's start and the message), ``autocast`` (each forward and
 its loss under ``torch.autocast("cpu", dtype=torch.bfloat16)``, autocast's cache left on as a
-user leaves it; recorded per micro-step in ``casts``: the bf16 copies of the model's 2-D
-weights alive after the forward, and at most during it, ``engine_models.LiveCasts``).
+user leaves it, ``peek``'s and ``eval_held``'s forwards too; recorded per micro-step in
+``casts``: the bf16 copies of the model's 2-D weights alive after the forward, and at most
+during it, ``engine_models.LiveCasts``).
 
 After the jobs: ``threads.w<world>.<rank>.json``, this process's threads by name before and after
 ``destroy_process_group``.
@@ -46,6 +47,7 @@ After the jobs: ``threads.w<world>.<rank>.json``, this process's threads by name
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -251,6 +253,12 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
     fail = job.get("fail_at") or {}
     diverge = job.get("diverge") or {}
     s, began = start, time.monotonic()
+
+    def amp():  # (``autocast`` jobs: every forward under it, the evaluations' too)
+        if job.get("autocast"):
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     try:
         for s in range(start, job["steps"]):
             total, began = 0.0, time.monotonic()
@@ -279,13 +287,13 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
                     model.repeat = repeats(s)
                 if job.get("autocast"):
                     live = LiveCasts(shapes)
-                    with torch.autocast("cpu", dtype=torch.bfloat16), live:
+                    with amp(), live:
                         loss = lm_loss(model, batch) / accum
                     casts.append([live.live(), live.peak])
                 else:
                     loss = lm_loss(model, batch) / accum
                 if job.get("eval_held"):  # an evaluation (its gathers collective) under that loss
-                    with torch.no_grad():
+                    with torch.no_grad(), amp():
                         assert lm_loss(model, batch).item() > 0
                 try:
                     loss.backward()
@@ -300,13 +308,15 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
                 batch = slice_of(data[s % len(data)], rank, world)
                 if job.get("peek") == "refused" and s > start:  # (the first step counts backwards)
                     try:
-                        lm_loss(model, batch)
+                        with amp():
+                            lm_loss(model, batch)
                     except PhaseError as e:
                         assert "a forward of the model" in str(e), e
                     else:
                         raise AssertionError("a forward after the update in the backward ran")
                 else:
-                    assert lm_loss(model, batch).item() > 0
+                    with amp():
+                        assert lm_loss(model, batch).item() > 0
             if clip and not _diverges(diverge, rank, s, "clip"):
                 norms.append(float(opt.clip_grad_norm_(clip)))
             if not _diverges(diverge, rank, s, "step"):

@@ -588,6 +588,12 @@ AUTOCAST.append(
     job("ac-s3-cpu-nvme-sib", "cpu", "nvme", 3, steps=AUTOCAST_STEPS, accum=1, clip=0)
     | {"autocast": True}
 )
+# forwards under autocast that change nothing: an evaluation under the loss, a loss let go
+AUTOCAST += [
+    job("ac-eval-s3-sib", "cpu", "nvme", 3, steps=AUTOCAST_STEPS, accum=1, clip=0)
+    | {"autocast": True, "eval_held": True},
+    job("ac-peek-s3-nvme-cpu", "nvme", "cpu", 3, steps=AUTOCAST_STEPS, autocast=True, peek=True),
+]
 # frozen base layers (casts with no autograd history, matched by value), a frozen unit; and
 # reentrant checkpointing inside each block (its recomputation casts in the backward)
 AUTOCAST += [
@@ -675,7 +681,8 @@ def _autocast_matches(out: Path, jobs: list[dict], world: int) -> None:
 def test_training_under_autocast_on_two_ranks_is_data_parallel_without_weight_copies(tmp_path):
     """fp32 compute under ``torch.autocast`` (bf16) at every stage, the params and the
     optimizer on the device, the host and NVMe, accumulation 1 and 2, clipping, the update in
-    the backward: each rank's forward saves references to its weights, not bf16 copies
+    the backward, an evaluation under a loss, a loss let go, LoRA's frozen layers, reentrant
+    checkpointing: each rank's forward saves references to its weights, not bf16 copies
     (``offload/runtime/autocast.py``), and the backward casts them again from the params it
     holds then (at stage 3 the unit gathered again by all-gather for its backward). The
     training is data parallel's under autocast with its cache off: the losses equal, the

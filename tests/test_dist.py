@@ -161,6 +161,7 @@ def two(root) -> Path:
         | {"eval_held": True},
         job("log", "cpu", "cpu", 3, steps=2, model="stack", accum=1, log=True),
         job("lora-s3-cpu-cpu", "cpu", "cpu", 3, steps=4, model="lora"),
+        AUTOCAST_TWO,
         job("lora-log-s2", "none", "cpu", 2, steps=2, model="lora", log=True),
         job("branch-s2-cpu-cpu", "cpu", "cpu", 2, steps=4, model="branch"),
         job("branch-s3-nvme-cpu", "nvme", "cpu", 3, steps=4, model="branch"),
@@ -611,6 +612,8 @@ AUTOCAST_MODELS = {  # the workers' models (``_dist_worker._model``), as each is
     "lora-reentrant": lambda: LoraLM(inner=True),
 }
 AUTOCAST_3 = [j | {"name": f"w3-{j['name']}"} for j in AUTOCAST if j["stage"] == 3]
+# in the group of 2 ranks (the default suite's): stage 3, params and optimizer on NVMe
+AUTOCAST_TWO = job("ac-two-s3-nvme-nvme", "nvme", "nvme", 3, steps=AUTOCAST_STEPS, autocast=True)
 
 
 def _autocast_ranks(model, world: int, accum: int, clip: float) -> tuple[list, list, dict]:
@@ -675,6 +678,11 @@ def _autocast_matches(out: Path, jobs: list[dict], world: int) -> None:
             # for a frozen weight, the one it is matched with
             peak = 1 if key[0] is None else 2
             assert all(n == 0 and most <= peak for n, most in casts), (j["name"], rank, casts)
+
+
+def test_training_under_autocast_at_stage_3_is_data_parallel_without_weight_copies(two):
+    """One case of the next test, in the default suite."""
+    _autocast_matches(two, [AUTOCAST_TWO], 2)
 
 
 @pytest.mark.heavy

@@ -30,8 +30,8 @@ Note: what autocast holds, and what offload holds instead
     copies saved where the weights train, 18-21% more where they are frozen). An autocast
     region the model's forward opens (Accelerate's ``mixed_precision``, which wraps
     ``model.forward``) is found at the first unit's forward inside it: the casts of the root's
-    layers before that stay saved as copies. Not covered: casts made inside a region ``torch.compile``
-    compiled were not checked (compiled blocks under autocast train with torch's numbers, the
+    layers before that stay saved as copies. Not covered: casts made inside a region
+    ``torch.compile`` compiled were not checked (compiled blocks under autocast train with torch's numbers, the
     copies they keep were not counted).
 
 Note: fp16 autocast needs a loss scale

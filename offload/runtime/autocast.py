@@ -31,8 +31,8 @@ Note: what autocast holds, and what offload holds instead
     region the model's forward opens (Accelerate's ``mixed_precision``, which wraps
     ``model.forward``) is found at the first unit's forward inside it: the casts of the root's
     layers before that stay saved as copies. Not covered: casts made inside a region
-    ``torch.compile`` compiled were not checked (compiled blocks under autocast train with torch's numbers, the
-    copies they keep were not counted).
+    ``torch.compile`` compiled were not checked (compiled blocks under autocast train with
+    torch's numbers, the copies they keep were not counted).
 
 Note: fp16 autocast needs a loss scale
     Under ``torch.autocast(dtype=torch.float16)`` the activations' gradients are fp16: those

@@ -1395,6 +1395,51 @@ def test_an_ema_from_the_state_dict_is_torchs_averaged_model(tmp_path, param_dev
         opt.close()
 
 
+@pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
+def test_a_write_into_a_released_parameter_is_refused_not_dropped(tmp_path, param_dev):
+    """``nn.init`` / ``model.apply(init)`` after ``wrap`` wrote into the released storage,
+    which the next gather refilled from offload's copy: the write was dropped with no error
+    and ``state_dict()`` gave the values of before. The next forward, ``state_dict()`` or
+    ``step()`` now says so, naming the parameter, once; ``load_state_dict`` is the way to set
+    values, and a write it replaces is not reported."""
+    model, opt = offload.wrap(make_model(), placement_config(param_dev, "cpu", tmp_path))
+    tokens = batches(1)[0]
+    before = model.state_dict()
+    try:
+        with torch.no_grad():
+            nn.init.constant_(model.blocks[0].fc1.weight, 0.5)
+        with pytest.raises(PhaseError, match=r"a forward.*blocks\.0\.fc1\.weight.*load_state_dict"):
+            model(tokens)
+        lm_loss(model, tokens).backward()  # said once; offload's values go on
+        opt.zero_grad()
+        assert torch.equal(model.state_dict()["blocks.0.fc1.weight"], before["blocks.0.fc1.weight"])
+        model.apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
+        with pytest.raises(PhaseError, match=r"model\.state_dict\(\).*blocks\.0\.fc1\.weight"):
+            model.state_dict()
+        with torch.no_grad():
+            model.blocks[1].fc2.bias.zero_()
+        wanted = {k: v + 1 for k, v in before.items()}
+        model.load_state_dict(wanted)
+        lm_loss(model, tokens).backward()
+        assert torch.equal(model.state_dict()["blocks.1.fc2.bias"], wanted["blocks.1.fc2.bias"])
+    finally:
+        opt.close()
+
+
+def test_a_write_into_a_parameter_on_the_device_is_not_looked_at(tmp_path):
+    """Parameters that stay on the device (``offload_param.device: none``) are live storage:
+    what a step makes of an in-place write there depends on where the master is, and no
+    error is raised."""
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path))
+    try:
+        with torch.no_grad():
+            nn.init.constant_(model.blocks[0].fc1.weight, 0.5)
+        lm_loss(model, batches(1)[0]).backward()
+        opt.step()
+    finally:
+        opt.close()
+
+
 def test_a_deep_copy_of_the_wrapped_model_says_to_copy_before_wrap(tmp_path):
     """``copy.deepcopy`` (an EMA's usual start) copied the engine the hooks hold and failed
     deep inside ``copy`` ("cannot pickle '_thread.lock' object"); it says what to do instead,

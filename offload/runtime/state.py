@@ -1147,6 +1147,8 @@ class Runtime:
             run.release()  # a gathered copy would be stale
 
     def _loaded_values(self, module, incompatible) -> None:
+        for run in self.runs:  # (a write before the load is what the load replaced)
+            run.note_versions()
         incompatible.missing_keys[:] = [
             k for k in incompatible.missing_keys if k not in self._loaded_keys
         ]
@@ -1182,6 +1184,7 @@ class Runtime:
                 "optimizer.close(restore=True) first, which puts every value back into the "
                 "model, then merge_and_unload(); or change the model before offload.wrap"
             )
+        self._check_unwritten(what)
         if self.params.releases:
             merged = [n for n, m in self.model.named_modules() if getattr(m, "merged_adapters", 0)]
             if merged:  # PEFT's merge_adapter(): its layers now skip the adapters they hold
@@ -1195,6 +1198,33 @@ class Runtime:
                     "optimizer.close(restore=True) first (or keep the parameters on the device: "
                     "offload_param.device none)"
                 )
+
+    def _check_unwritten(self, what: str) -> None:
+        """No parameter of a released unit was written in place through its tensor (``nn.init``
+        or ``model.apply(init)`` after ``wrap``, ``p.copy_(...)`` under ``no_grad``, an
+        embedding's ``max_norm`` renorm): the write went to the released storage, which the
+        next gather fills from the unit's home, so it was dropped with no error (and
+        ``state_dict()`` gave the values of before). Said once: the versions are noted again,
+        and training goes on with offload's values. A unit that stays gathered (on the device,
+        persistent) is not looked at: its storage is live, and what the step makes of a write
+        there depends on where the master is. A write through ``p.data`` bumps no counter and
+        is not seen."""
+        written = [
+            n for run in self.runs if not self.params.gathered(run.unit) for n in run.written()
+        ]
+        if not written:
+            return
+        for run in self.runs:
+            run.note_versions()
+        raise PhaseError(
+            f"offload: {what}: {len(written)} parameter(s) were written in place after "
+            f"offload.wrap while offload held them released ({', '.join(written[:3])}"
+            f"{', ...' if len(written) > 3 else ''}): an nn.init call, model.apply(...), or a "
+            "copy_ under no_grad writes into freed storage, which the next gather refills from "
+            "offload's copy, so the write is dropped (the parameters keep offload's values). "
+            "Initialize the model before offload.wrap, or set values with "
+            "model.load_state_dict(...)"
+        )
 
     def _check_open(self) -> None:
         if self.closed:

@@ -33,6 +33,7 @@ class UnitRun:
         "may_watch_inputs",
         "watches_inputs",
         "inputs",
+        "versions",
     )
 
     def __init__(self, unit: Unit, home: ParamHome, timers: dict[str, float]) -> None:
@@ -51,6 +52,20 @@ class UnitRun:
         self.may_watch_inputs = self.residency.finishes_in_backward
         self.watches_inputs = frozen and self.may_watch_inputs and home.releases
         self.inputs: list[weakref.ref] = []  # the OffloadUnitInputs nodes of its forwards (weakly)
+        self.note_versions()
+
+    def note_versions(self) -> None:
+        """Notes each parameter's version counter (bumped by every in-place write through the
+        tensor; offload's own writes go through other views of the storage: ``written``)."""
+        self.versions = [s.param._version for s in self.unit.layout.segments]
+
+    def written(self) -> list[str]:
+        """The unit's parameters written in place through the tensor since the last note: an
+        ``nn.init`` call, ``model.apply(...)``, a ``copy_`` under ``no_grad``, after ``wrap``."""
+        segments = self.unit.layout.segments
+        return [
+            s.name for s, v in zip(segments, self.versions, strict=True) if s.param._version != v
+        ]
 
     def gather(self, phase: str) -> None:
         """Makes the unit's parameters usable (idempotent). Its time counts in ``phase`` as IO

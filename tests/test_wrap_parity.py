@@ -470,6 +470,21 @@ def _train_beside_torch(ref, ref_opt, model, opt) -> None:
         assert losses[1] == pytest.approx(losses[0], rel=1e-6)
 
 
+def _hooked_stack(tmp_path, param_dev: str, opt_dev: str, hook_up):
+    """A 3-block StackLM and its torch copy (AdamW), the copy wrapped, ``hook_up`` run on
+    both after wrap: (ref, ref_opt, model, opt)."""
+    torch.manual_seed(0)
+    model = StackLM(n=3, frozen=False)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    cfg = placement_config(param_dev, opt_dev, tmp_path)
+    cfg["wrap"] = {"module_classes": ["StackBlock"]}
+    model, opt = offload.wrap(model, cfg)
+    hook_up(ref)
+    hook_up(model)
+    return ref, ref_opt, model, opt
+
+
 @pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
 def test_hooks_registered_after_wrap_read_their_unit_gathered(tmp_path, param_dev):
     """Forward hooks the user registers on a unit's module after ``wrap`` (a penalty on the
@@ -484,15 +499,7 @@ def test_hooks_registered_after_wrap_read_their_unit_gathered(tmp_path, param_de
             lambda mod, a: (a[0] * mod.fc2.weight.mean(),), prepend=True
         )
 
-    torch.manual_seed(0)
-    model = StackLM(n=3, frozen=False)
-    ref = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    cfg = placement_config(param_dev, "cpu", tmp_path)
-    cfg["wrap"] = {"module_classes": ["StackBlock"]}
-    model, opt = offload.wrap(model, cfg)
-    hook_up(ref)
-    hook_up(model)
+    ref, ref_opt, model, opt = _hooked_stack(tmp_path, param_dev, "cpu", hook_up)
     try:
         _train_beside_torch(ref, ref_opt, model, opt)
         _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
@@ -560,15 +567,7 @@ def test_backward_hooks_on_a_unit_read_its_weights_as_torch(tmp_path, param_dev,
 
         m.blocks[1].register_full_backward_hook(rescale)
 
-    torch.manual_seed(0)
-    model = StackLM(n=3, frozen=False)
-    ref = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    cfg = placement_config(param_dev, opt_dev, tmp_path)
-    cfg["wrap"] = {"module_classes": ["StackBlock"]}
-    model, opt = offload.wrap(model, cfg)
-    hook_up(ref)
-    hook_up(model)
+    ref, ref_opt, model, opt = _hooked_stack(tmp_path, param_dev, opt_dev, hook_up)
     try:
         _train_beside_torch(ref, ref_opt, model, opt)
         assert seen[id(model)] == pytest.approx(seen[id(ref)], rel=1e-6)

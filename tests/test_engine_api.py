@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from engine_models import batches, lm_loss, make_model, placement_config
+from engine_models import Block, batches, lm_loss, make_model, placement_config
 
 import offload
 from offload.api.wrap import engine_of
@@ -1436,6 +1436,77 @@ def test_a_write_into_a_parameter_on_the_device_is_not_looked_at(tmp_path):
             nn.init.constant_(model.blocks[0].fc1.weight, 0.5)
         lm_loss(model, batches(1)[0]).backward()
         opt.step()
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("option", ["sparse", "max_norm", "bag"])
+def test_embeddings_that_offload_cannot_honour_are_refused_at_wrap(tmp_path, option):
+    """``sparse=True`` (a sparse gradient: the first backward failed in ``aten::view`` on the
+    SparseCPU backend, naming nothing) and ``max_norm`` (a renorm of the weight in place at
+    each forward: dropped by the next gather, or, on the device with the optimizer on NVMe,
+    training silently apart from torch) are refused by name before anything is built; a
+    frozen sparse embedding (no gradient) trains, and so does the model with max_norm off."""
+    model = make_model()
+    if option == "bag":
+        model.bag = nn.EmbeddingBag(8, 4, sparse=True)
+    elif option == "sparse":
+        model.embed.sparse = True
+    else:
+        model.embed.max_norm = 1.0
+    where = "EmbeddingBag 'bag'" if option == "bag" else "Embedding 'embed'"
+    msg = "max_norm=1.0.*dropped.*max_norm=None" if option == "max_norm" else "sparse=True.*dense"
+    with pytest.raises(ValueError, match=f"{where} has {msg}"):
+        offload.wrap(model, placement_config("cpu", "cpu", tmp_path))
+    if option == "max_norm":  # the model is as it was: with the option off it wraps and trains
+        model.embed.max_norm = None
+    else:
+        (model.bag if option == "bag" else model.embed).weight.requires_grad_(False)
+    model, opt = offload.wrap(model, placement_config("cpu", "cpu", tmp_path))
+    try:
+        lm_loss(model, batches(1)[0]).backward()
+        opt.step()
+    finally:
+        opt.close()
+
+
+class _LookupLM(nn.Module):
+    """An untied embedding looked up by a functional call with ``sparse`` or ``max_norm``."""
+
+    def __init__(self, **lookup) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList([Block(32, 48)])
+        self.head = nn.Linear(32, 64)
+        self.lookup = lookup
+
+    def forward(self, tokens):
+        return self.head(self.blocks[0](F.embedding(tokens, self.embed.weight, **self.lookup)))
+
+
+@pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
+def test_a_lookup_that_offload_cannot_honour_is_named_at_the_backward_or_step(tmp_path, param_dev):
+    """Past wrap's check, in a forward: a sparse gradient (``F.embedding(..., sparse=True)``)
+    fails the backward naming the parameter (it failed in ``aten::view``, naming nothing),
+    and a renorm of the weight in place (``max_norm``) is refused at the step, which says the
+    forward's write is dropped."""
+    torch.manual_seed(0)
+    model, opt = offload.wrap(
+        _LookupLM(sparse=True), placement_config(param_dev, param_dev, tmp_path)
+    )
+    try:
+        with pytest.raises(RuntimeError, match=r"'embed\.weight' got a torch\.sparse_coo gradient"):
+            lm_loss(model, batches(1)[0]).backward()
+    finally:
+        opt.close()
+    torch.manual_seed(0)
+    model, opt = offload.wrap(
+        _LookupLM(max_norm=0.5), placement_config(param_dev, param_dev, tmp_path)
+    )
+    try:
+        lm_loss(model, batches(1)[0]).backward()
+        with pytest.raises(PhaseError, match=r"step\(\).*\(embed\.weight\).*model's forward"):
+            opt.step()
     finally:
         opt.close()
 

@@ -285,6 +285,7 @@ def _check_model(model: nn.Module, has_weights: bool) -> None:
                 "two would not train one parameter. Wrap one model that holds both (a parent "
                 "module), or give each its own copy"
             )
+    _check_embeddings(model)
     if has_weights:
         return
     for what, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
@@ -295,6 +296,44 @@ def _check_model(model: nn.Module, has_weights: bool) -> None:
                     "weights= (a .safetensors file, a Hugging Face model directory or a mapping "
                     "of names to tensors), or materialize the model first"
                 )
+
+
+def _check_embeddings(model: nn.Module) -> None:
+    """Two options of torch's embeddings that offload cannot honour, refused by name before
+    anything is built (a scratch probe of each, 2026-12-05: both had trained wrongly or failed
+    deep inside a backward):
+
+    - ``sparse=True`` makes the weight's gradient a sparse tensor. offload takes every
+      gradient into flat fp32 buffers, sums and clips it as dense, and its Adam is dense (as
+      torch's ``Adam`` / ``AdamW``, which refuse sparse gradients too): the first backward
+      failed in ``aten::view`` on the SparseCPU backend, naming no parameter.
+    - ``max_norm`` renormalizes the looked-up rows of the weight in place in each forward, a
+      write into the tensor the forward computes with. offload keeps a parameter's values in
+      its homes, updated by its optimizer, and the tensor is a copy filled by each gather (in
+      the compute dtype): the renorm never reached the master. With the weight released
+      between uses the step raised that it was written; kept on the device with the optimizer
+      on NVMe it trained silently apart from torch (3.8 off in the weights after 3 steps).
+    """
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            continue
+        what = f"{type(m).__name__} '{name or '(the model)'}'"
+        if m.sparse and m.weight.requires_grad:
+            raise ValueError(
+                f"offload.wrap: {what} has sparse=True: its weight's gradient would be a sparse "
+                "tensor, and offload's gradient buffers, clipping and Adam are dense (torch's "
+                "Adam and AdamW refuse sparse gradients too). Build it with sparse=False, or "
+                "freeze it (requires_grad_(False)) before wrap"
+            )
+        if m.max_norm is not None:
+            raise ValueError(
+                f"offload.wrap: {what} has max_norm={m.max_norm}: it renormalizes the rows it "
+                "looks up in place, in its weight, at each forward; offload keeps the weight's "
+                "values in its own homes (the tensor is a copy each gather fills, in the "
+                "compute dtype), so that write would be dropped and training would go apart "
+                "from torch's. Set max_norm=None before wrap (to bound the rows' norms, scale "
+                "the looked-up rows instead, out of place)"
+            )
 
 
 def _collect_dropped_engines() -> None:

@@ -97,6 +97,8 @@ def _grad_hook(runtime: weakref.ref, index: int):
                 "freed (the model and its optimizer were let go of without close()); optimizer."
                 "close(restore=True) before letting go keeps the parameters usable as plain tensors"
             )
+        if param.grad is not None and param.grad.layout is not torch.strided:
+            raise RuntimeError(me._dense_only(me.runs[index], param))
         me._grad_ready(me.runs[index])  # (closed: _hook raises)
 
     return hook
@@ -1199,12 +1201,27 @@ class Runtime:
                     "offload_param.device none)"
                 )
 
+    @staticmethod
+    def _dense_only(run: UnitRun, param: torch.Tensor) -> str:
+        """The error for a gradient that is not a dense tensor (``F.embedding(...,
+        sparse=True)`` in a forward; a module with ``sparse=True`` is refused at wrap): it
+        would reach the flat buffers' ``view`` and fail there, naming no parameter."""
+        name = next(s.name for s in run.unit.layout.segments if s.param is param)
+        return (
+            f"offload: parameter '{name}' got a {param.grad.layout} gradient (a lookup with "
+            "sparse=True, such as F.embedding(..., sparse=True)): offload's gradient buffers, "
+            "clipping and Adam are dense, as torch's Adam and AdamW are. Look it up with "
+            "sparse=False"
+        )
+
     def _check_unwritten(self, what: str) -> None:
         """No parameter of a released unit was written in place through its tensor (``nn.init``
-        or ``model.apply(init)`` after ``wrap``, ``p.copy_(...)`` under ``no_grad``, an
-        embedding's ``max_norm`` renorm): the write went to the released storage, which the
-        next gather fills from the unit's home, so it was dropped with no error (and
-        ``state_dict()`` gave the values of before). Said once: the versions are noted again,
+        or ``model.apply(init)`` after ``wrap``, ``p.copy_(...)`` under ``no_grad``): the
+        write went to the released storage, which the next gather fills from the unit's home,
+        so it was dropped with no error (and ``state_dict()`` gave the values of before). A
+        write in a forward (a ``clamp_`` under ``no_grad``, ``F.embedding``'s ``max_norm``;
+        ``nn.Embedding(max_norm=...)`` is refused at wrap) goes into the gathered copy and is
+        dropped at its release the same way. Said once: the versions are noted again,
         and training goes on with offload's values. A unit that stays gathered (on the device,
         persistent) is not looked at: its storage is live, and what the step makes of a write
         there depends on where the master is. A write through ``p.data`` bumps no counter and
@@ -1217,13 +1234,15 @@ class Runtime:
         for run in self.runs:
             run.note_versions()
         raise PhaseError(
-            f"offload: {what}: {len(written)} parameter(s) were written in place after "
-            f"offload.wrap while offload held them released ({', '.join(written[:3])}"
-            f"{', ...' if len(written) > 3 else ''}): an nn.init call, model.apply(...), or a "
-            "copy_ under no_grad writes into freed storage, which the next gather refills from "
-            "offload's copy, so the write is dropped (the parameters keep offload's values). "
-            "Initialize the model before offload.wrap, or set values with "
-            "model.load_state_dict(...)"
+            f"offload: {what}: {len(written)} parameter(s) were written in place through "
+            f"the tensor after offload.wrap ({', '.join(written[:3])}"
+            f"{', ...' if len(written) > 3 else ''}): an nn.init call, model.apply(...) or a "
+            "copy_ under no_grad between uses writes into freed storage, and a write in the "
+            "model's forward (a clamp_ under no_grad, F.embedding's max_norm) into the copy "
+            "that forward computes with; the next gather refills both from offload's copy, "
+            "so the write is dropped (the parameters keep offload's values). Initialize the "
+            "model before offload.wrap, set values with model.load_state_dict(...), and keep "
+            "forwards from writing their weights"
         )
 
     def _check_open(self) -> None:

@@ -39,7 +39,7 @@ class ModelOverrides:
         Drops the gradients offload holds outside ``p.grad`` too (``Runtime.zero_grad``, what
         ``optimizer.zero_grad()`` does), as it drops ``p.grad`` in PyTorch: mid accumulation
         the host or NVMe sums stayed and were added to, and after a step it counts as the
-        zero_grad() the next backward checks for (``Runtime._check_zeroed``).
+        zero_grad() the next backward checks for (``Runtime._discards``).
 
     Note: copies
         ``copy.deepcopy`` of the wrapped model (an EMA's usual start) would copy the engine its

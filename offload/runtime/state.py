@@ -100,6 +100,8 @@ def _grad_hook(runtime: weakref.ref, index: int):
         if param.grad is not None and param.grad.layout is not torch.strided:
             raise RuntimeError(me._dense_only(me.runs[index], param))
         me._grad_ready(me.runs[index])  # (closed: _hook raises)
+        if me._discarding:  # (Runtime._discards)
+            param.grad = None
 
     return hook
 
@@ -159,12 +161,15 @@ class Runtime:
         self._backward_first: UnitRun | None = self.runs[-1] if self._keeps else None
         self._callback_queued = False
         self._grad_free = False  # the backward running reaches no trainable parameter
+        self._discarding = False  # ... or its gradients are dropped (_discards)
         self.load_strict = False  # inside the root's load_state_dict(strict=True)
         self.released = False  # closed without restore: the parameters' values are gone
         # a backward failed part way: its gradients are incomplete until zero_grad()
         self._grads_incomplete = False
-        # zero_grad() was called since the last step (or no step ran yet): see _check_zeroed
+        # zero_grad() was called since the last step (or no step ran yet): see _discards
         self._zeroed = True
+        # a backward added to gradients a step consumed: the norm and the step wait for zero_grad
+        self._unzeroed = False
         # a loss scaler (fp16, or loss_scale.enabled): the optimizer's scale_loss marks the
         # backward that starts from its scaled loss (mark_scaled); one that does not is refused
         # (_check_scaled)
@@ -532,6 +537,7 @@ class Runtime:
         self._stop_timer("_fwd_start", "forward_seconds")
         self.transfers.capture_stream()
         self._grad_free = not self._reaches_trainable()
+        self._discarding = False
         try:
             self._check_trainable()
             self._check_no_create_graph()
@@ -556,7 +562,9 @@ class Runtime:
         """The backward starting is one of the step's: its checks, then the gradients' owner
         and the schedule hear of it (before it takes any gradient)."""
         self._check_scaled()
-        self._check_zeroed()
+        if self._discards():
+            self._grad_free = self._discarding = True
+            return
         self._check_no_clip()
         step, backwards = self.step_count, self.backwards_since_step
         self.grads.backward_begins(
@@ -594,6 +602,8 @@ class Runtime:
         inside ``autograd.grad`` no parameter accumulates, and torch refuses the question."""
         for run in self.runs:
             for p in run.unit.trainable_params:
+                if not p.requires_grad:  # frozen for now (_check_trainable): no edge
+                    continue
                 try:
                     if will_run(get_gradient_edge(p).node):
                         return True
@@ -619,20 +629,36 @@ class Runtime:
                 "sum, or each of them)"
             )
 
-    def _check_zeroed(self) -> None:
-        """The first backward after a step with no ``zero_grad()`` since: in PyTorch it adds
-        to the gradients the step used. An owner that handed them to the update (host or NVMe
-        gradients) no longer has them, and went on as if zero_grad() had been called, so the
-        same loop trained differently on another placement; refused instead, before this
-        backward takes anything."""
+    def _discards(self) -> bool:
+        """Whether this backward, the first after a step with no ``zero_grad()`` since, drops
+        its gradients. In PyTorch it adds them to the ones the step used. An owner that handed
+        those to the update (host or NVMe gradients) no longer has them, and went on as if
+        zero_grad() had been called, so the same loop trained differently on another
+        placement; until 2026-12-05 such a backward was refused. But its sum is only wrong
+        once something reads it, and a GAN's loop never does: the generator's step
+        backpropagates through the discriminator after the discriminator's step, and the loop
+        zeroes the discriminator's gradients before their next backward (torch's DCGAN
+        example). So the backward runs as one that reaches no trainable parameter (the units
+        are gathered and released, no update runs in it, its gradients are dropped, and the
+        model stays readable between steps), and :meth:`_check_unzeroed` refuses the norm and
+        the step until ``zero_grad()``."""
         if self._zeroed or self.backwards_since_step or self.grads.owner.kept_after_step:
-            return
-        raise PhaseError(
-            "offload: loss.backward() after optimizer.step() with no zero_grad() in between: "
-            "PyTorch would add this backward's gradients to the ones the step used, but "
-            "offload's step consumed them (its gradients live outside p.grad with this "
-            "placement); call optimizer.zero_grad() (or model.zero_grad()) after each step"
-        )
+            return False
+        self._unzeroed = True
+        return True
+
+    def _check_unzeroed(self, what: str) -> None:
+        if self._unzeroed:
+            raise PhaseError(
+                f"offload: {what} after a loss.backward() that followed optimizer.step() with "
+                "no zero_grad() in between: PyTorch would add that backward's gradients to the "
+                "ones the last step used, but offload's step consumed them (its gradients live "
+                "outside p.grad with this placement); call optimizer.zero_grad() (or "
+                "model.zero_grad()) after each step. A backward through this model that only "
+                "feeds another model's step (a GAN's generator step through the "
+                "discriminator) needs no zero_grad() until this model's next backward of its "
+                "own"
+            )
 
     def _check_no_clip(self) -> None:
         """A backward after ``clip_grad_norm_`` and before the step. Torch's clipping scales
@@ -655,20 +681,44 @@ class Runtime:
 
     def _check_trainable(self) -> None:
         """Which parameters train is fixed at wrap: the layout puts them first, with their
-        optimizer state and gradient room. One frozen after wrap (``requires_grad_(False)``)
-        was still updated where offload holds the gradients (zero gradient: its momentum and
-        weight decay moved it), one unfrozen was never trained; both without a word. Refused
-        at the next backward instead, before it takes anything."""
+        optimizer state and gradient room. One unfrozen after wrap was never trained, without
+        a word: refused at the next backward instead, before it takes anything. One frozen
+        after wrap (``requires_grad_(False)``) just gets no gradient in the backwards it is
+        frozen for: a GAN's loop freezes the discriminator for the generator's step (CycleGAN's
+        ``set_requires_grad``; refused here until 2026-12-05). Its own step, though, would
+        update it as with a zero gradient where offload holds the gradients (its momentum and
+        weight decay move it) where torch leaves it: :meth:`_check_still_trainable`."""
         for run in self.runs:
             for s in run.unit.layout.segments:
-                if s.param.requires_grad != s.trainable:
-                    was = "trainable" if s.trainable else "frozen"
+                if s.param.requires_grad and not s.trainable:
                     raise PhaseError(
-                        f"offload: parameter {s.name} was {was} when the model was wrapped and "
-                        f"now has requires_grad={s.param.requires_grad}; offload fixes which "
-                        "parameters train at wrap. Set requires_grad before offload.wrap "
-                        "(offload.from_pretrained: its before_wrap= callable), or wrap again"
+                        f"offload: parameter {s.name} was frozen when the model was wrapped and "
+                        "now has requires_grad=True; offload fixes which parameters train at "
+                        "wrap (it holds no optimizer state for it). Set requires_grad before "
+                        "offload.wrap (offload.from_pretrained: its before_wrap= callable), or "
+                        "wrap again"
                     )
+
+    def _check_still_trainable(self) -> None:
+        """A parameter trainable at wrap and frozen now: see :meth:`_check_trainable`."""
+        frozen = [
+            s.name
+            for u in self.units
+            for s in u.layout.segments
+            if s.trainable and not s.param.requires_grad
+        ]
+        if frozen:
+            raise PhaseError(
+                f"offload: optimizer.step() refused: {len(frozen)} parameter(s) were trainable "
+                f"when the model was wrapped and now have requires_grad=False "
+                f"({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}): offload's "
+                "step would still move them (momentum and weight decay, as with a zero "
+                "gradient), where torch's skips a parameter with no gradient. Freezing them for "
+                "a backward (a GAN's discriminator during the generator's step) is fine: set "
+                "requires_grad back before this optimizer's step(). To stop training them, set "
+                "requires_grad before offload.wrap (offload.from_pretrained: its before_wrap= "
+                "callable), or wrap again"
+            )
 
     def _check_no_create_graph(self) -> None:
         """A backward that builds a graph of its own (``create_graph=True``: a gradient
@@ -724,7 +774,7 @@ class Runtime:
     def _grad_ready(self, run: UnitRun) -> None:
         if self.phase.phase is not Phase.BACKWARD:
             self._begin_backward()  # a backward that reached no unit output first
-        elif self._grad_free:
+        elif self._grad_free and not self._discarding:
             self._grads_after_all()
         self._check_one_backward(run)
         if run.grad_ready() and run.inputs_passed():
@@ -824,6 +874,7 @@ class Runtime:
     def grad_norm_sq(self) -> tuple[bool, float]:
         """(any inf/NaN, sum of squares) of the accumulated gradients (still loss-scaled)."""
         self._settle_backward()
+        self._check_unzeroed("optimizer.clip_grad_norm_() / grad_norm()")
         self.schedule.check_grad_norm()
         self.agreement.check(Call.NORM, self.step_count, self.backwards_since_step)
         return self.grads.stats()
@@ -908,6 +959,8 @@ class Runtime:
                 f"offload: optimizer.step() called during {self.phase.phase.value}; "
                 "call it after loss.backward() has returned"
             )
+        self._check_unzeroed("optimizer.step()")
+        self._check_still_trainable()
         if self._grads_incomplete:
             raise PhaseError(
                 "offload: optimizer.step() after a backward that failed part way (an exception "
@@ -1053,6 +1106,7 @@ class Runtime:
         self.backwards_since_step = 0
         self._grads_incomplete = False
         self._zeroed = True
+        self._unzeroed = False
         self.clip_coef = None  # the clipping goes with the gradients it was computed for
 
     # ---------------------------------------------------------------- values

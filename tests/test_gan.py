@@ -1,0 +1,153 @@
+"""Two wrapped models trained against each other: a GAN's loop, as PyTorch's DCGAN example and
+CycleGAN write it.
+
+The generator's step backpropagates through the discriminator after the discriminator's own
+step, with no ``zero_grad()`` of the discriminator in between (that comes before its next
+backward), or with the discriminator frozen for it (``requires_grad_(False)``, CycleGAN's
+``set_requires_grad``). Before 2026-12-05 offload refused both at that backward: the first
+where it holds the gradients (NVMe), the second on every placement.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from engine_models import STACK_DIM, StackBlock, placement_config
+
+import offload
+from offload.runtime.phase import PhaseError
+
+NOISE, DATA = 8, 16
+
+
+def _generator() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(NOISE, STACK_DIM), StackBlock(), StackBlock(), nn.Linear(STACK_DIM, DATA)
+    )
+
+
+def _discriminator() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(DATA, STACK_DIM), StackBlock(), StackBlock(), nn.Linear(STACK_DIM, 1)
+    )
+
+
+def _config(param_dev: str, opt_dev: str, path) -> dict:
+    cfg = placement_config(param_dev, opt_dev, path)
+    cfg["optimizer"] = {"type": "adamw", "lr": 1e-3, "weight_decay": 0.01}
+    cfg["wrap"] = {"module_classes": ["StackBlock"]}
+    return cfg
+
+
+def _train(g, d, g_opt, d_opt, steps: int, freeze: bool) -> list[tuple[float, float]]:
+    """The discriminator's step on real and generated samples, then the generator's through
+    the discriminator; ``freeze``: the discriminator frozen for the generator's step."""
+    gen = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(steps):
+        real = torch.randn(4, DATA, generator=gen) + 1
+        z = torch.randn(4, NOISE, generator=gen)
+        d.requires_grad_(True)
+        d_opt.zero_grad()
+        fake = g(z)
+        d_loss = F.softplus(-d(real)).mean() + F.softplus(d(fake.detach())).mean()
+        d_loss.backward()
+        d_opt.step()
+        d.requires_grad_(not freeze)
+        g_opt.zero_grad()
+        g_loss = F.softplus(-d(g(z))).mean()
+        g_loss.backward()  # through the discriminator, after its step
+        g_opt.step()
+        losses.append((d_loss.item(), g_loss.item()))
+    return losses
+
+
+@pytest.mark.parametrize("freeze", [False, True], ids=["dcgan", "frozen-d"])
+@pytest.mark.parametrize("param_dev,opt_dev", [("none", "nvme"), ("cpu", "cpu"), ("nvme", "nvme")])
+def test_a_gan_loop_trains_as_torch(tmp_path, param_dev, opt_dev, freeze):
+    """Losses and both models' weights against plain torch's AdamW(foreach=False) over 4
+    steps; the discriminator's ``state_dict()`` is readable right after the generator's
+    step (the backward through it ran no update)."""
+    torch.manual_seed(0)
+    g0, d0 = _generator(), _discriminator()
+    ref_g, ref_d = copy.deepcopy(g0), copy.deepcopy(d0)
+
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+
+    ref = _train(ref_g, ref_d, adamw(ref_g), adamw(ref_d), 4, freeze)
+    g, g_opt = offload.wrap(g0, _config(param_dev, opt_dev, tmp_path / "g"))
+    d, d_opt = offload.wrap(d0, _config(param_dev, opt_dev, tmp_path / "d"))
+    try:
+        got = _train(g, d, g_opt, d_opt, 4, freeze)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=0, atol=1e-6)
+        for model, want in ((d, ref_d), (g, ref_g)):
+            values, wanted = model.state_dict(), want.state_dict()
+            assert values.keys() == wanted.keys()
+            for name, v in wanted.items():
+                # (Adam's first steps are lr * sign(g): a gradient near eps moves by an ulp's
+                # worth of its rounding, here 2.5e-6 in the generator after one step)
+                torch.testing.assert_close(values[name], v, rtol=0, atol=1e-5, msg=name)
+    finally:
+        g_opt.close()
+        d_opt.close()
+
+
+@pytest.mark.parametrize("param_dev,opt_dev", [("none", "nvme"), ("nvme", "nvme")])
+def test_gradients_added_to_a_consumed_step_are_not_stepped(tmp_path, param_dev, opt_dev):
+    """Where offload holds the gradients, a backward after the step with no ``zero_grad()``
+    is torch's sum minus what the step used: it runs (a GAN needs it), and the norm and the
+    step that would read it are refused until ``zero_grad()``, which leaves the run as one
+    that zeroed."""
+    torch.manual_seed(0)
+    d, opt = offload.wrap(_discriminator(), _config(param_dev, opt_dev, tmp_path))
+    x = torch.randn(4, DATA, generator=torch.Generator().manual_seed(1))
+    try:
+        d(x).mean().backward()
+        opt.step()
+        before = d.state_dict()
+        d(x).mean().backward()  # no zero_grad() since the step
+        # dropped as they come (kept, p.grad would hold the whole model's gradients)
+        assert all(p.grad is None for p in d.parameters())
+        for call in (lambda: opt.clip_grad_norm_(1.0), opt.grad_norm, opt.step):
+            with pytest.raises(PhaseError, match=r"no zero_grad\(\) in between.*after each step"):
+                call()
+        after = d.state_dict()
+        for name, v in before.items():
+            assert torch.equal(after[name], v), name
+        opt.zero_grad()
+        d(x).mean().backward()
+        assert opt.grad_norm() > 0
+        opt.step()
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("param_dev,opt_dev", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_a_parameter_frozen_after_wrap_is_refused_at_its_own_step(tmp_path, param_dev, opt_dev):
+    """Frozen for a backward it just gets no gradient; its own step would move it (momentum,
+    weight decay) where torch's skips it, so the step is refused naming it, and goes on once
+    it is trainable again. One frozen at wrap and unfrozen after is refused at the backward
+    (offload holds no optimizer state for it)."""
+    torch.manual_seed(0)
+    model = _discriminator()
+    model[3].bias.requires_grad_(False)
+    d, opt = offload.wrap(model, _config(param_dev, opt_dev, tmp_path))
+    x = torch.randn(4, DATA, generator=torch.Generator().manual_seed(1))
+    try:
+        d[1].requires_grad_(False)
+        d(x).mean().backward()
+        with pytest.raises(PhaseError, match=r"step\(\) refused: 4 parameter\(s\).*1\.fc1\.weight"):
+            opt.step()
+        d[1].requires_grad_(True)
+        opt.step()
+        opt.zero_grad()
+        d[3].bias.requires_grad_(True)
+        with pytest.raises(PhaseError, match=r"3\.bias was frozen when the model was wrapped"):
+            d(x).mean().backward()
+    finally:
+        opt.close()

@@ -1073,7 +1073,8 @@ def test_peft_prompt_tuning_saves_through_offload_trainer(tmp_path):
     encoder (a part of the root unit) by itself, with gradients on: refused, so
     ``OffloadTrainer.save_model`` raised after training. It saves under ``no_grad`` now, the
     plain Trainer's file; a direct call with gradients on says to use ``torch.no_grad()``, and
-    wrapping ``get_base_model()`` (the LoRA recipe; nothing trains there) says what to wrap."""
+    wrapping ``get_base_model()`` (the LoRA recipe; nothing trains there) wraps it for forwards
+    only, and its first step says what to wrap."""
     peft = pytest.importorskip("peft")
     from transformers import Trainer  # noqa: PLC0415
 
@@ -1086,8 +1087,13 @@ def test_peft_prompt_tuning_saves_through_offload_trainer(tmp_path):
     model = prompt_model()
     cfg = nvme_config(tmp_path, "cpu", "cpu")
     cfg["optimizer"].update(lr=LR, weight_decay=0.0)
-    with pytest.raises(ValueError, match="no trainable parameters.*wrap the PeftModel"):
-        offload.wrap(model.get_base_model(), cfg)
+    base, opt = offload.wrap(model.get_base_model(), cfg)  # wrapped for forwards only
+    try:
+        assert not base(torch.randint(0, 8, (1, 5))).logits.requires_grad  # (nothing trains)
+        with pytest.raises(PhaseError, match="no trainable parameters.*wrap the PeftModel"):
+            opt.step()
+    finally:
+        opt.close(restore=True)
     _, opt = offload.wrap(model, cfg)
     try:
         trainer = offload.OffloadTrainer(

@@ -703,11 +703,10 @@ def wrap(
     # the optimizer's order is torch's (state_dict numbers them so): model.parameters()
     order = {p: i for i, p in enumerate(model.parameters())}
     trainable = sorted((p for u in plan.units for p in u.trainable_params), key=order.__getitem__)
-    if not trainable:
-        raise ValueError(
-            "offload.wrap: the model has no trainable parameters (all requires_grad=False); "
-            "PEFT's prompt and prefix tuning train parameters of the PeftModel itself (its "
-            "prompt encoder), not of the model get_base_model() returns: wrap the PeftModel"
+    if not trainable:  # forwards only: inference, a frozen teacher (Runtime._check_trains)
+        logger.info(
+            "offload.wrap: the model has no trainable parameters: wrapped for forwards "
+            "(inference, a frozen teacher); optimizer.step() refuses"
         )
     opt = cfg.optimizer
     no_decay = _not_decayed(model, opt.no_decay, trainable)

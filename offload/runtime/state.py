@@ -934,6 +934,23 @@ class Runtime:
         """Every unit's state was loaded (a checkpoint, ``load_state_dict``)."""
         self.schedule.state_restored()
 
+    def _check_trains(self) -> None:
+        """A model wrapped with no trainable parameter is wrapped for its forwards (an
+        inference of a model beyond the device's memory, ZeRO-Inference's use; a frozen
+        teacher beside a student): its homes hold the frozen values, and its optimizer has
+        nothing to update. ``wrap`` refused such a model until 2026-12-05, naming PEFT's
+        prompt tuning, whose trainable parameters are the PeftModel's own, outside the base
+        model: wrapping the base model there trains nothing, so its first step says so."""
+        if not any(u.trainable_params for u in self.units):
+            raise PhaseError(
+                "offload: optimizer.step() on a model wrapped with no trainable parameters "
+                "(all requires_grad=False at wrap): offload wrapped it for forwards (inference, "
+                "a frozen teacher), and nothing of it trains. To train, set requires_grad "
+                "before offload.wrap; PEFT's prompt and prefix tuning train parameters of the "
+                "PeftModel itself (its prompt encoder), not of the model get_base_model() "
+                "returns: wrap the PeftModel"
+            )
+
     def _check_not_in_step(self, what: str) -> None:
         """A call made while :meth:`step` runs on this thread (only a signal handler, or a hook
         inside the step, can make one) is refused: the step count and the values disagree
@@ -947,6 +964,7 @@ class Runtime:
 
     def check_can_step(self) -> None:
         self._check_open()
+        self._check_trains()
         self._check_not_in_step("optimizer.step()")
         self.check_in_model("optimizer.step()")
         self._settle_backward()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import json
 import os
 import threading
@@ -1528,6 +1529,33 @@ def test_a_deep_copy_of_the_wrapped_model_says_to_copy_before_wrap(tmp_path):
     twin = copy.deepcopy(model)
     for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b) and a is not b, name
+
+
+def test_pickling_the_wrapped_model_or_a_part_names_what_saves_its_values(tmp_path):
+    """``torch.save(model)`` failed deep inside pickle ("Can't pickle local object
+    'Runtime.install_hooks.<locals>.<lambda>'"); ``torch.save(model.blocks[0])`` and
+    ``copy.deepcopy(model.head)`` of a released part went through with the released storage's
+    zeros (and hooks that gather the original unit). Each says what saves the values
+    instead; after ``close(restore=True)`` the plain model pickles and copies with its
+    values."""
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
+    try:
+        lm_loss(model, batches(1)[0]).backward()
+        opt.step()
+        for part in (model, model.blocks[0], model.blocks[0].fc1, model.head):
+            with pytest.raises(TypeError, match=r"cannot be pickled.*model\.state_dict\(\)"):
+                torch.save(part, io.BytesIO())
+        with pytest.raises(TypeError, match=r"\(Linear\) cannot be pickled or copied"):
+            copy.deepcopy(model.head)
+        values = model.state_dict()
+    finally:
+        opt.close(restore=True)
+    saved = io.BytesIO()
+    torch.save(model.blocks[0], saved)
+    saved.seek(0)
+    block = torch.load(saved, weights_only=False)
+    assert torch.equal(block.fc1.weight, values["blocks.0.fc1.weight"])
+    assert torch.equal(copy.deepcopy(model.head).weight, values["head.weight"])
 
 
 @pytest.mark.parametrize("param_dev", ["none", "nvme"])

@@ -1,7 +1,7 @@
 """What offload replaces on the wrapped model's own modules, as instance attributes (their
 classes are untouched, and ``ModelOverrides.remove`` restores them, like a hook handle): the
 root's ``named_parameters``, ``zero_grad``, ``__deepcopy__`` and ``load_state_dict``, and the
-``_apply`` of every module holding parameters (conversions)."""
+``_apply`` (conversions) and ``__reduce_ex__`` (pickling) of every module holding parameters."""
 
 from __future__ import annotations
 
@@ -44,7 +44,13 @@ class ModelOverrides:
     Note: copies
         ``copy.deepcopy`` of the wrapped model (an EMA's usual start) would copy the engine its
         hooks hold, threads and open files included, and fail deep inside ``copy``; it raises
-        a clear error instead, which says to copy the model before ``wrap``.
+        a clear error instead, which says to copy the model before ``wrap``. Pickling it
+        (``torch.save(model)``, as older scripts save) failed deep inside pickle ("Can't
+        pickle local object 'Runtime.install_hooks.<locals>.<lambda>'"), and a part of it
+        (``torch.save(model.blocks[0])``, ``copy.deepcopy(model.lm_head)``) went through
+        with the released storage's zeros for values, and with hooks that gather the original
+        unit for the copy's forward: every module holding parameters refuses to be pickled or
+        copied, naming what saves its values.
 
     Note: conversions
         ``model.to(dtype)``, ``.half()``, ``.cuda()`` (``Module._apply``) replaced each
@@ -110,12 +116,30 @@ class ModelOverrides:
         ]
         for module in self.guarded:
             module.__dict__["_apply"] = types.MethodType(_conversion_guard(runtime), module)
+        # (a block holds its layers' parameters, and its hooks: it is pickled before they are)
+        self.unpickled = [m for m in model.modules() if next(m.parameters(), None) is not None]
+        for module in self.unpickled:
+            module.__dict__["__reduce_ex__"] = types.MethodType(_not_pickled, module)
 
     def remove(self) -> None:
         for name in self.NAMES:
             self.model.__dict__.pop(name, None)
         for module in self.guarded:
             module.__dict__.pop("_apply", None)
+        for module in self.unpickled:
+            module.__dict__.pop("__reduce_ex__", None)
+
+
+def _not_pickled(self, protocol):
+    """``__reduce_ex__`` of a wrapped module (the Note on copies)."""
+    raise TypeError(
+        f"offload: a wrapped model's module ({type(self).__name__}) cannot be pickled or "
+        "copied (torch.save(module), pickle, copy.deepcopy): the engine its hooks hold has "
+        "threads, buffers and swap files, and its released parameters read as zeros. Save "
+        "the values instead: torch.save(model.state_dict()) (a part's state_dict() has its "
+        "values too), offload.save_checkpoint with the optimizer, or offload.save_pretrained; "
+        "or optimizer.close(restore=True) first to get a plain PyTorch model back"
+    )
 
 
 def _conversion_guard(runtime: Runtime):

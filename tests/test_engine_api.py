@@ -1471,6 +1471,58 @@ def test_embeddings_that_offload_cannot_honour_are_refused_at_wrap(tmp_path, opt
         opt.close()
 
 
+class _QuantBlock(nn.Module):
+    """A frozen 4-bit weight packed two to a byte, dequantized in the forward, and a layer that
+    trains; ``as_buffer``: the packed weight registered as a buffer."""
+
+    def __init__(self, as_buffer: bool) -> None:
+        super().__init__()
+        packed = torch.randint(0, 255, (32, 16), dtype=torch.uint8)
+        if as_buffer:
+            self.register_buffer("packed", packed)
+        else:
+            self.packed = nn.Parameter(packed, requires_grad=False)
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        low, high = (self.packed & 0xF).float() - 8, (self.packed >> 4).float() - 8
+        return x + self.fc(x @ torch.cat([low, high], 1).t() * 0.01)
+
+
+@pytest.mark.parametrize("kind", ["complex", "packed"])
+def test_parameters_offload_cannot_cast_are_refused_at_wrap(tmp_path, kind):
+    """A complex parameter lost its imaginary part in wrap's cast to the compute dtype (only
+    torch's warning said so; the forward then computed 0.12 off); an integer one (a packed
+    quantized weight) became floating point, and its bit operations failed ("bitwise_and_cpu
+    not implemented for 'Float'"). Both are refused by name; the packed weight registered as
+    a buffer keeps its dtype and trains the layer beside it as torch does."""
+    cfg = placement_config("nvme", "nvme", tmp_path, wrap={"module_classes": ["_QuantBlock"]})
+    if kind == "complex":
+        model = nn.Sequential(nn.Linear(4, 4))
+        model.register_parameter("spectrum", nn.Parameter(torch.randn(4, dtype=torch.cfloat)))
+        with pytest.raises(ValueError, match=r"'spectrum' is torch\.complex64.*view_as_real"):
+            offload.wrap(model, cfg)
+        return
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"'0\.packed' is torch\.uint8.*register_buffer"):
+        offload.wrap(nn.Sequential(_QuantBlock(False), _QuantBlock(False)), cfg)
+    torch.manual_seed(0)
+    ref = nn.Sequential(_QuantBlock(True), _QuantBlock(True))
+    model, opt = offload.wrap(copy.deepcopy(ref), cfg)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    try:
+        for m, o in ((ref, torch_opt), (model, opt)):
+            m(x).pow(2).mean().backward()
+            o.step()
+        assert model[0].packed.dtype == torch.uint8
+        values = model.state_dict()
+        for name, want in ref.state_dict().items():
+            torch.testing.assert_close(values[name], want, rtol=0, atol=1e-6, msg=name)
+    finally:
+        opt.close()
+
+
 class _LookupLM(nn.Module):
     """An untied embedding looked up by a functional call with ``sparse`` or ``max_norm``."""
 

@@ -286,6 +286,7 @@ def _check_model(model: nn.Module, has_weights: bool) -> None:
                 "module), or give each its own copy"
             )
     _check_embeddings(model)
+    _check_param_dtypes(model)
     if has_weights:
         return
     for what, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
@@ -296,6 +297,33 @@ def _check_model(model: nn.Module, has_weights: bool) -> None:
                     "weights= (a .safetensors file, a Hugging Face model directory or a mapping "
                     "of names to tensors), or materialize the model first"
                 )
+
+
+def _check_param_dtypes(model: nn.Module) -> None:
+    """offload keeps every parameter in its homes as real floating-point values in the compute
+    dtype (a trainable one's master in fp32), and casts it there at wrap. A complex parameter
+    lost its imaginary part in that cast with only torch's warning (a block multiplying by
+    one in the Fourier domain then computed 0.12 off torch's, a scratch probe, 2026-12-05); an
+    integer one (a quantized weight stored as a parameter) became floating point, which a
+    packed weight's bit operations then refused ("bitwise_and_cpu not implemented for
+    'Float'") and which an int32 one would round. Refused by name instead."""
+    for name, p in model.named_parameters():
+        if p.is_complex():
+            raise ValueError(
+                f"offload.wrap: parameter '{name}' is {p.dtype}: offload keeps parameters as "
+                "real values in its homes, and the cast would drop its imaginary part. Store "
+                "it as a real tensor with a last dimension of 2 (torch.view_as_real) and view "
+                "it complex in the forward (torch.view_as_complex): torch's Adam steps a "
+                "complex parameter as that real view too"
+            )
+        if not p.is_floating_point():
+            raise ValueError(
+                f"offload.wrap: parameter '{name}' is {p.dtype}: offload keeps parameters in "
+                "its homes in the compute dtype, so it would become floating point (a packed "
+                "quantized weight would lose its bits). Register it as a buffer "
+                "(module.register_buffer), which offload keeps in its dtype on the compute "
+                "device, or dequantize it before wrap"
+            )
 
 
 def _check_embeddings(model: nn.Module) -> None:

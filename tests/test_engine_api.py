@@ -1621,12 +1621,12 @@ def test_converting_the_wrapped_model_is_refused(tmp_path, param_dev):
     data = batches(1)
     try:
         for convert in (lambda: model.to(torch.bfloat16), model.half, model.double):
-            with pytest.raises(ValueError, match=r"torch\.float32 parameters on cpu torch\."):
+            with pytest.raises(ValueError, match=r"torch\.\w+ on cpu \(they are torch\.float32"):
                 convert()
         # a submodule's conversion (``model.lm_head.to(torch.bfloat16)``) went through the
         # root's guard: the block then computed in bf16 with copies offload never fills
         for sub in (model.blocks[1], model.blocks[0].fc1, model.norm):
-            with pytest.raises(ValueError, match=r"torch\.float32 parameters on cpu torch\."):
+            with pytest.raises(ValueError, match=r"torch\.bfloat16 on cpu \(they are torch\.f"):
                 sub.to(torch.bfloat16)
         model.to("cpu")
         model.float()
@@ -1637,6 +1637,37 @@ def test_converting_the_wrapped_model_is_refused(tmp_path, param_dev):
         opt.close(restore=True)
     model.blocks[1].to(torch.float64)  # a plain PyTorch model again: its own to go
     assert {p.dtype for p in model.blocks[1].parameters()} == {torch.float64}
+
+
+@pytest.mark.parametrize("param_dev", ["none", "nvme"])
+def test_a_memory_format_conversion_is_refused(tmp_path, param_dev):
+    """``model.to(memory_format=torch.channels_last)`` after wrap keeps the dtype and device,
+    so it went on and gave the convolutions' weights new tensors, which offload does not
+    fill: the step then failed in a ``view`` of the gradients ("view size is not compatible
+    with input tensor's size and stride", at none, cpu and nvme). Refused before a weight
+    changes; a model made channels-last before wrap trains
+    as torch's (its weights' layout is offload's then)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    ref = copy.deepcopy(model).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    cfg = placement_config(param_dev, "cpu", tmp_path, wrap={"module_classes": ["Conv2d"]})
+    model, opt = offload.wrap(model, cfg)
+    try:
+        with pytest.raises(ValueError, match=r"Sequential.*new tensors \(another memory format"):
+            model.to(memory_format=torch.channels_last)
+        with pytest.raises(ValueError, match=r"Conv2d.*new tensors"):
+            model[2].to(memory_format=torch.channels_last)
+        model(x).square().mean().backward()
+        opt.step()
+        torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        ref(x).square().mean().backward()
+        torch_opt.step()
+        values = model.state_dict()
+        for name, want in ref.state_dict().items():
+            torch.testing.assert_close(values[name], want, rtol=0, atol=1e-6, msg=name)
+    finally:
+        opt.close()
 
 
 def _steps_without_zero_grad(model, opt, data) -> None:
@@ -1651,8 +1682,9 @@ def test_a_backward_after_a_step_without_zero_grad_is_refused_where_the_step_too
 ):
     """Gradients held outside ``p.grad`` (host or NVMe) are handed to the update; a loop with
     no zero_grad() trained as if it had called it, unlike PyTorch and the same loop with
-    ``p.grad`` kept (which add). Refused before the backward takes anything; after
-    zero_grad() the run goes on bitwise as one that zeroed each step."""
+    ``p.grad`` kept (which add). Refused at the step that would use them (the backward runs
+    and drops its gradients: a GAN needs it, ``tests/test_gan.py``); after zero_grad() the
+    run goes on bitwise as one that zeroed each step."""
     data = batches(2)
     model, opt = offload.wrap(make_model(), placement_config(param_dev, opt_dev, tmp_path / "a"))
     try:

@@ -144,21 +144,36 @@ def _not_pickled(self, protocol):
 
 def _conversion_guard(runtime: Runtime):
     """``Module._apply`` of a wrapped module: refuses a conversion of the parameters' dtype or
-    device (tried on an empty tensor like a parameter), then does the class's."""
+    device (tried on an empty tensor like a parameter), and one that would give any of its
+    parameters a new tensor (``model.to(memory_format=torch.channels_last)``, which keeps
+    both: it went on, the new tensors were never filled, and the step failed in a ``view`` of
+    the gradients at every placement, a scratch probe, 2026-12-05), then does the class's."""
+    owned = {id(s.param) for u in runtime.units for s in u.layout.segments}
+
+    def refuse(self, what: str):
+        raise ValueError(
+            f"offload: converting a wrapped model or module ({type(self).__name__}: "
+            ".to(), .half(), .bfloat16(), .cuda(), .to(memory_format=...); Trainer's "
+            f"bf16_full_eval / fp16_full_eval) would make its parameters {what}: offload owns "
+            "their storage and would not fill the converted copies (the model computed with "
+            "zeros or stale values, no error). Set the compute dtype and device in the config "
+            "(dtype, device), or convert the model before offload.wrap"
+        )
 
     def apply(self, fn, recurse: bool = True):
         like = torch.empty(0, dtype=runtime.dtype, device=runtime.device)  # (a parameter)
         probe = fn(like)
         if (probe.dtype, probe.device) != (like.dtype, like.device):
-            raise ValueError(
-                f"offload: converting a wrapped model or module ({type(self).__name__}: "
-                ".to(), .half(), .bfloat16(), .cuda(); Trainer's bf16_full_eval / "
-                f"fp16_full_eval) would make its {like.dtype} parameters on {like.device} "
-                f"{probe.dtype} on {probe.device}: offload owns their storage and would not "
-                "fill the converted copies (the model computed with zeros or stale values, no "
-                "error). Set the compute dtype and device in the config (dtype, device), or "
-                "convert the model before offload.wrap"
+            refuse(
+                self, f"{probe.dtype} on {probe.device} (they are {like.dtype} on {like.device})"
             )
-        return type(self)._apply(self, fn, recurse)
+
+        def checked(t):
+            out = fn(t)
+            if out is not t and id(t) in owned:  # (torch's .to() returns the tensor itself
+                refuse(self, "new tensors (another memory format)")  # when nothing changes)
+            return out
+
+        return type(self)._apply(self, checked, recurse)
 
     return apply

@@ -43,9 +43,10 @@ def _config(param_dev: str, opt_dev: str, path) -> dict:
     return cfg
 
 
-def _train(g, d, g_opt, d_opt, steps: int, freeze: bool) -> list[tuple[float, float]]:
+def _train(g, d, g_opt, d_opt, steps: int, freeze: bool, scaled: bool = False) -> list:
     """The discriminator's step on real and generated samples, then the generator's through
-    the discriminator; ``freeze``: the discriminator frozen for the generator's step."""
+    the discriminator; ``freeze``: the discriminator frozen for the generator's step;
+    ``scaled``: each loss scaled by its own model's optimizer (``loss_scale.enabled``)."""
     gen = torch.Generator().manual_seed(5)
     losses = []
     for _ in range(steps):
@@ -55,23 +56,30 @@ def _train(g, d, g_opt, d_opt, steps: int, freeze: bool) -> list[tuple[float, fl
         d_opt.zero_grad()
         fake = g(z)
         d_loss = F.softplus(-d(real)).mean() + F.softplus(d(fake.detach())).mean()
-        d_loss.backward()
+        (d_opt.scale_loss(d_loss) if scaled else d_loss).backward()
         d_opt.step()
         d.requires_grad_(not freeze)
         g_opt.zero_grad()
         g_loss = F.softplus(-d(g(z))).mean()
-        g_loss.backward()  # through the discriminator, after its step
+        (g_opt.scale_loss(g_loss) if scaled else g_loss).backward()  # through D, after its step
         g_opt.step()
         losses.append((d_loss.item(), g_loss.item()))
     return losses
 
 
-@pytest.mark.parametrize("freeze", [False, True], ids=["dcgan", "frozen-d"])
+@pytest.mark.parametrize(
+    "freeze,scaled",
+    [(False, False), (True, False), (False, True)],
+    ids=["dcgan", "frozen-d", "scaled"],
+)
 @pytest.mark.parametrize("param_dev,opt_dev", [("none", "nvme"), ("cpu", "cpu"), ("nvme", "nvme")])
-def test_a_gan_loop_trains_as_torch(tmp_path, param_dev, opt_dev, freeze):
+def test_a_gan_loop_trains_as_torch(tmp_path, param_dev, opt_dev, freeze, scaled):
     """Losses and both models' weights against plain torch's AdamW(foreach=False) over 4
     steps; the discriminator's ``state_dict()`` is readable right after the generator's
-    step (the backward through it ran no update)."""
+    step (the backward through it ran no update). ``scaled``: a loss scaler on each
+    (``loss_scale.enabled``; fp32, so a power-of-two scale changes no value), the generator's
+    loss scaled by its own optimizer: the discriminator's engine refused that backward as
+    unscaled."""
     torch.manual_seed(0)
     g0, d0 = _generator(), _discriminator()
     ref_g, ref_d = copy.deepcopy(g0), copy.deepcopy(d0)
@@ -80,10 +88,11 @@ def test_a_gan_loop_trains_as_torch(tmp_path, param_dev, opt_dev, freeze):
         return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
 
     ref = _train(ref_g, ref_d, adamw(ref_g), adamw(ref_d), 4, freeze)
-    g, g_opt = offload.wrap(g0, _config(param_dev, opt_dev, tmp_path / "g"))
-    d, d_opt = offload.wrap(d0, _config(param_dev, opt_dev, tmp_path / "d"))
+    scaler = {"loss_scale": {"enabled": scaled}}
+    g, g_opt = offload.wrap(g0, _config(param_dev, opt_dev, tmp_path / "g") | scaler)
+    d, d_opt = offload.wrap(d0, _config(param_dev, opt_dev, tmp_path / "d") | scaler)
     try:
-        got = _train(g, d, g_opt, d_opt, 4, freeze)
+        got = _train(g, d, g_opt, d_opt, 4, freeze, scaled)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=0, atol=1e-6)
         for model, want in ((d, ref_d), (g, ref_g)):
             values, wanted = model.state_dict(), want.state_dict()

@@ -168,8 +168,8 @@ class Runtime:
         self._grads_incomplete = False
         # zero_grad() was called since the last step (or no step ran yet): see _discards
         self._zeroed = True
-        # a backward added to gradients a step consumed: the norm and the step wait for zero_grad
-        self._unzeroed = False
+        # why the gradients held are not the step's until zero_grad() (_check_unzeroed), or None
+        self._unzeroed: str | None = None
         # a loss scaler (fp16, or loss_scale.enabled): the optimizer's scale_loss marks the
         # backward that starts from its scaled loss (mark_scaled); one that does not is refused
         # (_check_scaled)
@@ -561,10 +561,11 @@ class Runtime:
     def _begin_step_backward(self) -> None:
         """The backward starting is one of the step's: its checks, then the gradients' owner
         and the schedule hear of it (before it takes any gradient)."""
-        self._check_scaled()
-        if self._discards():
+        if self._discards():  # (before the scale check: a GAN's generator loss is scaled by
+            self._scaled = False  # the generator's optimizer, not this one's)
             self._grad_free = self._discarding = True
             return
+        self._check_scaled(after_step=not (self._zeroed or self.backwards_since_step))
         self._check_no_clip()
         step, backwards = self.step_count, self.backwards_since_step
         self.grads.backward_begins(
@@ -615,12 +616,23 @@ class Runtime:
         """The backward now starting begins at a loss ``scale_loss`` scaled (its hook)."""
         self._scaled = True
 
-    def _check_scaled(self) -> None:
+    def _check_scaled(self, after_step: bool) -> None:
         """A loss scaler without ``scale_loss``: the step divides the gradients by the loss
         scale (2**16 at first) that the loss never got, so every update was about that much too
-        small, and no overflow could show it: refused before this backward takes anything."""
+        small, and no overflow could show it: refused before this backward takes anything.
+        ``after_step``: the backward follows a step with no ``zero_grad()`` since, where the
+        gradients stay in ``p.grad`` (else :meth:`_discards` took it): a GAN's generator loss,
+        scaled by the generator's optimizer, through the discriminator. Its sum is only wrong
+        once read, so the norm and the step refuse it until ``zero_grad()`` instead."""
         scaled, self._scaled = self._scaled, False
-        if self.needs_scaled_loss and not scaled:
+        if self.needs_scaled_loss and not scaled and after_step:
+            self._unzeroed = (
+                "a loss.backward() without this optimizer's loss scaling (another model's "
+                "scale_loss: a GAN's generator loss through the discriminator) after "
+                "optimizer.step() with no zero_grad() in between: its gradients are not at "
+                "this optimizer's loss scale"
+            )
+        elif self.needs_scaled_loss and not scaled:
             raise PhaseError(
                 "offload: loss.backward() without loss scaling, with a loss scaler (fp16 "
                 "compute or loss_scale.enabled): the step divides the gradients by the loss "
@@ -644,16 +656,18 @@ class Runtime:
         the step until ``zero_grad()``."""
         if self._zeroed or self.backwards_since_step or self.grads.owner.kept_after_step:
             return False
-        self._unzeroed = True
+        self._unzeroed = (
+            "a loss.backward() that followed optimizer.step() with no zero_grad() in between: "
+            "PyTorch would add that backward's gradients to the ones the last step used, but "
+            "offload's step consumed them (its gradients live outside p.grad with this "
+            "placement)"
+        )
         return True
 
     def _check_unzeroed(self, what: str) -> None:
         if self._unzeroed:
             raise PhaseError(
-                f"offload: {what} after a loss.backward() that followed optimizer.step() with "
-                "no zero_grad() in between: PyTorch would add that backward's gradients to the "
-                "ones the last step used, but offload's step consumed them (its gradients live "
-                "outside p.grad with this placement); call optimizer.zero_grad() (or "
+                f"offload: {what} after {self._unzeroed}; call optimizer.zero_grad() (or "
                 "model.zero_grad()) after each step. A backward through this model that only "
                 "feeds another model's step (a GAN's generator step through the "
                 "discriminator) needs no zero_grad() until this model's next backward of its "
@@ -1124,7 +1138,7 @@ class Runtime:
         self.backwards_since_step = 0
         self._grads_incomplete = False
         self._zeroed = True
-        self._unzeroed = False
+        self._unzeroed = None
         self.clip_coef = None  # the clipping goes with the gradients it was computed for
 
     # ---------------------------------------------------------------- values

@@ -38,13 +38,26 @@ Note: the NVMe step's buffers
     no speculative one ran), those buffers are idle in its last backward: the first pieces'
     master and moments are read into them there (``head_start``), less one buffer for each grad
     the update's first pieces in flight fetch when it starts.
+
+Note: a model that trains nothing
+    A model wrapped with no trainable parameter (forwards only: an inference beyond the
+    device's memory, a frozen teacher) has no master, moments or gradients: every optimizer
+    and gradient buffer covers a unit's trainable prefix, which is empty. What
+    ``offload_optimizer.device: nvme`` would still build is the optimizer store: its pool, a
+    populated mapping of ``buffer_count x buffer_size`` (with "auto" the largest unit in fp32
+    each: 8 x 48 MiB resident from the wrap on a 98M-parameter LLaMA generating from its
+    checkpoint, 2026-12-06), its NVMe directory and IO; the param pool's share for an update
+    (``param_ahead``), which narrowed the gathers' window; and the speculative update's second
+    NVMe extent of fp32 params that are the master (744 MiB of swap for that LLaMA's 372). So
+    the placement of such a model is made as with ``offload_optimizer.device: cpu``, whose
+    homes hold nothing for it; ``optimizer.step()`` refuses (``Runtime._check_trains``).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -254,14 +267,18 @@ def make_placement(
     keep_grads: bool | None = None,
     world: int = 1,
     sharded: bool | None = None,
+    trains: bool = True,
 ) -> Placement:
     """Every placement decision for ``cfg`` on ``device`` over ``world`` ranks, for a model
     whose largest piece region (a unit with one rank, a rank's share of one with more) has
     ``largest_unit`` elements (what ``"auto"`` buffers are sized for). ``keep_grads``
     overrides whether gradients stay in ``p.grad`` (tests run the flat-gradient path on the CPU
     with False). ``sharded`` (default: ``world > 1``): the state is sharded and reduced with
-    collectives (with one rank only to test that path)."""
+    collectives (with one rank only to test that path). ``trains``: whether any parameter
+    trains (Note: a model that trains nothing)."""
     sharded = world > 1 if sharded is None else sharded
+    if not trains:  # no optimizer state anywhere: none of the NVMe step's pool, files or IO
+        cfg = replace(cfg, offload_optimizer=replace(cfg.offload_optimizer, device="cpu"))
     dtype = DTYPES[cfg.dtype]
     sizes = buffer_sizes(cfg, dtype, largest_unit)
     opt = cfg.offload_optimizer

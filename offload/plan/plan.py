@@ -109,6 +109,12 @@ def make_plan(
             max(b - a for a, b in (u.layout.local_trainable, u.layout.local_frozen)) for u in units
         )
     placement = make_placement(
-        cfg, device, largest_unit=largest, keep_grads=keep_grads, world=shard.world, sharded=sharded
+        cfg,
+        device,
+        largest_unit=largest,
+        keep_grads=keep_grads,
+        world=shard.world,
+        sharded=sharded,
+        trains=any(u.layout.trainable for u in units),
     )
     return Plan(units, placement, shard)

@@ -1,5 +1,7 @@
 """Run by test_memory.py in a fresh process: peak RSS while training with params and optimizer
-state on NVMe, against the host memory the configuration allows. Prints one JSON line."""
+state on NVMe, against the host memory the configuration allows (``frozen``: forwards only, of
+a model with no trainable parameter; ``opt_cpu``: the optimizer state on the CPU). Prints one
+JSON line."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from engine_models import Block
 
 import offload
+from offload.api import engine_of
 
 DIM, HIDDEN = 256, 1024
 PARAM_BUF, OPT_BUF = 256 * 1024, 512 * 1024
@@ -125,12 +128,16 @@ def main() -> None:
         },
         "wrap": {"module_classes": ["Block"]},
     }
+    frozen = "frozen" in sys.argv[3:]  # nothing trains: forwards only (ZeRO-Inference's use)
+    if "opt_cpu" in sys.argv[3:]:
+        cfg["offload_optimizer"] = {"device": "cpu"}
     if "bf16" in sys.argv[3:]:  # (the LM's inputs are token ids: its compute dtype is free)
         cfg["dtype"] = "bf16"
     lm = "lm" in sys.argv[3:]  # the LM, with the "auto" swap buffers (the largest unit each)
     if lm:
         for section in ("offload_param", "offload_optimizer"):
-            del cfg[section]["buffer_count"], cfg[section]["buffer_size"]
+            for key in ("buffer_count", "buffer_size"):
+                cfg[section].pop(key, None)
     # Warm up what any training loop pays once, before the baseline: the autograd engine and
     # the first torch.optim.Optimizer (which imports torch._dynamo, ~50 MB of RSS).
     warm = nn.Linear(DIM, 1)
@@ -144,6 +151,8 @@ def main() -> None:
     unit_params = sum(p.numel() for p in model.blocks[0].parameters())
     root_params = n_params - sum(p.numel() for p in model.blocks.parameters())
     loss_fn = (lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())) if lm else F.mse_loss
+    if frozen:
+        model.requires_grad_(False)
     model, opt = offload.wrap(model, cfg)  # the model's own fp32 storage is released here
     after_wrap = proc.memory_info().rss
 
@@ -153,7 +162,12 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
 
-    peak = _peak_of(train)
+    def infer() -> None:  # a model that trains nothing: forwards without gradients
+        with torch.no_grad():
+            for _ in range(3):
+                model(x)
+
+    peak = _peak_of(infer if frozen else train)
     saves = {}
     if "save" in sys.argv[3:]:  # a checkpoint and an export after training: peak over before
         for what, save in (
@@ -179,12 +193,19 @@ def main() -> None:
         saves["resumed_export_growth"] = (
             _peak_of(lambda: offload.save_pretrained(model, workdir / "hf")) - base
         )
-    buffers = opt.stats()["host_reserved_bytes"]
+    pools = {k: s.stats()["host_reserved_bytes"] for k, s in engine_of(model).stores.items()}
+    buffers = sum(pools.values())  # (opt.stats()'s, which a run with no step has not)
+    if not lm:  # as configured (without the param pool's lent slots)
+        buffers = 4 * PARAM_BUF + 8 * OPT_BUF * ("offload_optimizer" in pools)
+    files = {d: [f for f in (workdir / d).rglob("*") if f.is_file()] for d in "po"}
+    swap = {d: sum(f.stat().st_blocks * 512 for f in fs) for d, fs in files.items()}  # on disk
     opt.close()
     print(
         json.dumps(
             saves
             | {
+                "pools": pools,
+                "swap_bytes": swap,
                 "base": base,
                 "after_wrap": after_wrap,
                 "peak": peak,
@@ -193,7 +214,7 @@ def main() -> None:
                 "unit_params": unit_params,
                 "largest_unit": max(unit_params, root_params),
                 "fp32_state": 16 * n_params,
-                "buffers": buffers if lm else 4 * PARAM_BUF + 8 * OPT_BUF,
+                "buffers": buffers,
             }
         )
     )

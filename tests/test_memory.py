@@ -61,6 +61,27 @@ def test_lm_whose_root_is_the_largest_unit_holds_the_pools_after_wrap(tmp_path):
     assert m["growth"] <= budget, m
 
 
+@pytest.mark.parametrize("optimizer", [("step_in_backward",), ("opt_cpu",)], ids=["nvme", "cpu"])
+def test_a_model_that_trains_nothing_holds_the_param_pool_and_no_optimizer_state(
+    tmp_path, optimizer
+):
+    """Forwards only under ``no_grad`` (ZeRO-Inference's use) of the LM frozen before wrap,
+    params on NVMe with the "auto" buffers: host memory grows by the budget less the optimizer's
+    buffers, and the optimizer's NVMe directory stays empty. With the optimizer state on NVMe
+    its pool of 8 x the largest unit in fp32 (256 MiB here; 8 x 48 MiB on a 98M-parameter
+    LLaMA generating from its checkpoint, 2026-12-06) was resident from the wrap with nothing
+    to hold (growth 499 MiB against 243 with the optimizer on the CPU), and the step in
+    backward's second extent doubled the params' swap: ``offload.plan.placement``, Note: a
+    model that trains nothing."""
+    m = _measure(tmp_path, 8, "lm", "frozen", *optimizer)
+    params = m["pools"]["offload_param"]
+    assert set(m["pools"]) == {"offload_param"}, m
+    assert m["swap_bytes"]["o"] == 0, m
+    assert m["swap_bytes"]["p"] <= 1.1 * 4 * m["n_params"], m  # one fp32 copy, not two
+    assert m["after_wrap"] - m["base"] <= params + FIXED_OVERHEAD, m
+    assert m["growth"] <= params + 4 * 4 * m["largest_unit"] + FIXED_OVERHEAD, m
+
+
 @pytest.mark.heavy
 def test_checkpoint_and_export_hold_one_piece_at_a_time(tmp_path):
     """After training, ``save_checkpoint`` and ``save_pretrained`` read each unit's pieces

@@ -58,8 +58,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from engine_models import (
     STACK_DIM,
+    VOCAB,
     BranchBlock,
     LiveCasts,
     LoraLM,
@@ -72,6 +74,7 @@ from engine_models import (
     make_model,
     placement_config,
 )
+from test_gan import DATA, NOISE, _config, _discriminator, _generator
 
 import offload
 from offload.api import checkpoint_files
@@ -396,6 +399,206 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
     checkpoint_files._sha256_of = ORIGINAL[2]
 
 
+def run_frozen(job: dict, out: Path, rank: int, world: int) -> None:
+    """``"kind": "frozen"``: ``make_model()`` with nothing trainable, wrapped for its forwards
+    (``tests/test_frozen_model.py``), on this rank's slice of one global batch: the logits
+    under ``no_grad`` and with gradients on, the gradient of a loss with respect to the
+    embedding's output (a leaf put in its place), ``step()``'s refusal (its message, or None
+    where it ran), ``zero_grad()``, the logits again, the gathered ``state_dict`` and the
+    values ``close(restore=True)`` gives back. Writes ``<name>.<rank>.pt``."""
+    tmp = out / "nvme" / job["name"]
+    cfg = placement_config(job["param"], job["optim"], tmp)
+    cfg["distributed"] = {"stage": job["stage"], "timeout": job.get("timeout", 60)}
+    model, opt = offload.wrap(make_model().requires_grad_(False), cfg)
+    tokens = slice_of(batches(1, batch=GLOBAL_BATCH)[0], rank, world)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].reshape(-1)
+    got = {}
+    with torch.no_grad():
+        got["logits"] = model(inputs)
+    got["logits_grad_on"] = model(inputs)
+    x = make_model().embed(inputs).detach().requires_grad_(True)  # (the same values)
+    hook = model.embed.register_forward_hook(lambda mod, args, output: x)
+    F.cross_entropy(model(inputs).reshape(-1, VOCAB), targets).backward()
+    hook.remove()
+    got["input_grad"] = x.grad
+    got["step_error"] = None
+    try:
+        opt.step()
+    except PhaseError as exc:
+        got["step_error"] = str(exc)
+    opt.zero_grad()
+    with torch.no_grad():
+        got["logits_after"] = model(inputs)
+    got["state"] = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.close(restore=True)
+    got["restored"] = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(got, out / f"{job['name']}.{rank}.pt")
+
+
+def gan_steps(g, d, g_opt, d_opt, steps: int, freeze: bool, halves, parts: int, clip=None):
+    """``tests/test_gan.py``'s loop on global batches of ``4 * parts`` rows, of which this
+    process runs the rows of the parts in ``halves``, each loss divided by their number (a
+    rank its own, or its micro-batches; the reference every part's: their gradients sum to
+    the ranks' mean). The discriminator's step on real and generated samples, then the
+    generator's through the discriminator after its step (``freeze``: frozen for it,
+    CycleGAN's ``set_requires_grad``; else no ``zero_grad()`` of it before, torch's DCGAN
+    example; ``d_opt`` None: the discriminator frozen at wrap, a fixed critic, a perceptual
+    loss); ``clip``: each model's gradients clipped to that norm before its step. The
+    losses per step: ``[[d_loss of each half], [g_loss of each half]]``."""
+    gen, scale = torch.Generator().manual_seed(5), 1.0 / len(halves)
+    losses = []
+
+    def step(model, opt) -> None:
+        if clip is not None and hasattr(opt, "clip_grad_norm_"):  # offload's
+            opt.clip_grad_norm_(clip)
+        elif clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+
+    for _ in range(steps):
+        real = torch.randn(4 * parts, DATA, generator=gen) + 1
+        z = torch.randn(4 * parts, NOISE, generator=gen)
+        rows = [slice(4 * r, 4 * r + 4) for r in halves]
+        d_losses = []
+        if d_opt is not None:
+            d.requires_grad_(True)
+            d_opt.zero_grad()
+            for row in rows:
+                fake = g(z[row])
+                d_loss = F.softplus(-d(real[row])).mean() + F.softplus(d(fake.detach())).mean()
+                (d_loss * scale).backward()
+                d_losses.append(d_loss.item())
+            step(d, d_opt)
+            d.requires_grad_(not freeze)
+        g_opt.zero_grad()
+        g_losses = []
+        for row in rows:
+            g_loss = F.softplus(-d(g(z[row]))).mean()
+            (g_loss * scale).backward()  # through the discriminator, after its step
+            g_losses.append(g_loss.item())
+        step(g, g_opt)
+        losses.append([d_losses, g_losses])
+    return losses
+
+
+def run_gan(job: dict, out: Path, rank: int, world: int) -> None:
+    """``"kind": "gan"``: ``tests/test_gan.py``'s generator and discriminator, each wrapped
+    (``param``, ``optim``, ``stage``, ``config``), trained by :func:`gan_steps` on this rank's
+    rows for ``steps`` steps (``freeze``; ``accum`` micro-batches per step, 1; ``clip``;
+    ``critic``: the discriminator frozen at wrap, only the generator trains). Writes ``<name>.<rank>.json`` (this rank's losses) and
+    ``<name>.pt`` (rank 0: both models' gathered ``state_dict``)."""
+    tmp = out / "nvme" / job["name"]
+    torch.manual_seed(0)
+    models = []
+    for part, make in (("g", _generator), ("d", _discriminator)):
+        cfg = _config(job["param"], job["optim"], tmp / part)
+        cfg["distributed"] = {"stage": job["stage"], "timeout": job.get("timeout", 60)}
+        cfg.update(job.get("config", {}))
+        model = make().requires_grad_(part == "g" or not job.get("critic"))
+        models.append(offload.wrap(model, cfg))
+    (g, g_opt), (d, d_opt) = models
+    if job.get("critic"):  # its optimizer refuses to step: left out of the loop
+        d_opt, critic_opt = None, d_opt
+    accum = job.get("accum", 1)
+    halves = [rank * accum + m for m in range(accum)]  # this rank's micro-batches
+    losses = gan_steps(
+        g, d, g_opt, d_opt, job["steps"], job["freeze"], halves, world * accum, job.get("clip")
+    )
+    state = {p: {k: v.clone() for k, v in m.state_dict().items()} for p, m in (("g", g), ("d", d))}
+    if rank == 0:
+        torch.save(state, out / f"{job['name']}.pt")
+    (out / f"{job['name']}.{rank}.json").write_text(json.dumps({"losses": losses}))
+    g_opt.close()
+    (critic_opt if job.get("critic") else d_opt).close()
+
+
+def refusal_steps(d, opt, rank: int, world: int, refused: list | None = None) -> list[float]:
+    """``tests/test_gan.py``'s refusals on this rank's rows of a batch of ``4 * world`` (the
+    reference: ``rank`` None, every rank's rows, with no refusal). A backward after the step
+    with no ``zero_grad()``: the norm and the step are refused, then ``zero_grad()``, a
+    backward and the step; a block frozen for the next backward: the step is refused until
+    it is unfrozen; the last layer's bias (frozen at wrap) unfrozen: that backward is
+    refused; frozen again, a last backward and step. Each refusal's message is appended to
+    ``refused``; the norms before the steps."""
+    x = torch.randn(4 * world, DATA, generator=torch.Generator().manual_seed(1))
+    x = x if rank is None else x[4 * rank : 4 * rank + 4]
+    plain = refused is None
+
+    def backward() -> None:
+        d(x).mean().backward()
+
+    def refuse(call) -> None:
+        try:
+            call()
+        except PhaseError as exc:
+            refused.append(str(exc))
+        else:
+            raise AssertionError("not refused")
+
+    def norm() -> float:
+        if plain:
+            grads = [p.grad for p in d.parameters() if p.grad is not None]
+            return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+        return float(opt.grad_norm())
+
+    norms = []
+    backward()
+    norms.append(norm())
+    opt.step()
+    if not plain:
+        backward()  # no zero_grad() since the step: its gradients are dropped
+        for call in (lambda: opt.clip_grad_norm_(1.0), opt.grad_norm, opt.step):
+            refuse(call)
+    opt.zero_grad()
+    backward()
+    norms.append(norm())
+    opt.step()
+    opt.zero_grad()
+    d[1].requires_grad_(False)
+    backward()
+    if not plain:
+        refuse(opt.step)
+    d[1].requires_grad_(True)
+    if plain:  # the block got no gradient: torch's step skips it, offload's moves it as with
+        for p in d[1].parameters():  # a zero gradient (README), its decay here
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad()
+    if not plain:
+        d[3].bias.requires_grad_(True)
+        refuse(backward)
+        d[3].bias.requires_grad_(False)
+    backward()
+    norms.append(norm())
+    opt.step()
+    return norms
+
+
+def run_refusals(job: dict, out: Path, rank: int, world: int) -> None:
+    """``"kind": "refusals"``: ``tests/test_gan.py``'s discriminator (its last bias frozen at
+    wrap) wrapped (``param``, ``optim``, ``stage``) through :func:`refusal_steps`. Writes
+    ``<name>.<rank>.json`` (the messages, the norms) and ``<name>.pt`` (rank 0: the gathered
+    ``state_dict``)."""
+    torch.manual_seed(0)
+    model = _discriminator()
+    model[3].bias.requires_grad_(False)
+    cfg = _config(job["param"], job["optim"], out / "nvme" / job["name"])
+    cfg["distributed"] = {"stage": job["stage"], "timeout": job.get("timeout", 60)}
+    d, opt = offload.wrap(model, cfg)
+    refused = []
+    norms = refusal_steps(d, opt, rank, world, refused)
+    state = {k: v.clone() for k, v in d.state_dict().items()}
+    if rank == 0:
+        torch.save(state, out / f"{job['name']}.pt")
+    (out / f"{job['name']}.{rank}.json").write_text(
+        json.dumps({"refused": refused, "norms": norms})
+    )
+    opt.close()
+
+
+JOBS = {"frozen": run_frozen, "gan": run_gan, "refusals": run_refusals}
+
+
 def _thread_names() -> list[str]:
     """This process's threads, native ones included, by name (Linux)."""
     return sorted((t / "comm").read_text().strip() for t in Path("/proc/self/task").iterdir())
@@ -407,7 +610,7 @@ def main() -> None:
     init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("timeout", 60)))
     try:
         for job in spec["jobs"]:
-            run_job(job, Path(spec["out"]), rank, world)
+            JOBS.get(job.get("kind"), run_job)(job, Path(spec["out"]), rank, world)
         before = _thread_names()
     finally:
         dist.destroy_process_group()

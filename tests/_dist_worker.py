@@ -512,17 +512,18 @@ def run_gan(job: dict, out: Path, rank: int, world: int) -> None:
     (critic_opt if job.get("critic") else d_opt).close()
 
 
-def refusal_steps(d, opt, rank: int, world: int, refused: list | None = None) -> list[float]:
+def refusal_steps(d, opt, rank: int | None, world: int, seen: dict | None = None) -> list[float]:
     """``tests/test_gan.py``'s refusals on this rank's rows of a batch of ``4 * world`` (the
     reference: ``rank`` None, every rank's rows, with no refusal). A backward after the step
     with no ``zero_grad()``: the norm and the step are refused, then ``zero_grad()``, a
     backward and the step; a block frozen for the next backward: the step is refused until
     it is unfrozen; the last layer's bias (frozen at wrap) unfrozen: that backward is
-    refused; frozen again, a last backward and step. Each refusal's message is appended to
-    ``refused``; the norms before the steps."""
+    refused; frozen again, a last backward and step. In ``seen``: each refusal's message
+    (``"refused"``), whether the dropping backward left every ``p.grad`` None (``"dropped"``).
+    The norms before the steps."""
     x = torch.randn(4 * world, DATA, generator=torch.Generator().manual_seed(1))
     x = x if rank is None else x[4 * rank : 4 * rank + 4]
-    plain = refused is None
+    plain = seen is None
 
     def backward() -> None:
         d(x).mean().backward()
@@ -531,7 +532,7 @@ def refusal_steps(d, opt, rank: int, world: int, refused: list | None = None) ->
         try:
             call()
         except PhaseError as exc:
-            refused.append(str(exc))
+            seen["refused"].append(str(exc))
         else:
             raise AssertionError("not refused")
 
@@ -546,7 +547,8 @@ def refusal_steps(d, opt, rank: int, world: int, refused: list | None = None) ->
     norms.append(norm())
     opt.step()
     if not plain:
-        backward()  # no zero_grad() since the step: its gradients are dropped
+        backward()  # no zero_grad() since the step: its gradients are dropped as they come
+        seen["dropped"] = all(p.grad is None for p in d.parameters())
         for call in (lambda: opt.clip_grad_norm_(1.0), opt.grad_norm, opt.step):
             refuse(call)
     opt.zero_grad()
@@ -577,7 +579,7 @@ def refusal_steps(d, opt, rank: int, world: int, refused: list | None = None) ->
 def run_refusals(job: dict, out: Path, rank: int, world: int) -> None:
     """``"kind": "refusals"``: ``tests/test_gan.py``'s discriminator (its last bias frozen at
     wrap) wrapped (``param``, ``optim``, ``stage``) through :func:`refusal_steps`. Writes
-    ``<name>.<rank>.json`` (the messages, the norms) and ``<name>.pt`` (rank 0: the gathered
+    ``<name>.<rank>.json`` (what it saw, the norms) and ``<name>.pt`` (rank 0: the gathered
     ``state_dict``)."""
     torch.manual_seed(0)
     model = _discriminator()
@@ -585,14 +587,12 @@ def run_refusals(job: dict, out: Path, rank: int, world: int) -> None:
     cfg = _config(job["param"], job["optim"], out / "nvme" / job["name"])
     cfg["distributed"] = {"stage": job["stage"], "timeout": job.get("timeout", 60)}
     d, opt = offload.wrap(model, cfg)
-    refused = []
-    norms = refusal_steps(d, opt, rank, world, refused)
+    seen = {"refused": []}
+    norms = refusal_steps(d, opt, rank, world, seen)
     state = {k: v.clone() for k, v in d.state_dict().items()}
     if rank == 0:
         torch.save(state, out / f"{job['name']}.pt")
-    (out / f"{job['name']}.{rank}.json").write_text(
-        json.dumps({"refused": refused, "norms": norms})
-    )
+    (out / f"{job['name']}.{rank}.json").write_text(json.dumps(seen | {"norms": norms}))
     opt.close()
 
 

@@ -192,9 +192,9 @@ def test_a_gan_loop_on_two_ranks_trains_as_torch_on_their_mean(request, group, j
 @pytest.mark.parametrize("group, job", _cases("refusals"))
 def test_the_gan_refusals_come_on_every_rank_and_training_goes_on(request, group, job):
     """``refusal_steps`` on each rank's rows: after a backward that followed the step with no
-    ``zero_grad()`` the norm, the clipping and the step are refused on every rank; a step
-    with a block frozen, and a backward with a parameter unfrozen after wrap, too. None of
-    them leaves a rank inside a collective the others never join: the norms and the weights
+    ``zero_grad()`` (its gradients dropped as they came) the norm, the clipping and the step
+    are refused on every rank; a step with a block frozen, and a backward with a parameter
+    unfrozen after wrap, too. None of them leaves a rank inside a collective the others never join: the norms and the weights
     after them are torch's on the mean of the ranks' gradients."""
     out = request.getfixturevalue(group)
     torch.manual_seed(0)
@@ -203,6 +203,7 @@ def test_the_gan_refusals_come_on_every_rank_and_training_goes_on(request, group
     want = refusal_steps(d, _adamw(d), None, WORLD)
     for rank in range(WORLD):
         got = result(out, job["name"], rank)
+        assert got["dropped"], "the dropping backward left gradients in p.grad"
         refused = got["refused"]
         assert len(refused) == 5, refused
         for message in refused[:3]:

@@ -41,6 +41,10 @@ user leaves it, ``peek``'s and ``eval_held``'s forwards too; recorded per micro-
 ``casts``: the bf16 copies of the model's 2-D weights alive after the forward, and at most
 during it, ``engine_models.LiveCasts``).
 
+A job with a ``kind`` runs another loop: ``"frozen"`` (a model with nothing trainable),
+``"gan"`` (two models trained against each other), ``"refusals"`` (``tests/test_gan.py``'s):
+see :func:`run_frozen`, :func:`run_gan`, :func:`run_refusals` (``tests/test_dist_gan.py``).
+
 After the jobs: ``threads.w<world>.<rank>.json``, this process's threads by name before and after
 ``destroy_process_group``.
 """
@@ -485,8 +489,9 @@ def run_gan(job: dict, out: Path, rank: int, world: int) -> None:
     """``"kind": "gan"``: ``tests/test_gan.py``'s generator and discriminator, each wrapped
     (``param``, ``optim``, ``stage``, ``config``), trained by :func:`gan_steps` on this rank's
     rows for ``steps`` steps (``freeze``; ``accum`` micro-batches per step, 1; ``clip``;
-    ``critic``: the discriminator frozen at wrap, only the generator trains). Writes ``<name>.<rank>.json`` (this rank's losses) and
-    ``<name>.pt`` (rank 0: both models' gathered ``state_dict``)."""
+    ``critic``: the discriminator frozen at wrap, only the generator trains). Writes
+    ``<name>.<rank>.json`` (this rank's losses) and ``<name>.pt`` (rank 0: both models'
+    gathered ``state_dict``)."""
     tmp = out / "nvme" / job["name"]
     torch.manual_seed(0)
     models = []

@@ -74,7 +74,11 @@ HEAVY = [
     *(gan(s, "cpu", "nvme", loop, accum=2, clip=0.05) for s in (2, 3) for loop in ("dcgan",)),
     gan(3, "nvme", "nvme", "frozen-d", accum=2, clip=0.05),
     *(gan(s, "nvme", "nvme", "critic", steps=3) for s in (1, 3)),
-    *(refusals(s, p, o) for s in (1, 2, 3) for p, o in (("none", "nvme"), ("nvme", "nvme"))),
+    *(
+        refusals(s, p, o)
+        for s in (1, 2, 3)
+        for p, o in (("none", "cpu"), ("none", "nvme"), ("nvme", "nvme"))
+    ),
 ]
 HEAVY = [j for j in HEAVY if j["name"] not in {f["name"] for f in FAST}]
 
@@ -194,8 +198,12 @@ def test_the_gan_refusals_come_on_every_rank_and_training_goes_on(request, group
     """``refusal_steps`` on each rank's rows: after a backward that followed the step with no
     ``zero_grad()`` (its gradients dropped as they came) the norm, the clipping and the step
     are refused on every rank; a step with a block frozen, and a backward with a parameter
-    unfrozen after wrap, too. None of them leaves a rank inside a collective the others never join: the norms and the weights
-    after them are torch's on the mean of the ranks' gradients."""
+    unfrozen after wrap, too. None of them leaves a rank inside a collective the others never
+    join: the norms and the weights after them are torch's on the mean of the ranks'
+    gradients. With the params on the device and the optimizer on the CPU too: one process
+    keeps the gradients in ``p.grad`` there and sums as torch does, but across ranks offload
+    always holds them (``p.grad`` would be a rank's own, unreduced), so the refusals are those
+    of a host buffer's."""
     out = request.getfixturevalue(group)
     torch.manual_seed(0)
     d = _discriminator()

@@ -439,7 +439,7 @@ def run_frozen(job: dict, out: Path, rank: int, world: int) -> None:
     torch.save(got, out / f"{job['name']}.{rank}.pt")
 
 
-def gan_steps(g, d, g_opt, d_opt, steps: int, freeze: bool, halves, parts: int, clip=None):
+def gan_steps(g, d, g_opt, d_opt, steps: int, freeze: bool, halves, parts: int, **kw):
     """``tests/test_gan.py``'s loop on global batches of ``4 * parts`` rows, of which this
     process runs the rows of the parts in ``halves``, each loss divided by their number (a
     rank its own, or its micro-batches; the reference every part's: their gradients sum to
@@ -447,9 +447,13 @@ def gan_steps(g, d, g_opt, d_opt, steps: int, freeze: bool, halves, parts: int, 
     generator's through the discriminator after its step (``freeze``: frozen for it,
     CycleGAN's ``set_requires_grad``; else no ``zero_grad()`` of it before, torch's DCGAN
     example; ``d_opt`` None: the discriminator frozen at wrap, a fixed critic, a perceptual
-    loss); ``clip``: each model's gradients clipped to that norm before its step. The
-    losses per step: ``[[d_loss of each half], [g_loss of each half]]``."""
+    loss). ``clip``: each model's gradients clipped to that norm before its step; ``held``:
+    PyTorch's DCGAN example as written, the generator's forward once per step, its graph
+    held across the discriminator's backwards (real and fake apart) and step and across its
+    own ``model.zero_grad()``. The losses per step: ``[[d_loss of each half], [g_loss of
+    each half]]``."""
     gen, scale = torch.Generator().manual_seed(5), 1.0 / len(halves)
+    clip, held = kw.get("clip"), kw.get("held", False)
     losses = []
 
     def step(model, opt) -> None:
@@ -463,21 +467,29 @@ def gan_steps(g, d, g_opt, d_opt, steps: int, freeze: bool, halves, parts: int, 
         real = torch.randn(4 * parts, DATA, generator=gen) + 1
         z = torch.randn(4 * parts, NOISE, generator=gen)
         rows = [slice(4 * r, 4 * r + 4) for r in halves]
-        d_losses = []
+        d_losses, fakes = [], []
         if d_opt is not None:
             d.requires_grad_(True)
-            d_opt.zero_grad()
+            d.zero_grad() if held else d_opt.zero_grad()
             for row in rows:
+                if held:
+                    real_loss = F.softplus(-d(real[row])).mean()
+                    (real_loss * scale).backward()
+                    fakes.append(g(z[row]))
+                    fake_loss = F.softplus(d(fakes[-1].detach())).mean()
+                    (fake_loss * scale).backward()
+                    d_losses.append(real_loss.item() + fake_loss.item())
+                    continue
                 fake = g(z[row])
                 d_loss = F.softplus(-d(real[row])).mean() + F.softplus(d(fake.detach())).mean()
                 (d_loss * scale).backward()
                 d_losses.append(d_loss.item())
             step(d, d_opt)
             d.requires_grad_(not freeze)
-        g_opt.zero_grad()
+        g.zero_grad() if held else g_opt.zero_grad()
         g_losses = []
-        for row in rows:
-            g_loss = F.softplus(-d(g(z[row]))).mean()
+        for i, row in enumerate(rows):
+            g_loss = F.softplus(-d(fakes[i] if held else g(z[row]))).mean()
             (g_loss * scale).backward()  # through the discriminator, after its step
             g_losses.append(g_loss.item())
         step(g, g_opt)
@@ -489,7 +501,7 @@ def run_gan(job: dict, out: Path, rank: int, world: int) -> None:
     """``"kind": "gan"``: ``tests/test_gan.py``'s generator and discriminator, each wrapped
     (``param``, ``optim``, ``stage``, ``config``), trained by :func:`gan_steps` on this rank's
     rows for ``steps`` steps (``freeze``; ``accum`` micro-batches per step, 1; ``clip``;
-    ``critic``: the discriminator frozen at wrap, only the generator trains). Writes
+    ``held``; ``critic``: the discriminator frozen at wrap, only the generator trains). Writes
     ``<name>.<rank>.json`` (this rank's losses) and ``<name>.pt`` (rank 0: both models'
     gathered ``state_dict``)."""
     tmp = out / "nvme" / job["name"]
@@ -507,7 +519,16 @@ def run_gan(job: dict, out: Path, rank: int, world: int) -> None:
     accum = job.get("accum", 1)
     halves = [rank * accum + m for m in range(accum)]  # this rank's micro-batches
     losses = gan_steps(
-        g, d, g_opt, d_opt, job["steps"], job["freeze"], halves, world * accum, job.get("clip")
+        g,
+        d,
+        g_opt,
+        d_opt,
+        job["steps"],
+        job["freeze"],
+        halves,
+        world * accum,
+        clip=job.get("clip"),
+        held=job.get("held", False),
     )
     state = {p: {k: v.clone() for k, v in m.state_dict().items()} for p, m in (("g", g), ("d", d))}
     if rank == 0:

@@ -5,7 +5,8 @@ rank, ``_dist_worker``'s ``"kind"`` jobs), ZeRO stages 1-3, each rank its own ro
 A model with nothing trainable computes torch's logits and input gradients bitwise on every
 rank, and its ``step()`` is refused on every rank alike (before any collective: no rank waits
 for the others). A GAN's loops (the generator's step through the discriminator after the
-discriminator's step, with no ``zero_grad()`` of it or with it frozen; a critic frozen at
+discriminator's step, with no ``zero_grad()`` of it or with it frozen; PyTorch's DCGAN
+example, whose generator's graph is held across the discriminator's step; a critic frozen at
 wrap) train as plain torch on the ranks' mean gradient; the refusals of ``tests/test_gan.py``
 (the norm and the step after a backward that followed a step with no ``zero_grad()``, the
 step of a block frozen after wrap, the backward of a parameter unfrozen after wrap) come on
@@ -32,7 +33,9 @@ def frozen(stage: int, param: str, optim: str) -> dict:
 
 
 def gan(stage: int, param: str, optim: str, loop: str, steps: int = 4, **kw) -> dict:
-    """A ``"gan"`` job; ``loop``: ``dcgan``, ``frozen-d`` or ``critic`` (see ``run_gan``)."""
+    """A ``"gan"`` job; ``loop``: ``dcgan`` (``tests/test_gan.py``'s), ``example`` (PyTorch's
+    DCGAN example as written: ``gan_steps``' ``held``), ``frozen-d`` or ``critic`` (see
+    ``run_gan``)."""
     name = "-".join(
         [f"gan-{loop}-s{stage}-{param}-{optim}", *(f"{k}{v}" for k, v in sorted(kw.items()))]
     )
@@ -45,6 +48,7 @@ def gan(stage: int, param: str, optim: str, loop: str, steps: int = 4, **kw) -> 
         steps=steps,
         freeze=loop == "frozen-d",
         critic=loop == "critic",
+        held=loop == "example",
         timeout=30,
         **kw,
     )
@@ -60,6 +64,7 @@ FAST = [
     frozen(1, "cpu", "cpu"),
     gan(2, "none", "nvme", "dcgan"),
     gan(3, "cpu", "cpu", "frozen-d"),
+    gan(3, "nvme", "nvme", "example"),
     refusals(3, "cpu", "cpu"),
 ]
 HEAVY = [
@@ -69,7 +74,7 @@ HEAVY = [
         gan(s, p, o, loop)
         for s in (1, 2, 3)
         for p, o in (("none", "nvme"), ("cpu", "cpu"), ("nvme", "nvme"))
-        for loop in ("dcgan", "frozen-d")
+        for loop in ("dcgan", "example", "frozen-d")
     ),
     *(gan(s, "cpu", "nvme", loop, accum=2, clip=0.05) for s in (2, 3) for loop in ("dcgan",)),
     gan(3, "nvme", "nvme", "frozen-d", accum=2, clip=0.05),
@@ -171,7 +176,8 @@ def test_a_gan_loop_on_two_ranks_trains_as_torch_on_their_mean(request, group, j
         job["freeze"],
         range(parts),
         parts,
-        job.get("clip"),
+        clip=job.get("clip"),
+        held=job["held"],
     )
     for rank in range(WORLD):
         mine = slice(rank * accum, (rank + 1) * accum)

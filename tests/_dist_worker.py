@@ -408,7 +408,8 @@ def run_frozen(job: dict, out: Path, rank: int, world: int) -> None:
     (``tests/test_frozen_model.py``), on this rank's slice of one global batch: the logits
     under ``no_grad`` and with gradients on, the gradient of a loss with respect to the
     embedding's output (a leaf put in its place), ``step()``'s refusal (its message, or None
-    where it ran), ``zero_grad()``, the logits again, the gathered ``state_dict`` and the
+    where it ran), ``zero_grad()``, the logits again (``uneven``: rank 0 runs one forward
+    more), their sums gathered with ``all_gather_object``, the gathered ``state_dict`` and the
     values ``close(restore=True)`` gives back. Writes ``<name>.<rank>.pt``."""
     tmp = out / "nvme" / job["name"]
     cfg = placement_config(job["param"], job["optim"], tmp)
@@ -433,6 +434,10 @@ def run_frozen(job: dict, out: Path, rank: int, world: int) -> None:
     opt.zero_grad()
     with torch.no_grad():
         got["logits_after"] = model(inputs)
+        if job.get("uneven") and rank == 0:  # a batch more than the others (an uneven split)
+            got["logits_extra"] = model(inputs[:1])
+    got["gathered"] = [None] * world  # (each rank's predictions, gathered as an evaluation does)
+    dist.all_gather_object(got["gathered"], float(got["logits_after"].sum()))
     got["state"] = {k: v.clone() for k, v in model.state_dict().items()}
     opt.close(restore=True)
     got["restored"] = {k: v.clone() for k, v in model.state_dict().items()}

@@ -27,9 +27,11 @@ from test_gan import _discriminator, _generator
 WORLD = 2
 
 
-def frozen(stage: int, param: str, optim: str) -> dict:
-    name = f"frozen-s{stage}-{param}-{optim}"
-    return dict(kind="frozen", name=name, param=param, optim=optim, stage=stage, timeout=30)
+def frozen(stage: int, param: str, optim: str, uneven: bool = False) -> dict:
+    name = f"frozen-s{stage}-{param}-{optim}" + ("-uneven" if uneven else "")
+    return dict(
+        kind="frozen", name=name, param=param, optim=optim, stage=stage, uneven=uneven, timeout=30
+    )
 
 
 def gan(stage: int, param: str, optim: str, loop: str, steps: int = 4, **kw) -> dict:
@@ -61,7 +63,7 @@ def refusals(stage: int, param: str, optim: str) -> dict:
 
 FAST = [
     frozen(3, "nvme", "nvme"),
-    frozen(1, "cpu", "cpu"),
+    frozen(1, "cpu", "cpu", uneven=True),
     gan(2, "none", "nvme", "dcgan"),
     gan(3, "cpu", "cpu", "frozen-d"),
     gan(3, "nvme", "nvme", "example"),
@@ -69,6 +71,7 @@ FAST = [
 ]
 HEAVY = [
     *(frozen(s, p, o) for s in (1, 2, 3) for p, o in (("cpu", "cpu"), ("nvme", "nvme"))),
+    *(frozen(s, p, o, uneven=True) for s in (1, 2) for p, o in (("none", "cpu"), ("nvme", "nvme"))),
     frozen(3, "none", "cpu"),
     *(
         gan(s, p, o, loop)
@@ -137,6 +140,10 @@ def test_a_frozen_model_computes_as_torch_on_every_rank_and_refuses_a_step(reque
         got, want = torch.load(out / f"{job['name']}.{rank}.pt"), _frozen_reference(rank)
         for key in ("logits", "logits_grad_on", "logits_after"):
             assert torch.equal(got[key], want["logits"]), (rank, key)
+        if job["uneven"] and rank == 0:
+            assert torch.equal(got["logits_extra"], want["logits"][:1])
+        sums = [float(_frozen_reference(r)["logits"].sum()) for r in range(WORLD)]
+        assert got["gathered"] == sums, rank
         assert torch.equal(got["input_grad"], want["input_grad"]), rank
         message = got["step_error"]
         assert message is not None, f"rank {rank}: optimizer.step() ran"

@@ -139,6 +139,9 @@ class Runtime:
         # the ranks reach the same calls (its Note); stage 1 may differ in micro-steps
         self.agreement = Agreement(self.comm, count_backwards=grads.reduces_in_backward)
         self._sharded = plan.placement.shard_params
+        # nothing trains (wrapped for its forwards: _check_trains): at stages 1-2 no update
+        # ever makes a share stale, so its forwards gather nothing (_root_pre_forward)
+        self._trains = any(u.trainable_params for u in self.units)
         params.gate = self._gate
         self.timers = timers  # seconds of the current step (the schedule's worker adds too)
         self.runs = [UnitRun(u, params, timers) for u in self.units]
@@ -340,7 +343,13 @@ class Runtime:
         if self.phase.phase is Phase.BACKWARD:
             return None  # recomputation of the whole model (unusual) keeps everything gathered
         self.check_in_model("a forward of the model")
-        if self._sharded or self.backwards_since_step == 0:  # (it gathers: agree's Note)
+        # (it gathers: agree's Note). A model with nothing trainable at stages 1-2 gathers
+        # nothing, ever: its forwards stay this rank's own, as a replicated model's in torch, so
+        # ranks may run different numbers of them (an evaluation split unevenly, generate()
+        # stopping at another length). Checked, each one was a blocking collective, and a rank
+        # with a batch more waited in it while the others went on to gather the predictions:
+        # gloo aborted them ("Received data size doesn't match expected size").
+        if self._sharded or (self.backwards_since_step == 0 and self._trains):
             self.agreement.check(
                 Call.FORWARD, self.step_count, self.backwards_since_step, torch.is_grad_enabled()
             )
@@ -955,7 +964,7 @@ class Runtime:
         nothing to update. ``wrap`` refused such a model until 2026-12-05, naming PEFT's
         prompt tuning, whose trainable parameters are the PeftModel's own, outside the base
         model: wrapping the base model there trains nothing, so its first step says so."""
-        if not any(u.trainable_params for u in self.units):
+        if not self._trains:
             raise PhaseError(
                 "offload: optimizer.step() on a model wrapped with no trainable parameters "
                 "(all requires_grad=False at wrap): offload wrapped it for forwards (inference, "

@@ -18,9 +18,9 @@ Note: why the ranks check in
     Checked: every forward of the model at stage 3 (its units are gathered one by one) and,
     at stages 1-2, those before the step's first backward (they gather the units' updated
     shares; none of a model with nothing trainable, which never gathers there, so ranks may
-    run different numbers of its forwards); each step's backward at stages 2-3 (its reductions go out unit by unit; stage 1
-    reduces at the step, so ranks may run different numbers of micro-steps there); the
-    gradient norm; ``step()``. One small blocking collective each, not counted with the
+    run different numbers of its forwards); each step's backward at stages 2-3 (its
+    reductions go out unit by unit; stage 1 reduces at the step, so ranks may run different
+    numbers of micro-steps there); the gradient norm; ``step()``. One small blocking collective each, not counted with the
     training's collectives (``offload.dist``, Note: what is counted). A unit skipped inside
     a forward is seen by the backward's check, whose digest of the order of reductions then
     differs: :meth:`offload.runtime.grads.ScatteredGrads.backward_begins` gathers the orders

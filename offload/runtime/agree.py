@@ -15,17 +15,17 @@ Note: why the ranks check in
     where the rows differ every rank raises :class:`RankDivergenceError` naming each rank's
     call, before that call changes anything.
 
-    Checked: every forward of the model at stage 3 (its units are gathered one by one) and,
-    at stages 1-2, those before the step's first backward (they gather the units' updated
-    shares; none of a model with nothing trainable, which never gathers there, so ranks may
-    run different numbers of its forwards); each step's backward at stages 2-3 (its
-    reductions go out unit by unit; stage 1 reduces at the step, so ranks may run different
-    numbers of micro-steps there); the gradient norm; ``step()``. One small blocking collective each, not counted with the
-    training's collectives (``offload.dist``, Note: what is counted). A unit skipped inside
-    a forward is seen by the backward's check, whose digest of the order of reductions then
-    differs: :meth:`offload.runtime.grads.ScatteredGrads.backward_begins` gathers the orders
-    to name the units (``UnitOrderError``); it gathered them at every backward before, so a
-    backward costs one collective where it cost two.
+    Checked: every forward of the model at stage 3 (its units are gathered one by one) and, at
+    stages 1-2, those before the step's first backward (they gather the units' updated shares;
+    none of a model with nothing trainable, which never gathers there, so ranks may run
+    different numbers of its forwards); each step's backward at stages 2-3 (its reductions go
+    out unit by unit; stage 1 reduces at the step, so ranks may run different numbers of
+    micro-steps there); the gradient norm; ``step()``. One small blocking collective each, not
+    counted with the training's collectives (``offload.dist``, Note: what is counted). A unit
+    skipped inside a forward is seen by the backward's check, whose digest of the order of
+    reductions then differs: :meth:`offload.runtime.grads.ScatteredGrads.backward_begins`
+    gathers the orders to name the units (``UnitOrderError``); it gathered them at every
+    backward before, so a backward costs one collective where it cost two.
 
     The cost, on a busy 2-core machine over gloo (2 ranks, the 4-block stack of the tests,
     accumulation 2, clipping): a check takes 0.3-1.3 ms; per step stage 3 makes 6 (2

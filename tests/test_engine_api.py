@@ -1941,6 +1941,35 @@ def test_requires_grad_changed_after_wrap_is_refused_where_it_would_train_otherw
     opt.close()
 
 
+@pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
+def test_parameters_frozen_for_one_micro_step_get_the_others_gradients(tmp_path, param_dev):
+    """The root's embedding (tied to the head) and final norm frozen for the first of two
+    micro-steps and trainable again for the second: they get the second's gradients alone, as
+    in torch, over two steps (the backward that starts with them frozen is still one of the
+    step's: ``_reaches_trainable`` asks only the parameters that need a gradient now)."""
+    data = batches(4)
+
+    def train(model, opt):
+        for s in range(2):
+            for micro in range(2):
+                model.norm.requires_grad_(micro == 1)
+                model.embed.requires_grad_(micro == 1)
+                (lm_loss(model, data[2 * s + micro]) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+
+    ref = make_model()
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False))
+    model, opt = offload.wrap(make_model(), placement_config(param_dev, param_dev, tmp_path))
+    try:
+        train(model, opt)
+        values = model.state_dict()
+        for name, want in ref.state_dict().items():
+            torch.testing.assert_close(values[name], want, rtol=0, atol=1e-6, msg=name)
+    finally:
+        opt.close()
+
+
 def test_a_wrap_under_torchrun_without_a_process_group_is_said(tmp_path, monkeypatch, caplog):
     """torchrun's ranks that wrap before ``init_process_group`` each trained a model of their
     own, unsharded, with nothing averaged, and nothing said."""

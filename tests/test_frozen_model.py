@@ -128,3 +128,40 @@ def test_a_checkpoint_on_disk_generates_as_transformers_with_nothing_trainable(t
         assert torch.equal(model.eval().generate(ids, max_new_tokens=6, do_sample=False), want)
     finally:
         opt.close()
+
+
+def test_the_trainer_evaluates_a_frozen_model_as_transformers(tmp_path, caplog):
+    """``OffloadTrainer.evaluate`` of a checkpoint frozen in ``before_wrap``: transformers'
+    eval loss, and no warning that TrainingArguments' optimizer settings do not apply (there is
+    nothing for them to apply to)."""
+    pytest.importorskip("transformers")
+    from hf_models import nvme_config, write_model  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments  # noqa: PLC0415
+
+    d = write_model(tmp_path / "ckpt")
+    g = torch.Generator().manual_seed(2)
+    data = [
+        {
+            "input_ids": torch.randint(3, 64, (12,), generator=g),
+            "labels": torch.randint(3, 64, (12,), generator=g),
+        }
+        for _ in range(6)
+    ]
+    args = TrainingArguments(
+        tmp_path / "o", per_device_eval_batch_size=2, report_to=[], use_cpu=True
+    )
+    want = Trainer(
+        model=AutoModelForCausalLM.from_pretrained(d), args=args, eval_dataset=data
+    ).evaluate()
+    model, opt = offload.from_pretrained(
+        d, nvme_config(tmp_path, "nvme", "nvme"), before_wrap=lambda m: m.requires_grad_(False)
+    )
+    try:
+        with caplog.at_level("WARNING", logger="offload.api"):
+            got = offload.OffloadTrainer(
+                model=model, args=args, eval_dataset=data, optimizers=(opt, None)
+            ).evaluate()
+        assert got["eval_loss"] == want["eval_loss"]
+        assert "do not apply" not in caplog.text
+    finally:
+        opt.close()

@@ -45,8 +45,12 @@ def _warn_unused_arguments(args, optimizer: OffloadOptimizer) -> None:
     """The optimizer was built from the offload config before the Trainer: TrainingArguments'
     optimizer settings do not reach it (as with a plain Trainer handed an optimizer). Where
     they differ from what it runs, one warning says so, naming both values (Trainer users
-    expect ``learning_rate`` to be the LR, and HF's default is 5e-5, not the config's)."""
+    expect ``learning_rate`` to be the LR, and HF's default is 5e-5, not the config's). A
+    model that trains nothing (an evaluation of a frozen model) has no optimizer settings to
+    differ."""
     group = optimizer.param_groups[0]
+    if not group["params"]:
+        return
     ours = {
         "learning_rate": group.get("initial_lr", group["lr"]),
         "weight_decay": group["weight_decay"],

@@ -78,8 +78,8 @@ def test_a_gan_loop_trains_as_torch(tmp_path, param_dev, opt_dev, freeze, scaled
     steps; the discriminator's ``state_dict()`` is readable right after the generator's
     step (the backward through it ran no update). ``scaled``: a loss scaler on each
     (``loss_scale.enabled``; fp32, so a power-of-two scale changes no value), the generator's
-    loss scaled by its own optimizer: the discriminator's engine refused that backward as
-    unscaled."""
+    loss scaled by its own optimizer (the discriminator's engine refused that backward as
+    unscaled until 2026-12-06)."""
     torch.manual_seed(0)
     g0, d0 = _generator(), _discriminator()
     ref_g, ref_d = copy.deepcopy(g0), copy.deepcopy(d0)

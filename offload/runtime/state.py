@@ -51,7 +51,7 @@ from offload.homes.decay import NoDecay
 from offload.homes.grads import Hyper
 from offload.homes.optim import OptimHome
 from offload.homes.params import ParamHome
-from offload.plan import Plan
+from offload.plan import MasterOwner, Plan
 from offload.runtime.agree import Agreement, Call
 from offload.runtime.autocast import AutocastSaves
 from offload.runtime.grads import Grads
@@ -1317,15 +1317,22 @@ class Runtime:
         write in a forward (a ``clamp_`` under ``no_grad``, ``F.embedding``'s ``max_norm``;
         ``nn.Embedding(max_norm=...)`` is refused at wrap) goes into the gathered copy and is
         dropped at its release the same way. Said once: the versions are noted again,
-        and training goes on with offload's values. A unit that stays gathered (on the device,
-        persistent) is not looked at: its storage is live, and what the step makes of a write
-        there depends on where the master is. A write through ``p.data`` bumps no counter and
-        is not seen."""
+        and training goes on with offload's values. A unit that stays gathered is live
+        storage: on the device with the master a copy (:meth:`_master_apart`) its trainable
+        parameters are looked at too, and derived from the master again; otherwise (the
+        parameters are the master; a persistent unit between its first use and the step) not.
+        A write through ``p.data`` bumps no counter and is not seen."""
+        apart = self._master_apart()
         written = [
-            n for run in self.runs if not self.params.gathered(run.unit) for n in run.written()
+            n
+            for run in self.runs
+            if apart or not self.params.gathered(run.unit)
+            for n in run.written(trainable_only=self.params.gathered(run.unit))
         ]
         if not written:
             return
+        if apart:
+            self._derive_again([run for run in self.runs if run.written(trainable_only=True)])
         for run in self.runs:
             run.note_versions()
         raise PhaseError(
@@ -1339,6 +1346,34 @@ class Runtime:
             "model before offload.wrap, set values with model.load_state_dict(...), and keep "
             "forwards from writing their weights"
         )
+
+    def _master_apart(self) -> bool:
+        """Whether the parameters stay on the device (``offload_param.device: none``, one rank)
+        while their fp32 master is a copy elsewhere (host or NVMe: bf16 compute, the optimizer
+        on NVMe, or a CUDA device). A write into such a parameter lasted only until the next
+        update wrote the values derived from the master over it: ``nn.init`` after wrap with
+        the optimizer on NVMe trained silently 0.24 off torch after two steps (a scratch probe,
+        2026-12-06). Where the master is the parameters' own storage (fp32 with both on the
+        CPU) the write is the master's and lasts, as in torch. Several ranks: not checked (the
+        values are derived again through the ranks' collectives, which one rank's write could
+        not start)."""
+        placement = self.plan.placement
+        return (
+            placement.param_home == "none"
+            and placement.master is not MasterOwner.PARAMS
+            and placement.world == 1
+        )
+
+    def _derive_again(self, runs: list[UnitRun]) -> None:
+        """The trainable parameters of ``runs``, written through the tensor, get the values
+        derived from their master again (offload's values, as a released unit's next gather
+        gives them)."""
+        self.flush_pending()
+        for run in runs:
+            full = self.values.full(run.unit)
+            given = {s.param: full[s.param] for s in run.unit.layout.segments if s.trainable}
+            self.values.load(run.unit, GivenValues(given, self.values.flat, self.params.dtype))
+            self.params.loaded(run.unit)
 
     def _check_open(self) -> None:
         if self.closed:

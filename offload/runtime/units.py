@@ -59,12 +59,14 @@ class UnitRun:
         tensor; offload's own writes go through other views of the storage: ``written``)."""
         self.versions = [s.param._version for s in self.unit.layout.segments]
 
-    def written(self) -> list[str]:
+    def written(self, trainable_only: bool = False) -> list[str]:
         """The unit's parameters written in place through the tensor since the last note: an
         ``nn.init`` call, ``model.apply(...)``, a ``copy_`` under ``no_grad``, after ``wrap``."""
         segments = self.unit.layout.segments
         return [
-            s.name for s, v in zip(segments, self.versions, strict=True) if s.param._version != v
+            s.name
+            for s, v in zip(segments, self.versions, strict=True)
+            if s.param._version != v and (s.trainable or not trainable_only)
         ]
 
     def gather(self, phase: str) -> None:

@@ -163,6 +163,13 @@ class Placement:
         return self.versioned_state and self.master is MasterOwner.PARAMS
 
     @property
+    def master_apart_from_device_params(self) -> bool:
+        """The compute params stay on the device while their fp32 master is a copy elsewhere
+        (host or NVMe: bf16 compute, the optimizer state on NVMe, a CUDA device): each update
+        writes the values derived from the master over them (``Runtime._master_apart``)."""
+        return self.param_home == "none" and self.master is not MasterOwner.PARAMS
+
+    @property
     def params_move(self) -> bool:
         """Whether a unit's compute params are gathered for use and released after (they are
         offloaded, or sharded across ranks)."""

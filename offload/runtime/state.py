@@ -51,7 +51,7 @@ from offload.homes.decay import NoDecay
 from offload.homes.grads import Hyper
 from offload.homes.optim import OptimHome
 from offload.homes.params import ParamHome
-from offload.plan import MasterOwner, Plan
+from offload.plan import Plan
 from offload.runtime.agree import Agreement, Call
 from offload.runtime.autocast import AutocastSaves
 from offload.runtime.grads import Grads
@@ -1358,11 +1358,7 @@ class Runtime:
         values are derived again through the ranks' collectives, which one rank's write could
         not start)."""
         placement = self.plan.placement
-        return (
-            placement.param_home == "none"
-            and placement.master is not MasterOwner.PARAMS
-            and placement.world == 1
-        )
+        return placement.master_apart_from_device_params and placement.world == 1
 
     def _derive_again(self, runs: list[UnitRun]) -> None:
         """The trainable parameters of ``runs``, written through the tensor, get the values

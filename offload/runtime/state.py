@@ -570,11 +570,13 @@ class Runtime:
     def _begin_step_backward(self) -> None:
         """The backward starting is one of the step's: its checks, then the gradients' owner
         and the schedule hear of it (before it takes any gradient)."""
-        if self._discards():  # (before the scale check: a GAN's generator loss is scaled by
-            self._scaled = False  # the generator's optimizer, not this one's)
+        # the first backward after a step with no zero_grad() since
+        after_step = not (self._zeroed or self.backwards_since_step)
+        if self._discards(after_step):  # (before the scale check: a GAN's generator loss is
+            self._scaled = False  # scaled by the generator's optimizer, not this one's)
             self._grad_free = self._discarding = True
             return
-        self._check_scaled(after_step=not (self._zeroed or self.backwards_since_step))
+        self._check_scaled(after_step)
         self._check_no_clip()
         step, backwards = self.step_count, self.backwards_since_step
         self.grads.backward_begins(
@@ -650,9 +652,9 @@ class Runtime:
                 "sum, or each of them)"
             )
 
-    def _discards(self) -> bool:
-        """Whether this backward, the first after a step with no ``zero_grad()`` since, drops
-        its gradients. In PyTorch it adds them to the ones the step used. An owner that handed
+    def _discards(self, after_step: bool) -> bool:
+        """Whether this backward, the first after a step with no ``zero_grad()`` since
+        (``after_step``), drops its gradients. In PyTorch it adds them to the ones the step used. An owner that handed
         those to the update (host or NVMe gradients) no longer has them, and went on as if
         zero_grad() had been called, so the same loop trained differently on another
         placement; until 2026-12-05 such a backward was refused. But its sum is only wrong
@@ -663,7 +665,7 @@ class Runtime:
         are gathered and released, no update runs in it, its gradients are dropped, and the
         model stays readable between steps), and :meth:`_check_unzeroed` refuses the norm and
         the step until ``zero_grad()``."""
-        if self._zeroed or self.backwards_since_step or self.grads.owner.kept_after_step:
+        if not after_step or self.grads.owner.kept_after_step:
             return False
         self._unzeroed = (
             "a loss.backward() that followed optimizer.step() with no zero_grad() in between: "
@@ -1323,16 +1325,16 @@ class Runtime:
         parameters are the master; a persistent unit between its first use and the step) not.
         A write through ``p.data`` bumps no counter and is not seen."""
         apart = self._master_apart()
-        written = [
-            n
-            for run in self.runs
-            if apart or not self.params.gathered(run.unit)
-            for n in run.written(trainable_only=self.params.gathered(run.unit))
-        ]
+        by_run = {}  # the written parameters' names, by unit
+        for run in self.runs:
+            gathered = self.params.gathered(run.unit)
+            if apart or not gathered:
+                by_run[run] = run.written(trainable_only=gathered)
+        written = [n for names in by_run.values() for n in names]
         if not written:
             return
-        if apart:
-            self._derive_again([run for run in self.runs if run.written(trainable_only=True)])
+        if apart:  # (every unit is gathered there: its names are trainable ones)
+            self._derive_again([run for run, names in by_run.items() if names])
         for run in self.runs:
             run.note_versions()
         raise PhaseError(

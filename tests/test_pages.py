@@ -245,3 +245,33 @@ def test_a_refused_lend_turns_lending_off_and_a_refused_return_copies(caplog):
     assert not blocks.lend(unit, 0, buf)  # off from now on, without asking the kernel again
     assert len(refused) == 1
     blocks.close()
+
+
+def test_a_released_block_tells_reads_from_writes_once():
+    """``touched``: a released block holds no page, so one it holds was read (the kernel's
+    zero page) or written by code outside offload; a write of zeros (a ``clamp_`` of the
+    zeros it read, WGAN's clipping through ``p.data``) counts as a write (the page is the
+    process's own). Each touch is reported once: the pages go back to the OS."""
+    module = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    unit, blocks = _released(module)
+    names = {id(s.param): s.name for s in unit.layout.segments}
+
+    def seen() -> tuple[set, set]:
+        wrote, read = set(), set()
+        for lo, hi, w in blocks.touched(unit):
+            for s in unit.layout.segments:
+                if s.offset < hi and lo < s.end:
+                    (wrote if w else read).add(names[id(s.param)])
+        return wrote, read
+
+    assert seen() == (set(), set())
+    assert float(module[0].weight.detach().sum()) == 0  # a read
+    assert seen() == (set(), {"0.weight"})
+    assert seen() == (set(), set())  # once
+    module[1].weight.data.clamp_(-0.1, 0.1)  # zeros written over zeros
+    module[0].weight.data[0, :8] = 2.0  # a value
+    wrote, read = seen()
+    # (a page is the kernel's: a 2 MiB huge page holding a neighbour names it too)
+    assert {"0.weight", "1.weight"} <= wrote and read == set()
+    assert torch.count_nonzero(module[0].weight.detach()) == 0  # given back: zeros again
+    blocks.close()

@@ -79,6 +79,10 @@ class ResizedStorage:
         """None: the parameters have no common flat buffer (a gather copies into each)."""
         return None
 
+    def touched(self, unit: Unit) -> list[tuple[int, int, bool]]:
+        """None seen: a released parameter's storage holds no bytes to look at."""
+        return []
+
     lends = False  # a swap buffer's pages cannot become device memory (a gather copies)
 
     def lend(self, unit: Unit, lo: int, buf: torch.Tensor) -> bool:

@@ -85,10 +85,30 @@ Note: lent pages
     fell from 19-23 ms a pass to 0-1 ms; against the same pool copying, bench_e2e's recipe took
     0.93x / 0.95x (clipping that triggers / norms under), the default step 1.00x (its ~40 ms
     is below what five pairs resolve on 2 cores).
+
+Note: touched between uses
+    A released block holds no page (its spans moved aside, the rest given back), so any page
+    it holds before the next gather was put there by code outside offload (but for a gather
+    issued ahead, stage 3's, whose home does not ask then): a read of a released parameter
+    (it faults in the kernel's zero page) or a write. A write through
+    ``p.data`` (WGAN's weight clipping, ``p.data.copy_(...)``) bumps no version counter, so
+    offload's check of writes through the tensor missed it and the next gather dropped it
+    with no error (a scratch probe of 2026-12-06: 0.012 off torch's losses in three steps of
+    ``p.data.clamp_`` at every placement that releases). :meth:`PageBlocks.touched` asks the
+    kernel which of the block's pages are resident (``mincore``, one call per released unit:
+    ~30 us each for the 50M demo GPT's 19 MiB units, where no page is; the whole check of its
+    11 units took 0.5 ms per forward and step, 0.1% of bench_e2e's recipe iteration) and
+    looks only at those. A
+    page the process holds as its own was written (``/proc/self/pagemap``'s exclusively
+    mapped bit; a read maps the kernel's shared zero page), so a write of zeros (a
+    ``clamp_`` of the zeros it read) is seen as one; where that file cannot be read, a page
+    holding a value other than zero is. A page shared by two parameters names both (a
+    2 MiB huge page, where the write faulted one in: the parameters within it).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import sys
@@ -102,6 +122,35 @@ logger = logging.getLogger("offload.device")
 
 PAGE = mmap.PAGESIZE
 HUGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
+_LIBC = None  # the C library, for mincore (no Python binding): loaded at the first check
+
+
+def _resident(address: int, nbytes: int) -> bytes:
+    """One byte per page of ``[address, address + nbytes)`` (page aligned), bit 0 set where the
+    page is resident (``mincore(2)``)."""
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    vec = ctypes.create_string_buffer(-(-nbytes // PAGE))
+    if _LIBC.mincore(address, nbytes, vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed on a released parameter block")
+    return vec.raw
+
+
+def _private(address: int, pages: int) -> torch.Tensor:
+    """Whether each of ``pages`` resident pages from ``address`` is the process's own, written
+    (``/proc/self/pagemap``'s exclusively-mapped bit: a read of fresh anonymous memory maps the
+    kernel's shared zero page instead); all False where the file cannot be read."""
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as f:
+            f.seek(address // PAGE * 8)
+            entries = f.read(pages * 8)
+    except OSError:
+        return torch.zeros(pages, dtype=torch.bool)
+    if len(entries) != pages * 8:
+        return torch.zeros(pages, dtype=torch.bool)
+    return (torch.frombuffer(bytearray(entries), dtype=torch.int64) >> 56 & 1).bool()
 
 
 def supported(device: torch.device) -> bool:
@@ -317,6 +366,30 @@ class PageBlocks:
         for i in spans:
             if not self.spares.give(base + i * HUGE):
                 return
+
+    def touched(self, unit: Unit) -> list[tuple[int, int, bool]]:
+        """Where the released ``unit``'s block holds pages (the module Note on touched
+        blocks): ``(lo, hi, written)`` element ranges, each inside one parameter, ``written``
+        where a value is not zero. The pages are given back (:meth:`drop`), so each touch is
+        reported once."""
+        raw = self._raw[unit.index]
+        isz, total = self.dtype.itemsize, self._flat[unit.index].numel()
+        vec = _resident(raw.data_ptr(), raw.numel())
+        if not vec.strip(b"\0"):  # no page (at C speed: the check of every forward)
+            return []
+        flags = torch.frombuffer(bytearray(vec + b"\0"), dtype=torch.uint8) & 1
+        edges = torch.diff(flags, prepend=torch.zeros(1, dtype=torch.uint8)).nonzero().view(-1)
+        flat, runs = self._flat[unit.index], []
+        for first, end in edges.view(-1, 2).tolist():  # resident pages [first, end)
+            private = _private(raw.data_ptr() + first * PAGE, end - first)
+            lo, hi = first * PAGE // isz, min(-(-end * PAGE // isz), total)
+            for seg in unit.layout.segments:  # split at the parameters' bounds
+                a, b = max(lo, seg.offset), min(hi, seg.end)
+                if a < b:
+                    pages = private[a * isz // PAGE - first : -(-b * isz // PAGE) - first]
+                    runs.append((a, b, bool(pages.any()) or bool(flat[a:b].any())))
+        self.drop(unit)
+        return runs
 
     def drop(self, unit: Unit) -> None:
         """Releases the unit's pages: its whole spans kept for the next gather while spares

@@ -257,6 +257,13 @@ class ParamHome:
     def gathered(self, unit: Unit) -> bool:
         return unit.index in self._gathered
 
+    def touched(self, unit: Unit) -> list[tuple[int, int, bool]]:
+        """Where code outside offload read or wrote the released ``unit``'s storage since its
+        release (``offload.device.pages``, Note on touched blocks): ``(lo, hi, written)``
+        element ranges, ``written`` where it holds a value other than zero; each reported
+        once. None where the unit is gathered, or its storage cannot tell."""
+        return []
+
     def flag(self, unit: Unit) -> GatheredFlag:
         """``unit``'s gathered flag, for a hook to read (``_Gathered``)."""
         return self._gathered.flags[unit.index]
@@ -377,6 +384,11 @@ class _Released(ParamHome):
         if unit.index in self._gathered:
             self.storage.drop(unit)
             self._gathered.discard(unit.index)
+
+    def touched(self, unit: Unit) -> list[tuple[int, int, bool]]:
+        if unit.index in self._gathered:
+            return []
+        return self.storage.touched(unit)
 
     def close(self) -> None:
         self.storage.close()
@@ -773,6 +785,11 @@ class ShardedParams(_Released):
                     dst.copy_(src)
 
         return _Gather(handles, send, copy_out)
+
+    def touched(self, unit: Unit) -> list[tuple[int, int, bool]]:
+        if unit.index in self._inflight:
+            return []  # the gather ahead is writing its block
+        return super().touched(unit)
 
     def reshard(self, unit: Unit) -> None:
         gather = self._inflight.pop(unit.index, None)

@@ -38,6 +38,7 @@ import logging
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -236,6 +237,7 @@ class Runtime:
         self._handles.append(self.model.register_load_state_dict_pre_hook(self._load_values))
         self._handles.append(self.model.register_load_state_dict_post_hook(self._loaded_values))
         self._loaded_keys: set[str] = set()
+        self._merge_refused = False  # a PEFT merge_adapter() was refused (check_in_model)
         self._handles.append(ModelOverrides(self.model, self))
 
     def _guard_parts(self) -> None:
@@ -1246,8 +1248,7 @@ class Runtime:
             run.release()  # a gathered copy would be stale
 
     def _loaded_values(self, module, incompatible) -> None:
-        for run in self.runs:  # (a write before the load is what the load replaced)
-            run.note_versions()
+        self._forget_writes()  # (a write before the load is what the load replaced)
         incompatible.missing_keys[:] = [
             k for k in incompatible.missing_keys if k not in self._loaded_keys
         ]
@@ -1283,10 +1284,13 @@ class Runtime:
                 "optimizer.close(restore=True) first, which puts every value back into the "
                 "model, then merge_and_unload(); or change the model before offload.wrap"
             )
-        self._check_unwritten(what)
         if self.params.releases:
             merged = [n for n, m in self.model.named_modules() if getattr(m, "merged_adapters", 0)]
+            if self._merge_refused and not merged:  # unmerge_adapter() since the refusal:
+                self._forget_writes()  # its writes undo the merge's (both into zeros)
+            self._merge_refused = bool(merged)
             if merged:  # PEFT's merge_adapter(): its layers now skip the adapters they hold
+                self._forget_writes()  # (the merge's writes: this error says so)
                 raise PhaseError(
                     f"offload: {what} refused: PEFT adapters were merged into {len(merged)} "
                     f"layer(s) after offload.wrap ({', '.join(merged[:3])}"
@@ -1297,6 +1301,14 @@ class Runtime:
                     "optimizer.close(restore=True) first (or keep the parameters on the device: "
                     "offload_param.device none)"
                 )
+        self._check_unwritten(what)
+
+    def _forget_writes(self) -> None:
+        """What was written into released units since the last check is let go (their
+        versions noted, their pages given back): a refusal that names its cause said it."""
+        for run in self.runs:
+            run.note_versions()
+            run.touched()
 
     @staticmethod
     def _dense_only(run: UnitRun, param: torch.Tensor) -> str:
@@ -1312,25 +1324,43 @@ class Runtime:
         )
 
     def _check_unwritten(self, what: str) -> None:
-        """No parameter of a released unit was written in place through its tensor (``nn.init``
-        or ``model.apply(init)`` after ``wrap``, ``p.copy_(...)`` under ``no_grad``): the
-        write went to the released storage, which the next gather fills from the unit's home,
-        so it was dropped with no error (and ``state_dict()`` gave the values of before). A
-        write in a forward (a ``clamp_`` under ``no_grad``, ``F.embedding``'s ``max_norm``;
+        """No parameter of a released unit was written in place (``nn.init`` or
+        ``model.apply(init)`` after ``wrap``, ``p.copy_(...)`` under ``no_grad``, WGAN's
+        ``p.data.clamp_``): the write went to the released storage, which the next gather
+        fills from the unit's home, so it was dropped with no error (and ``state_dict()`` gave
+        the values of before). A write through the tensor moves its version counter; one
+        through ``p.data`` does not, and is seen in the released pages it wrote
+        (``UnitRun.touched``; before 2026-12-06 it was not seen: 0.012 off torch's losses in
+        three steps of WGAN's clipping, at every placement that releases). A write in a
+        forward (a ``clamp_`` under ``no_grad``, ``F.embedding``'s ``max_norm``;
         ``nn.Embedding(max_norm=...)`` is refused at wrap) goes into the gathered copy and is
-        dropped at its release the same way. Said once: the versions are noted again,
-        and training goes on with offload's values. A unit that stays gathered is live
-        storage: on the device with the master a copy (:meth:`_master_apart`) its trainable
-        parameters are looked at too, and derived from the master again; otherwise (the
+        dropped at its release the same way. Said once: the versions are noted again, the
+        pages given back, and training goes on with offload's values. A unit that stays
+        gathered is live storage: on the device with the master a copy (:meth:`_master_apart`)
+        its trainable parameters are looked at too (through their versions: a write through
+        ``p.data`` there is not seen), and derived from the master again; otherwise (the
         parameters are the master; a persistent unit between its first use and the step) not.
-        A write through ``p.data`` bumps no counter and is not seen."""
+        A released parameter read between uses gives a warning (the read gave zeros); one
+        given another tensor (``p.data = t``) is refused first (:meth:`_check_replaced`)."""
+        self._check_replaced(what)
         apart = self._master_apart()
-        by_run = {}  # the written parameters' names, by unit
+        by_run, read = {}, []  # the written parameters' names, by unit; those read
         for run in self.runs:
             gathered = self.params.gathered(run.unit)
             if apart or not gathered:
-                by_run[run] = run.written(trainable_only=gathered)
+                names = run.written(trainable_only=gathered)
+                wrote, looked = run.touched()
+                by_run[run] = names + [n for n in wrote if n not in names]
+                read += looked
         written = [n for names in by_run.values() for n in names]
+        if read:
+            warnings.warn(
+                f"offload: {len(read)} released parameter(s) were read between uses, before "
+                f"{what} ({', '.join(read[:3])}{', ...' if len(read) > 3 else ''}): between "
+                "uses their storage is freed, and a read gives zeros. Read values through "
+                "model.state_dict()",
+                stacklevel=3,
+            )
         if not written:
             return
         if apart:  # (every unit is gathered there: its names are trainable ones)
@@ -1338,16 +1368,38 @@ class Runtime:
         for run in self.runs:
             run.note_versions()
         raise PhaseError(
-            f"offload: {what}: {len(written)} parameter(s) were written in place through "
-            f"the tensor after offload.wrap ({', '.join(written[:3])}"
-            f"{', ...' if len(written) > 3 else ''}): an nn.init call, model.apply(...) or a "
-            "copy_ under no_grad between uses writes into freed storage, and a write in the "
-            "model's forward (a clamp_ under no_grad, F.embedding's max_norm) into the copy "
-            "that forward computes with; the next gather refills both from offload's copy, "
-            "so the write is dropped (the parameters keep offload's values). Initialize the "
-            "model before offload.wrap, set values with model.load_state_dict(...), and keep "
-            "forwards from writing their weights"
+            f"offload: {what}: {len(written)} parameter(s) were written in place after "
+            f"offload.wrap ({', '.join(written[:3])}{', ...' if len(written) > 3 else ''}): "
+            "an nn.init call, model.apply(...), a copy_ under no_grad or a write through "
+            "p.data (WGAN's p.data.clamp_) between uses writes into freed storage, and a "
+            "write in the model's forward (a clamp_ under no_grad, F.embedding's max_norm) "
+            "into the copy that forward computes with; the next gather refills both from "
+            "offload's copy, so the write is dropped (the parameters keep offload's values). "
+            "Initialize the model before offload.wrap, set values with "
+            "model.load_state_dict(...) (to clip weights after a step: change "
+            "model.state_dict() and load it), and keep forwards from writing their weights"
         )
+
+    def _check_replaced(self, what: str) -> None:
+        """No parameter was given another tensor through ``p.data = ...``: it would be neither
+        filled nor trained (the step updated offload's storage while the model computed with
+        the new tensor, silently, also where the parameters are the master: 0.0024 off torch's
+        losses in three steps at none/cpu, a scratch probe of 2026-12-06). Refused once; the
+        parameters view offload's storage again, with offload's values."""
+        replaced = [(run, run.replaced()) for run in self.runs]
+        names = [n for _, names in replaced for n in names]
+        if names:
+            for run, some in replaced:
+                if some:
+                    run.restore()
+            raise PhaseError(
+                f"offload: {what}: {len(names)} parameter(s) were given another tensor through "
+                f"p.data = ... after offload.wrap ({', '.join(names[:3])}"
+                f"{', ...' if len(names) > 3 else ''}): offload computes with and updates the "
+                "storage it gave them, so the new tensor would be neither filled nor trained. "
+                "They view offload's storage again, with offload's values. Set values with "
+                "model.load_state_dict(...), or before offload.wrap"
+            )
 
     def _master_apart(self) -> bool:
         """Whether the parameters stay on the device (``offload_param.device: none``, one rank)

@@ -34,6 +34,8 @@ class UnitRun:
         "watches_inputs",
         "inputs",
         "versions",
+        "views",
+        "storages",
     )
 
     def __init__(self, unit: Unit, home: ParamHome, timers: dict[str, float]) -> None:
@@ -52,6 +54,9 @@ class UnitRun:
         self.may_watch_inputs = self.residency.finishes_in_backward
         self.watches_inputs = frozen and self.may_watch_inputs and home.releases
         self.inputs: list[weakref.ref] = []  # the OffloadUnitInputs nodes of its forwards (weakly)
+        # each parameter's tensor onto offload's storage, as its home made it (``replaced``)
+        self.views = [s.param.data for s in unit.layout.segments]
+        self.storages = [(v.untyped_storage()._cdata, v.storage_offset()) for v in self.views]
         self.note_versions()
 
     def note_versions(self) -> None:
@@ -68,6 +73,39 @@ class UnitRun:
             for s, v in zip(segments, self.versions, strict=True)
             if s.param._version != v and (s.trainable or not trainable_only)
         ]
+
+    def replaced(self) -> list[str]:
+        """The unit's parameters given another tensor through ``p.data = ...`` after ``wrap``:
+        offload gathers into and updates the storage its home gave them, so the new tensor
+        would be neither filled nor trained (at every placement, also where the parameters are
+        the master). ``restore`` points them back."""
+        return [
+            s.name
+            for s, (storage, offset), view in zip(
+                self.unit.layout.segments, self.storages, self.views, strict=True
+            )
+            if s.param.untyped_storage()._cdata != storage
+            or s.param.storage_offset() != offset
+            or s.param.shape != view.shape
+        ]
+
+    def restore(self) -> None:
+        """Every parameter views offload's storage again (undoes ``p.data = ...``)."""
+        for s, view in zip(self.unit.layout.segments, self.views, strict=True):
+            s.param.data = view
+
+    def touched(self) -> tuple[list[str], list[str]]:
+        """(written, read) parameters of the released unit whose storage code outside offload
+        touched since its release (``ParamHome.touched``): ``written`` were written (a write
+        through ``p.data``, which bumps no version counter), ``read`` only read (zeros). Each
+        touch is said once."""
+        written, read = set(), set()
+        for lo, hi, wrote in self.home.touched(self.unit):
+            for s in self.unit.layout.segments:
+                if s.offset < hi and lo < s.end:
+                    (written if wrote else read).add(s.name)
+        names = [s.name for s in self.unit.layout.segments]
+        return [n for n in names if n in written], [n for n in names if n in read - written]
 
     def gather(self, phase: str) -> None:
         """Makes the unit's parameters usable (idempotent). Its time counts in ``phase`` as IO

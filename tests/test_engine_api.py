@@ -1396,7 +1396,7 @@ def test_an_ema_from_the_state_dict_is_torchs_averaged_model(tmp_path, param_dev
         assert zeros.module.blocks[0].fc1.weight.abs().max() == 0
         with pytest.warns(
             UserWarning,
-            match=r"released parameter\(s\) were read between uses, "
+            match=r"released parameters were read between uses, "
             r"before a forward of the model",
         ):
             model(batches(1)[0])  # and the next forward says so
@@ -1545,7 +1545,7 @@ def test_a_write_through_data_into_a_released_parameter_is_refused(tmp_path, par
         _ = model.blocks[1].fc1.weight.sum()  # a read: zeros
         with pytest.warns(
             UserWarning,
-            match=r"released parameter\(s\) were read between uses, "
+            match=r"released parameters were read between uses, "
             r"before model\.state_dict\(\).*blocks\.1\.fc1\.weight",
         ):
             model.state_dict()

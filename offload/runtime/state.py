@@ -287,6 +287,7 @@ class Runtime:
             return
         if not torch.is_grad_enabled() and self.phase.phase is Phase.IDLE:
             self._ready_for_forward(run)
+            self._check_unwritten(f"a call of {name} by itself")  # (what came between steps)
             run.gather(Phase.FORWARD.value)
 
             # released when this call ends, also by an error; a hook for this call alone (a
@@ -1355,9 +1356,10 @@ class Runtime:
         written = [n for names in by_run.values() for n in names]
         if read:
             warnings.warn(
-                f"offload: {len(read)} released parameter(s) were read between uses, before "
-                f"{what} ({', '.join(read[:3])}{', ...' if len(read) > 3 else ''}): between "
-                "uses their storage is freed, and a read gives zeros. Read values through "
+                f"offload: released parameters were read between uses, before {what} (the "
+                f"pages of {', '.join(read[:5])}{', ...' if len(read) > 5 else ''}; a page, 4 "
+                "KiB or a 2 MiB huge page, may hold several parameters): between uses their "
+                "storage is freed, and a read gives zeros. Read values through "
                 "model.state_dict()",
                 stacklevel=3,
             )

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from offload.homes.params import ParamHome
 from offload.plan import Residency, Unit
+from offload.runtime.phase import PhaseError
 
 logger = logging.getLogger("offload.runtime")
 
@@ -112,6 +113,7 @@ class UnitRun:
         wait, but for its copies to the device, which count as ``gather_copy_seconds``."""
         if self.home.gathered(self.unit):
             return
+        self._check_untouched(phase)
         transfers = self.home.transfers
         t0, copied = time.perf_counter(), transfers.copy_seconds_here()
         with torch.profiler.record_function("offload::gather"):
@@ -128,6 +130,33 @@ class UnitRun:
             phase,
             took * 1e3,
             copied * 1e3,
+        )
+
+    def _check_untouched(self, phase: str) -> None:
+        """Nothing read or wrote the released unit's storage in this pass before its gather
+        (the runtime's check at the forward's start, step and ``state_dict`` took what came
+        before). A read there is code outside the unit reading its parameter while it is
+        released (``F.linear(x, self.blocks[2].fc2.weight)`` in another module's forward):
+        it computed with zeros, silently, unless ``offload.register_external_parameter``
+        declared it or ``wrap.check_reads`` was on (a scratch probe of 2026-12-06: the
+        model of ``tests/test_wrap_parity.py`` that reads two such weights trained 1e-2 off
+        torch with no error). Raised here, before the step can apply what it computed; the
+        pages are given back, so it is said once."""
+        wrote, read = self.touched()
+        if not (wrote or read):
+            return
+        names = wrote + read
+        raise PhaseError(
+            f"offload: the {phase} of unit {self.unit.label}: code outside the unit "
+            f"{'wrote' if wrote else 'read'} its released storage in this {phase}, before "
+            f"the unit's gather (the pages of {', '.join(names[:5])}"
+            f"{', ...' if len(names) > 5 else ''}; a page, 4 KiB or a 2 MiB huge page, may "
+            "hold several parameters): released, it holds zeros, so that code computed with "
+            "zeros" + (" and its write is dropped" if wrote else "") + ". A forward that uses "
+            "another block's weight (F.linear(x, self.blocks[2].fc2.weight)) must declare it "
+            "before offload.wrap with offload.register_external_parameter(module, param); "
+            "wrap.check_reads: 1 names the parameter and the module that uses it. Read values "
+            "through model.state_dict()"
         )
 
     def release(self) -> None:

@@ -1510,7 +1510,7 @@ def test_a_parameter_given_another_tensor_through_data_is_refused(tmp_path, para
         with pytest.raises(
             PhaseError,
             match=r"a forward.*another tensor through p\.data = "
-            r"\.\.\. after offload\.wrap \(blocks\.0\.fc1\.weight\)",
+            r"\.\.\. after offload\.wrap \(blocks\.0\.fc1\.weight;",
         ):
             model(tokens)
 
@@ -1758,14 +1758,33 @@ def test_converting_the_wrapped_model_is_refused(tmp_path, param_dev):
     assert {p.dtype for p in model.blocks[1].parameters()} == {torch.float64}
 
 
+def test_a_call_with_swapped_parameters_is_refused_by_name(tmp_path):
+    """``torch.func.functional_call`` swaps the parameters for a call (MAML's inner loop):
+    refused at the forward, naming it, where the message spoke only of modules replaced and
+    of PEFT; the model then goes on."""
+    from torch.func import functional_call
+
+    model, opt = offload.wrap(make_model(), placement_config("cpu", "cpu", tmp_path))
+    tokens = batches(1)[0]
+    try:
+        values = dict(model.state_dict())
+        with pytest.raises(PhaseError, match=r"no longer in the model.*functional_call"):
+            functional_call(model, values, (tokens[:, :-1],))
+        lm_loss(model, tokens).backward()
+        opt.step()
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize("param_dev", ["none", "nvme"])
 def test_a_memory_format_conversion_is_refused(tmp_path, param_dev):
     """``model.to(memory_format=torch.channels_last)`` after wrap keeps the dtype and device,
     so it went on and gave the convolutions' weights new tensors, which offload does not
     fill: the step then failed in a ``view`` of the gradients ("view size is not compatible
     with input tensor's size and stride", at none, cpu and nvme). Refused before a weight
-    changes; a model made channels-last before wrap trains
-    as torch's (its weights' layout is offload's then)."""
+    changes, reading none of them (no warning of a read follows); so is ``share_memory()``.
+    A model made channels-last before wrap trains as torch's (its weights' layout is
+    offload's then)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
     ref = copy.deepcopy(model).to(memory_format=torch.channels_last)
@@ -1773,11 +1792,15 @@ def test_a_memory_format_conversion_is_refused(tmp_path, param_dev):
     cfg = placement_config(param_dev, "cpu", tmp_path, wrap={"module_classes": ["Conv2d"]})
     model, opt = offload.wrap(model, cfg)
     try:
-        with pytest.raises(ValueError, match=r"Sequential.*new tensors \(another memory format"):
+        with pytest.raises(ValueError, match=r"Conv2d.*new tensors \(another memory format"):
             model.to(memory_format=torch.channels_last)
         with pytest.raises(ValueError, match=r"Conv2d.*new tensors"):
             model[2].to(memory_format=torch.channels_last)
-        model(x).square().mean().backward()
+        with pytest.raises(ValueError, match=r"share_memory\(\) of a wrapped.*Sequential"):
+            model.share_memory()  # (2026-12-06: it went on, and every check after it failed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing was read
+            model(x).square().mean().backward()
         opt.step()
         torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
         ref(x).square().mean().backward()

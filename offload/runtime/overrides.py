@@ -147,7 +147,9 @@ def _conversion_guard(runtime: Runtime):
     device (tried on an empty tensor like a parameter), and one that would give any of its
     parameters a new tensor (``model.to(memory_format=torch.channels_last)``, which keeps
     both: it went on, the new tensors were never filled, and the step failed in a ``view`` of
-    the gradients at every placement, a scratch probe, 2026-12-05), then does the class's."""
+    the gradients at every placement, a scratch probe, 2026-12-05), and ``share_memory()``
+    (which moved the storage's data away from offload's released blocks: every check after it
+    failed, 2026-12-06), then does the class's."""
     owned = {id(s.param) for u in runtime.units for s in u.layout.segments}
 
     def refuse(self, what: str):
@@ -162,17 +164,28 @@ def _conversion_guard(runtime: Runtime):
 
     def apply(self, fn, recurse: bool = True):
         like = torch.empty(0, dtype=runtime.dtype, device=runtime.device)  # (a parameter)
+        shared = like.is_shared()
         probe = fn(like)
         if (probe.dtype, probe.device) != (like.dtype, like.device):
             refuse(
                 self, f"{probe.dtype} on {probe.device} (they are {like.dtype} on {like.device})"
             )
+        if probe.is_shared() and not shared:
+            raise ValueError(
+                f"offload: share_memory() of a wrapped model or module ({type(self).__name__}) "
+                "would move its parameters' storage into shared memory, away from the storage "
+                "offload gathers into and releases (every check after it failed, and released "
+                "pages were no longer given back): not supported. offload's parameters live in "
+                "its own tiers, which processes do not share"
+            )
 
         def checked(t):
-            out = fn(t)
-            if out is not t and id(t) in owned:  # (torch's .to() returns the tensor itself
-                refuse(self, "new tensors (another memory format)")  # when nothing changes)
-            return out
+            if id(t) in owned:  # tried on an empty tensor like it first (the conversion would
+                # read a released parameter: zeros, and a warning at the next forward)
+                alike = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                if fn(alike) is not alike:  # (torch's .to() returns the tensor itself when
+                    refuse(self, "new tensors (another memory format)")  # nothing changes)
+            return fn(t)
 
         return type(self)._apply(self, checked, recurse)
 

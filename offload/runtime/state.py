@@ -1281,8 +1281,10 @@ class Runtime:
                 f"longer in the model ({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}): "
                 "a module was replaced or removed after offload.wrap (PEFT's merge_and_unload() "
                 "and unload() do so; a merge reads and writes the parameters themselves, which "
-                "offload releases between uses: it merged zeros). Call "
-                "optimizer.close(restore=True) first, which puts every value back into the "
+                "offload releases between uses: it merged zeros), or the parameters were "
+                "swapped for a call (torch.func.functional_call, torch.nn.utils.stateless: not "
+                "supported on a wrapped model, whose forward computes with offload's own). "
+                "Call optimizer.close(restore=True) first, which puts every value back into the "
                 "model, then merge_and_unload(); or change the model before offload.wrap"
             )
         if self.params.releases:
@@ -1397,7 +1399,8 @@ class Runtime:
             raise PhaseError(
                 f"offload: {what}: {len(names)} parameter(s) were given another tensor through "
                 f"p.data = ... after offload.wrap ({', '.join(names[:3])}"
-                f"{', ...' if len(names) > 3 else ''}): offload computes with and updates the "
+                f"{', ...' if len(names) > 3 else ''}; torch.nn.utils.vector_to_parameters "
+                "does so): offload computes with and updates the "
                 "storage it gave them, so the new tensor would be neither filled nor trained. "
                 "They view offload's storage again, with offload's values. Set values with "
                 "model.load_state_dict(...), or before offload.wrap"

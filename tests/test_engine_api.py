@@ -1758,6 +1758,38 @@ def test_converting_the_wrapped_model_is_refused(tmp_path, param_dev):
     assert {p.dtype for p in model.blocks[1].parameters()} == {torch.float64}
 
 
+def test_trainable_parameters_added_after_wrap_are_warned_of_once(tmp_path):
+    """A head assigned to the wrapped model after wrap got gradients and no step, with
+    nothing said (``p.grad`` kept growing), as with a torch optimizer built before it: now a
+    warning names it, once per set of names; a frozen one, or one stepped by an optimizer of
+    its own, is the user's choice (a frozen one is not named). A run that adds nothing gets
+    no such warning."""
+    model, opt = offload.wrap(make_model(), placement_config("cpu", "cpu", tmp_path))
+    tokens = batches(1)[0]
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            lm_loss(model, tokens).backward()
+            opt.step()
+            opt.zero_grad()
+        assert not [w for w in seen if "not offload's" in str(w.message)]
+        model.extra = nn.Linear(4, 4)
+        model.frozen = nn.Linear(4, 4).requires_grad_(False)
+        with pytest.warns(
+            UserWarning,
+            match=r"2 trainable parameter\(s\) of the model are not "
+            r"offload's, seen at a forward of the model \(extra\.weight, "
+            r"extra\.bias\).*does not step them",
+        ):
+            lm_loss(model, tokens).backward()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt.step()  # said once
+        assert not [w for w in seen if "not offload's" in str(w.message)]
+    finally:
+        opt.close()
+
+
 def test_a_call_with_swapped_parameters_is_refused_by_name(tmp_path):
     """``torch.func.functional_call`` swaps the parameters for a call (MAML's inner loop):
     refused at the forward, naming it, where the message spoke only of modules replaced and

@@ -238,6 +238,8 @@ class Runtime:
         self._handles.append(self.model.register_load_state_dict_post_hook(self._loaded_values))
         self._loaded_keys: set[str] = set()
         self._merge_refused = False  # a PEFT merge_adapter() was refused (check_in_model)
+        self._owned = {id(s.param) for u in self.units for s in u.layout.segments}
+        self._added_said: tuple[str, ...] = ()  # the parameters added after wrap, warned of
         self._handles.append(ModelOverrides(self.model, self))
 
     def _guard_parts(self) -> None:
@@ -1271,9 +1273,8 @@ class Runtime:
         parameters are released, PEFT's ``merge_adapter()`` (which leaves the layers in
         place) merged zeros the same way, and its layers then skipped their adapters: the
         logits 0.41 off, no error; refused likewise while a layer says it is merged."""
-        held = {
-            id(p) for m in self.model.modules() for p in m._parameters.values() if p is not None
-        }
+        params = [p for m in self.model.modules() for p in m._parameters.values() if p is not None]
+        held = {id(p) for p in params}
         gone = [s.name for u in self.units for s in u.layout.segments if id(s.param) not in held]
         if gone:
             raise PhaseError(
@@ -1287,6 +1288,8 @@ class Runtime:
                 "Call optimizer.close(restore=True) first, which puts every value back into the "
                 "model, then merge_and_unload(); or change the model before offload.wrap"
             )
+        if any(p.requires_grad and id(p) not in self._owned for p in params):
+            self._warn_added(what)  # (after the refusal above: a replaced module's are new)
         if self.params.releases:
             merged = [n for n, m in self.model.named_modules() if getattr(m, "merged_adapters", 0)]
             if self._merge_refused and not merged:  # unmerge_adapter() since the refusal:
@@ -1305,6 +1308,30 @@ class Runtime:
                     "offload_param.device none)"
                 )
         self._check_unwritten(what)
+
+    def _warn_added(self, what: str) -> None:
+        """Trainable parameters the model gained after wrap (a head assigned to it) get
+        gradients but no step from offload's optimizer, as from a torch optimizer built before
+        them, and nothing said so (``p.grad`` kept growing); warned once per set of names, so
+        one stepped by an optimizer of its own costs a line."""
+        added = tuple(
+            f"{name}.{key}" if name else key
+            for name, m in self.model.named_modules()
+            for key, p in m._parameters.items()
+            if p is not None and p.requires_grad and id(p) not in self._owned
+        )
+        if added == self._added_said:
+            return
+        self._added_said = added
+        warnings.warn(
+            f"offload: {len(added)} trainable parameter(s) of the model are not offload's, "
+            f"seen at {what} ({', '.join(added[:3])}{', ...' if len(added) > 3 else ''}): "
+            "added after offload.wrap, they get gradients, but offload's optimizer does not "
+            "step them (as a torch optimizer built before them would not). Add them before "
+            "offload.wrap to train them with offload, or step them with an optimizer of their "
+            "own",
+            stacklevel=3,
+        )
 
     def _forget_writes(self) -> None:
         """What was written into released units since the last check is let go (their

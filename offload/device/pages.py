@@ -87,23 +87,24 @@ Note: lent pages
     is below what five pairs resolve on 2 cores).
 
 Note: touched between uses
-    A released block holds no page (its spans moved aside, the rest given back), so any page
-    it holds before the next gather was put there by code outside offload (but for a gather
-    issued ahead, stage 3's, whose home does not ask then): a read of a released parameter
-    (it faults in the kernel's zero page) or a write. A write through
-    ``p.data`` (WGAN's weight clipping, ``p.data.copy_(...)``) bumps no version counter, so
-    offload's check of writes through the tensor missed it and the next gather dropped it
-    with no error (a scratch probe of 2026-12-06: 0.012 off torch's losses in three steps of
-    ``p.data.clamp_`` at every placement that releases). :meth:`PageBlocks.touched` asks the
-    kernel which of the block's pages are resident (``mincore``, one call per released unit:
-    ~30 us each for the 50M demo GPT's 19 MiB units, where no page is; the whole check of its
-    11 units took 0.5 ms per forward and step, 0.1% of bench_e2e's recipe iteration) and
-    looks only at those. A
-    page the process holds as its own was written (``/proc/self/pagemap``'s exclusively
-    mapped bit; a read maps the kernel's shared zero page), so a write of zeros (a
-    ``clamp_`` of the zeros it read) is seen as one; where that file cannot be read, a page
-    holding a value other than zero is. A page shared by two parameters names both (a
-    2 MiB huge page, where the write faulted one in: the parameters within it).
+    A released block holds no page (its spans moved aside, the rest given back), so any page it
+    holds before the next gather was put there by code outside offload (but for a gather issued
+    ahead, stage 3's, whose home does not ask then): a read of a released parameter (it faults
+    in the kernel's zero page) or a write. A write through ``p.data`` (WGAN's weight clipping,
+    ``p.data.copy_(...)``) bumps no version counter, so offload's check of writes through the
+    tensor missed it and the next gather dropped it with no error (a scratch probe of
+    2026-12-06: 0.012 off torch's losses in three steps of ``p.data.clamp_`` at every placement
+    that releases). :meth:`PageBlocks.touched` asks the kernel which of the block's pages are
+    resident (``mincore``, one call per released unit) and looks only at those. A page the
+    process holds as its own was written (``/proc/self/pagemap``'s exclusively mapped bit; a
+    read maps the kernel's shared zero page), so a write of zeros (a ``clamp_`` of the zeros it
+    read) is seen as one; where that file cannot be read, a page holding a value other than zero
+    is. A page shared by two parameters names both (a 2 MiB huge page, where the write faulted
+    one in: the parameters within it). The runtime asks at each forward's start, step and
+    ``state_dict`` for every released unit, and before each gather for the unit
+    (``offload.runtime.units``). On the 50M demo GPT (11 units of up to 19 MiB, nvme/nvme) one
+    unit's call took ~30 us where no page is, the whole check 0.5 ms (median of 50): with a
+    recipe iteration's two forwards, step and ~44 gathers, about 2.5 ms of 1.1 s (0.2%).
 """
 
 from __future__ import annotations
@@ -370,8 +371,8 @@ class PageBlocks:
     def touched(self, unit: Unit) -> list[tuple[int, int, bool]]:
         """Where the released ``unit``'s block holds pages (the module Note on touched
         blocks): ``(lo, hi, written)`` element ranges, each inside one parameter, ``written``
-        where a value is not zero. The pages are given back (:meth:`drop`), so each touch is
-        reported once."""
+        where a page is the process's own or a value is not zero. The pages are given back
+        (:meth:`drop`), so each touch is reported once."""
         raw = self._raw[unit.index]
         isz, total = self.dtype.itemsize, self._flat[unit.index].numel()
         vec = _resident(raw.data_ptr(), raw.numel())

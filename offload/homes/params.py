@@ -260,8 +260,8 @@ class ParamHome:
     def touched(self, unit: Unit) -> list[tuple[int, int, bool]]:
         """Where code outside offload read or wrote the released ``unit``'s storage since its
         release (``offload.device.pages``, Note on touched blocks): ``(lo, hi, written)``
-        element ranges, ``written`` where it holds a value other than zero; each reported
-        once. None where the unit is gathered, or its storage cannot tell."""
+        element ranges, ``written`` where it was written (not only read); each reported once.
+        None where the unit is gathered, or its storage cannot tell."""
         return []
 
     def flag(self, unit: Unit) -> GatheredFlag:

@@ -382,6 +382,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.heavy  # (11-14 s: it waits out a timeout)
 def test_an_object_gather_that_one_rank_never_joins_times_out(tmp_path):
     """Checkpoints and wrap gather small objects; torch's all_gather_object waits with no
     timeout, so a rank that never joined held a save for the group's own 30 minutes. It now
@@ -424,6 +425,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.heavy  # (11-14 s: it waits out a timeout)
 def test_an_export_that_one_rank_never_joins_fails_after_one_timeout(tmp_path):
     """A collective that timed out leaves the group unusable: an export (or save) whose gather
     timed out raised only after its later gathers and the outcome's gather had each waited

@@ -719,19 +719,22 @@ def test_a_released_parameter_read_outside_its_unit_is_named_at_its_gather(tmp_p
     """Without ``check_reads`` (off by default: slow, not free of false alarms) the reads of
     ``_ReadsOtherBlocksWeights`` computed with zeros and trained 1e-2 off torch, no error.
     The read leaves the kernel's zero page in the released block, so the unit's next gather
-    raises, in the forward that read it, before any step: naming the parameter and what to
-    call. The model trains once the reads are declared (the parity test above)."""
+    raises, in the forward that read it (or, for a read after the unit's release in the
+    forward, at its backward), before any step: naming the parameter and what to call. The
+    model trains once the reads are declared (the parity test above)."""
     torch.manual_seed(0)
-    cfg = placement_config(param_dev, "cpu", tmp_path)
-    cfg["wrap"] = {"module_classes": ["_PeekBlock"]}
-    model, opt = offload.wrap(_ReadsOtherBlocksWeights(), cfg)
+    wrap = {"wrap": {"module_classes": ["_PeekBlock"]}}
+    model, opt = offload.wrap(
+        _ReadsOtherBlocksWeights(), placement_config(param_dev, "cpu", tmp_path, **wrap)
+    )
     tokens = batches(1, batch=2, seq=8)[0]
     try:
         for _ in range(2):  # a fault of the model's: each forward says it
             with pytest.raises(
                 PhaseError,
-                match=r"the forward of unit blocks\.2: code outside the unit read its released "
-                r"storage in this forward.*blocks\.2\.fc2\.weight.*computed with zeros.*"
+                match=r"the forward of unit blocks\.2: code outside the unit read its storage "
+                r"while the unit was released, after this forward began.*blocks\.2\.fc2\.weight.*"
+                r"computed with zeros.*"
                 r"register_external_parameter",
             ):
                 model(tokens[:, :-1])
@@ -739,6 +742,21 @@ def test_a_released_parameter_read_outside_its_unit_is_named_at_its_gather(tmp_p
         with pytest.warns(UserWarning, match=r"read between uses.*blocks\.2\.fc2\.weight"):
             with pytest.raises(PhaseError, match=r"the forward of unit blocks\.2"):
                 model(tokens[:, :-1])
+    finally:
+        opt.close()
+    # the other read comes after blocks.0's release in the forward: seen at its backward
+    torch.manual_seed(0)
+    model = _ReadsOtherBlocksWeights()
+    offload.register_external_parameter(model, model.blocks[2].fc2.weight)
+    model, opt = offload.wrap(model, placement_config(param_dev, "cpu", tmp_path / "b", **wrap))
+    try:
+        logits = model(tokens[:, :-1])
+        with pytest.raises(
+            PhaseError,
+            match=r"the backward of unit blocks\.0: code outside the "
+            r"unit read.*blocks\.0\.fc1\.weight",
+        ):
+            F.cross_entropy(logits.reshape(-1, 64), tokens[:, 1:].reshape(-1)).backward()
     finally:
         opt.close()
 

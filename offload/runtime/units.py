@@ -138,18 +138,19 @@ class UnitRun:
         before). A read there is code outside the unit reading its parameter while it is
         released (``F.linear(x, self.blocks[2].fc2.weight)`` in another module's forward):
         it computed with zeros, silently, unless ``offload.register_external_parameter``
-        declared it or ``wrap.check_reads`` was on (a scratch probe of 2026-12-06: the
-        model of ``tests/test_wrap_parity.py`` that reads two such weights trained 1e-2 off
-        torch with no error). Raised here, before the step can apply what it computed; the
-        pages are given back, so it is said once."""
+        declared it or ``wrap.check_reads`` was on (``tests/test_wrap_parity.py``'s model
+        that reads two such weights trained 1e-2 off torch undeclared, with no error; the
+        check came with 2026-12-06). A read after the unit's release in the forward is seen
+        at its gather for the backward. Raised here, before the step can apply what was
+        computed; the pages are given back, so it is said once."""
         wrote, read = self.touched()
         if not (wrote or read):
             return
         names = wrote + read
         raise PhaseError(
             f"offload: the {phase} of unit {self.unit.label}: code outside the unit "
-            f"{'wrote' if wrote else 'read'} its released storage in this {phase}, before "
-            f"the unit's gather (the pages of {', '.join(names[:5])}"
+            f"{'wrote' if wrote else 'read'} its storage while the unit was released, after "
+            f"this forward began (the pages of {', '.join(names[:5])}"
             f"{', ...' if len(names) > 5 else ''}; a page, 4 KiB or a 2 MiB huge page, may "
             "hold several parameters): released, it holds zeros, so that code computed with "
             "zeros" + (" and its write is dropped" if wrote else "") + ". A forward that uses "

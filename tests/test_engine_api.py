@@ -346,6 +346,18 @@ def _reference(cfg, data, accum) -> dict[str, torch.Tensor]:
         opt.close()
 
 
+def _trains_as_untouched(tmp_path, param_dev, opt_dev, touch, check) -> None:
+    """:func:`_trained_with` ``touch`` and ``check`` gives bitwise the weights of a run
+    without them, which warns of no touched storage (offload itself touches none)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        clean = _trained_with(tmp_path / "clean", param_dev, opt_dev)
+    assert not [w for w in seen if "released parameter" in str(w.message)]
+    touched = _trained_with(tmp_path / "touched", param_dev, opt_dev, touch, check)
+    for name, v in clean.items():
+        assert torch.equal(touched[name], v), name
+
+
 def _pinned(runtime) -> list[str]:
     """The shards someone holds (fetched and not released), in every store."""
     return [k for s in runtime.stores.values() for k, sh in s._shards.items() if sh.pins]
@@ -1514,10 +1526,7 @@ def test_a_parameter_given_another_tensor_through_data_is_refused(tmp_path, para
         ):
             model(tokens)
 
-    clean = _trained_with(tmp_path / "clean", param_dev, opt_dev)
-    touched = _trained_with(tmp_path / "touched", param_dev, opt_dev, touch, check)
-    for name, v in clean.items():
-        assert torch.equal(touched[name], v), name
+    _trains_as_untouched(tmp_path, param_dev, opt_dev, touch, check)
 
 
 @pytest.mark.parametrize("param_dev,opt_dev", [("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme")])
@@ -1550,14 +1559,7 @@ def test_a_write_through_data_into_a_released_parameter_is_refused(tmp_path, par
         ):
             model.state_dict()
 
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        clean = _trained_with(tmp_path / "clean", param_dev, opt_dev)
-    # nothing offload does itself touches a released unit's storage
-    assert not [w for w in seen if "released parameter" in str(w.message)]
-    touched = _trained_with(tmp_path / "touched", param_dev, opt_dev, touch, check)
-    for name, v in clean.items():
-        assert torch.equal(touched[name], v), name
+    _trains_as_untouched(tmp_path, param_dev, opt_dev, touch, check)
 
 
 @pytest.mark.parametrize("option", ["sparse", "max_norm", "bag"])

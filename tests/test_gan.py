@@ -43,6 +43,11 @@ def _config(param_dev: str, opt_dev: str, path) -> dict:
     return cfg
 
 
+def _torch_adamw(model: nn.Module) -> torch.optim.AdamW:
+    """The reference's optimizer: offload's hyperparameters (``_config``), one tensor at a time."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+
+
 def _train(g, d, g_opt, d_opt, steps: int, freeze: bool, scaled: bool = False) -> list:
     """The discriminator's step on real and generated samples, then the generator's through
     the discriminator; ``freeze``: the discriminator frozen for the generator's step;
@@ -84,10 +89,7 @@ def test_a_gan_loop_trains_as_torch(tmp_path, param_dev, opt_dev, freeze, scaled
     g0, d0 = _generator(), _discriminator()
     ref_g, ref_d = copy.deepcopy(g0), copy.deepcopy(d0)
 
-    def adamw(model):
-        return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-
-    ref = _train(ref_g, ref_d, adamw(ref_g), adamw(ref_d), 4, freeze)
+    ref = _train(ref_g, ref_d, _torch_adamw(ref_g), _torch_adamw(ref_d), 4, freeze)
     scaler = {"loss_scale": {"enabled": scaled}}
     g, g_opt = offload.wrap(g0, _config(param_dev, opt_dev, tmp_path / "g") | scaler)
     d, d_opt = offload.wrap(d0, _config(param_dev, opt_dev, tmp_path / "d") | scaler)
@@ -213,10 +215,7 @@ def test_wgan_weight_clipping_trains_as_torch(tmp_path, param_dev, opt_dev):
     g0, d0 = _generator(), _discriminator()
     ref_g, ref_d = copy.deepcopy(g0), copy.deepcopy(d0)
 
-    def adamw(model):
-        return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-
-    ref = _train_wgan(ref_g, ref_d, adamw(ref_g), adamw(ref_d), 3, _clip_in_place)
+    ref = _train_wgan(ref_g, ref_d, _torch_adamw(ref_g), _torch_adamw(ref_d), 3, _clip_in_place)
     g, g_opt = offload.wrap(g0, _config(param_dev, opt_dev, tmp_path / "g"))
     d, d_opt = offload.wrap(d0, _config(param_dev, opt_dev, tmp_path / "d"))
     try:

@@ -150,7 +150,6 @@ def _conversion_guard(runtime: Runtime):
     the gradients at every placement, a scratch probe, 2026-12-05), and ``share_memory()``
     (which moved the storage's data away from offload's released blocks: every check after it
     failed, 2026-12-06), then does the class's."""
-    owned = {id(s.param) for u in runtime.units for s in u.layout.segments}
 
     def refuse(self, what: str):
         raise ValueError(
@@ -180,8 +179,9 @@ def _conversion_guard(runtime: Runtime):
             )
 
         def checked(t):
-            if id(t) in owned:  # tried on an empty tensor like it first (the conversion would
-                # read a released parameter: zeros, and a warning at the next forward)
+            # an owned parameter: tried on an empty tensor like it first (the conversion would
+            # read a released parameter: zeros, and a warning at the next forward)
+            if id(t) in runtime._owned:
                 alike = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
                 if fn(alike) is not alike:  # (torch's .to() returns the tensor itself when
                     refuse(self, "new tensors (another memory format)")  # nothing changes)

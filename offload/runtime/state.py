@@ -238,6 +238,7 @@ class Runtime:
         self._handles.append(self.model.register_load_state_dict_post_hook(self._loaded_values))
         self._loaded_keys: set[str] = set()
         self._merge_refused = False  # a PEFT merge_adapter() was refused (check_in_model)
+        # the ids of the parameters offload holds (the conversion guard's and _warn_added's)
         self._owned = {id(s.param) for u in self.units for s in u.layout.segments}
         self._added_said: tuple[str, ...] = ()  # the parameters added after wrap, warned of
         self._handles.append(ModelOverrides(self.model, self))

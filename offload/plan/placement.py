@@ -166,7 +166,7 @@ class Placement:
     def master_apart_from_device_params(self) -> bool:
         """The compute params stay on the device while their fp32 master is a copy elsewhere
         (host or NVMe: bf16 compute, the optimizer state on NVMe, a CUDA device): each update
-        writes the values derived from the master over them (``Runtime._master_apart``)."""
+        writes the values derived from the master over them (``offload.runtime.watch.master_apart``)."""
         return self.param_home == "none" and self.master is not MasterOwner.PARAMS
 
     @property

@@ -181,7 +181,7 @@ def _conversion_guard(runtime: Runtime):
         def checked(t):
             # an owned parameter: tried on an empty tensor like it first (the conversion would
             # read a released parameter: zeros, and a warning at the next forward)
-            if id(t) in runtime._owned:
+            if id(t) in runtime.watch.owned:
                 alike = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
                 if fn(alike) is not alike:  # (torch's .to() returns the tensor itself when
                     refuse(self, "new tensors (another memory format)")  # nothing changes)

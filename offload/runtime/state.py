@@ -38,7 +38,6 @@ import logging
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 
@@ -62,6 +61,7 @@ from offload.runtime.schedule import StepSchedule
 from offload.runtime.telemetry import Telemetry
 from offload.runtime.units import OffloadUnitInputs, UnitRun, will_run
 from offload.runtime.values import GivenValues, Values
+from offload.runtime.watch import ModelWatch
 
 logger = logging.getLogger("offload.runtime")
 
@@ -237,10 +237,10 @@ class Runtime:
         self._handles.append(self.model.register_load_state_dict_pre_hook(self._load_values))
         self._handles.append(self.model.register_load_state_dict_post_hook(self._loaded_values))
         self._loaded_keys: set[str] = set()
-        self._merge_refused = False  # a PEFT merge_adapter() was refused (check_in_model)
-        # the ids of the parameters offload holds (the conversion guard's and _warn_added's)
-        self._owned = {id(s.param) for u in self.units for s in u.layout.segments}
-        self._added_said: tuple[str, ...] = ()  # the parameters added after wrap, warned of
+        # what code outside offload did to the parameters between uses (its module docstring)
+        self.watch = ModelWatch(
+            self.model, self.runs, self.params, self.plan.placement, self._derive_again
+        )
         self._handles.append(ModelOverrides(self.model, self))
 
     def _guard_parts(self) -> None:
@@ -290,7 +290,7 @@ class Runtime:
             return
         if not torch.is_grad_enabled() and self.phase.phase is Phase.IDLE:
             self._ready_for_forward(run)
-            self._check_unwritten(f"a call of {name} by itself")  # (what came between steps)
+            self.watch.check_unwritten(f"a call of {name} by itself")  # (what came between steps)
             run.gather(Phase.FORWARD.value)
 
             # released when this call ends, also by an error; a hook for this call alone (a
@@ -348,7 +348,7 @@ class Runtime:
         self._settle_backward()
         if self.phase.phase is Phase.BACKWARD:
             return None  # recomputation of the whole model (unusual) keeps everything gathered
-        self.check_in_model("a forward of the model")
+        self.watch.check_in_model("a forward of the model")
         # (it gathers: agree's Note). A model with nothing trainable at stages 1-2 gathers
         # nothing, ever: its forwards stay this rank's own, as a replicated model's in torch, so
         # ranks may run different numbers of them (an evaluation split unevenly, generate()
@@ -997,7 +997,7 @@ class Runtime:
         self._check_open()
         self._check_trains()
         self._check_not_in_step("optimizer.step()")
-        self.check_in_model("optimizer.step()")
+        self.watch.check_in_model("optimizer.step()")
         self._settle_backward()
         self._settle_forward()
         self._check_consistent("optimizer.step()")
@@ -1173,7 +1173,7 @@ class Runtime:
         ``PeftModel`` around the wrapped transformers model, whose ``save_pretrained`` reads
         the adapters so; they read as the released storage's zeros before) get the values."""
         self._model_state_dict = False
-        self.check_in_model("model.state_dict()")
+        self.watch.check_in_model("model.state_dict()")
         self.schedule.check_access("model.state_dict()", self.backwards_since_step)  # (above)
         named = self.model.named_parameters(remove_duplicate=False)
         self._fill(state_dict, prefix, named, self.units)
@@ -1252,95 +1252,13 @@ class Runtime:
             run.release()  # a gathered copy would be stale
 
     def _loaded_values(self, module, incompatible) -> None:
-        self._forget_writes()  # (a write before the load is what the load replaced)
+        self.watch.forget_writes()  # (a write before the load is what the load replaced)
         incompatible.missing_keys[:] = [
             k for k in incompatible.missing_keys if k not in self._loaded_keys
         ]
         self._loaded_keys = set()
 
     # ---------------------------------------------------------------- lifecycle
-    def check_in_model(self, what: str) -> None:
-        """Every parameter offload holds is still one of the model's. A module replaced or
-        removed after wrap (PEFT's ``merge_and_unload()`` puts each LoRA layer's base layer in
-        its place) left offload's homes, hooks and optimizer with parameters the model no
-        longer has: ``merge_and_unload`` had read the adapters and base weights themselves,
-        the released storage's zeros, and written the merge there, so the merged model ran
-        (and Hugging Face's ``save_pretrained`` saved it) without the adapters, 0.26 off the
-        merged weights, and ``offload.save_pretrained`` raised a bare ``KeyError``. Refused
-        instead at the next forward, step, ``model.state_dict()``, ``save_pretrained`` or
-        ``export``; a checkpoint and ``optimizer.state_dict()``, which read offload's own
-        records, still save the trained values. The walk reads the modules' own
-        ``_parameters``: ``model.parameters()`` would wait for a running update. Where the
-        parameters are released, PEFT's ``merge_adapter()`` (which leaves the layers in
-        place) merged zeros the same way, and its layers then skipped their adapters: the
-        logits 0.41 off, no error; refused likewise while a layer says it is merged."""
-        params = [p for m in self.model.modules() for p in m._parameters.values() if p is not None]
-        held = {id(p) for p in params}
-        gone = [s.name for u in self.units for s in u.layout.segments if id(s.param) not in held]
-        if gone:
-            raise PhaseError(
-                f"offload: {what} refused: {len(gone)} parameter(s) that offload holds are no "
-                f"longer in the model ({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}): "
-                "a module was replaced or removed after offload.wrap (PEFT's merge_and_unload() "
-                "and unload() do so; a merge reads and writes the parameters themselves, which "
-                "offload releases between uses: it merged zeros), or the parameters were "
-                "swapped for a call (torch.func.functional_call, torch.nn.utils.stateless: not "
-                "supported on a wrapped model, whose forward computes with offload's own). "
-                "Call optimizer.close(restore=True) first, which puts every value back into the "
-                "model, then merge_and_unload(); or change the model before offload.wrap"
-            )
-        if any(p.requires_grad and id(p) not in self._owned for p in params):
-            self._warn_added(what)  # (after the refusal above: a replaced module's are new)
-        if self.params.releases:
-            merged = [n for n, m in self.model.named_modules() if getattr(m, "merged_adapters", 0)]
-            if self._merge_refused and not merged:  # unmerge_adapter() since the refusal:
-                self._forget_writes()  # its writes undo the merge's (both into zeros)
-            self._merge_refused = bool(merged)
-            if merged:  # PEFT's merge_adapter(): its layers now skip the adapters they hold
-                self._forget_writes()  # (the merge's writes: this error says so)
-                raise PhaseError(
-                    f"offload: {what} refused: PEFT adapters were merged into {len(merged)} "
-                    f"layer(s) after offload.wrap ({', '.join(merged[:3])}"
-                    f"{', ...' if len(merged) > 3 else ''}): merge_adapter() reads and writes "
-                    "the weights themselves, which offload releases between uses, so it "
-                    "merged zeros and the merged layers would run without the adapters. Call "
-                    "unmerge_adapter() (which changes nothing here) to go on; to merge, call "
-                    "optimizer.close(restore=True) first (or keep the parameters on the device: "
-                    "offload_param.device none)"
-                )
-        self._check_unwritten(what)
-
-    def _warn_added(self, what: str) -> None:
-        """Trainable parameters the model gained after wrap (a head assigned to it) get
-        gradients but no step from offload's optimizer, as from a torch optimizer built before
-        them, and nothing said so (``p.grad`` kept growing); warned once per set of names, so
-        one stepped by an optimizer of its own costs a line."""
-        added = tuple(
-            f"{name}.{key}" if name else key
-            for name, m in self.model.named_modules()
-            for key, p in m._parameters.items()
-            if p is not None and p.requires_grad and id(p) not in self._owned
-        )
-        if added == self._added_said:
-            return
-        self._added_said = added
-        warnings.warn(
-            f"offload: {len(added)} trainable parameter(s) of the model are not offload's, "
-            f"seen at {what} ({', '.join(added[:3])}{', ...' if len(added) > 3 else ''}): "
-            "added after offload.wrap, they get gradients, but offload's optimizer does not "
-            "step them (as a torch optimizer built before them would not). Add them before "
-            "offload.wrap to train them with offload, or step them with an optimizer of their "
-            "own",
-            stacklevel=3,
-        )
-
-    def _forget_writes(self) -> None:
-        """What was written into released units since the last check is let go (their
-        versions noted, their pages given back): a refusal that names its cause said it."""
-        for run in self.runs:
-            run.note_versions()
-            run.touched()
-
     @staticmethod
     def _dense_only(run: UnitRun, param: torch.Tensor) -> str:
         """The error for a gradient that is not a dense tensor (``F.embedding(...,
@@ -1353,99 +1271,6 @@ class Runtime:
             "clipping and Adam are dense, as torch's Adam and AdamW are. Look it up with "
             "sparse=False"
         )
-
-    def _check_unwritten(self, what: str) -> None:
-        """No parameter of a released unit was written in place (``nn.init`` or
-        ``model.apply(init)`` after ``wrap``, ``p.copy_(...)`` under ``no_grad``, WGAN's
-        ``p.data.clamp_``): the write went to the released storage, which the next gather
-        fills from the unit's home, so it was dropped with no error (and ``state_dict()`` gave
-        the values of before). A write through the tensor moves its version counter; one
-        through ``p.data`` does not, and is seen in the released pages it wrote
-        (``UnitRun.touched``; before 2026-12-06 it was not seen: 0.012 off torch's losses in
-        three steps of WGAN's clipping, at every placement that releases). A write in a
-        forward (a ``clamp_`` under ``no_grad``, ``F.embedding``'s ``max_norm``;
-        ``nn.Embedding(max_norm=...)`` is refused at wrap) goes into the gathered copy and is
-        dropped at its release the same way. Said once: the versions are noted again, the
-        pages given back, and training goes on with offload's values. A unit that stays
-        gathered is live storage: on the device with the master a copy (:meth:`_master_apart`)
-        its trainable parameters are looked at too (through their versions: a write through
-        ``p.data`` there is not seen), and derived from the master again; otherwise (the
-        parameters are the master; a persistent unit between its first use and the step) not.
-        A released parameter read between uses gives a warning (the read gave zeros); one
-        given another tensor (``p.data = t``) is refused first (:meth:`_check_replaced`)."""
-        self._check_replaced(what)
-        apart = self._master_apart()
-        by_run, read = {}, []  # the written parameters' names, by unit; those read
-        for run in self.runs:
-            gathered = self.params.gathered(run.unit)
-            if apart or not gathered:
-                names = run.written(trainable_only=gathered)
-                wrote, looked = run.touched()
-                by_run[run] = names + [n for n in wrote if n not in names]
-                read += looked
-        written = [n for names in by_run.values() for n in names]
-        if read:
-            warnings.warn(
-                f"offload: released parameters were read between uses, before {what} (the "
-                f"pages of {', '.join(read[:5])}{', ...' if len(read) > 5 else ''}; a page, 4 "
-                "KiB or a 2 MiB huge page, may hold several parameters): between uses their "
-                "storage is freed, and a read gives zeros. Read values through "
-                "model.state_dict()",
-                stacklevel=3,
-            )
-        if not written:
-            return
-        if apart:  # (every unit is gathered there: its names are trainable ones)
-            self._derive_again([run for run, names in by_run.items() if names])
-        for run in self.runs:
-            run.note_versions()
-        raise PhaseError(
-            f"offload: {what}: {len(written)} parameter(s) were written in place after "
-            f"offload.wrap ({', '.join(written[:3])}{', ...' if len(written) > 3 else ''}): "
-            "an nn.init call, model.apply(...), a copy_ under no_grad or a write through "
-            "p.data (WGAN's p.data.clamp_) between uses writes into freed storage, and a "
-            "write in the model's forward (a clamp_ under no_grad, F.embedding's max_norm) "
-            "into the copy that forward computes with; the next gather refills both from "
-            "offload's copy, so the write is dropped (the parameters keep offload's values). "
-            "Initialize the model before offload.wrap, set values with "
-            "model.load_state_dict(...) (to clip weights after a step: change "
-            "model.state_dict() and load it), and keep forwards from writing their weights"
-        )
-
-    def _check_replaced(self, what: str) -> None:
-        """No parameter was given another tensor through ``p.data = ...``: it would be neither
-        filled nor trained (the step updated offload's storage while the model computed with
-        the new tensor, silently, also where the parameters are the master: 0.0024 off torch's
-        losses in three steps at none/cpu, a scratch probe of 2026-12-06). Refused once; the
-        parameters view offload's storage again, with offload's values."""
-        replaced = [(run, run.replaced()) for run in self.runs]
-        names = [n for _, names in replaced for n in names]
-        if names:
-            for run, some in replaced:
-                if some:
-                    run.restore()
-            raise PhaseError(
-                f"offload: {what}: {len(names)} parameter(s) were given another tensor through "
-                f"p.data = ... after offload.wrap ({', '.join(names[:3])}"
-                f"{', ...' if len(names) > 3 else ''}; torch.nn.utils.vector_to_parameters "
-                "does so): offload computes with and updates the "
-                "storage it gave them, so the new tensor would be neither filled nor trained. "
-                "They view offload's storage again, with offload's values. Set values with "
-                "model.load_state_dict(...), or before offload.wrap"
-            )
-
-    def _master_apart(self) -> bool:
-        """Whether the parameters stay on the device (``offload_param.device: none``, one rank)
-        while their fp32 master is a copy elsewhere (host or NVMe: bf16 compute, the optimizer
-        on NVMe, or a CUDA device). A write into such a parameter lasted only until the next
-        update wrote the values derived from the master over it: ``nn.init`` after wrap with
-        the optimizer on NVMe trained silently 0.24 off torch after two steps (a scratch probe,
-        2026-12-06). Where the master is the parameters' own storage (fp32 with both on the
-        CPU) the write is the master's and lasts, as in torch. Several ranks: not checked (the
-        values are derived again through the ranks' collectives, which one rank's write could
-        not start)."""
-        placement = self.plan.placement
-        return placement.master_apart_from_device_params and placement.world == 1
 
     def _derive_again(self, runs: list[UnitRun]) -> None:
         """The trainable parameters of ``runs``, written through the tensor, get the values

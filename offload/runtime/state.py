@@ -801,6 +801,19 @@ class Runtime:
             if not self._grad_free:
                 run.residency.backward_begins(self.grads, run)
 
+    @staticmethod
+    def _dense_only(run: UnitRun, param: torch.Tensor) -> str:
+        """The error for a gradient that is not a dense tensor (``F.embedding(...,
+        sparse=True)`` in a forward; a module with ``sparse=True`` is refused at wrap): it
+        would reach the flat buffers' ``view`` and fail there, naming no parameter."""
+        name = next(s.name for s in run.unit.layout.segments if s.param is param)
+        return (
+            f"offload: parameter '{name}' got a {param.grad.layout} gradient (a lookup with "
+            "sparse=True, such as F.embedding(..., sparse=True)): offload's gradient buffers, "
+            "clipping and Adam are dense, as torch's Adam and AdamW are. Look it up with "
+            "sparse=False"
+        )
+
     @_hook
     def _grad_ready(self, run: UnitRun) -> None:
         if self.phase.phase is not Phase.BACKWARD:
@@ -1258,20 +1271,6 @@ class Runtime:
         ]
         self._loaded_keys = set()
 
-    # ---------------------------------------------------------------- lifecycle
-    @staticmethod
-    def _dense_only(run: UnitRun, param: torch.Tensor) -> str:
-        """The error for a gradient that is not a dense tensor (``F.embedding(...,
-        sparse=True)`` in a forward; a module with ``sparse=True`` is refused at wrap): it
-        would reach the flat buffers' ``view`` and fail there, naming no parameter."""
-        name = next(s.name for s in run.unit.layout.segments if s.param is param)
-        return (
-            f"offload: parameter '{name}' got a {param.grad.layout} gradient (a lookup with "
-            "sparse=True, such as F.embedding(..., sparse=True)): offload's gradient buffers, "
-            "clipping and Adam are dense, as torch's Adam and AdamW are. Look it up with "
-            "sparse=False"
-        )
-
     def _derive_again(self, runs: list[UnitRun]) -> None:
         """The trainable parameters of ``runs``, written through the tensor, get the values
         derived from their master again (offload's values, as a released unit's next gather
@@ -1283,6 +1282,7 @@ class Runtime:
             self.values.load(run.unit, GivenValues(given, self.values.flat, self.params.dtype))
             self.params.loaded(run.unit)
 
+    # ---------------------------------------------------------------- lifecycle
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -757,6 +758,61 @@ def test_a_released_parameter_read_outside_its_unit_is_named_at_its_gather(tmp_p
             r"unit read.*blocks\.0\.fc1\.weight",
         ):
             F.cross_entropy(logits.reshape(-1, 64), tokens[:, 1:].reshape(-1)).backward()
+    finally:
+        opt.close()
+
+
+class _FailsAfterTouching(_ReadsOtherBlocksWeights):
+    """A forward with a bug: it touches ``blocks[1].fc2.weight`` (released then: ``blocks[2]``,
+    the last to run, stays gathered for the backward) and raises before ``blocks[1]`` runs;
+    ``bug`` off, the forward is the plain stack's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bug: str | None = None
+
+    def forward(self, tokens):
+        x = self.blocks[0](self.embed(tokens))
+        if self.bug == "read":
+            x = F.linear(x, self.blocks[1].fc2.weight[:, :STACK_DIM])
+        elif self.bug == "write":
+            self.blocks[1].fc2.weight.data.clamp_(-0.01, 0.01)
+        if self.bug:
+            raise ValueError("a bug in the model")
+        return self.head(self.blocks[2](self.blocks[1](x)))
+
+
+@pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
+def test_a_forward_that_fails_after_touching_a_released_unit(tmp_path, param_dev):
+    """A forward that read a released unit's weight and then raised, before that unit's
+    gather, left the read in its pages, and the next forward warned of parameters "read
+    between uses", a read the caller never made: the failed forward's reads are let go (a
+    forward that reads so again is named at the unit's gather, the test above). A write
+    there (through ``p.data``) is still named at the next forward, once."""
+    wrap = {"wrap": {"module_classes": ["_PeekBlock"]}}
+    torch.manual_seed(0)
+    model, opt = offload.wrap(
+        _FailsAfterTouching(), placement_config(param_dev, "cpu", tmp_path, **wrap)
+    )
+    tokens = batches(1, batch=2, seq=8)[0][:, :-1]
+    try:
+        model(tokens)  # (the first forward: blocks.2 released after it)
+        model.bug = "read"
+        with pytest.raises(ValueError, match="a bug in the model"):
+            model(tokens)
+        model.bug = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning of a read between uses
+            model(tokens)
+        model.bug = "write"
+        with pytest.raises(ValueError, match="a bug in the model"):
+            model(tokens)
+        model.bug = None
+        with pytest.raises(
+            PhaseError, match=r"a forward of the model: .*written in place.*blocks\.1\.fc2\.weight"
+        ):
+            model(tokens)
+        model(tokens)  # said once
     finally:
         opt.close()
 

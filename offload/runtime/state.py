@@ -399,6 +399,7 @@ class Runtime:
         torch runs these hooks for an ``Exception`` only: a forward stopped by Ctrl-C is
         dropped at the caller's next call (:meth:`_settle_forward`)."""
         if self._forward_open:  # (not ended by _root_post_forward)
+            self.watch.forward_failed()  # (before the drop releases the units it gathered)
             self._drop_forward()
 
     def _close_forward(self) -> None:

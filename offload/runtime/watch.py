@@ -38,6 +38,7 @@ class ModelWatch:
         "_derive_again",
         "_merge_refused",
         "_added_said",
+        "_failed_writes",
     )
 
     def __init__(
@@ -57,6 +58,9 @@ class ModelWatch:
         self._derive_again = derive_again
         self._merge_refused = False  # a PEFT merge_adapter() was refused (check_in_model)
         self._added_said: tuple[str, ...] = ()  # the parameters added after wrap, warned of
+        # the names written into released units during a forward that raised, by unit: named
+        # at the next check (forward_failed)
+        self._failed_writes: dict[UnitRun, list[str]] = {}
 
     def check_in_model(self, what: str) -> None:
         """Every parameter offload holds is still one of the model's. A module replaced or
@@ -138,9 +142,21 @@ class ModelWatch:
     def forget_writes(self) -> None:
         """What was written into released units since the last check is let go (their
         versions noted, their pages given back): a refusal that names its cause said it."""
+        self._failed_writes.clear()
         for run in self.runs:
             run.note_versions()
             run.touched()
+
+    def forward_failed(self) -> None:
+        """A root forward raised, with units released that code outside them touched in it
+        (``UnitRun.touched``): a read is let go, since that forward's values are gone (read
+        again by the next forward, it is named at the unit's gather there); before
+        2026-12-06 it was warned of at the next forward as read between uses, naming a read
+        the caller never made between uses. A write is kept for the next check to name."""
+        for run in self.runs:
+            wrote, _ = run.touched()  # (a gathered unit's storage holds values: none seen)
+            if wrote:
+                self._failed_writes.setdefault(run, []).extend(wrote)
 
     def check_unwritten(self, what: str) -> None:
         """No parameter of a released unit was written in place (``nn.init`` or
@@ -170,6 +186,7 @@ class ModelWatch:
             if apart or not gathered:
                 names = run.written(trainable_only=gathered)
                 wrote, looked = run.touched()
+                wrote = list(dict.fromkeys(self._failed_writes.pop(run, []) + wrote))
                 paged += [n for n in wrote if n not in names]
                 by_run[run] = names + [n for n in wrote if n not in names]
                 read += looked

@@ -186,9 +186,10 @@ class ModelWatch:
             if apart or not gathered:
                 names = run.written(trainable_only=gathered)
                 wrote, looked = run.touched()
-                wrote = list(dict.fromkeys(self._failed_writes.pop(run, []) + wrote))
-                paged += [n for n in wrote if n not in names]
-                by_run[run] = names + [n for n in wrote if n not in names]
+                wrote = dict.fromkeys(self._failed_writes.pop(run, []) + wrote)
+                seen = [n for n in wrote if n not in names]  # in the pages alone
+                paged += seen
+                by_run[run] = names + seen
                 read += looked
         written = [n for names in by_run.values() for n in names]
         # (a page holds neighbours too: written ones seen only there may not all have been)

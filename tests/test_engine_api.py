@@ -3,6 +3,7 @@ telemetry, unwrapping."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import io
@@ -42,8 +43,10 @@ def test_eval_no_grad_inference_and_released_storage(tmp_path):
             assert torch.count_nonzero(blk) == 0
         else:
             assert blk.untyped_storage().nbytes() == 0
-        # ... yet state_dict returns real values
-        sd = model.state_dict()
+        # ... yet state_dict returns real values, and says that the reads above saw zeros
+        said = pytest.warns(UserWarning, match="released parameters were read between uses")
+        with said if pages.supported(blk.device) else contextlib.nullcontext():
+            sd = model.state_dict()
         assert sd["blocks.1.fc1.weight"].shape == blk.shape
         assert sd["blocks.1.fc1.weight"].abs().sum() > 0
         ref = make_model().eval()

@@ -223,16 +223,20 @@ def lm_loss(model, tokens):
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def reference_fp32(model, data, steps, accum, clip, lr=1e-2, wd=0.1, undecayed=None):
+def reference_fp32(
+    model, data, steps, accum, clip, lr=1e-2, wd=0.1, undecayed=None, adam=False, **hyper
+):
     """Plain PyTorch: AdamW(foreach=False), grad accumulation, clipping, an LR schedule
-    (``undecayed(name)``: the parameters in a second group, with weight_decay 0)."""
+    (``undecayed(name)``: the parameters in a second group, with weight_decay 0; ``adam``:
+    torch's Adam, its weight decay L2; ``hyper``: ``betas``, ``eps``)."""
     model = copy.deepcopy(model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     left = undecayed or (lambda name: False)
     groups = [{"params": [p for n, p in named if not left(n)]}]
     if undecayed is not None:
         groups.append({"params": [p for n, p in named if left(n)], "weight_decay": 0.0})
-    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=wd, foreach=False)
+    kind = torch.optim.Adam if adam else torch.optim.AdamW
+    opt = kind(groups, lr=lr, weight_decay=wd, foreach=False, **hyper)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     losses = []
     for s in range(steps):

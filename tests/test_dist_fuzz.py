@@ -2,8 +2,9 @@
 ``test_parity_fuzz``'s knobs, drawn with a ZeRO stage and a model, run by gloo ranks.
 
 Each case is drawn from a fixed seed (its id says what it drew): the placements, buffers,
-``persistence_threshold``, ``prefetch.depth`` and ``step_in_backward`` of
-``test_parity_fuzz._draw_placement``, ``distributed.stage`` 1-3, accumulation 1-3, clipping
+``persistence_threshold``, ``prefetch.depth``, ``aio`` and ``step_in_backward`` of
+``test_parity_fuzz._draw_placement``, its optimizer section (Adam or AdamW, decay, betas, eps,
+``no_decay``), ``distributed.stage`` 1-3, accumulation 1-3, clipping
 through ``optimizer.clip_grad_norm_`` or the config at a threshold that clips every step or
 none, and the model (``engine_models``' TinyLM or the ``StackLM`` of ``_dist_worker``). The
 ranks train their slices of every global batch (``_dist_worker``); the reference is torch's
@@ -32,7 +33,13 @@ import torch
 from _dist_worker import GLOBAL_BATCH, STEPS_DATA
 from dist_harness import result, run_ranks
 from engine_models import StackLM, batches, make_model, placement_config, reference_fp32
-from test_parity_fuzz import _draw_placement, _name
+from test_parity_fuzz import (
+    _draw_optimizer,
+    _draw_placement,
+    _name,
+    _optimizer_name,
+    reference_hyper,
+)
 
 STEPS = 4
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-4  # as test_parity_fuzz: summation order differs
@@ -45,11 +52,13 @@ def _draw(seed: int, configs: int) -> tuple[dict, str]:
     name."""
     rng = random.Random(seed)
     clip = rng.choice([0.0, 0.05, 10.0])  # none; every step clips; none clips
+    model = rng.choice(["tiny", "stack"])
     run = {
-        "model": rng.choice(["tiny", "stack"]),
+        "model": model,
         "accum": rng.choice([1, 2, 3]),
         "clip": clip,
         "config_clips": bool(clip) and rng.random() < 0.5,
+        "optimizer": _draw_optimizer(rng, ("bias", "norm") if model == "tiny" else ("bias",)),
         "placements": [
             _draw_placement(rng) | {"stage": rng.choice([1, 2, 3])} for _ in range(configs)
         ],
@@ -57,6 +66,7 @@ def _draw(seed: int, configs: int) -> tuple[dict, str]:
     name = "-".join(
         [
             f"{run['model']}-a{run['accum']}-c{clip}{'cfg' if run['config_clips'] else ''}",
+            _optimizer_name(run["optimizer"]),
             *(f"s{k['stage']}-{_name(k)}" for k in run["placements"]),
         ]
     )
@@ -78,7 +88,7 @@ def _job(name: str, run: dict, knobs: dict, out: Path, steps: int, **kw) -> dict
     if knobs["optim"] == "nvme":
         cfg["offload_optimizer"]["step_in_backward"] = knobs["step_in_backward"]
     extra = {k: cfg[k] for k in ("offload_param", "offload_optimizer")}
-    extra["prefetch"] = {"depth": knobs["depth"]}
+    extra.update(prefetch={"depth": knobs["depth"]}, aio=knobs["aio"], optimizer=run["optimizer"])
     if run["config_clips"]:
         extra["gradient_clipping"] = run["clip"]
         extra["gradient_accumulation_steps"] = run["accum"]
@@ -105,7 +115,9 @@ def _reference(run: dict):
     else:
         model = make_model()
     data = batches(STEPS_DATA, batch=GLOBAL_BATCH)
-    return reference_fp32(model, data, STEPS, run["accum"], run["clip"])
+    return reference_fp32(
+        model, data, STEPS, run["accum"], run["clip"], **reference_hyper(run["optimizer"])
+    )
 
 
 def _check(out: Path, names: list[str], run: dict) -> None:

@@ -5,7 +5,9 @@ Each case is drawn from a fixed seed (its id says what it drew), so a failure re
 failed: the placements of params and optimizer state, gradient accumulation, clipping (through
 ``optimizer.clip_grad_norm_`` or the config's ``gradient_clipping``, at a threshold that clips
 every step or none), ``persistence_threshold``, ``prefetch.depth``, the swap buffers' size and
-count, and ``step_in_backward`` with the optimizer on NVMe. The model is ``engine_models``'
+count, ``step_in_backward`` with the optimizer on NVMe, the ``aio`` section (block size, queue
+depth, threads, O_DIRECT, checksums) and the ``optimizer`` section (Adam or AdamW, decay,
+betas, eps, ``no_decay``; torch's reference: the same class, a second group undecayed). The model is ``engine_models``'
 TinyLM (tied weights, a frozen parameter, a block called twice, activation checkpointing, a
 huge cheap block) with its block width and the huge block's rows drawn too.
 
@@ -14,8 +16,14 @@ huge cheap block) with its block width and the huge block's rows drawn too.
 - ``test_a_checkpoint_resumes_under_another_random_config``: two steps under one config,
   ``save_checkpoint``, then ``load_checkpoint`` into a model wrapped with another (other
   placements, buffers, modes) and two more steps: the same four steps as torch's.
+- ``test_a_random_loop_trains_as_torch``: a loop that also does, at random, what loops do
+  between and inside steps (evaluation forwards, reads and reloads of the values, two forwards
+  in a micro-step, lr edits, the optimizer's state dict round trip, ``zero_grad``'s kinds, the
+  gradient norm, a forward no backward follows, a checkpoint saved and loaded in place); every
+  read sees what torch's does. With the step count one high after ``load_state_dict`` (a
+  scratch change), the 7 cases that step after a round trip failed.
 
-Heavy (36 cases, ~35 s on the shared 2-core machine): ``.ci/run`` runs them. They can fail:
+Heavy (52 cases, ~15 s on this 2-core machine idle): ``.ci/run`` runs them. They can fail:
 with a fourth block that the model never calls, the cases where offload holds the gradients (a
 host buffer, NVMe) fail on its weights, which offload's step moves as with a zero gradient and
 torch's skips (the README's optimizer bullet; DeepSpeed's flat buffers do as offload).
@@ -28,7 +36,14 @@ import warnings
 
 import pytest
 import torch
-from engine_models import batches, make_model, placement_config, reference_fp32, train_wrapped
+from engine_models import (
+    batches,
+    lm_loss,
+    make_model,
+    placement_config,
+    reference_fp32,
+    train_wrapped,
+)
 
 import offload
 
@@ -46,6 +61,13 @@ def _draw_placement(rng: random.Random) -> dict:
         "param_buffers": rng.choice([4, 6, 16]),
         "optim_buffers": rng.choice([4, 8, 16]),
         "depth": rng.choice([0, 1, 2, 4]),
+        "aio": {
+            "block_size": rng.choice(["4KiB", "64KiB", "1MiB"]),
+            "queue_depth": rng.choice([1, 2, 8, 32]),
+            "thread_count": rng.choice([1, 2, 3]),
+            "direct_io": rng.random() < 0.7,
+            "checksum": rng.random() < 0.3,
+        },
     }
     knobs["step_in_backward"] = knobs["optim"] == "nvme" and rng.choice([True, False])
     return knobs
@@ -53,10 +75,45 @@ def _draw_placement(rng: random.Random) -> dict:
 
 def _name(k: dict) -> str:
     mode = ("-sib" if k["step_in_backward"] else "-after") if k["optim"] == "nvme" else ""
+    io = k["aio"]
+    flags = ("" if io["direct_io"] else "b") + ("c" if io["checksum"] else "")
     return (
         f"{k['param']}-{k['optim']}-p{k['persistence_threshold']}-d{k['depth']}"
         f"-{k['buffer_size']}x{k['param_buffers']}{mode}"
+        f"-io{io['block_size']}q{io['queue_depth']}t{io['thread_count']}{flags}"
     )
+
+
+def _draw_optimizer(rng: random.Random, undecayed=("bias", "norm")) -> dict:
+    """The config's ``optimizer`` section (lr 1e-2, as the reference's); ``undecayed``: the
+    name patterns its ``no_decay`` lists when it draws one (each must find a parameter)."""
+    section = {
+        "type": rng.choice(["adamw", "adam"]),
+        "lr": 1e-2,
+        "weight_decay": rng.choice([0.0, 0.1, 0.5]),
+        "betas": rng.choice([[0.9, 0.999], [0.8, 0.95]]),
+        "eps": rng.choice([1e-8, 1e-3]),
+    }
+    if rng.random() < 0.4:  # biases and norm weights undecayed (torch: a second group)
+        section["no_decay"] = list(undecayed)
+    return section
+
+
+def _optimizer_name(o: dict) -> str:
+    b1, b2 = o["betas"]
+    return f"{o['type']}-wd{o['weight_decay']}-b{b1},{b2}-e{o['eps']}{'-nd' if 'no_decay' in o else ''}"
+
+
+def reference_hyper(optimizer: dict) -> dict:
+    """``reference_fp32``'s arguments for a config's ``optimizer`` section."""
+    left = optimizer.get("no_decay")
+    return {
+        "wd": optimizer["weight_decay"],
+        "adam": optimizer["type"] == "adam",
+        "betas": tuple(optimizer["betas"]),
+        "eps": optimizer["eps"],
+        "undecayed": (lambda n: any(p in n for p in left)) if left else None,
+    }
 
 
 def _draw(seed: int, configs: int) -> tuple[dict, str]:
@@ -69,12 +126,14 @@ def _draw(seed: int, configs: int) -> tuple[dict, str]:
         "clip": clip,
         "config_clips": bool(clip) and rng.random() < 0.5,  # gradient_clipping in the config
         "model": {"hidden": rng.choice([17, 96]), "huge_rows": rng.choice([7, 3000])},
+        "optimizer": _draw_optimizer(rng),
         "placements": [_draw_placement(rng) for _ in range(configs)],
     }
     name = "-".join(
         [
             f"a{run['accum']}-c{clip}{'cfg' if run['config_clips'] else ''}",
             f"h{run['model']['hidden']}-r{run['model']['huge_rows']}",
+            _optimizer_name(run["optimizer"]),
             *(_name(k) for k in run["placements"]),
         ]
     )
@@ -94,6 +153,8 @@ def _config(run: dict, knobs: dict, tmp_path) -> dict:
     if knobs["optim"] == "nvme":
         cfg["offload_optimizer"]["step_in_backward"] = knobs["step_in_backward"]
     cfg["prefetch"]["depth"] = knobs["depth"]
+    cfg["aio"] = dict(knobs["aio"])
+    cfg["optimizer"] = dict(run["optimizer"])
     if run["config_clips"]:  # the step clips; the boundary from the accumulation
         cfg["gradient_clipping"] = run["clip"]
         cfg["gradient_accumulation_steps"] = run["accum"]
@@ -123,7 +184,14 @@ def _train(cfg: dict, run: dict, data, start=0, steps=STEPS, checkpoint=None, se
 
 
 def _reference(run: dict, data):
-    return reference_fp32(make_model(**run["model"]), data, STEPS, run["accum"], run["clip"])
+    return reference_fp32(
+        make_model(**run["model"]),
+        data,
+        STEPS,
+        run["accum"],
+        run["clip"],
+        **reference_hyper(run["optimizer"]),
+    )
 
 
 def _check(losses, weights, ref, ref_losses) -> None:
@@ -174,3 +242,167 @@ def test_a_checkpoint_resumes_under_another_random_config(tmp_path, seed):
     finally:
         opt.close()
     _check(losses + more, weights, ref, ref_losses)
+
+
+# ------------------------------------------------------------------ what a loop does between
+# Before a micro-step: an evaluation forward (eval mode, no_grad: its output), the values
+# (``model.state_dict()``), a reload of them (``model.load_state_dict(model.state_dict())``),
+# or the micro-batch's loss as the mean of two forwards on its halves.
+INSIDE = ["", "", "eval", "values", "reload", "two_forwards"]
+# After a step: the same reads, the lr changed in ``param_groups``, the optimizer's state dict
+# round trip, ``zero_grad(set_to_none=False)`` or ``model.zero_grad()`` in place of
+# ``optimizer.zero_grad()``, the gradient norm before the step (no clipping), a forward with
+# gradients on that no backward follows, a checkpoint saved and loaded in place (offload's).
+AFTER = ["", "eval", "values", "reload", "lr", "optimizer_state", "zero_keep", "model_zero"]
+AFTER += ["grad_norm", "unused_forward", "checkpoint"]
+
+
+def _draw_loop(seed: int) -> tuple[dict, str]:
+    """A run of one random config (``_draw``) and the loop's actions, one before each
+    micro-step and one after each step, and the case's name."""
+    run, name = _draw(seed, 1)
+    rng = random.Random(seed + 1)
+    run["actions"] = [
+        [rng.choice(INSIDE) for _ in range(run["accum"])] + [rng.choice(AFTER)]
+        for _ in range(STEPS)
+    ]
+    return run, name  # (the actions follow from the seed; a failure names the read)
+
+
+class _Side:
+    """What the loop calls differently in torch and in offload: clipping, the gradient norm
+    and the checkpoint (torch's side does nothing: its state stays in memory)."""
+
+    def __init__(self, model, opt, tmp_path=None) -> None:
+        self.model, self.opt, self.tmp_path = model, opt, tmp_path
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def clip(self, max_norm: float) -> float:
+        if self.tmp_path is None:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        return float(self.opt.clip_grad_norm_(max_norm))
+
+    def norm(self) -> float:
+        if self.tmp_path is None:
+            return float(
+                torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params]))
+            )
+        return float(self.opt.grad_norm())
+
+    def checkpoint(self, sched, step: int) -> None:
+        if self.tmp_path is not None:
+            where = self.tmp_path / f"ck{step}"
+            offload.save_checkpoint(where, self.model, self.opt, scheduler=sched.state_dict())
+            sched.load_state_dict(offload.load_checkpoint(where, self.model, self.opt)["scheduler"])
+
+
+def _loop(side: _Side, run: dict, data, clip: float) -> list:
+    """The run's steps with its actions: what each read saw, in order (losses, the norms,
+    outputs and values)."""
+    model, opt, accum, seen = side.model, side.opt, run["accum"], []
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    probe = data[-1]
+
+    def read(action: str) -> None:
+        if action == "eval":
+            model.eval()
+            with torch.no_grad():
+                seen.append(model(probe[:, :-1]))
+            model.train()
+        elif action == "values":  # (copies: torch's state dict holds the live tensors)
+            seen.append({k: v.clone() for k, v in model.state_dict().items()})
+        elif action == "reload":
+            model.load_state_dict(model.state_dict())
+
+    for s, actions in enumerate(run["actions"]):
+        total = 0.0
+        for m in range(accum):
+            read(actions[m])
+            batch = data[(s * accum + m) % len(data)]
+            if actions[m] == "two_forwards":
+                loss = (lm_loss(model, batch[:2]) + lm_loss(model, batch[2:])) / (2 * accum)
+            else:
+                loss = lm_loss(model, batch) / accum
+            loss.backward()
+            total += float(loss.detach())
+        seen.append(total)
+        after = actions[-1]
+        if clip:
+            norm = side.clip(clip)
+            if not run["config_clips"]:  # (where the config clips, offload's step does)
+                seen.append(norm)
+        elif after == "grad_norm" and not run["config_clips"]:
+            seen.append(side.norm())
+        opt.step()
+        sched.step()
+        if after == "zero_keep":
+            opt.zero_grad(set_to_none=False)
+        elif after == "model_zero":
+            model.zero_grad()
+        else:
+            opt.zero_grad()
+        read(after)
+        if after == "lr":
+            for group in opt.param_groups:
+                group["lr"] *= 0.7
+        elif after == "optimizer_state":
+            opt.load_state_dict(opt.state_dict())
+        elif after == "unused_forward":
+            seen.append(lm_loss(model, probe).detach())
+        elif after == "checkpoint":
+            side.checkpoint(sched, s)
+    seen.append(model.state_dict())
+    return seen
+
+
+def _same(got, want) -> None:
+    assert type(got) is type(want), (got, want)
+    if isinstance(got, dict):  # values: the model's, the trainable ones as in _check
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=WEIGHT_ATOL, msg=k)
+    elif isinstance(got, torch.Tensor):  # an output or a loss
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    else:  # a loss total or a norm
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=LOSS_RTOL, atol=0)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    "seed", [pytest.param(s, id=f"{s}-{_draw_loop(s)[1]}") for s in range(500, 516)]
+)
+def test_a_random_loop_trains_as_torch(tmp_path, seed):
+    """What a training loop does between and inside its steps (reads of the values and
+    outputs, reloads, lr edits, state dict round trips, zero_grad's kinds, checkpoints) under
+    a random config: every read sees what torch's does, and the training is torch's."""
+    run, _ = _draw_loop(seed)
+    data = batches(6)
+    hyper = reference_hyper(run["optimizer"])
+    ref = make_model(**run["model"])
+    named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
+    left = hyper.pop("undecayed") or (lambda n: False)
+    groups = [{"params": [p for n, p in named if not left(n)]}]
+    groups.append({"params": [p for n, p in named if left(n)], "weight_decay": 0.0})
+    kind = torch.optim.Adam if hyper.pop("adam") else torch.optim.AdamW
+    wd = hyper.pop("wd")
+    topt = kind(
+        [g for g in groups if g["params"]], lr=1e-2, weight_decay=wd, foreach=False, **hyper
+    )
+    want = _loop(_Side(ref, topt), run, data, run["clip"])
+    model, opt = offload.wrap(
+        make_model(**run["model"]), _config(run, run["placements"][0], tmp_path)
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # small buffers: "allowed but slow" warnings
+            got = _loop(
+                _Side(model, opt, tmp_path), run, data, 0.0 if run["config_clips"] else run["clip"]
+            )
+    finally:
+        opt.close()
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        try:
+            _same(a, b)
+        except AssertionError as exc:
+            raise AssertionError(f"read {i} of {len(want)} differs: {exc}") from None

@@ -254,9 +254,10 @@ def reference_fp32(
     return model, losses
 
 
-def reference_mixed(model, data, steps, accum, clip, dtype, lr=1e-2, wd=0.1):
+def reference_mixed(model, data, steps, accum, clip, dtype, lr=1e-2, wd=0.1, loss_scale=1.0):
     """Reference mixed precision: fp32 master updated by AdamW, a low-precision copy used for
-    compute, gradients accumulated in fp32."""
+    compute, gradients accumulated in fp32 (``loss_scale``: each backward's loss multiplied by
+    it and its gradients divided by it in fp32, a static loss scale for fp16)."""
     master = copy.deepcopy(model)
     compute = copy.deepcopy(model).to(dtype)
     mparams = [p for p in master.parameters() if p.requires_grad]
@@ -268,10 +269,10 @@ def reference_mixed(model, data, steps, accum, clip, dtype, lr=1e-2, wd=0.1):
         total = 0.0
         for m in range(accum):
             loss = lm_loss(compute, data[(s * accum + m) % len(data)]) / accum
-            loss.backward()
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             total += float(loss.detach())
             for mp, cp in zip(mparams, cparams):
-                g = cp.grad.float()
+                g = cp.grad.float() / loss_scale if loss_scale != 1.0 else cp.grad.float()
                 mp.grad = g if mp.grad is None else mp.grad + g
                 cp.grad = None
         if clip:

@@ -22,8 +22,10 @@ huge cheap block) with its block width and the huge block's rows drawn too.
   gradient norm, a forward no backward follows, a checkpoint saved and loaded in place); every
   read sees what torch's does. With the step count one high after ``load_state_dict`` (a
   scratch change), the 7 cases that step after a round trip failed.
+- ``test_a_random_low_precision_config_trains_as_mixed_precision``: bf16 or fp16 compute
+  against torch's mixed precision, up to its rounding (2e-2).
 
-Heavy (52 cases, ~15 s on this 2-core machine idle): ``.ci/run`` runs them. They can fail:
+Heavy (64 cases, ~25 s on this 2-core machine idle): ``.ci/run`` runs them. They can fail:
 with a fourth block that the model never calls, the cases where offload holds the gradients (a
 host buffer, NVMe) fail on its weights, which offload's step moves as with a zero gradient and
 torch's skips (the README's optimizer bullet; DeepSpeed's flat buffers do as offload).
@@ -42,6 +44,7 @@ from engine_models import (
     make_model,
     placement_config,
     reference_fp32,
+    reference_mixed,
     train_wrapped,
 )
 
@@ -406,3 +409,81 @@ def test_a_random_loop_trains_as_torch(tmp_path, seed):
             _same(a, b)
         except AssertionError as exc:
             raise AssertionError(f"read {i} of {len(want)} differs: {exc}") from None
+
+
+# ------------------------------------------------------------------ bf16 and fp16 compute
+MIXED_RTOL, MIXED_ATOL = 2e-2, 2e-3  # bf16 / fp16 rounding of the same compute
+LOSS_SCALE = 1024.0  # fp16: the config's initial scale, never changed in four steps
+
+
+def _draw_low(seed: int) -> tuple[dict, str]:
+    """A run of one random config (``_draw``) computing in bf16 (its gradients summed in bf16
+    or fp32) or fp16 (the loss scaled), with the reference's AdamW, and the case's name."""
+    run, _ = _draw(seed, 1)
+    rng = random.Random(seed + 1)
+    run["dtype"] = rng.choice(["bf16", "fp16"])
+    run["bf16_sums"] = run["dtype"] == "bf16" and rng.random() < 0.5
+    run["optimizer"] = {"type": "adamw", "lr": 1e-2, "weight_decay": 0.1}
+    name = "-".join(
+        [
+            f"{run['dtype']}{'-sums16' if run['bf16_sums'] else ''}",
+            f"a{run['accum']}-c{run['clip']}{'cfg' if run['config_clips'] else ''}",
+            f"h{run['model']['hidden']}-r{run['model']['huge_rows']}",
+            _name(run["placements"][0]),
+        ]
+    )
+    return run, name
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    "seed", [pytest.param(s, id=f"{s}-{_draw_low(s)[1]}") for s in range(600, 612)]
+)
+def test_a_random_low_precision_config_trains_as_mixed_precision(tmp_path, seed):
+    """bf16 or fp16 compute under a random config (``_draw_low``): torch's mixed precision (an
+    fp32 master, a low-precision copy computing, fp32 gradient sums, the same static loss
+    scale), up to the rounding of the compute. Against a reference that scaled no loss, 3 of
+    the 4 fp16 cases failed (its small gradients flush to zero in fp16, offload's do not)."""
+    run, _ = _draw_low(seed)
+    dtype = run["dtype"]
+    data = batches(6)
+    scale = LOSS_SCALE if dtype == "fp16" else 1.0
+    compute = torch.bfloat16 if dtype == "bf16" else torch.float16
+    ref, ref_losses = reference_mixed(
+        make_model(**run["model"]), data, STEPS, run["accum"], run["clip"], compute,
+        loss_scale=scale,
+    )  # fmt: skip
+    cfg = _config(run, run["placements"][0], tmp_path)
+    cfg["dtype"] = dtype
+    if dtype == "fp16":
+        cfg["loss_scale"] = {"enabled": True, "initial": LOSS_SCALE}
+    if run["bf16_sums"]:
+        cfg["distributed"] = {"grad_accum_dtype": "bf16"}
+    model, opt = offload.wrap(make_model(**run["model"]), cfg)
+    try:
+        losses = []
+        clip = 0.0 if run["config_clips"] else run["clip"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # small buffers: "allowed but slow" warnings
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+            for s in range(STEPS):
+                total = 0.0
+                for m in range(run["accum"]):
+                    loss = lm_loss(model, data[(s * run["accum"] + m) % len(data)]) / run["accum"]
+                    (opt.scale_loss(loss) if dtype == "fp16" else loss).backward()
+                    total += float(loss.detach())
+                if clip:
+                    opt.clip_grad_norm_(clip)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                losses.append(total)
+        assert opt.skipped_steps == 0
+        weights = model.state_dict()
+    finally:
+        opt.close()
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(ref_losses), rtol=MIXED_RTOL, atol=0
+    )
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(weights[k].float(), v, rtol=MIXED_RTOL, atol=MIXED_ATOL, msg=k)

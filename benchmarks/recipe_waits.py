@@ -10,11 +10,20 @@ step, its forwards and backwards, offload's hooks on the training thread
 (``hook_seconds``) and, inside them, the waits for reads (``forward_io_wait_seconds``,
 ``backward_io_wait_seconds``) and for the update (``step_wait_seconds``). What the hooks take
 beyond those waits is offload's own work on the training thread.
+
+It also prints the CPU time the iterations took (the process's, and torch's threads' from
+``/proc/self/task``, the training thread among them; the rest is offload's threads': its
+pool, its IO and the update's), against
+plain PyTorch's compute of the same recipe (bench_e2e's ``recipe_compute_step``) timed the same
+way after it: where the cores are all busy, no schedule on them beats the CPU time divided by
+the cores (``os.sched_getaffinity``), whatever overlaps.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import shutil
 import statistics
 import sys
@@ -44,6 +53,35 @@ TIMERS = (
 )
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu() -> dict[int, float]:
+    """CPU seconds (user + system) of each live thread of this process, by native id."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # (a thread that ended meanwhile)
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+    return out
+
+
+def cpu_now() -> tuple[float, dict[int, float]]:
+    """The process's CPU seconds (every thread, those that ended too) and ``thread_cpu``."""
+    return time.process_time(), thread_cpu()
+
+
+def cpu_between(before, after, torch_threads: set[int]) -> tuple[float, float]:
+    """CPU seconds between two ``cpu_now`` reads: (the threads torch had before offload
+    existed, the training thread among them; the rest of the process, offload's threads: its
+    pool, its IO threads and the update's thread, one per step, which ends)."""
+    total = after[0] - before[0]
+    torch_cpu = sum(v - before[1].get(t, 0.0) for t, v in after[1].items() if t in torch_threads)
+    return torch_cpu, total - torch_cpu
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="iterations timed (after 2 untimed)")
@@ -60,23 +98,46 @@ def main() -> int:
     cfg = bench_e2e.nvme_config(work, parse_size("8MiB"), aio, step_in_backward=True)
     cfg["gradient_clipping"] = 1.0
     step = bench_e2e.recipe_step if args.clipping else bench_e2e.unclipped_step
+    plain = copy.deepcopy(model)
+    for _ in range(2):  # (also starts torch's intra-op threads: the threads before offload's)
+        bench_e2e.recipe_compute_step(plain, x)
+    torch_threads = set(thread_cpu())
     model, opt = offload.wrap(model, cfg)
     rows = []
     try:
         for i in range(args.steps + 2):
+            if i == 2:
+                cpu0, t_all = cpu_now(), time.perf_counter()
             t0 = time.perf_counter()
             step(model, opt, x)
             wall = time.perf_counter() - t0
             if i >= 2:
                 stats = opt.stats()
                 rows.append({"iteration (wall)": wall} | {k: stats[k] for k in TIMERS})
+        wall_all = time.perf_counter() - t_all  # (the last update still runs: not counted)
+        mine, others = cpu_between(cpu0, cpu_now(), torch_threads)
     finally:
         opt.close()
         shutil.rmtree(work, ignore_errors=True)
+    cpu0, t0 = cpu_now(), time.perf_counter()
+    for _ in range(args.steps):
+        bench_e2e.recipe_compute_step(plain, x)
+    plain_wall = (time.perf_counter() - t0) / args.steps
+    plain_mine, plain_others = cpu_between(cpu0, cpu_now(), torch_threads)
+    n, cores = args.steps, len(os.sched_getaffinity(0))
     mode = "clipping triggers" if args.clipping else "norms under the threshold"
     print(f"# recipe_waits: {mode}, batch {args.batch}, medians of {args.steps} iterations")
     for key in rows[0]:
         print(f"{key:28s} {statistics.median(r[key] for r in rows):.3f} s")
+    cpu, plain_cpu = (mine + others) / n, (plain_mine + plain_others) / n
+    print(f"# CPU seconds per iteration (means over the {n}; {cores} cores)")
+    print(f"{'iteration (wall, mean)':28s} {wall_all / n:.3f} s")
+    print(f"{'cpu, torch threads':28s} {mine / n:.3f} s (the training thread and intra-op)")
+    print(f"{'cpu, offload threads':28s} {others / n:.3f} s (pool, IO, the update's)")
+    print(f"{'cpu, all':28s} {cpu:.3f} s ({cpu / (wall_all / n):.2f} of {cores} cores busy)")
+    print(f"{'plain compute (wall)':28s} {plain_wall:.3f} s")
+    print(f"{'plain compute (cpu, all)':28s} {plain_cpu:.3f} s")
+    print(f"{'cpu / cores':28s} {cpu / cores:.3f} s ({cpu / cores / plain_wall:.2f}x plain wall)")
     return 0
 
 

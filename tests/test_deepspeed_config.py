@@ -312,6 +312,36 @@ def test_errors_name_the_deepspeed_key(ds, key, value):
     assert "\n" not in msg and err.value.key == key
 
 
+def test_integers_written_as_strings_in_zero_optimization_are_integers_as_in_deepspeed():
+    """DeepSpeed validates zero_optimization with pydantic's lax mode: "stage": "3" and
+    "buffer_count": " 6 " are integers there (0.19.8), "1e4" and "1.5" are refused. So here,
+    but for nvme_path, whose "123" is a directory; outside that section strings stay strings
+    (DeepSpeed hands optimizer.params to the optimizer as they are)."""
+    zero = {
+        "stage": "3",
+        "stage3_param_persistence_threshold": "10000",
+        "offload_param": {
+            "device": "nvme", "nvme_path": "123", "buffer_count": " 6 ", "buffer_size": "1048576",
+        },
+        "offload_optimizer": {"device": "cpu", "buffer_count": "+4"},
+    }  # fmt: skip
+    cfg = map_deepspeed({"zero_optimization": zero, "bf16": {"enabled": True}}).config
+    assert cfg.distributed.stage == 3 and cfg.offload_param.persistence_threshold == 10000
+    assert cfg.offload_param.nvme_path == "123" and cfg.offload_param.buffer_count == 6
+    assert cfg.offload_param.buffer_size == 2 * 1048576 and cfg.offload_optimizer.buffer_count == 4
+    for key, value in (
+        ("stage", "three"),
+        ("stage", "1.5"),
+        ("stage3_param_persistence_threshold", "1e4"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            map_deepspeed({"zero_optimization": {key: value}})
+        assert str(err.value).startswith(f"zero_optimization.{key}: got {value!r}; allowed: ")
+    with pytest.raises(ConfigError) as err:
+        map_deepspeed({"zero_optimization": {"stage": 2}, "optimizer": {"params": {"lr": "1e-4"}}})
+    assert str(err.value).startswith("optimizer.params.lr: got '1e-4'; allowed: ")
+
+
 @pytest.mark.parametrize(
     "dtype_section, value, want",
     [

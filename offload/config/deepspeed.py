@@ -24,6 +24,16 @@ Note: gradient accumulation
     call would step every micro-batch and clip the sum instead of the mean (logged at INFO and
     in the README's table).
 
+Note: numbers written as strings
+    DeepSpeed validates ``zero_optimization`` (its offload sections included) with a pydantic
+    model in lax mode, which takes an integer written as a string where an integer goes
+    (``"stage": "3"``, ``" 7 "``; not ``"1e4"`` or ``"1.5"``): DeepSpeed 0.19.8 trains at
+    stage 3 there. The mapping does the same in that section (``_lax_number``; not for
+    ``nvme_path``, a directory that may be named "123").
+    Elsewhere DeepSpeed reads values as they are (``optimizer.params`` go to the optimizer's
+    constructor, ``aio`` to the native engine), where a string fails, so a string stays a
+    string here too and is refused with its DeepSpeed key.
+
 Note: defaults and "auto"
     A key absent from the DeepSpeed file takes offload's default, not DeepSpeed's (so
     ``pin_memory`` defaults to true). One exception follows DeepSpeed's meaning: with neither
@@ -37,6 +47,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -224,6 +235,19 @@ def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
 
+_INTEGER = re.compile(r"\s*[+-]?\d+\s*")
+
+
+def _lax_number(ds_key: str, value: Any) -> Any:
+    """An integer written as a string in ``zero_optimization`` as the integer (the Note:
+    numbers written as strings); any other value as it is."""
+    if not ds_key.startswith("zero_optimization.") or ds_key.endswith("nvme_path"):
+        return value
+    if isinstance(value, str) and _INTEGER.fullmatch(value):
+        return int(value)
+    return value
+
+
 class _Mapper:
     """Walks the DeepSpeed dict against ``_MAP``, collecting offload keys and leftovers."""
 
@@ -249,6 +273,7 @@ class _Mapper:
             if _is_auto(value):
                 self.auto.append(ds_key)
                 continue
+            value = _lax_number(ds_key, value)
             if isinstance(rule, dict):
                 self.walk(ds_key + ".", value, rule)
             elif isinstance(rule, str):

@@ -11,7 +11,8 @@ wrap) train as plain torch on the ranks' mean gradient; the refusals of ``tests/
 (the norm and the step after a backward that followed a step with no ``zero_grad()``, the
 step of a block frozen after wrap, the backward of a parameter unfrozen after wrap) come on
 every rank at the same call, and training goes on in step with torch after them. One group
-of 2 ranks in the default suite, the rest of the stages and placements in a heavy one.
+of 2 ranks in the default suite, the rest of the stages and placements in a heavy one, and a
+heavy group of 4 ranks (every stage once; each rank a quarter of the rows).
 """
 
 from __future__ import annotations
@@ -89,12 +90,23 @@ HEAVY = [
     ),
 ]
 HEAVY = [j for j in HEAVY if j["name"] not in {f["name"] for f in FAST}]
+# four ranks: each its quarter of the rows (two with the accumulation), every stage once
+FOUR = [
+    frozen(3, "nvme", "nvme"),
+    gan(1, "cpu", "cpu", "dcgan"),
+    gan(2, "nvme", "nvme", "example"),
+    gan(3, "none", "nvme", "frozen-d"),
+    gan(3, "cpu", "nvme", "dcgan", accum=2, clip=0.05),
+    gan(3, "nvme", "nvme", "critic", steps=3),
+    refusals(2, "nvme", "nvme"),
+]
+FOUR = [j | {"name": j["name"] + "-w4", "world": 4} for j in FOUR]
 
 
 def _cases(kind: str) -> list:
     return [
-        pytest.param(group, j, id=j["name"], marks=[pytest.mark.heavy] if group == "heavy" else [])
-        for group, jobs in (("fast", FAST), ("heavy", HEAVY))
+        pytest.param(group, j, id=j["name"], marks=[pytest.mark.heavy] if group != "fast" else [])
+        for group, jobs in (("fast", FAST), ("heavy", HEAVY), ("four", FOUR))
         for j in jobs
         if j["kind"] == kind
     ]
@@ -114,11 +126,18 @@ def heavy(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist-gan-four")
+    run_ranks(4, FOUR, out)
+    return out
+
+
 # ------------------------------------------------------------------------------ frozen
-def _frozen_reference(rank: int) -> dict:
+def _frozen_reference(rank: int, world: int = WORLD) -> dict:
     """``run_frozen``'s values in plain torch, on rank ``rank``'s rows."""
     ref = make_model().requires_grad_(False)
-    tokens = slice_of(batches(1, batch=GLOBAL_BATCH)[0], rank, WORLD)
+    tokens = slice_of(batches(1, batch=GLOBAL_BATCH)[0], rank, world)
     inputs, targets = tokens[:, :-1], tokens[:, 1:].reshape(-1)
     with torch.no_grad():
         logits = ref(inputs)
@@ -135,14 +154,15 @@ def test_a_frozen_model_computes_as_torch_on_every_rank_and_refuses_a_step(reque
     the gradient with respect to its embedding's output, bitwise torch's on its own rows; the
     step refused on every rank, naming why (before any collective: the group goes on); the
     gathered ``state_dict`` and ``close(restore=True)`` give the values back."""
-    out = request.getfixturevalue(group)
-    for rank in range(WORLD):
-        got, want = torch.load(out / f"{job['name']}.{rank}.pt"), _frozen_reference(rank)
+    out, world = request.getfixturevalue(group), job.get("world", WORLD)
+    for rank in range(world):
+        got = torch.load(out / f"{job['name']}.{rank}.pt")
+        want = _frozen_reference(rank, world)
         for key in ("logits", "logits_grad_on", "logits_after"):
             assert torch.equal(got[key], want["logits"]), (rank, key)
         if job["uneven"] and rank == 0:
             assert torch.equal(got["logits_extra"], want["logits"][:1])
-        sums = [float(_frozen_reference(r)["logits"].sum()) for r in range(WORLD)]
+        sums = [float(_frozen_reference(r, world)["logits"].sum()) for r in range(world)]
         assert got["gathered"] == sums, rank
         assert torch.equal(got["input_grad"], want["input_grad"]), rank
         message = got["step_error"]
@@ -167,13 +187,13 @@ def test_a_gan_loop_on_two_ranks_trains_as_torch_on_their_mean(request, group, j
     gradient), AdamW(foreach=False). The tolerance is tests/test_gan.py's: Adam's first steps
     are lr * sign(g), so a gradient near eps moves a weight by an ulp's worth of its rounding
     (1e-6 measured here; the summation order of the split batch differs from torch's)."""
-    out = request.getfixturevalue(group)
+    out, world = request.getfixturevalue(group), job.get("world", WORLD)
     accum = job.get("accum", 1)
     torch.manual_seed(0)
     g, d = _generator(), _discriminator()
     if job["critic"]:
         d.requires_grad_(False)
-    parts = WORLD * accum
+    parts = world * accum
     want = gan_steps(
         g,
         d,
@@ -186,7 +206,7 @@ def test_a_gan_loop_on_two_ranks_trains_as_torch_on_their_mean(request, group, j
         clip=job.get("clip"),
         held=job["held"],
     )
-    for rank in range(WORLD):
+    for rank in range(world):
         mine = slice(rank * accum, (rank + 1) * accum)
         wanted = [[d_losses[mine], g_losses[mine]] for d_losses, g_losses in want]
         got = result(out, job["name"], rank)["losses"]
@@ -217,12 +237,12 @@ def test_the_gan_refusals_come_on_every_rank_and_training_goes_on(request, group
     keeps the gradients in ``p.grad`` there and sums as torch does, but across ranks offload
     always holds them (``p.grad`` would be a rank's own, unreduced), so the refusals are those
     of a host buffer's."""
-    out = request.getfixturevalue(group)
+    out, world = request.getfixturevalue(group), job.get("world", WORLD)
     torch.manual_seed(0)
     d = _discriminator()
     d[3].bias.requires_grad_(False)
-    want = refusal_steps(d, _adamw(d), None, WORLD)
-    for rank in range(WORLD):
+    want = refusal_steps(d, _adamw(d), None, world)
+    for rank in range(world):
         got = result(out, job["name"], rank)
         assert got["dropped"], "the dropping backward left gradients in p.grad"
         refused = got["refused"]

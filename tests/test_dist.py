@@ -716,6 +716,33 @@ def test_training_under_autocast_on_three_ranks_at_stage_3(tmp_path):
     _autocast_matches(tmp_path, AUTOCAST_3, 3)
 
 
+# four ranks under autocast: a stage each, and a resume under another stage and placement
+AUTOCAST_4 = [
+    job("w4-ac-s1-nvme-nvme", "nvme", "nvme", 1, steps=AUTOCAST_STEPS, autocast=True),
+    job("w4-ac-s2-cpu-cpu", "cpu", "cpu", 2, steps=AUTOCAST_STEPS, autocast=True),
+    job("w4-ac-s3-none-nvme", "none", "nvme", 3, steps=AUTOCAST_STEPS, autocast=True),
+]
+
+
+@pytest.mark.heavy
+def test_training_under_autocast_on_four_ranks_and_resumed_under_another_placement(tmp_path):
+    """As over 2 and 3 ranks, over 4 (quarters of the batch); and a run under autocast saved
+    after 2 steps at stage 3 (params on the host, optimizer on NVMe) and resumed at stage 2
+    (params on NVMe, optimizer on the host): the four steps of the uninterrupted reference."""
+    half, ck = AUTOCAST_STEPS // 2, str(tmp_path / "ck")
+    resume = [
+        job("w4-ac-first", "cpu", "nvme", 3, steps=half, autocast=True, save=ck),
+        job("w4-ac-second", "nvme", "cpu", 2, steps=AUTOCAST_STEPS, autocast=True, load=ck),
+    ]
+    run_ranks(4, AUTOCAST_4 + resume, tmp_path)
+    _autocast_matches(tmp_path, AUTOCAST_4, 4)
+    torch.manual_seed(0)
+    losses, _, state = _autocast_ranks(make_model(), 4, ACCUM, CLIP)
+    got = result(tmp_path, "w4-ac-first")["losses"] + result(tmp_path, "w4-ac-second")["losses"]
+    _losses_close(got, losses, rtol=1e-6)
+    _close(_final(tmp_path, "w4-ac-second"), state, atol=1e-6)
+
+
 @pytest.mark.heavy
 def test_fp16_gradients_finite_on_every_rank_do_not_overflow_in_their_sum(tmp_path):
     """Each rank's fp16 gradient is 40000 (finite: fp16's largest is 65504), as is one

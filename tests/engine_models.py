@@ -223,6 +223,19 @@ def lm_loss(model, tokens):
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
+def torch_adam(model, lr=1e-2, wd=0.1, undecayed=None, adam=False, **hyper):
+    """torch's AdamW (``adam``: Adam, its decay L2), foreach=False, over the model's trainable
+    parameters (``undecayed(name)``: those in a second group, with weight_decay 0; ``hyper``:
+    ``betas``, ``eps``)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    left = undecayed or (lambda name: False)
+    groups = [{"params": [p for n, p in named if not left(n)]}]
+    if undecayed is not None:
+        groups.append({"params": [p for n, p in named if left(n)], "weight_decay": 0.0})
+    kind = torch.optim.Adam if adam else torch.optim.AdamW
+    return kind([g for g in groups if g["params"]], lr=lr, weight_decay=wd, foreach=False, **hyper)
+
+
 def reference_fp32(
     model, data, steps, accum, clip, lr=1e-2, wd=0.1, undecayed=None, adam=False, **hyper
 ):
@@ -230,13 +243,7 @@ def reference_fp32(
     (``undecayed(name)``: the parameters in a second group, with weight_decay 0; ``adam``:
     torch's Adam, its weight decay L2; ``hyper``: ``betas``, ``eps``)."""
     model = copy.deepcopy(model)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    left = undecayed or (lambda name: False)
-    groups = [{"params": [p for n, p in named if not left(n)]}]
-    if undecayed is not None:
-        groups.append({"params": [p for n, p in named if left(n)], "weight_decay": 0.0})
-    kind = torch.optim.Adam if adam else torch.optim.AdamW
-    opt = kind(groups, lr=lr, weight_decay=wd, foreach=False, **hyper)
+    opt = torch_adam(model, lr=lr, wd=wd, undecayed=undecayed, adam=adam, **hyper)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     losses = []
     for s in range(steps):

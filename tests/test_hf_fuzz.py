@@ -24,6 +24,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from engine_models import torch_adam  # noqa: E402
 from hf_models import VOCAB, nvme_config, write_model  # noqa: E402
 from test_parity_fuzz import (  # noqa: E402
     _draw_optimizer,
@@ -110,19 +111,8 @@ def _schedule(opt):
 
 def _reference(directory, run: dict):
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    hyper = reference_hyper(run["optimizer"])
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    left = hyper.pop("undecayed") or (lambda n: False)
-    groups = [
-        {"params": [p for n, p in named if not left(n)]},
-        {"params": [p for n, p in named if left(n)], "weight_decay": 0.0},
-    ]
-    kind = torch.optim.Adam if hyper.pop("adam") else torch.optim.AdamW
-    opt = kind(
-        [g for g in groups if g["params"]], lr=1e-2, weight_decay=hyper.pop("wd"), foreach=False,
-        **hyper,
-    )  # fmt: skip
-    params = [p for _, p in named]
+    opt = torch_adam(model, **reference_hyper(run["optimizer"]))
+    params = [p for p in model.parameters() if p.requires_grad]
     losses = _steps(
         model, opt, _schedule(opt), run, 0, STEPS,
         lambda c: torch.nn.utils.clip_grad_norm_(params, c),

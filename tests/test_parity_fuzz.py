@@ -45,6 +45,7 @@ from engine_models import (
     placement_config,
     reference_fp32,
     reference_mixed,
+    torch_adam,
     train_wrapped,
 )
 
@@ -380,18 +381,10 @@ def test_a_random_loop_trains_as_torch(tmp_path, seed):
     a random config: every read sees what torch's does, and the training is torch's."""
     run, _ = _draw_loop(seed)
     data = batches(6)
-    hyper = reference_hyper(run["optimizer"])
     ref = make_model(**run["model"])
-    named = [(n, p) for n, p in ref.named_parameters() if p.requires_grad]
-    left = hyper.pop("undecayed") or (lambda n: False)
-    groups = [{"params": [p for n, p in named if not left(n)]}]
-    groups.append({"params": [p for n, p in named if left(n)], "weight_decay": 0.0})
-    kind = torch.optim.Adam if hyper.pop("adam") else torch.optim.AdamW
-    wd = hyper.pop("wd")
-    topt = kind(
-        [g for g in groups if g["params"]], lr=1e-2, weight_decay=wd, foreach=False, **hyper
+    want = _loop(
+        _Side(ref, torch_adam(ref, **reference_hyper(run["optimizer"]))), run, data, run["clip"]
     )
-    want = _loop(_Side(ref, topt), run, data, run["clip"])
     model, opt = offload.wrap(
         make_model(**run["model"]), _config(run, run["placements"][0], tmp_path)
     )

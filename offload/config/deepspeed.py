@@ -235,7 +235,7 @@ def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
 
-_INTEGER = re.compile(r"\s*[+-]?\d+\s*")
+_INTEGER = re.compile(r"\s*[+-]?[0-9]+\s*")
 
 
 def _lax_number(ds_key: str, value: Any) -> Any:

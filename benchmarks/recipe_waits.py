@@ -1,6 +1,7 @@
 """Where the training thread's time goes in bench_e2e's recipe (a diagnostic, no peer).
 
     python benchmarks/recipe_waits.py [--steps 10] [--batch 2] [--clipping]
+    python benchmarks/recipe_waits.py --plain-hooks 3 [--steps 6]
 
 Trains bench_e2e's 50M demo GPT with params and optimizer state on NVMe (bench_e2e's config:
 1 MiB blocks at depth 8, its buffers) through the recipe (accumulation 2, clipping 1.0; with
@@ -17,6 +18,10 @@ pool, its IO and the update's), against
 plain PyTorch's compute of the same recipe (bench_e2e's ``recipe_compute_step``) timed the same
 way after it: where the cores are all busy, no schedule on them beats the CPU time divided by
 the cores (``os.sched_getaffinity``), whatever overlaps.
+
+``--plain-hooks MS`` runs plain PyTorch's recipe compute alone, with a busy-wait of MS
+milliseconds before each block's forward and backward (what a hook on the training thread is to
+torch), alternated with none: torch's other threads' CPU beside the training thread's.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -82,15 +88,58 @@ def cpu_between(before, after, torch_threads: set[int]) -> tuple[float, float]:
     return torch_cpu, total - torch_cpu
 
 
+def plain_hooks(model, x, seconds: float, steps: int, rounds: int = 3) -> int:
+    """Plain PyTorch's recipe compute with a busy-wait of ``seconds`` (Python, on the training
+    thread, as offload's hooks run) before each block's forward and backward, alternated with
+    none: the wall and the CPU of the training thread and of torch's other threads. Where the
+    other threads' CPU grows with the training thread's, they spin through the hooks."""
+    wait = [0.0]
+
+    def busy(*_) -> None:
+        end = time.perf_counter() + wait[0]
+        while time.perf_counter() < end:
+            pass
+
+    blocks = [m for m in model.modules() if type(m).__name__ == "Block"]
+    for block in blocks:
+        block.register_forward_pre_hook(busy)
+        block.register_full_backward_pre_hook(busy)
+    for _ in range(2):
+        bench_e2e.recipe_compute_step(model, x)
+    main_tid = threading.get_native_id()
+    hooked = seconds * len(blocks) * 2 * 2  # forward and backward, two micro-batches
+    print(f"# plain compute, {len(blocks)} blocks, {steps} iterations a round (means)")
+    print("| hooks an iteration | wall | training thread CPU | other threads' CPU |")
+    print("|---|---|---|---|")
+    for _ in range(rounds):
+        for wait[0] in (0.0, seconds):
+            before, t0 = thread_cpu(), time.perf_counter()
+            for _ in range(steps):
+                bench_e2e.recipe_compute_step(model, x)
+            wall, after = (time.perf_counter() - t0) / steps, thread_cpu()
+            spent = {t: v - before.get(t, 0.0) for t, v in after.items()}
+            mine = spent.pop(main_tid) / steps
+            others = sum(spent.values()) / steps
+            hooks = hooked if wait[0] else 0.0
+            print(f"| {hooks:.3f} s | {wall:.3f} s | {mine:.3f} s | {others:.3f} s |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10, help="iterations timed (after 2 untimed)")
     ap.add_argument("--batch", type=int, default=2, help="sequences per micro-batch")
     ap.add_argument("--clipping", action="store_true", help="norms over the threshold")
+    ap.add_argument(
+        "--plain-hooks", type=float, metavar="MS", default=None,
+        help="instead: plain compute with MS of busy hook per block pass, against none",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
     model = bench_e2e.GPT(bench_e2e.config_for_size("50M", seq_len=128))
     x = torch.randint(0, 256, (args.batch, 129))
+    if args.plain_hooks is not None:
+        return plain_hooks(model, x, args.plain_hooks / 1e3, args.steps)
     aio = {"block_size": parse_size("1MiB"), "queue_depth": 8, "thread_count": 2}
     work = Path(
         tempfile.mkdtemp(prefix="recipe-waits-", dir="/work" if Path("/work").is_dir() else None)

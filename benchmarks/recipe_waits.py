@@ -13,11 +13,10 @@ step, its forwards and backwards, offload's hooks on the training thread
 beyond those waits is offload's own work on the training thread.
 
 It also prints the CPU time the iterations took (the process's, and torch's threads' from
-``/proc/self/task``, the training thread among them; the rest is offload's threads': its
-pool, its IO and the update's), against
-plain PyTorch's compute of the same recipe (bench_e2e's ``recipe_compute_step``) timed the same
-way after it: where the cores are all busy, no schedule on them beats the CPU time divided by
-the cores (``os.sched_getaffinity``), whatever overlaps.
+``/proc/self/task``, the training thread among them; the rest is offload's threads': its pool,
+its IO and the update's), against plain PyTorch's compute of the same recipe (bench_e2e's
+``recipe_compute_step``) timed the same way after it: where the cores are all busy, no schedule
+on them beats the CPU time divided by the cores (``os.sched_getaffinity``), whatever overlaps.
 
 ``--plain-hooks MS`` runs plain PyTorch's recipe compute alone, with a busy-wait of MS
 milliseconds before each block's forward and backward (what a hook on the training thread is to
@@ -135,6 +134,10 @@ def main() -> int:
         help="instead: plain compute with MS of busy hook per block pass, against none",
     )  # fmt: skip
     args = ap.parse_args()
+    if args.plain_hooks is not None and not args.plain_hooks >= 0:
+        ap.error(f"--plain-hooks: got {args.plain_hooks}; allowed: milliseconds >= 0")
+    if args.steps < 1:
+        ap.error(f"--steps: got {args.steps}; allowed: an integer >= 1")
     torch.manual_seed(0)
     model = bench_e2e.GPT(bench_e2e.config_for_size("50M", seq_len=128))
     x = torch.randint(0, 256, (args.batch, 129))

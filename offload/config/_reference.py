@@ -162,7 +162,10 @@ def reference_markdown() -> str:
         "Keys absent from a DeepSpeed file take offload's defaults (not DeepSpeed's), "
         'except the dtype (fp32 unless `bf16` or `fp16` is enabled). `"auto"` values '
         "(Hugging Face Trainer templates) take offload's defaults and are listed in one INFO "
-        "log line. Errors name the DeepSpeed key.",
+        'log line. In `zero_optimization` an integer written as a string (`"stage": "3"`, '
+        '`"buffer_count": " 6 "`) is the integer, as DeepSpeed\'s own validation takes it (not '
+        "in `nvme_path`; elsewhere strings stay strings, as DeepSpeed hands them on). Errors "
+        "name the DeepSpeed key.",
         "",
         _DEEPSPEED_TABLE,
     ]

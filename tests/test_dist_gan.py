@@ -181,7 +181,7 @@ def _adamw(model):
 
 
 @pytest.mark.parametrize("group, job", _cases("gan"))
-def test_a_gan_loop_on_two_ranks_trains_as_torch_on_their_mean(request, group, job):
+def test_a_gan_loop_across_ranks_trains_as_torch_on_their_mean(request, group, job):
     """Each rank's losses (its rows, its micro-batches) and both models' weights against plain
     torch running every rank's rows with each loss divided by their number (the ranks' mean
     gradient), AdamW(foreach=False). The tolerance is tests/test_gan.py's: Adam's first steps

@@ -294,7 +294,11 @@ def reference_mixed(model, data, steps, accum, clip, dtype, lr=1e-2, wd=0.1, los
     return master, losses
 
 
-def train_wrapped(model, optimizer, data, steps, accum, clip, start=0, sched=None):
+def train_wrapped(
+    model, optimizer, data, steps, accum, clip, start=0, sched=None, scale_loss=False
+):
+    """offload's loop of ``reference_fp32`` (``scale_loss``: each backward through
+    ``optimizer.scale_loss``, as fp16 needs)."""
     if sched is None:
         sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
     losses = []
@@ -302,7 +306,7 @@ def train_wrapped(model, optimizer, data, steps, accum, clip, start=0, sched=Non
         total = 0.0
         for m in range(accum):
             loss = lm_loss(model, data[(s * accum + m) % len(data)]) / accum
-            loss.backward()
+            (optimizer.scale_loss(loss) if scale_loss else loss).backward()
             total += float(loss.detach())
         if clip:
             optimizer.clip_grad_norm_(clip)

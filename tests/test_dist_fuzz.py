@@ -38,11 +38,15 @@ from test_parity_fuzz import (
     _draw_placement,
     _name,
     _optimizer_name,
+    apply_knobs,
     reference_hyper,
 )
 
 STEPS = 4
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-4  # as test_parity_fuzz: summation order differs
+# the config keys a job's draw sets (the worker builds the rest: device, dtype, wrap, stage)
+DRAWN = ("offload_param", "offload_optimizer", "prefetch", "aio", "optimizer")
+DRAWN += ("gradient_clipping", "gradient_accumulation_steps")
 PARITY_SEEDS, RESUME_SEEDS = range(300, 324), range(400, 410)
 
 
@@ -76,22 +80,10 @@ def _draw(seed: int, configs: int) -> tuple[dict, str]:
 def _job(name: str, run: dict, knobs: dict, out: Path, steps: int, **kw) -> dict:
     """A ``_dist_worker`` job of these knobs; its sections replace the worker's whole (its NVMe
     directories are the worker's, ``out/nvme/<name>``)."""
-    cfg = placement_config(knobs["param"], knobs["optim"], out / "nvme" / name)
-    cfg["offload_param"].update(
-        persistence_threshold=knobs["persistence_threshold"],
-        buffer_size=knobs["buffer_size"],
-        buffer_count=knobs["param_buffers"],
+    cfg = apply_knobs(
+        placement_config(knobs["param"], knobs["optim"], out / "nvme" / name), run, knobs
     )
-    cfg["offload_optimizer"].update(
-        buffer_size=knobs["buffer_size"], buffer_count=knobs["optim_buffers"]
-    )
-    if knobs["optim"] == "nvme":
-        cfg["offload_optimizer"]["step_in_backward"] = knobs["step_in_backward"]
-    extra = {k: cfg[k] for k in ("offload_param", "offload_optimizer")}
-    extra.update(prefetch={"depth": knobs["depth"]}, aio=knobs["aio"], optimizer=run["optimizer"])
-    if run["config_clips"]:
-        extra["gradient_clipping"] = run["clip"]
-        extra["gradient_accumulation_steps"] = run["accum"]
+    extra = {k: cfg[k] for k in DRAWN if k in cfg}
     job = dict(
         name=name,
         param=knobs["param"],

@@ -31,6 +31,7 @@ from test_parity_fuzz import (  # noqa: E402
     _draw_placement,
     _name,
     _optimizer_name,
+    apply_knobs,
     reference_hyper,
 )
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -65,20 +66,7 @@ def _draw(seed: int) -> tuple[dict, str]:
 
 
 def _config(run: dict, knobs: dict, tmp_path) -> dict:
-    cfg = nvme_config(tmp_path, knobs["param"], knobs["optim"])
-    cfg["offload_param"].update(
-        persistence_threshold=knobs["persistence_threshold"],
-        buffer_size=knobs["buffer_size"],
-        buffer_count=knobs["param_buffers"],
-    )
-    cfg["offload_optimizer"].update(
-        buffer_size=knobs["buffer_size"], buffer_count=knobs["optim_buffers"]
-    )
-    if knobs["optim"] == "nvme":
-        cfg["offload_optimizer"]["step_in_backward"] = knobs["step_in_backward"]
-    cfg.update(prefetch={"depth": knobs["depth"]}, aio=dict(knobs["aio"]))
-    cfg["optimizer"] = dict(run["optimizer"])
-    return cfg
+    return apply_knobs(nvme_config(tmp_path, knobs["param"], knobs["optim"]), run, knobs)
 
 
 def _batches(n: int = 6, seed: int = 1) -> list:

@@ -144,8 +144,10 @@ def _draw(seed: int, configs: int) -> tuple[dict, str]:
     return run, name
 
 
-def _config(run: dict, knobs: dict, tmp_path) -> dict:
-    cfg = placement_config(knobs["param"], knobs["optim"], tmp_path)
+def apply_knobs(cfg: dict, run: dict, knobs: dict) -> dict:
+    """``cfg`` (a placement's config of ``knobs["param"]`` and ``knobs["optim"]``) with the
+    drawn buffers, modes, ``prefetch``, ``aio`` and ``optimizer`` sections and, where the run
+    clips through the config, its clipping and accumulation."""
     cfg["offload_param"].update(
         persistence_threshold=knobs["persistence_threshold"],
         buffer_size=knobs["buffer_size"],
@@ -156,13 +158,16 @@ def _config(run: dict, knobs: dict, tmp_path) -> dict:
     )
     if knobs["optim"] == "nvme":
         cfg["offload_optimizer"]["step_in_backward"] = knobs["step_in_backward"]
-    cfg["prefetch"]["depth"] = knobs["depth"]
-    cfg["aio"] = dict(knobs["aio"])
+    cfg.update(prefetch={"depth": knobs["depth"]}, aio=dict(knobs["aio"]))
     cfg["optimizer"] = dict(run["optimizer"])
-    if run["config_clips"]:  # the step clips; the boundary from the accumulation
+    if run.get("config_clips"):  # the step clips; the boundary from the accumulation
         cfg["gradient_clipping"] = run["clip"]
         cfg["gradient_accumulation_steps"] = run["accum"]
     return cfg
+
+
+def _config(run: dict, knobs: dict, tmp_path) -> dict:
+    return apply_knobs(placement_config(knobs["param"], knobs["optim"], tmp_path), run, knobs)
 
 
 def _train(cfg: dict, run: dict, data, start=0, steps=STEPS, checkpoint=None, seed=0):
@@ -454,23 +459,12 @@ def test_a_random_low_precision_config_trains_as_mixed_precision(tmp_path, seed)
         cfg["distributed"] = {"grad_accum_dtype": "bf16"}
     model, opt = offload.wrap(make_model(**run["model"]), cfg)
     try:
-        losses = []
         clip = 0.0 if run["config_clips"] else run["clip"]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # small buffers: "allowed but slow" warnings
-            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
-            for s in range(STEPS):
-                total = 0.0
-                for m in range(run["accum"]):
-                    loss = lm_loss(model, data[(s * run["accum"] + m) % len(data)]) / run["accum"]
-                    (opt.scale_loss(loss) if dtype == "fp16" else loss).backward()
-                    total += float(loss.detach())
-                if clip:
-                    opt.clip_grad_norm_(clip)
-                opt.step()
-                sched.step()
-                opt.zero_grad()
-                losses.append(total)
+            losses, _ = train_wrapped(
+                model, opt, data, STEPS, run["accum"], clip, scale_loss=dtype == "fp16"
+            )
         assert opt.skipped_steps == 0
         weights = model.state_dict()
     finally:

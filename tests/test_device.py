@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.device import COMPLETED, Copier, HostMemory, Transfers, for_device
+from offload.device import COMPLETED, Copier, HostMemory, Transfers, fingerprint, for_device
 
 
 def test_transfers_count_every_crossing_on_the_cpu():
@@ -21,6 +21,33 @@ def test_transfers_count_every_crossing_on_the_cpu():
     st = t.stats()["tiers"]
     assert st["host->device"] == {"bytes": 40, "transfers": 2, "wait_seconds": 0.0}
     assert st["device->host"]["bytes"] == 46 and st["device->host"]["transfers"] == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_fingerprint_is_of_the_bits_alone_and_moves_with_any_single_change(dtype):
+    """``fingerprint`` (``DeviceParams``' Note on writes by code outside offload) gives the same
+    value for the same bits wherever they sit (the staging slot on CUDA, the device buffer at
+    any offset: an unaligned one is copied first, and a length that is not a whole number of
+    8-byte words ends in a shorter word), and another value for one element changed by an ulp,
+    for a clamp and for zeros written where there were values."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(4099, generator=g).to(dtype)
+    for lo, hi in [(0, 4099), (1, 4096), (3, 4098), (4, 4095), (0, 3)]:
+        piece = base[lo:hi]
+        value = int(fingerprint(piece))
+        assert value == int(fingerprint(piece.clone()))  # (aligned, apart)
+        staged = torch.empty(hi - lo + 8, dtype=dtype)[1:][: hi - lo]  # another offset
+        staged.copy_(piece)
+        assert value == int(fingerprint(staged))
+        for i in {0, (hi - lo) // 2, hi - lo - 1}:
+            nudged = piece.clone()
+            bits = nudged.view(torch.int16 if dtype.itemsize == 2 else torch.int32)
+            bits[i] += 1  # one ulp
+            assert int(fingerprint(nudged)) != value, (lo, hi, i)
+    assert int(fingerprint(base.clamp(-0.5, 0.5))) != int(fingerprint(base))
+    zeroed = base.clone()
+    zeroed[100:200] = 0
+    assert int(fingerprint(zeroed)) != int(fingerprint(base))
 
 
 def test_one_copier_per_device_per_process():

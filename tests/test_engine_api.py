@@ -1450,19 +1450,37 @@ def test_a_write_into_a_released_parameter_is_refused_not_dropped(tmp_path, para
         opt.close()
 
 
+_DEVICE_WRITES = {
+    "init": lambda w: nn.init.constant_(w, 0.5),  # through the tensor: its version moves
+    "data": lambda w: w.data.clamp_(-0.01, 0.01),  # through p.data: no version moves
+}
+
+
+@pytest.mark.parametrize("how", sorted(_DEVICE_WRITES))
 @pytest.mark.parametrize(
-    "opt_dev,dtype,kept", [("cpu", "fp32", True), ("nvme", "fp32", False), ("cpu", "bf16", False)]
+    "opt_dev,dtype,kept",
+    [
+        ("cpu", "fp32", True),
+        ("nvme", "fp32", False),
+        ("cpu", "bf16", False),
+        ("nvme", "bf16", False),
+    ],
 )
 def test_a_write_into_a_parameter_on_the_device_lasts_only_where_it_is_the_master(
-    tmp_path, opt_dev, dtype, kept
+    tmp_path, opt_dev, dtype, kept, how
 ):
     """Parameters that stay on the device are live storage. Where they are the fp32 master
     themselves (fp32, the optimizer on the CPU, the CPU device) a write lasts, as in torch. Where
     the master is a copy (on NVMe; bf16 compute) the next update overwrote the write with values
     derived from the master: ``nn.init`` after wrap then trained 0.24 off torch after two steps
     with the optimizer on NVMe, no error. Refused now at the next forward, naming it, once, and
-    the parameter gets offload's values back: training goes on bitwise as without the write."""
-    data = batches(3)
+    the parameter gets offload's values back: training goes on bitwise as without the write.
+    A write through ``p.data`` (WGAN's clamp) moves no version counter and was still dropped
+    silently until 2026-12-06; it is seen in the fingerprints of the parameters' pieces
+    (``DeviceParams``' Note). After the first step its update runs after ``step()`` returns
+    (``InBackward``: nothing was speculated), so the write may land before the update writes
+    over it: seen then in the piece the update wrote over, with its neighbours."""
+    data = batches(4)
 
     def run(write: bool):
         cfg = placement_config("none", opt_dev, tmp_path / str(write), dtype=dtype)
@@ -1473,20 +1491,82 @@ def test_a_write_into_a_parameter_on_the_device_lasts_only_where_it_is_the_maste
             opt.zero_grad()
             if write:
                 with torch.no_grad():
-                    nn.init.constant_(model.blocks[0].fc1.weight, 0.5)
+                    _DEVICE_WRITES[how](model.blocks[0].fc1.weight)
                 if not kept:
-                    with pytest.raises(PhaseError, match=r"a forward.*\(blocks\.0\.fc1\.weight\)"):
+                    with pytest.raises(
+                        PhaseError, match=r"a forward.*\(blocks\.0\.[^)]*fc1\.weight"
+                    ):
                         model(data[1])
-            for tokens in data[1:]:
+            for i, tokens in enumerate(data[1:]):
                 lm_loss(model, tokens).backward()
                 opt.step()
                 opt.zero_grad()
+                if write and i == 0:  # a step in the backward: nothing runs after step()
+                    with torch.no_grad():
+                        _DEVICE_WRITES[how](model.blocks[1].fc2.weight)
+                    if not kept:
+                        with pytest.raises(
+                            PhaseError, match=r"model\.state_dict\(\).*\(blocks\.1\.fc2\.weight\)"
+                        ):
+                            model.state_dict()
             return model.state_dict()["blocks.0.fc1.weight"].clone()
         finally:
             opt.close()
 
     clean, written = run(False), run(True)
     assert torch.equal(written, clean) != kept  # kept: the write took, as in torch
+
+
+@pytest.mark.parametrize("opt_dev,dtype", [("nvme", "fp32"), ("cpu", "bf16")])
+def test_a_write_through_data_after_a_unit_was_looked_at_is_seen_by_the_update(
+    tmp_path, opt_dev, dtype
+):
+    """A forward looks at a device-resident unit once per update (``DeviceParams.looked``: a
+    ``generate()`` runs a forward per token); a write through ``p.data`` after that look (here
+    between a forward and its backward, whose update writes over it) is seen by the update
+    before it writes, in the piece, and refused at the next forward with the piece's
+    parameters, which then hold their master's values again (the backward computed with the
+    write, as torch's would). Evaluation forwards in between look no more (their cost: none
+    after the first)."""
+    data = batches(4)
+
+    def run(write: bool):
+        cfg = placement_config("none", opt_dev, tmp_path / str(write), dtype=dtype)
+        model, opt = offload.wrap(make_model(), cfg)
+        home = engine_of(model).params
+        try:
+            for i, tokens in enumerate(data):
+                loss = lm_loss(model, tokens)
+                if i == 1:
+                    assert all(home.looked(r.unit) for r in engine_of(model).runs)
+                if write and i == 1:
+                    with torch.no_grad():
+                        model.blocks[1].fc2.weight.data.mul_(0.5)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if write and i == 1:
+                    with pytest.raises(
+                        PhaseError,
+                        match=r"a forward.*\(blocks\.1\..*of them seen in a piece an update then wrote over",
+                    ):
+                        model(data[2])
+                with torch.no_grad():
+                    for _ in range(2):
+                        model(tokens)  # (evaluation forwards)
+            engine = engine_of(model)
+            engine.flush_pending()
+            for run in engine.runs:
+                full = engine.values.full(run.unit)
+                for s in run.unit.layout.segments:
+                    if s.trainable:
+                        assert torch.equal(s.param.data, full[s.param].to(s.param.dtype)), s.name
+            return model.state_dict()["blocks.1.fc2.weight"].clone()
+        finally:
+            opt.close()
+
+    clean, written = run(False), run(True)
+    assert not torch.equal(clean, written)  # (the write was in a forward's backward)
 
 
 def _trained_with(tmp_path, param_dev, opt_dev, touch=None, check=None):

@@ -805,7 +805,7 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
     engine = _engine(model)
     engine.check_readable("export")
     check_float_dtype("export", dtype)
-    engine.watch.check_in_model("export")
+    engine.watch.check_in_model("export", pieces=True)
     path = Path(path)
     names: dict[nn.Parameter, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -433,7 +433,7 @@ def save_pretrained(
     check_float_dtype("save_pretrained", dtype, none="each parameter's dtype before wrap")
     engine = engine_of(model)
     engine.check_readable("save_pretrained")
-    engine.watch.check_in_model("save_pretrained")
+    engine.watch.check_in_model("save_pretrained", pieces=True)
     directory = Path(directory)
 
     def write(values: UnitValues) -> None:

@@ -74,6 +74,7 @@ from offload.runtime.reads import ReadCheck
 from offload.runtime.schedule import Background, Immediate, InBackward
 from offload.runtime.telemetry import Telemetry, check_jsonl_path
 from offload.runtime.values import LiveParams, ParamValues
+from offload.runtime.watch import master_apart
 from offload.runtime.weights import ModelWeights, tie_declared
 
 logger = logging.getLogger("offload.api")
@@ -121,6 +122,7 @@ PARAM_HOMES = {
         b.memory,
         b.writer(b.transfers, b.memory, b.plan.placement.dtype),
         b.comm,
+        watch_writes=master_apart(b.plan.placement),
     ),
     "cpu": lambda b: HostParams(
         b.plan, b.transfers, b.memory, b.plan.placement.pin["offload_param"], b.comm

@@ -239,7 +239,13 @@ class Runtime:
         self._loaded_keys: set[str] = set()
         # what code outside offload did to the parameters between uses (its module docstring)
         self.watch = ModelWatch(
-            self.model, self.runs, self.params, self.plan.placement, self._derive_again
+            self.model,
+            self.runs,
+            self.params,
+            self.plan.placement,
+            self._derive_again,
+            self._differ_from_master,
+            self.flush_pending,
         )
         self._handles.append(ModelOverrides(self.model, self))
 
@@ -291,6 +297,7 @@ class Runtime:
         if not torch.is_grad_enabled() and self.phase.phase is Phase.IDLE:
             self._ready_for_forward(run)
             self.watch.check_unwritten(f"a call of {name} by itself")  # (what came between steps)
+            self.watch.check_pieces(f"a call of {name} by itself", run)
             run.gather(Phase.FORWARD.value)
 
             # released when this call ends, also by an error; a hook for this call alone (a
@@ -487,6 +494,7 @@ class Runtime:
             self._check_one_backward(run)
         else:  # an update starts only after the backward
             self._ready_for_forward(run)
+            self.watch.check_pieces("a forward of the model", run)  # (its update is done)
             if torch.is_grad_enabled():  # (stages 2-3: the order of the reductions)
                 self.grads.forward_use(run.unit)
         run.gather(self.phase.phase.value)
@@ -1187,7 +1195,7 @@ class Runtime:
         ``PeftModel`` around the wrapped transformers model, whose ``save_pretrained`` reads
         the adapters so; they read as the released storage's zeros before) get the values."""
         self._model_state_dict = False
-        self.watch.check_in_model("model.state_dict()")
+        self.watch.check_in_model("model.state_dict()", pieces=True)
         self.schedule.check_access("model.state_dict()", self.backwards_since_step)  # (above)
         named = self.model.named_parameters(remove_duplicate=False)
         self._fill(state_dict, prefix, named, self.units)
@@ -1271,6 +1279,22 @@ class Runtime:
             k for k in incompatible.missing_keys if k not in self._loaded_keys
         ]
         self._loaded_keys = set()
+
+    def _differ_from_master(self, run: UnitRun, names: list[str]) -> list[str]:
+        """Those of ``names`` (parameters of ``run``'s unit, which stays on the device with
+        its master apart) that are trainable and hold other values than their master's in
+        the compute dtype, what the next update would write over them (NaN as NaN)."""
+        self.flush_pending()  # (the update's writes have landed)
+        wanted = set(names)
+        full = self.values.full(run.unit)
+        differ = []
+        for s in run.unit.layout.segments:
+            if s.trainable and s.name in wanted:
+                now = s.param.data
+                derived = full[s.param].to(device=now.device, dtype=now.dtype)
+                if not bool(((now == derived) | (now.isnan() & derived.isnan())).all()):
+                    differ.append(s.name)
+        return differ
 
     def _derive_again(self, runs: list[UnitRun]) -> None:
         """The trainable parameters of ``runs``, written through the tensor, get the values

@@ -108,6 +108,16 @@ class UnitRun:
         names = [s.name for s in self.unit.layout.segments]
         return [n for n in names if n in written], [n for n in names if n in read - written]
 
+    def overwritten(self) -> list[str]:
+        """The unit's parameters in ranges written by code outside offload and then written
+        over by offload before a check saw it (``ParamHome.overwritten``)."""
+        ranges = self.home.overwritten(self.unit)
+        return [
+            s.name
+            for s in self.unit.layout.segments
+            if any(s.offset < hi and lo < s.end for lo, hi in ranges)
+        ]
+
     def gather(self, phase: str) -> None:
         """Makes the unit's parameters usable (idempotent). Its time counts in ``phase`` as IO
         wait, but for its copies to the device, which count as ``gather_copy_seconds``."""

@@ -36,6 +36,8 @@ class ModelWatch:
         "owned",
         "master_apart",
         "_derive_again",
+        "_differ",
+        "_flush",
         "_merge_refused",
         "_added_said",
         "_failed_writes",
@@ -48,6 +50,8 @@ class ModelWatch:
         params: ParamHome,
         placement: Placement,
         derive_again: Callable[[list[UnitRun]], None],
+        differ: Callable[[UnitRun, list[str]], list[str]],
+        flush: Callable[[], None],
     ) -> None:
         self.model, self.runs, self.params = model, runs, params
         # the ids of the parameters offload holds (the conversion guard's and _warn_added's)
@@ -56,13 +60,18 @@ class ModelWatch:
         # gives the trainable parameters of units written through the tensor the values
         # derived from their master again (where the master is apart: check_unwritten)
         self._derive_again = derive_again
+        # of a gathered unit's names seen in its pieces' fingerprints (``DeviceParams``, Note
+        # on writes by code outside offload), the trainable ones whose values differ from
+        # those derived from their master (check_pieces)
+        self._differ = differ
+        self._flush = flush  # waits for a running update (check_pieces)
         self._merge_refused = False  # a PEFT merge_adapter() was refused (check_in_model)
         self._added_said: tuple[str, ...] = ()  # the parameters added after wrap, warned of
         # the names written into released units during a forward that raised, by unit: named
         # at the next check (forward_failed)
         self._failed_writes: dict[UnitRun, list[str]] = {}
 
-    def check_in_model(self, what: str) -> None:
+    def check_in_model(self, what: str, pieces: bool = False) -> None:
         """Every parameter offload holds is still one of the model's. A module replaced or
         removed after wrap (PEFT's ``merge_and_unload()`` puts each LoRA layer's base layer in
         its place) left offload's homes, hooks and optimizer with parameters the model no
@@ -114,6 +123,8 @@ class ModelWatch:
                     "offload_param.device none)"
                 )
         self.check_unwritten(what)
+        if pieces:  # (a read of the values: the forwards look unit by unit, check_pieces)
+            self.check_pieces(what)
 
     def _warn_added(self, what: str) -> None:
         """Trainable parameters the model gained after wrap (a head assigned to it) get
@@ -146,6 +157,7 @@ class ModelWatch:
         for run in self.runs:
             run.note_versions()
             run.touched()
+            run.overwritten()
 
     def forward_failed(self) -> None:
         """A root forward raised, with units released that code outside them touched in it
@@ -154,7 +166,9 @@ class ModelWatch:
         2026-12-06 it was warned of at the next forward as read between uses, naming a read
         the caller never made between uses. A write is kept for the next check to name."""
         for run in self.runs:
-            wrote, _ = run.touched()  # (a gathered unit's storage holds values: none seen)
+            if self.params.gathered(run.unit):  # (its storage holds values: check_pieces')
+                continue
+            wrote, _ = run.touched()
             if wrote:
                 self._failed_writes.setdefault(run, []).extend(wrote)
 
@@ -172,9 +186,10 @@ class ModelWatch:
         dropped at its release the same way. Said once: the versions are noted again, the
         pages given back, and training goes on with offload's values. A unit that stays
         gathered is live storage: on the device with the master a copy (:func:`master_apart`)
-        its trainable parameters are looked at too (through their versions: a write through
-        ``p.data`` there is not seen), and derived from the master again; otherwise (the
-        parameters are the master; a persistent unit between its first use and the step) not.
+        its trainable parameters are looked at too (through their versions here, a write
+        through ``p.data`` by :meth:`check_pieces`), and derived from the master again;
+        otherwise (the parameters are the master; a persistent unit between its first use and
+        the step) not.
         A released parameter read between uses gives a warning (the read gave zeros); one
         given another tensor (``p.data = t``) is refused first (:meth:`_check_replaced`)."""
         self._check_replaced(what)
@@ -185,6 +200,9 @@ class ModelWatch:
             gathered = self.params.gathered(run.unit)
             if apart or not gathered:
                 names = run.written(trainable_only=gathered)
+                if gathered:  # (writes through p.data: check_pieces)
+                    by_run[run] = names
+                    continue
                 wrote, looked = run.touched()
                 wrote = dict.fromkeys(self._failed_writes.pop(run, []) + wrote)
                 seen = [n for n in wrote if n not in names]  # in the pages alone
@@ -208,20 +226,73 @@ class ModelWatch:
                 "model.state_dict()",
                 stacklevel=3,
             )
-        if not written:
+        if written:
+            self._refuse(what, by_run, pages)
+
+    def check_pieces(self, what: str, run: UnitRun | None = None) -> None:
+        """Where the parameters stay on the device with their master apart, none of ``run``'s
+        (of every unit, once a running update is done, when None) was written through
+        ``p.data`` since offload last wrote it: seen in the fingerprints of its pieces and
+        narrowed to the parameters whose values differ from their master's (``DeviceParams``,
+        Note on writes by code outside offload; before 2026-12-06 not seen, and the next update
+        wrote over the write), or in a piece an update wrote over meanwhile. A forward looks
+        at each unit as it uses it, once its update is done (at the forward's start a unit's
+        update may still run after ``step()``), the first time after each update or load
+        (``ParamHome.looked``: a write after it is seen by the next update, in the piece);
+        ``model.state_dict()``, ``save_pretrained`` and ``export`` at every unit. Refused as
+        :meth:`check_unwritten` refuses."""
+        if not self.master_apart or (run is not None and self.params.looked(run.unit)):
             return
+        if run is None:
+            self._flush()
+        by_run, over = {}, []
+        for r in self.runs if run is None else [run]:
+            wrote, _ = r.touched()
+            seen = self._differ(r, wrote) if wrote else []
+            gone = [n for n in r.overwritten() if n not in seen]
+            over += gone
+            if seen or gone:
+                by_run[r] = seen + gone
+        if by_run:
+            more = (
+                f"; {len(over)} of them seen in a piece an update then wrote over, which may "
+                "hold parameters beside the one written (a write after the unit's first use "
+                "since the last step, or right after optimizer.step() while its update still "
+                "ran: it lasts no longer than one before the step)"
+                if over
+                else ""
+            )
+            self._refuse(what, by_run, more)
+
+    def _refuse(self, what: str, by_run: dict[UnitRun, list[str]], more: str) -> None:
+        """Raises for the parameters ``by_run`` names (once: the versions noted again; where
+        the master is apart the units' parameters get its values again)."""
+        written = [n for names in by_run.values() for n in names]
+        apart = self.master_apart
         if apart:  # (every unit is gathered there: its names are trainable ones)
-            self._derive_again([run for run, names in by_run.items() if names])
+            runs = [run for run, names in by_run.items() if names]
+            self._derive_again(runs)
+            for run in runs:  # (what the derivation wrote over is said here)
+                run.overwritten()
         for run in self.runs:
             run.note_versions()
-        raise PhaseError(
-            f"offload: {what}: {len(written)} parameter(s) were written in place after "
-            f"offload.wrap ({', '.join(written[:3])}{', ...' if len(written) > 3 else ''}"
-            f"{pages}): an nn.init call, model.apply(...), a copy_ under no_grad or a write through "
+        why = (
+            "the parameters stay on the device while their fp32 master is a copy elsewhere "
+            "(offload_param.device none with bf16 compute, the optimizer on NVMe or a CUDA "
+            "device): an nn.init call, model.apply(...), a copy_ under no_grad or a write "
+            "through p.data (WGAN's p.data.clamp_) changes the device copy alone, and the "
+            "next update writes the values derived from the master over it"
+            if apart
+            else "an nn.init call, model.apply(...), a copy_ under no_grad or a write through "
             "p.data (WGAN's p.data.clamp_) between uses writes into freed storage, and a "
             "write in the model's forward (a clamp_ under no_grad, F.embedding's max_norm) "
             "into the copy that forward computes with; the next gather refills both from "
-            "offload's copy, so the write is dropped (the parameters keep offload's values). "
+            "offload's copy"
+        )
+        raise PhaseError(
+            f"offload: {what}: {len(written)} parameter(s) were written in place after "
+            f"offload.wrap ({', '.join(written[:3])}{', ...' if len(written) > 3 else ''}"
+            f"{more}): {why}, so the write is dropped (the parameters keep offload's values). "
             "Initialize the model before offload.wrap, set values with "
             "model.load_state_dict(...) (to clip weights after a step: change "
             "model.state_dict() and load it), and keep forwards from writing their weights"

@@ -250,6 +250,7 @@ def _interrupt_after_steps(
     return proc.returncode, out + err
 
 
+@pytest.mark.heavy
 def test_ctrl_c_baseline_stops_cleanly(tmp_path):
     code, output = _interrupt_after_steps(
         ["--baseline", "--size", "tiny", "--steps", "100000", "--eval-batches", "0"],

@@ -25,6 +25,7 @@ def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return out
 
 
+@pytest.mark.heavy
 def test_gpu_7b_cpu_path(tmp_path):
     _run(
         [

@@ -40,7 +40,14 @@ def _measure(tmp_path: Path, blocks: int, *extra: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("mode", [(), ("step_in_backward",)], ids=["default", "step_in_backward"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        (),
+        pytest.param(("step_in_backward",), marks=pytest.mark.heavy),
+    ],  # (the default suite's time)
+    ids=["default", "step_in_backward"],
+)
 def test_peak_rss_stays_within_buffers_units_and_overhead(tmp_path, mode):
     m = _measure(tmp_path, 8, *mode)
     assert m["fp32_state"] >= 4 * m["buffers"]  # the model's state is well beyond the buffers
@@ -49,6 +56,7 @@ def test_peak_rss_stays_within_buffers_units_and_overhead(tmp_path, mode):
     assert m["growth"] < m["fp32_state"] / 2, m
 
 
+@pytest.mark.heavy
 def test_lm_whose_root_is_the_largest_unit_holds_the_pools_after_wrap(tmp_path):
     """An LM whose root (embedding and head, untied) is 16 blocks, with the "auto" swap
     buffers (the largest unit each): after wrap the host holds the pools and the fixed
@@ -61,6 +69,7 @@ def test_lm_whose_root_is_the_largest_unit_holds_the_pools_after_wrap(tmp_path):
     assert m["growth"] <= budget, m
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("optimizer", [("step_in_backward",), ("opt_cpu",)], ids=["nvme", "cpu"])
 def test_a_model_that_trains_nothing_holds_the_param_pool_and_no_optimizer_state(
     tmp_path, optimizer

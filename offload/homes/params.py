@@ -434,6 +434,8 @@ class DeviceParams(ParamHome):
             key = (unit.index, lo)
             seen, self._prints[key] = self._prints.get(key), None  # (being written: not looked at)
             self._looked.discard(unit.index)
+            # (on CUDA the piece's last copy up has landed: step() quiesces the writer before
+            # an update runs again, and a rewrite in a step goes through load_shard)
             if seen is not None and int(fingerprint(self._piece(unit, lo, hi))) != seen[0]:
                 self._overwritten[key] = hi
         return self.writer.out(self.flat[unit.index], *self._slice(unit, lo, hi))

@@ -15,7 +15,8 @@ the stage-3 gathers into per-parameter storages, against the fp32 reference. Bef
 them, ``device_checks`` tests each CUDA branch of ``offload.device`` alone, with a stream kept
 busy so that a missing wait shows as wrong values (fences, the compute stream's waits, the
 writer's pinned slots, a user's non-default stream, a second thread) and measures what pinned
-pools cost; ``side_stream_parity`` trains under a user's own stream. Each row is one JSON line
+pools cost; ``side_stream_parity`` trains under a user's own stream; ``device_write_check``
+sees a write through ``p.data`` into device-resident parameters. Each row is one JSON line
 with ``ok``; the end says how many of each part passed, repeats the failures, and prints
 PASS or FAIL. Everything printed is also written as JSON to $OUT/gpu_smoke.json when $OUT is
 set. It also runs on the CPU (``--device cpu``) so the script itself is tested here.
@@ -572,6 +573,50 @@ def _count(gcfg) -> int:
     return param_count(gcfg)
 
 
+def device_write_check(device: str, tmp: Path) -> list[dict]:
+    """Parameters on the device with their master apart (``offload_param.device: none``; on
+    CUDA the master is always apart): a write through ``p.data`` after a step is refused at the
+    next forward, naming it, and the training then goes on as without it (``DeviceParams``'
+    fingerprints: the pinned staging slot's on the host against the device buffer's on the
+    device). For the optimizer on the CPU and on NVMe, bf16."""
+    from offload.runtime.phase import PhaseError  # noqa: PLC0415
+
+    rows = []
+    data = [d.to(device) for d in batches(3)]
+    for o_dev in ("cpu", "nvme"):
+        row = {"device_write": True, "optimizer": o_dev, "ok": False}
+        try:
+            trained = []
+            for write in (False, True):
+                cfg = placement_config("none", o_dev, tmp / f"dw-{o_dev}-{write}", dtype="bf16")
+                cfg["device"] = device
+                model, opt = offload.wrap(make_model(), cfg)
+                try:
+                    refused = None
+                    for i, x in enumerate(data):
+                        lm_loss(model, x).backward()
+                        opt.step()
+                        opt.zero_grad()
+                        if write and i == 0:
+                            with torch.no_grad():
+                                model.blocks[0].fc1.weight.data.mul_(0.5)
+                            try:
+                                model(data[1])
+                            except PhaseError as exc:
+                                refused = "blocks.0.fc1.weight" in str(exc)
+                    trained.append((model.state_dict(), refused))
+                finally:
+                    opt.close()
+            diff = _max_abs(trained[1][0], trained[0][0])
+            row |= {"refused_by_name": trained[1][1], "param_max_abs_diff": diff}
+            row["ok"] = trained[1][1] is True and diff == 0.0
+        except Exception as exc:  # report and go on
+            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -590,6 +635,7 @@ def main() -> int:
     if not args.skip_parity:
         out["parity"] = parity(args.device, tmp) + step_in_backward_parity(args.device, tmp)
         out["parity"] += side_stream_parity(args.device, tmp)
+        out["parity"] += device_write_check(args.device, tmp)
         out["parity"] += group_parity(args.device, tmp)
     if not args.skip_throughput:
         try:

@@ -9,10 +9,12 @@ import gc
 import io
 import json
 import os
+import sys
 import threading
 import time
 import warnings
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -1567,6 +1569,18 @@ def test_a_write_through_data_after_a_unit_was_looked_at_is_seen_by_the_update(
 
     clean, written = run(False), run(True)
     assert not torch.equal(clean, written)  # (the write was in a forward's backward)
+
+
+@pytest.mark.heavy
+def test_the_gpu_smoke_device_write_rows_pass_on_the_cpu(tmp_path):
+    """``benchmarks/gpu_smoke.py``'s ``device_write_check`` (what a lent GPU runs for the
+    fingerprints' CUDA path) passes here with the compute on the CPU, so the script keeps
+    working between GPU sessions."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import gpu_smoke  # noqa: PLC0415
+
+    rows = gpu_smoke.device_write_check("cpu", tmp_path)
+    assert len(rows) == 2 and all(r["ok"] for r in rows), rows
 
 
 def _trained_with(tmp_path, param_dev, opt_dev, touch=None, check=None):

@@ -1,6 +1,6 @@
 """The CPU paths of the two Hugging Face benchmarks, so the scripts the README and
 benchmarks/README.md quote keep running: gpu_7b.py (``--device cpu --layers 2``, narrow) in the
-default suite; beyond_ram.py (``--size tiny``) and the full-width 7B CPU path slow-marked."""
+heavy suite; beyond_ram.py (``--size tiny``) and the full-width 7B CPU path slow-marked."""
 
 from __future__ import annotations
 

@@ -7,8 +7,10 @@ or a write through ``p.data`` into released storage, ``p.data = t``, a trainable
 the model) would otherwise train apart from torch with no error; a read of released storage
 computed with zeros. :class:`ModelWatch` looks at what happened since it last looked, at each
 forward's start, ``optimizer.step()``, ``state_dict()``, ``save_pretrained`` and ``export``
-(the runtime calls it), says it once, and leaves offload's values in place. The unit's own
-view of its storage (versions, views, touched pages) is the :class:`UnitRun`'s; this is the
+(the runtime calls it; parameters that stay on the device with their master apart also at a
+unit's first use in a forward after its update, :meth:`ModelWatch.check_pieces`), says it
+once, and leaves offload's values in place. The unit's own view of its storage (versions,
+views, touched pages, the device pieces' fingerprints) is the :class:`UnitRun`'s; this is the
 model-wide walk over them.
 """
 

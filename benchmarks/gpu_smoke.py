@@ -578,11 +578,13 @@ def device_write_check(device: str, tmp: Path) -> list[dict]:
     CUDA the master is always apart): a write through ``p.data`` after a step is refused at the
     next forward, naming it, and the training then goes on as without it (``DeviceParams``'
     fingerprints: the pinned staging slot's on the host against the device buffer's on the
-    device). For the optimizer on the CPU and on NVMe, bf16."""
+    device). For the optimizer on the CPU and on NVMe, bf16; after the second step, whose
+    update ran in its backward (after the first, it may still run after ``step()``, and on
+    CUDA a write landing before it writes is not seen)."""
     from offload.runtime.phase import PhaseError  # noqa: PLC0415
 
     rows = []
-    data = [d.to(device) for d in batches(3)]
+    data = [d.to(device) for d in batches(4)]
     for o_dev in ("cpu", "nvme"):
         row = {"device_write": True, "optimizer": o_dev, "ok": False}
         try:
@@ -597,11 +599,11 @@ def device_write_check(device: str, tmp: Path) -> list[dict]:
                         lm_loss(model, x).backward()
                         opt.step()
                         opt.zero_grad()
-                        if write and i == 0:
+                        if write and i == 1:  # (no update runs after this step())
                             with torch.no_grad():
                                 model.blocks[0].fc1.weight.data.mul_(0.5)
                             try:
-                                model(data[1])
+                                model(data[2])
                             except PhaseError as exc:
                                 refused = "blocks.0.fc1.weight" in str(exc)
                     trained.append((model.state_dict(), refused))

@@ -1571,6 +1571,35 @@ def test_a_write_through_data_after_a_unit_was_looked_at_is_seen_by_the_update(
     assert not torch.equal(clean, written)  # (the write was in a forward's backward)
 
 
+def test_where_the_update_cannot_read_before_it_writes_a_forward_still_sees_the_write(
+    tmp_path, monkeypatch
+):
+    """On CUDA the update does not read the device buffer before it writes
+    (``DeviceWriter.reads_before_write``: it would wait behind the backward's kernels); a
+    write through ``p.data`` after a step whose update ran in its backward is still refused
+    by name at the next forward, from the fingerprints alone (the CPU path with the CUDA
+    writer's choice)."""
+    from offload.device import DeviceWriter  # noqa: PLC0415
+
+    monkeypatch.setattr(DeviceWriter, "reads_before_write", False)
+    data = batches(3)
+    cfg = placement_config("none", "nvme", tmp_path, dtype="bf16")
+    model, opt = offload.wrap(make_model(), cfg)
+    try:
+        for i, tokens in enumerate(data):
+            lm_loss(model, tokens).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1:
+                with torch.no_grad():
+                    model.blocks[1].fc2.weight.data.clamp_(-0.01, 0.01)
+                with pytest.raises(PhaseError, match=r"a forward.*\(blocks\.1\.fc2\.weight\)"):
+                    model(data[2])
+                assert not engine_of(model).params._overwritten  # (nothing read before a write)
+    finally:
+        opt.close()
+
+
 @pytest.mark.heavy
 def test_the_gpu_smoke_device_write_rows_pass_on_the_cpu(tmp_path):
     """``benchmarks/gpu_smoke.py``'s ``device_write_check`` (what a lent GPU runs for the

@@ -223,6 +223,11 @@ def fingerprint(values: torch.Tensor) -> torch.Tensor:
 class DeviceWriter:
     """CPU: the optimizer writes new values straight into the device buffer."""
 
+    # whether the update may read the device buffer before it writes (``DeviceParams``' look
+    # for a write it would overwrite): on the CPU a plain read; on CUDA a reduction the update's
+    # thread would wait for behind the compute stream's queued kernels (the backward it runs in)
+    reads_before_write = True
+
     def __init__(self, transfers: Transfers, memory: HostMemory, dtype) -> None:
         self.transfers = transfers
 
@@ -242,6 +247,8 @@ class DeviceWriter:
 
 class CudaDeviceWriter(DeviceWriter):
     """CUDA: two pinned staging slots; a slot is reused once its copy up has completed."""
+
+    reads_before_write = False
 
     def __init__(self, transfers: Transfers, memory: HostMemory, dtype) -> None:
         super().__init__(transfers, memory, dtype)

@@ -328,21 +328,24 @@ class ParamHome:
 
 class DeviceParams(ParamHome):
     """Note: writes by code outside offload (``watch_writes``)
-    Where the fp32 master is a copy apart from these parameters (``Placement.
-    master_apart_from_device_params``, one rank), the next update writes the values derived
-    from the master over them, so a write through ``p.data`` (which moves no version
-    counter) was dropped without a word (0.0013 off torch in a scratch probe). The home
-    keeps the :func:`~offload.device.memory.fingerprint` of each piece as offload last wrote
-    it (at wrap, each update's commit, each load) and :meth:`touched` names the pieces
-    whose fingerprint moved since: the runtime's check (``offload.runtime.watch``) then
-    narrows them to the parameters that differ from their master and refuses, as for a
-    released unit's written pages. An update's :meth:`out_buffer` looks too, before it
-    writes: a piece written meanwhile is said by :meth:`overwritten` (its values gone, the
-    whole piece). The cost is one read of a unit's pieces at its first use in a forward after
-    an update or a load (:meth:`looked`; and at ``state_dict()``, ``save_pretrained`` and
-    ``export``) and two per update, one on each side of its write (on the host for the
-    second: CUDA's staging slot); a piece being updated (between its ``out_buffer`` and its
-    ``commit``) is not looked at."""
+    Where the fp32 master is a copy apart from these parameters
+    (``Placement.master_apart_from_device_params``, one rank), the next update writes the values
+    derived from the master over them, so a write through ``p.data`` (which moves no version
+    counter) was dropped without a word (0.0013 off torch in a scratch probe). The home keeps
+    the :func:`~offload.device.memory.fingerprint` of each piece as offload last wrote it (at
+    wrap, each update's commit, each load) and :meth:`touched` names the pieces whose
+    fingerprint moved since: the runtime's check (``offload.runtime.watch``) then narrows them
+    to the parameters that differ from their master and refuses, as for a released unit's
+    written pages. An update's :meth:`out_buffer` looks too, before it writes, where the device
+    buffer reads without waiting for the compute (the CPU: ``DeviceWriter.reads_before_write``):
+    a piece written meanwhile is said by :meth:`overwritten` (its values gone, the whole piece);
+    on CUDA such a write (after the unit's first forward use since its update, or while an
+    update still runs after ``step()``) is not seen. The cost is one read of a unit's pieces at
+    its first use in a forward after an update or a load (:meth:`looked`; on CUDA a reduction
+    and a host sync) and at ``state_dict()``, ``save_pretrained`` and ``export``, and per update
+    one read after its write (on CUDA of the staging slot, on the host) and on the CPU one
+    before it; a piece being updated (between its ``out_buffer`` and its ``commit``) is not
+    looked at."""
 
     _views = True
 
@@ -381,7 +384,7 @@ class DeviceParams(ParamHome):
     def looked(self, unit: Unit) -> bool:
         """Whether :meth:`touched` looked at ``unit`` since offload last wrote it: a forward
         looks once per update (a generate() runs one per token), and a write after it is
-        seen by the next update's :meth:`out_buffer`."""
+        seen by the next update's :meth:`out_buffer` (on the CPU)."""
         return unit.index in self._looked
 
     def touched(self, unit: Unit) -> list[tuple[int, int, bool]]:
@@ -434,9 +437,11 @@ class DeviceParams(ParamHome):
             key = (unit.index, lo)
             seen, self._prints[key] = self._prints.get(key), None  # (being written: not looked at)
             self._looked.discard(unit.index)
-            # (on CUDA the piece's last copy up has landed: step() quiesces the writer before
-            # an update runs again, and a rewrite in a step goes through load_shard)
-            if seen is not None and int(fingerprint(self._piece(unit, lo, hi))) != seen[0]:
+            if (
+                seen is not None
+                and self.writer.reads_before_write
+                and int(fingerprint(self._piece(unit, lo, hi))) != seen[0]
+            ):
                 self._overwritten[key] = hi
         return self.writer.out(self.flat[unit.index], *self._slice(unit, lo, hi))
 

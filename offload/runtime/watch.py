@@ -240,7 +240,8 @@ class ModelWatch:
         wrote over the write), or in a piece an update wrote over meanwhile. A forward looks
         at each unit as it uses it, once its update is done (at the forward's start a unit's
         update may still run after ``step()``), the first time after each update or load
-        (``ParamHome.looked``: a write after it is seen by the next update, in the piece);
+        (``ParamHome.looked``: a write after it is seen by the next update, in the piece, on
+        the CPU);
         ``model.state_dict()``, ``save_pretrained`` and ``export`` at every unit. Refused as
         :meth:`check_unwritten` refuses."""
         if not self.master_apart or (run is not None and self.params.looked(run.unit)):

@@ -869,7 +869,14 @@ def test_accelerate_loop_clips_through_route_clipping(tmp_path):
         opt.close()
 
 
+# peft 0.21's get_peft_model asks transformers 5 for its deprecated is_gradient_checkpointing
+_PEFT_ASKS_DEPRECATED = pytest.mark.filterwarnings(
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
+)
+
+
 @pytest.mark.heavy
+@_PEFT_ASKS_DEPRECATED
 def test_peft_lora_through_offload_trainer_matches_the_plain_trainer(tmp_path):
     """The README's PEFT recipe, when peft is installed (it is not a test dependency): wrap
     ``peft_model.get_base_model()``, give ``OffloadTrainer`` the PeftModel. Params and
@@ -1006,6 +1013,7 @@ def test_trainer_on_two_ranks_trains_as_one_process(tmp_path, param_dev, opt_dev
     assert "the Trainer runs 2 processes but the model was wrapped over 1 rank" in done.stderr
 
 
+@_PEFT_ASKS_DEPRECATED
 def test_peft_merge_and_unload_is_refused_until_close_restore(tmp_path):
     """``merge_and_unload`` reads and writes the LoRA and base weights themselves, which offload
     releases between uses: it merged the released storage's zeros and replaced the LoRA layers,
@@ -1067,6 +1075,7 @@ def test_peft_merge_and_unload_is_refused_until_close_restore(tmp_path):
             opt.close()
 
 
+@_PEFT_ASKS_DEPRECATED
 def test_peft_prompt_tuning_saves_through_offload_trainer(tmp_path):
     """Prompt tuning trains parameters of the PeftModel itself, so the PeftModel is wrapped
     whole; its ``save_pretrained`` computes the embeddings it saves by calling its prompt

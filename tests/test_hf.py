@@ -878,8 +878,8 @@ _PEFT_ASKS_DEPRECATED = pytest.mark.filterwarnings(
 @pytest.mark.heavy
 @_PEFT_ASKS_DEPRECATED
 def test_peft_lora_through_offload_trainer_matches_the_plain_trainer(tmp_path):
-    """The README's PEFT recipe, when peft is installed (it is not a test dependency): wrap
-    ``peft_model.get_base_model()``, give ``OffloadTrainer`` the PeftModel. Params and
+    """The README's PEFT recipe (peft: the hf extra's since 2026-12-06, skipped without it):
+    wrap ``peft_model.get_base_model()``, give ``OffloadTrainer`` the PeftModel. Params and
     optimizer on NVMe (the step in backward), accumulation 2, clipping: the losses and the
     adapters ``save_model`` writes are the plain Trainer's, and greedy ``generate`` too."""
     peft = pytest.importorskip("peft")

@@ -2,9 +2,9 @@
 
 Where the parameters stay on the device while their fp32 master is a copy apart (bf16 compute, or
 the optimizer on NVMe), offload keeps a fingerprint of each piece as it last wrote it and reads the
-pieces again at each forward (``DeviceParams``' Note on writes by code outside offload). This
+pieces again at each forward (``offload.homes.piece_prints``, Note on writes by code outside offload). This
 trains the demo GPT at such a placement and times its steps (forward, backward, ``step()``) with
-the fingerprints kept and with them dropped (the home's record set to None, as where the master is
+the fingerprints kept and with them dropped (the home's ``NoPrints``, as where the master is
 not apart), in alternating rounds on the same model, and prints the medians and their ratio, with
 the time of one fingerprint pass over every device parameter alone. A diagnostic: no peer.
 
@@ -29,6 +29,7 @@ import offload  # noqa: E402
 from offload.api.wrap import engine_of  # noqa: E402
 from offload.demo.model import GPT, config_for_size, lm_loss  # noqa: E402
 from offload.device import fingerprint  # noqa: E402
+from offload.homes.piece_prints import NoPrints, PiecePrints  # noqa: E402
 
 
 def main() -> int:
@@ -55,7 +56,8 @@ def main() -> int:
         }
         model, opt = offload.wrap(model, cfg)
         home = engine_of(model).params
-        assert home._prints is not None, "this placement keeps no fingerprints"
+        kept = home.prints
+        assert isinstance(kept, PiecePrints), "this placement keeps no fingerprints"
 
         def step() -> float:
             t0 = time.perf_counter()
@@ -70,10 +72,10 @@ def main() -> int:
             times: dict[str, list[float]] = {"kept": [], "dropped": []}
             for _ in range(args.rounds):
                 for mode in times:
-                    home._prints = {} if mode == "kept" else None
+                    home.prints = kept if mode == "kept" else NoPrints()
                     step()  # (the records refill at the commits)
                     times[mode] += [step() for _ in range(args.steps)]
-            home._prints = {}
+            home.prints = kept
             flats = list(home.flat.values())
             t0 = time.perf_counter()
             for _ in range(5):

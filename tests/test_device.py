@@ -25,7 +25,7 @@ def test_transfers_count_every_crossing_on_the_cpu():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_fingerprint_is_of_the_bits_alone_and_moves_with_any_single_change(dtype):
-    """``fingerprint`` (``DeviceParams``' Note on writes by code outside offload) gives the same
+    """``fingerprint`` (``offload.homes.piece_prints``, Note on writes by code outside offload) gives the same
     value for the same bits wherever they sit (the staging slot on CUDA, the device buffer at
     any offset: an unaligned one is copied first, and a length that is not a whole number of
     8-byte words ends in a shorter word), and another value for one element changed by an ulp,

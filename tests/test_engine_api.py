@@ -1479,7 +1479,7 @@ def test_a_write_into_a_parameter_on_the_device_lasts_only_where_it_is_the_maste
     the parameter gets offload's values back: training goes on bitwise as without the write.
     A write through ``p.data`` (WGAN's clamp) moves no version counter and was still dropped
     silently until 2026-12-06; it is seen in the fingerprints of the parameters' pieces
-    (``DeviceParams``' Note). After the first step its update runs after ``step()`` returns
+    (``offload.homes.piece_prints``' Note). After the first step its update runs after ``step()`` returns
     (``InBackward``: nothing was speculated), so the write may land before the update writes
     over it: seen then in the piece the update wrote over, with its neighbours."""
     data = batches(4)
@@ -1523,7 +1523,7 @@ def test_a_write_into_a_parameter_on_the_device_lasts_only_where_it_is_the_maste
 def test_a_write_through_data_after_a_unit_was_looked_at_is_seen_by_the_update(
     tmp_path, opt_dev, dtype
 ):
-    """A forward looks at a device-resident unit once per update (``DeviceParams.looked``: a
+    """A forward looks at a device-resident unit once per update (``PiecePrints.looked``: a
     ``generate()`` runs a forward per token); a write through ``p.data`` after that look (here
     between a forward and its backward, whose update writes over it) is seen by the update
     before it writes, in the piece, and refused at the next forward with the piece's
@@ -1595,7 +1595,9 @@ def test_where_the_update_cannot_read_before_it_writes_a_forward_still_sees_the_
                     model.blocks[1].fc2.weight.data.clamp_(-0.01, 0.01)
                 with pytest.raises(PhaseError, match=r"a forward.*\(blocks\.1\.fc2\.weight\)"):
                     model(data[2])
-                assert not engine_of(model).params._overwritten  # (nothing read before a write)
+                assert not engine_of(
+                    model
+                ).params.prints._overwritten  # (nothing read before a write)
     finally:
         opt.close()
 

@@ -63,16 +63,9 @@ from collections.abc import Callable
 import torch
 
 from offload._interrupts import interrupts_deferred
-from offload.device import (
-    COMPLETED,
-    Event,
-    HostMemory,
-    Transfers,
-    fingerprint,
-    pages,
-    storage_for,
-)
+from offload.device import COMPLETED, Event, HostMemory, Transfers, pages, storage_for
 from offload.dist import Comm, Handle, LocalComm, completed
+from offload.homes.piece_prints import NoPrints, PiecePrints
 from offload.plan import Plan, Residency, ShardSpec, Unit, split
 
 PieceValues = Callable[[int, int], torch.Tensor]
@@ -267,7 +260,7 @@ class ParamHome:
 
     def overwritten(self, unit: Unit) -> list[tuple[int, int]]:
         """Element ranges of ``unit`` that code outside offload wrote and offload then wrote
-        over before a check saw it (``DeviceParams``' Note); each reported once."""
+        over before a check saw it (``offload.homes.piece_prints``' Note); each reported once."""
         return []
 
     def looked(self, unit: Unit) -> bool:
@@ -327,25 +320,9 @@ class ParamHome:
 
 
 class DeviceParams(ParamHome):
-    """Note: writes by code outside offload (``watch_writes``)
-    Where the fp32 master is a copy apart from these parameters
-    (``Placement.master_apart_from_device_params``, one rank), the next update writes the values
-    derived from the master over them, so a write through ``p.data`` (which moves no version
-    counter) was dropped without a word (0.0013 off torch in a scratch probe). The home keeps
-    the :func:`~offload.device.memory.fingerprint` of each piece as offload last wrote it (at
-    wrap, each update's commit, each load) and :meth:`touched` names the pieces whose
-    fingerprint moved since: the runtime's check (``offload.runtime.watch``) then narrows them
-    to the parameters that differ from their master and refuses, as for a released unit's
-    written pages. An update's :meth:`out_buffer` looks too, before it writes, where the device
-    buffer reads without waiting for the compute (the CPU: ``DeviceWriter.reads_before_write``):
-    a piece written meanwhile is said by :meth:`overwritten` (its values gone, the whole piece);
-    on CUDA such a write (after the unit's first forward use since its update, or while an
-    update still runs after ``step()``) is not seen. The cost is one read of a unit's pieces at
-    its first use in a forward after an update or a load (:meth:`looked`; on CUDA a reduction
-    and a host sync) and at ``state_dict()``, ``save_pretrained`` and ``export``, and per update
-    one read after its write (on CUDA of the staging slot, on the host) and on the CPU one
-    before it; a piece being updated (between its ``out_buffer`` and its ``commit``) is not
-    looked at."""
+    """A flat device buffer per unit (the module docstring). Where ``watch_writes`` (the master
+    is apart), a write into it by code outside offload is looked for through
+    :class:`~offload.homes.piece_prints.PiecePrints` (its module Note)."""
 
     _views = True
 
@@ -361,12 +338,7 @@ class DeviceParams(ParamHome):
         super().__init__(plan, transfers, memory, comm)
         self.writer = writer
         self.flat: dict[int, torch.Tensor] = {}
-        # (unit, lo) -> (fingerprint,) as offload last wrote the piece; None while an update
-        # writes it. A fresh tuple each time: a check that read one sees whether it changed
-        self._prints: dict[tuple[int, int], tuple[int] | None] | None = {} if watch_writes else None
-        # pieces written outside offload that an update then wrote over: (unit, lo) -> hi
-        self._overwritten: dict[tuple[int, int], int] = {}
-        self._looked: set[int] = set()  # units looked at since offload last wrote them
+        self.prints = PiecePrints(self._piece, writer) if watch_writes else NoPrints()
 
     def create(self, unit: Unit, values: PieceValues) -> None:
         flat = torch.empty(self.plan.home_numel(unit), dtype=self.dtype, device=self.device)
@@ -374,39 +346,21 @@ class DeviceParams(ParamHome):
             dst = flat[self.plan.home_slice(unit, lo, hi)]
             self.transfers.wait(self.transfers.to_device([(dst, values(lo, hi))]), "host->device")
         self.flat[unit.index] = flat
-        if self._prints is not None:
-            for lo, hi in self.plan.pieces(unit):
-                self._prints[unit.index, lo] = (int(fingerprint(self._piece(unit, lo, hi))),)
+        self.prints.created(unit, self.plan.pieces(unit))
 
     def _piece(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         return self.flat[unit.index][self.plan.home_slice(unit, lo, hi)]
 
     def looked(self, unit: Unit) -> bool:
-        """Whether :meth:`touched` looked at ``unit`` since offload last wrote it: a forward
-        looks once per update (a generate() runs one per token), and a write after it is
-        seen by the next update's :meth:`out_buffer` (on the CPU)."""
-        return unit.index in self._looked
+        return self.prints.looked(unit)
 
     def touched(self, unit: Unit) -> list[tuple[int, int, bool]]:
-        """The pieces written by code outside offload since offload last wrote them (the class
-        Note), each said once; none where the home does not watch."""
-        if self._prints is None:
-            return []
-        self._looked.add(unit.index)
-        self.writer.quiesce()  # (CUDA) the update's copies up have landed
-        pieces = [(lo, hi, self._prints.get((unit.index, lo))) for lo, hi in self.plan.pieces(unit)]
-        pieces = [(lo, hi, seen) for lo, hi, seen in pieces if seen is not None]
-        if not pieces:
-            return []
-        now = torch.stack([fingerprint(self._piece(unit, lo, hi)) for lo, hi, _ in pieces]).tolist()
-        moved = []
-        for (lo, hi, seen), value in zip(pieces, now, strict=True):
-            key = (unit.index, lo)
-            # not written by an update meanwhile (its out_buffer replaced the record)
-            if value != seen[0] and self._prints.get(key) is seen:
-                self._prints[key] = (value,)
-                moved.append((lo, hi, True))
-        return moved
+        """The pieces written by code outside offload since offload last wrote them, each said
+        once (none where the home does not watch)."""
+        return self.prints.touched(unit, self.plan.pieces(unit))
+
+    def overwritten(self, unit: Unit) -> list[tuple[int, int]]:
+        return self.prints.overwritten(unit)
 
     def attach(self, unit: Unit) -> None:
         flat = self.flat[unit.index]
@@ -419,37 +373,17 @@ class DeviceParams(ParamHome):
         return sl.start, sl.stop
 
     def load_shard(self, unit: Unit, lo: int, hi: int, values: torch.Tensor) -> None:
-        if self._prints is not None:  # a load replaces what the piece held: nothing to say
-            self._prints[unit.index, lo] = None
-            self._looked.discard(unit.index)
+        self.prints.loading(unit, lo)
         super().load_shard(unit, lo, hi, values)
 
-    def overwritten(self, unit: Unit) -> list[tuple[int, int]]:
-        """The pieces that code outside offload wrote and an update then wrote
-        over before a check looked (a write right after ``optimizer.step()`` while its update
-        still ran after the backward): which parameters of them, their values no longer say.
-        Each said once."""
-        keys = [k for k in self._overwritten if k[0] == unit.index]
-        return [(lo, self._overwritten.pop((u, lo))) for u, lo in keys]
-
     def out_buffer(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
-        if self._prints is not None:
-            key = (unit.index, lo)
-            seen, self._prints[key] = self._prints.get(key), None  # (being written: not looked at)
-            self._looked.discard(unit.index)
-            if (
-                seen is not None
-                and self.writer.reads_before_write
-                and int(fingerprint(self._piece(unit, lo, hi))) != seen[0]
-            ):
-                self._overwritten[key] = hi
+        self.prints.writing(unit, lo, hi)
         return self.writer.out(self.flat[unit.index], *self._slice(unit, lo, hi))
 
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
         flat, (a, b) = self.flat[unit.index], self._slice(unit, lo, hi)
         self.writer.commit(flat, a, b)
-        if self._prints is not None:
-            self._prints[unit.index, lo] = (self.writer.committed_print(flat, a, b),)
+        self.prints.committed(unit, lo, flat, a, b)
         self._written(unit, lo)
 
     def read(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:

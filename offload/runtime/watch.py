@@ -62,9 +62,9 @@ class ModelWatch:
         # gives the trainable parameters of units written through the tensor the values
         # derived from their master again (where the master is apart: check_unwritten)
         self._derive_again = derive_again
-        # of a gathered unit's names seen in its pieces' fingerprints (``DeviceParams``, Note
-        # on writes by code outside offload), the trainable ones whose values differ from
-        # those derived from their master (check_pieces)
+        # of a gathered unit's names seen in its pieces' fingerprints (``offload.homes.
+        # piece_prints``, Note on writes by code outside offload), the trainable ones whose
+        # values differ from those derived from their master (check_pieces)
         self._differ = differ
         self._flush = flush  # waits for a running update (check_pieces)
         self._merge_refused = False  # a PEFT merge_adapter() was refused (check_in_model)
@@ -235,8 +235,8 @@ class ModelWatch:
         """Where the parameters stay on the device with their master apart, none of ``run``'s
         (of every unit, once a running update is done, when None) was written through
         ``p.data`` since offload last wrote it: seen in the fingerprints of its pieces and
-        narrowed to the parameters whose values differ from their master's (``DeviceParams``,
-        Note on writes by code outside offload; before 2026-12-06 not seen, and the next update
+        narrowed to the parameters whose values differ from their master's (``offload.homes.
+        piece_prints``, Note on writes by code outside offload; before 2026-12-06 not seen, and the next update
         wrote over the write), or in a piece an update wrote over meanwhile. A forward looks
         at each unit as it uses it, once its update is done (at the forward's start a unit's
         update may still run after ``step()``), the first time after each update or load

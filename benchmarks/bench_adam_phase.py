@@ -17,6 +17,10 @@ Variants (interleaved A B C D per rep, both modes in each rep; medians over ``--
   threads: torch's OpenMP team when torch runs on libgomp (``csrc/compute_threads.h``).
 - ``offload wrap, no_decay``: the same with biases and LayerNorm weights undecayed
   (``optimizer.no_decay``): the update's two kernel calls (decayed, not) instead of one.
+- ``offload wrap, param_groups``: the same with three param groups of their own
+  (``offload.wrap(param_groups=)``: the attention weights, the MLP weights, the rest, each
+  with its own LR), interleaved in every block: one kernel call per group and piece instead
+  of one per piece.
 - ``offload wrap, own pool``: the same, its kernels on offload's own thread pool (what every
   step ran on before the team was joined): the in-run reference for the contention fix.
 - ``offload CPUAdam``: ``offload.optim.CPUAdam`` as a drop-in ``torch.optim.Optimizer`` (one
@@ -81,6 +85,9 @@ def _variants(base: torch.nn.Module, ds_cls: type | None) -> dict[str, tuple]:
     undecayed = config | {"optimizer": config["optimizer"] | {"no_decay": ["bias", "ln"]}}
     model, opt = offload.wrap(copy.deepcopy(base), undecayed)
     out["offload wrap, no_decay"] = (model, opt)
+    model = copy.deepcopy(base)
+    model, opt = offload.wrap(model, config, param_groups=_kind_groups(model))
+    out["offload wrap, param_groups"] = (model, opt)
     if _native.compute_backend().startswith("openmp"):  # the same step on offload's own threads
         model, opt = offload.wrap(copy.deepcopy(base), config)
         out["offload wrap, own pool"] = (model, _OnPool(opt))
@@ -99,6 +106,16 @@ def _variants(base: torch.nn.Module, ds_cls: type | None) -> dict[str, tuple]:
     )
     out["torch AdamW fused"] = (m, fused)
     return out
+
+
+def _kind_groups(model: torch.nn.Module) -> list[dict]:
+    """Three groups interleaved in every block: attention weights, MLP weights, the rest."""
+    kinds: list[list] = [[], [], []]
+    for name, p in model.named_parameters():
+        kind = 0 if ".attn." in name and name.endswith("weight") else 2
+        kinds[1 if ".mlp." in name and name.endswith("weight") else kind].append(p)
+    lrs = (0.5 * LR, 2 * LR, LR)
+    return [{"params": ps, "lr": lr} for ps, lr in zip(kinds, lrs, strict=True)]
 
 
 class _OnPool:

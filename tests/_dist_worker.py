@@ -75,6 +75,7 @@ from engine_models import (
     StackLM,
     batches,
     lm_loss,
+    lr_groups,
     make_model,
     placement_config,
 )
@@ -230,7 +231,8 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
     if wrap_classes:
         cfg["wrap"] = wrap_classes
     cfg.update(job.get("config", {}))
-    model, opt = offload.wrap(model, cfg, process_group=group)
+    groups = lr_groups(model) if job.get("groups") else None
+    model, opt = offload.wrap(model, cfg, param_groups=groups, process_group=group)
     runtime = engine_of(model)
     if (slow := job.get("slow_update")) and slow["rank"] == rank:  # this rank's update of
         real_commit = runtime.params.commit  # that unit lands late (a busy core, a slow disk)

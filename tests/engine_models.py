@@ -223,27 +223,57 @@ def lm_loss(model, tokens):
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def torch_adam(model, lr=1e-2, wd=0.1, undecayed=None, adam=False, **hyper):
+def lr_groups(model) -> list[dict]:
+    """Param groups of their own, as ``offload.wrap(param_groups=)`` and torch take them: the
+    middle block at a third of the LR with other moments' decay, the second matrices and the
+    huge table at twice it with less decay, the rest at the defaults (their parameters
+    interleave in the units' flat pieces)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def group_of(name: str) -> int:
+        if name.startswith("blocks.1."):
+            return 0
+        return 2 if name.endswith("fc2.weight") or name.startswith("huge") else 1
+
+    overrides = ({"lr": 3e-3, "betas": (0.8, 0.99)}, {}, {"lr": 2e-2, "weight_decay": 0.02})
+    return [
+        dict(o, params=[p for n, p in named if group_of(n) == i]) for i, o in enumerate(overrides)
+    ]
+
+
+def torch_adam(model, lr=1e-2, wd=0.1, undecayed=None, adam=False, groups=None, **hyper):
     """torch's AdamW (``adam``: Adam, its decay L2), foreach=False, over the model's trainable
     parameters (``undecayed(name)``: those in a second group, with weight_decay 0; ``hyper``:
-    ``betas``, ``eps``)."""
+    ``betas``, ``eps``; ``groups(model)``: the param groups, instead of either)."""
+    kind = torch.optim.Adam if adam else torch.optim.AdamW
+    if groups is not None:
+        return kind(groups(model), lr=lr, weight_decay=wd, foreach=False, **hyper)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     left = undecayed or (lambda name: False)
     groups = [{"params": [p for n, p in named if not left(n)]}]
     if undecayed is not None:
         groups.append({"params": [p for n, p in named if left(n)], "weight_decay": 0.0})
-    kind = torch.optim.Adam if adam else torch.optim.AdamW
     return kind([g for g in groups if g["params"]], lr=lr, weight_decay=wd, foreach=False, **hyper)
 
 
 def reference_fp32(
-    model, data, steps, accum, clip, lr=1e-2, wd=0.1, undecayed=None, adam=False, **hyper
+    model,
+    data,
+    steps,
+    accum,
+    clip,
+    lr=1e-2,
+    wd=0.1,
+    undecayed=None,
+    adam=False,
+    groups=None,
+    **hyper,
 ):
     """Plain PyTorch: AdamW(foreach=False), grad accumulation, clipping, an LR schedule
     (``undecayed(name)``: the parameters in a second group, with weight_decay 0; ``adam``:
     torch's Adam, its weight decay L2; ``hyper``: ``betas``, ``eps``)."""
     model = copy.deepcopy(model)
-    opt = torch_adam(model, lr=lr, wd=wd, undecayed=undecayed, adam=adam, **hyper)
+    opt = torch_adam(model, lr=lr, wd=wd, undecayed=undecayed, adam=adam, groups=groups, **hyper)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     losses = []
     for s in range(steps):

@@ -36,6 +36,7 @@ from engine_models import (
     StackLM,
     batches,
     lm_loss,
+    lr_groups,
     make_model,
     placement_config,
     reference_fp32,
@@ -77,6 +78,11 @@ NO_DECAY_OPTIMIZER = {
 }
 NO_DECAY = [
     job(f"nodecay-s{s}-{p}-{o}", p, o, s, steps=4, config={"optimizer": NO_DECAY_OPTIMIZER})
+    for s, p, o in ((2, "nvme", "cpu"), (3, "cpu", "nvme"))
+]
+# param groups of their own (offload.wrap's param_groups): each rank's share cut into runs too
+GROUPS = [
+    job(f"groups-s{s}-{p}-{o}", p, o, s, steps=4, groups=True)
     for s, p, o in ((2, "nvme", "cpu"), (3, "cpu", "nvme"))
 ]
 # the step in backward, speculating every step (no clipping, no accumulation)
@@ -170,6 +176,7 @@ def two(root) -> Path:
         job("probe-s2", "cpu", "cpu", 2, steps=2, model="stack", probe_one_rank=True),
         job("unprobed-s2", "cpu", "cpu", 2, steps=2, model="stack"),
         *NO_DECAY,
+        *GROUPS,
         job("norm-whole", "cpu", "nvme", 3, steps=4, model="norm"),
         job("norm-first", "cpu", "nvme", 3, steps=2, model="norm", save=str(root / "ckN")),
         job("norm-second", "cpu", "nvme", 3, steps=4, model="norm", load=str(root / "ckN")),
@@ -386,6 +393,16 @@ def test_undecayed_parameters_on_two_ranks_match_torch_with_two_groups(two, name
     _close(_final(two, name), model.state_dict())
     decayed = reference_fp32(make_model(), data, 4, ACCUM, CLIP, wd=0.5)[0].state_dict()
     assert not torch.allclose(model.state_dict()["norm.weight"], decayed["norm.weight"], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", [j["name"] for j in GROUPS])
+def test_param_groups_on_two_ranks_match_torch_with_the_same_groups(two, name):
+    data = batches(STEPS_DATA, batch=GLOBAL_BATCH)
+    model, losses = reference_fp32(make_model(), data, 4, ACCUM, CLIP, groups=lr_groups)
+    _losses_close(result(two, name)["losses"], losses)
+    _close(_final(two, name), model.state_dict(), atol=1e-5)
+    one = reference_fp32(make_model(), data, 4, ACCUM, CLIP)[0].state_dict()
+    assert not torch.allclose(model.state_dict()["huge.table"], one["huge.table"], atol=1e-4)
 
 
 @pytest.mark.parametrize("name", [j["name"] for j in PARITY_2])

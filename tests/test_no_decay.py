@@ -178,7 +178,9 @@ def test_the_undecayed_set_goes_with_the_optimizer_state_dict(tmp_path):
                 {"params": [p for n, p in model.named_parameters() if _undecayed(n)]},
             ]
         )  # torch's two groups: refused, saying why and what to do (it said only the counts)
-        with pytest.raises(ValueError, match=r"2 group\(s\).*several groups.*set_no_decay"):
+        with pytest.raises(
+            ValueError, match=r"2 group\(s\).*several groups.*param_groups=.*set_no_decay"
+        ):
             opt.load_state_dict(two.state_dict())
         sd["offload"]["no_decay"] = [10**6]
         with pytest.raises(ValueError, match=r"'no_decay' holds 1000000.*indices"):

@@ -242,7 +242,7 @@ def save_checkpoint(
     optimizer = _optimizer_of(engine, optimizer, "save_checkpoint")
     _check_keep_last(keep_last)
     extra = _to_json(extra)
-    group = _param_group(optimizer)
+    group = _param_groups(optimizer)
     buffers = _buffer_entries(model)
     name = files.checkpoint_name(engine.step_count, Path(directory))
     if engine.comm.world > 1:
@@ -257,18 +257,25 @@ def save_checkpoint(
         return out.commit(_meta(engine, optimizer, extra, group), keep_last)
 
 
-def _param_group(optimizer) -> dict:
-    """The optimizer's hyperparameters as ``meta.json`` holds them, checked before anything is
+def _param_groups(optimizer) -> list[dict]:
+    """Each param group's hyperparameters as ``meta.json`` holds them (:func:`_param_group`)."""
+    return [
+        _param_group(g, f"save_checkpoint: optimizer.param_groups[{i}]")
+        for i, g in enumerate(optimizer.param_groups)
+    ]
+
+
+def _param_group(group: dict, where: str) -> dict:
+    """A param group's hyperparameters as ``meta.json`` holds them, checked before anything is
     written: what the update cannot take is refused (``optimizer.hyperparameter``), a
     one-element tensor (torch's optimizers take a tensor lr) is saved as its number, and a
     value JSON cannot hold, or a non-finite number (a load refuses it), is refused."""
-    where = "save_checkpoint: optimizer.param_groups[0]"
     out = {}
-    for key, value in optimizer.param_groups[0].items():
+    for key, value in group.items():
         if key == "params":
             continue
         if key in HYPER_ALLOWED:
-            hyperparameter(optimizer.param_groups[0], key, where)
+            hyperparameter(group, key, where)
         items = list(value) if isinstance(value, (tuple, list)) else [value]
         items = [x.item() if isinstance(x, torch.Tensor) and x.numel() == 1 else x for x in items]
         out[key] = items if isinstance(value, (tuple, list)) else items[0]
@@ -283,23 +290,33 @@ def _param_group(optimizer) -> dict:
     return out
 
 
-def _meta(engine, optimizer, extra: dict, group: dict) -> dict:
-    return {
+def _meta(engine, optimizer, extra: dict, groups: list[dict]) -> dict:
+    """``meta.json``'s counters. ``param_group`` holds the first param group's hyperparameters
+    (the only one's, as every checkpoint before ``param_groups`` did); with several groups,
+    ``param_groups`` holds each one's and the names of its parameters."""
+    meta = {
         "dtype": str(engine.dtype).removeprefix("torch."),
         "world": engine.comm.world,
         "step_count": engine.step_count,
         "skipped_steps": optimizer.skipped_steps,
         "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None,
-        "param_group": group,
+        "param_group": groups[0],
         "units": [_unit_meta(u) for u in engine.units],
         "no_decay": [
             s.name
             for u in engine.units
             for s in u.layout.segments
-            if s.trainable and s.param in engine.no_decay.params
+            if s.trainable and s.param in engine.no_decay
         ],
         "extra": extra,
     }
+    if len(groups) > 1:
+        name = {s.param: s.name for u in engine.units for s in u.layout.segments}
+        meta["param_groups"] = [
+            dict(h, params=[name[p] for p in g["params"]])
+            for h, g in zip(groups, optimizer.param_groups, strict=True)
+        ]
+    return meta
 
 
 def _saved_no_decay(path: Path, meta: dict, engine) -> frozenset | None:
@@ -348,7 +365,7 @@ def _save_ranks(
     optimizer,
     keep_last: int,
     extra: dict,
-    group: dict,
+    group: list[dict],
     buffers: list,
 ) -> Path:
     """The collective save (module Note on ranks): rank 0 owns the directory and commits once
@@ -431,8 +448,9 @@ def _load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) 
             tensors[_buffers_file()] = _buffer_tensors(model)
         files.check_layout(ckpt, [_unit_meta(u) for u in engine.units], tensors)  # (2)
         counters = files.check_counters(
-            ckpt, optimizer.param_groups[0], loss_scale=optimizer.scaler is not None
+            ckpt, optimizer.param_groups, loss_scale=optimizer.scaler is not None
         )
+        _check_group_members(ckpt.path, ckpt.meta, optimizer)
         counters["no_decay"] = _saved_no_decay(ckpt.path, ckpt.meta, engine)
         for run in engine.runs:  # (3)
             try:
@@ -454,12 +472,31 @@ def _apply_counters(engine, optimizer, counters: dict) -> dict:
     optimizer.skipped_steps = counters["skipped_steps"]
     if counters["loss_scaler"] is not None:
         optimizer.scaler.load_state_dict(counters["loss_scaler"])
-    optimizer.param_groups[0].update(counters["param_group"])
+    for group, saved in zip(optimizer.param_groups, counters["param_groups"], strict=True):
+        group.update(saved)
     engine.zero_grad()
     engine.state_restored()  # (a failed update's mixed state is replaced: set_no_decay may run)
     if counters["no_decay"] is not None:
         engine.set_no_decay(counters["no_decay"], "load_checkpoint")
     return counters["extra"]
+
+
+def _check_group_members(path: Path, meta: dict, optimizer) -> None:
+    """The checkpoint's param groups hold the parameters the optimizer's do (by name; one
+    group: all of them), so each group's saved hyperparameters go to the same parameters."""
+    saved = meta.get("param_groups")
+    names = {s.param: s.name for u in optimizer._engine.units for s in u.layout.segments}
+    mine = [[names[p] for p in g["params"]] for g in optimizer.param_groups]
+    theirs = None if saved is None else [g.get("params") for g in saved]
+    if theirs is None and len(mine) == 1:
+        return
+    if theirs != mine:
+        raise files.meta_error(
+            path,
+            f"its {1 if theirs is None else len(theirs)} param group(s) hold other parameters "
+            f"than this optimizer's {len(mine)} (wrap's param_groups): load it into an "
+            "optimizer wrapped with the same param_groups",
+        )
 
 
 def _saved_world(path: Path, meta: dict) -> int:
@@ -667,8 +704,9 @@ def _load_ranks(root: Path, engine, optimizer) -> dict:
         if buffers:
             _check_holds(ckpt, buffers, _buffer_tensors(engine.model), "the model")
         counters = files.check_counters(
-            ckpt, optimizer.param_groups[0], loss_scale=optimizer.scaler is not None
+            ckpt, optimizer.param_groups, loss_scale=optimizer.scaler is not None
         )
+        _check_group_members(path, meta, optimizer)
         counters["no_decay"] = _saved_no_decay(path, meta, engine)
     except Exception as exc:  # noqa: BLE001 - every rank hears of it before anything changes
         error = exc

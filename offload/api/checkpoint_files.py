@@ -14,7 +14,7 @@ Note: what a checkpoint directory holds
     version 2 had no block checksums and is still read, version 1 had no checksums) say what
     the directory is. The caller's own keys are sealed with the rest; :func:`check_layout` and
     :func:`check_counters` check the ones a load of units uses (``units``, ``step_count``,
-    ``skipped_steps``, ``loss_scaler``, ``param_group``, ``extra``) against what the caller
+    ``skipped_steps``, ``loss_scaler``, ``param_group(s)``, ``extra``) against what the caller
     passes in, so that a load can be refused before anything changes.
 
     A data file's checksums are computed while the file is written, over the same bytes,
@@ -892,10 +892,10 @@ def _unit_difference(path: Path, index: int, mine: dict, saved) -> None:
     )
 
 
-def _hyper(path: Path, key: str, saved, now):
+def _hyper(path: Path, where: str, key: str, saved, now):
     """A saved hyperparameter, checked against the kind of value the group holds now (any
     JSON scalar, or a list of numbers, for a key the group does not have)."""
-    what = f"'param_group'.'{key}'"
+    what = f"{where}.'{key}'"
     if isinstance(now, torch.Tensor) and now.numel() == 1:  # a tensor lr: saved as its number
         now = now.item()
     if isinstance(saved, list):
@@ -910,11 +910,12 @@ def _hyper(path: Path, key: str, saved, now):
     return meta_number(path, saved, what) if number else saved
 
 
-def check_counters(ckpt: VerifiedCheckpoint, group: dict, loss_scale: bool) -> dict:
-    """The saved counters, hyperparameters (checked against ``group``, the optimizer's current
-    param group), loss scale (when ``loss_scale``) and extra values, checked:
-    ``{"step_count", "skipped_steps", "loss_scaler" (None or a state dict), "param_group"
-    (lists as tuples), "extra"}``."""
+def check_counters(ckpt: VerifiedCheckpoint, groups: list[dict], loss_scale: bool) -> dict:
+    """The saved counters, hyperparameters (checked against ``groups``, the optimizer's current
+    param groups: as many), loss scale (when ``loss_scale``) and extra values, checked:
+    ``{"step_count", "skipped_steps", "loss_scaler" (None or a state dict), "param_groups"
+    (each group's, lists as tuples), "extra"}``. Which parameters each group holds is the
+    caller's to check (it knows their names)."""
     meta, path = ckpt.meta, ckpt.path
     out = {
         "step_count": meta_int(path, meta.get("step_count"), "'step_count'"),
@@ -933,7 +934,24 @@ def check_counters(ckpt: VerifiedCheckpoint, group: dict, loss_scale: bool) -> d
     hyper = meta.get("param_group")
     if not isinstance(hyper, dict) or "params" in hyper:
         raise meta_error(path, f"'param_group' is {short_repr(hyper)}")
-    out["param_group"] = {k: _hyper(path, k, v, group.get(k)) for k, v in hyper.items()}
+    several = meta.get("param_groups")
+    if several is None:
+        saved_groups, where = [hyper], ["'param_group'"]
+    elif not isinstance(several, list) or not all(isinstance(g, dict) for g in several):
+        raise meta_error(path, f"'param_groups' is {short_repr(several)}")
+    else:
+        saved_groups = [{k: v for k, v in g.items() if k != "params"} for g in several]
+        where = [f"'param_groups'[{i}]" for i in range(len(several))]
+    if len(saved_groups) != len(groups):
+        raise meta_error(
+            path,
+            f"it holds {len(saved_groups)} param group(s), this optimizer {len(groups)} (wrap's "
+            "param_groups): load it into an optimizer wrapped with the same param_groups",
+        )
+    out["param_groups"] = [
+        {k: _hyper(path, w, k, v, g.get(k)) for k, v in h.items()}
+        for h, g, w in zip(saved_groups, groups, where, strict=True)
+    ]
     if not isinstance(meta.get("extra"), dict):
         raise meta_error(path, f"'extra' is {short_repr(meta.get('extra'))}")
     out["extra"] = decode_extra(path, meta["extra"])

@@ -110,7 +110,7 @@ def _owned(parameters: list) -> dict:
     for opt in list(_HELD):
         if opt._engine.closed:
             continue
-        mine = {id(p) for p in opt.param_groups[0]["params"]}
+        mine = {id(p) for p in opt._params}
         hit = [p for p in parameters if id(p) in mine]
         if hit:
             out[opt] = hit
@@ -154,7 +154,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, fallbac
         fallback = fallback or torch.nn.utils.clip_grad_norm_
         return fallback(params, max_norm, norm_type=norm_type)
     (opt, hit), *others = owned.items()
-    trainable = opt.param_groups[0]["params"]
+    trainable = opt._params
     ours = {id(p) for p in trainable}
     stray = [p for p in params if id(p) not in ours and p.requires_grad]
     if others or stray or len({id(p) for p in hit}) != len(trainable):

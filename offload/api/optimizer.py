@@ -1,7 +1,8 @@
 """The optimizer users get from ``offload.wrap``: a real ``torch.optim.Optimizer``.
 
-``param_groups`` holds one group with the user's parameters and hyperparameters (so LR
-schedulers work); the runtime reads that same group when a step starts. ``step()`` runs the
+``param_groups`` holds the groups ``wrap`` built: one with all the trainable parameters and the
+config's hyperparameters, or those of its ``param_groups`` (so LR schedulers work, per group);
+the runtime reads those same groups when a step starts. ``step()`` runs the
 runtime's per-unit CPU Adam over the flat buffers wherever they live. fp16 training (fp16
 compute, or ``torch.autocast(dtype=torch.float16)`` over fp32 with ``loss_scale.enabled: true``)
 needs loss scaling::
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import weakref
 
 import torch
@@ -31,14 +33,16 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         runtime: Runtime,
-        group: dict,
+        groups: list[dict],
+        defaults: dict,
         *,
         gradient_clipping: float,
         scaler: DynamicLossScaler | None,
     ) -> None:
-        # the group the runtime reads (see wrap); its hyperparameters are also the defaults,
-        # which schedulers read (OneCycleLR / CyclicLR cycle "betas" only when defaults has it)
-        super().__init__([group], {k: v for k, v in group.items() if k != "params"})
+        # the groups the runtime reads (see wrap); the config's hyperparameters are the
+        # defaults, which schedulers read (OneCycleLR / CyclicLR cycle "betas" only when
+        # defaults has it)
+        super().__init__(groups, defaults)
         self._engine = runtime
         self.gradient_clipping = gradient_clipping
         self.scaler = scaler
@@ -47,7 +51,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         runtime.autocast.warn_unscaled_fp16 = scaler is None and held
         self.skipped_steps = 0  # steps an overflow skipped (with a loss scaler)
         self.empty_steps = 0  # step() calls with no backward since the last (_empty_step)
-        self._group, self._params = self.param_groups[0], tuple(self.param_groups[0]["params"])
+        self._groups = tuple(self.param_groups)
+        self._shapes = tuple(tuple(g["params"]) for g in self._groups)
+        self._params = tuple(p for ps in self._shapes for p in ps)  # torch's numbering
         # torch.amp.GradScaler.step hands an optimizer that says this its scale in
         # ``grad_scale`` / ``found_inf`` before step(), which refuses it (_refuse_grad_scaler);
         # gradients in p.grad are GradScaler's to unscale, as with any torch optimizer
@@ -66,9 +72,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     def set_no_decay(self, params) -> None:
         """Weight decay leaves ``params`` alone from the next step on; the other trainable
-        parameters decay by ``param_groups[0]["weight_decay"]``. This is what a torch optimizer
+        parameters decay by their group's ``weight_decay``. This is what a torch optimizer
         does with two param groups, one of them with ``weight_decay=0`` (biases and norm weights
-        in transformers' Trainer and most recipes), here over the one group. It replaces the
+        in transformers' Trainer and most recipes), here within each group. It replaces the
         set the config's ``optimizer.no_decay`` gave (empty: every parameter decays). Between
         steps only."""
         params = list(params)
@@ -89,24 +95,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
     @property
     def no_decay(self) -> frozenset:
         """The trainable parameters weight decay leaves alone (:meth:`set_no_decay`)."""
-        return self._engine.no_decay.params
+        return self._engine.no_decay
 
     def add_param_group(self, param_group: dict) -> None:
-        """Torch's for the one group ``wrap`` builds; refused after (:meth:`_check_groups`)."""
-        if "_engine" not in self.__dict__:  # torch's __init__ adding wrap's group
+        """Torch's for the groups ``wrap`` builds; refused after (:meth:`_check_groups`)."""
+        if "_engine" not in self.__dict__:  # torch's __init__ adding wrap's groups
             return super().add_param_group(param_group)
         raise ValueError(_ONE_GROUP.format(what="optimizer.add_param_group() after offload.wrap"))
 
     def _check_groups(self, what: str) -> None:
-        """The runtime trains the group ``wrap`` built, fixed then; a change to ``param_groups``
-        other than its hyperparameters would be ignored, so it is refused here."""
+        """The runtime trains the groups ``wrap`` built, fixed then; a change to ``param_groups``
+        other than their hyperparameters would be ignored, so it is refused here."""
         groups = self.param_groups
-        if len(groups) == 1 and groups[0] is self._group:
-            params = groups[0]["params"]
-            if len(params) == len(self._params) and all(
-                a is b for a, b in zip(params, self._params, strict=True)
-            ):
-                return
+        if len(groups) == len(self._groups) and all(
+            g is mine and len(g["params"]) == len(ps) and all(map(operator.is_, g["params"], ps))
+            for g, mine, ps in zip(groups, self._groups, self._shapes, strict=True)
+        ):
+            return
         raise ValueError(
             _ONE_GROUP.format(
                 what=f"{what}: optimizer.param_groups was changed after offload.wrap (groups or "
@@ -115,18 +120,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
         )
 
     @staticmethod
-    def hyper_of(group: dict, scaler: DynamicLossScaler | None = None) -> dict:
-        """A param group's hyperparameters as the update takes them, and ``grad_scale``: the
-        loss scale's unscaling (1 without fp16), before any clipping."""
-        return dict(
-            lr=hyperparameter(group, "lr"),
-            betas=hyperparameter(group, "betas"),
-            eps=hyperparameter(group, "eps"),
-            weight_decay=hyperparameter(group, "weight_decay"),
-            adamw_mode=bool(group["adamw_mode"]),
-            bias_correction=bool(group["bias_correction"]),
-            grad_scale=1.0 if scaler is None else 1.0 / scaler.scale,
+    def hyper_of(
+        groups: list[dict], scaler: DynamicLossScaler | None = None
+    ) -> tuple[tuple[dict, ...], float]:
+        """Each param group's hyperparameters as the update takes them (``GROUP_KEYS``), and
+        the loss scale's unscaling (1 without fp16), before any clipping."""
+        out = tuple(
+            dict(
+                lr=hyperparameter(g, "lr", f"optimizer.param_groups[{i}]"),
+                betas=hyperparameter(g, "betas", f"optimizer.param_groups[{i}]"),
+                eps=hyperparameter(g, "eps", f"optimizer.param_groups[{i}]"),
+                weight_decay=hyperparameter(g, "weight_decay", f"optimizer.param_groups[{i}]"),
+                adamw_mode=bool(g["adamw_mode"]),
+                bias_correction=bool(g["bias_correction"]),
+            )
+            for i, g in enumerate(groups)
         )
+        return out, 1.0 if scaler is None else 1.0 / scaler.scale
 
     # ---------------------------------------------------------------- training
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -307,13 +317,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Per-parameter state in torch's layout (``exp_avg``, ``exp_avg_sq``, ``step``, and the
         fp32 ``master``), gathered from wherever it lives, the parameters numbered as torch
-        numbers them (the trainable ones in ``model.parameters()`` order: the group's order),
-        so ``torch.optim.AdamW`` over them loads it. This pulls the whole optimizer state into
+        numbers them (group by group, each in its order: with one group, the trainable ones in
+        ``model.parameters()`` order), so ``torch.optim.AdamW`` over the same groups loads it. This pulls the whole optimizer state into
         RAM; use ``offload.save_checkpoint`` for models whose state does not fit."""
         engine = self._engine
         self._check_groups("optimizer.state_dict()")
         engine.check_readable("optimizer.state_dict()")
-        index = {p: i for i, p in enumerate(self.param_groups[0]["params"])}
+        index = {p: i for i, p in enumerate(self._params)}
         state: dict[int, dict] = {}
         for unit in engine.units:
             per_kind = {k: engine.values.read(unit, k) for k in KINDS}
@@ -322,14 +332,17 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     entry = {k: per_kind[k][seg.param].view(seg.shape) for k in KINDS}
                     entry["step"] = torch.tensor(float(engine.step_count))
                     state[index[seg.param]] = entry
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        groups[0]["params"] = list(range(len(index)))
+        groups, start = [], 0
+        for g, params in zip(self.param_groups, self._shapes, strict=True):
+            groups.append({k: v for k, v in g.items() if k != "params"})
+            groups[-1]["params"] = list(range(start, start + len(params)))
+            start += len(params)
         extra = {
             "param_order": _MODEL_ORDER,
             "step_count": engine.step_count,
             "skipped_steps": self.skipped_steps,
             # the undecayed parameters (torch's would be a second group with weight_decay 0)
-            "no_decay": sorted(i for p, i in index.items() if p in engine.no_decay.params),
+            "no_decay": sorted(i for p, i in index.items() if p in engine.no_decay),
         }
         if self.scaler is not None:
             extra["loss_scaler"] = self.scaler.state_dict()
@@ -338,41 +351,45 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads :meth:`state_dict`'s (also one saved before its parameters were numbered in
         ``model.parameters()`` order: without ``param_order`` they are in the order of the
-        units), or a ``torch.optim.AdamW`` / ``Adam`` state dict over the same trainable
-        parameters in ``model.parameters()`` order: its moments and step, the fp32 master
-        staying the model's current values (load the weights with ``model.load_state_dict``)."""
+        units), or a ``torch.optim.AdamW`` / ``Adam`` state dict over the same groups of
+        trainable parameters (one group: in ``model.parameters()`` order): its moments and step,
+        the fp32 master staying the model's current values (load the weights with
+        ``model.load_state_dict``)."""
         engine = self._engine
         self._check_groups("optimizer.load_state_dict()")
         engine.check_idle("optimizer.load_state_dict()", restoring=True)
-        params = self.param_groups[0]["params"]
+        params, sizes = list(self._params), [len(ps) for ps in self._shapes]
         saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != 1 or len(saved_groups[0]["params"]) != len(params):
+        saved_sizes = [len(g["params"]) for g in saved_groups]
+        if saved_sizes != sizes:
             several = (
-                "; a state dict of several groups (torch's decay and no-decay groups) does not "
-                "load: its indices cannot be matched to the parameters (merge its groups into "
-                "one in model.parameters() order, and leave the undecayed ones alone with "
-                "optimizer.set_no_decay)"
-                if len(saved_groups) > 1
+                "; a state dict of several groups (torch's decay and no-decay groups) loads "
+                "into an optimizer wrapped with the same groups (wrap's param_groups=), not "
+                "into one group: its indices cannot be matched to the parameters (or merge "
+                "its groups into one in model.parameters() order, and leave the undecayed ones "
+                "alone with optimizer.set_no_decay)"
+                if len(saved_groups) > 1 and len(sizes) == 1
                 else ""
             )
             raise ValueError(
                 "load_state_dict: the saved optimizer has "
-                f"{sum(len(g['params']) for g in saved_groups)} parameters in "
-                f"{len(saved_groups)} group(s); this one has {len(params)} in 1 (the model's "
-                f"trainable parameters in model.parameters() order){several}"
+                f"{sum(saved_sizes)} parameters in {len(saved_groups)} group(s) of {saved_sizes}; "
+                f"this one has {len(params)} in {len(sizes)} of {sizes} (wrap's param_groups, "
+                f"or the model's trainable parameters in model.parameters() order){several}"
             )
-        saved_group, extra = saved_groups[0], state_dict.get("offload")
-        ids = saved_group["params"]
+        extra = state_dict.get("offload")
+        ids = [i for g in saved_groups for i in g["params"]]
         state = state_dict["state"]
         if extra is None:  # torch.optim's
-            kinds, step_count = MOMENTS, self._check_torch(saved_group, state)
+            kinds, step_count = MOMENTS, self._check_torch(saved_groups, state)
         else:
             kinds, step_count = KINDS, int(extra.get("step_count", engine.step_count))
             if extra.get("param_order") != _MODEL_ORDER:  # saved in the units' order
                 params = [p for u in engine.plan.units for p in u.trainable_params]
-        loaded = {k: v for k, v in saved_group.items() if k != "params"}
-        for k in HYPER_ALLOWED.keys() & loaded.keys():  # before anything changes
-            hyperparameter(loaded, k, "load_state_dict: the saved param_groups[0]")
+        for i, group in enumerate(saved_groups):  # before anything changes
+            loaded = {k: v for k, v in group.items() if k != "params"}
+            for k in HYPER_ALLOWED.keys() & loaded.keys():
+                hyperparameter(loaded, k, f"load_state_dict: the saved param_groups[{i}]")
         no_decay = self._saved_no_decay(extra, ids, params)
         values: dict[str, dict] = {k: {} for k in kinds}
         for i, p in zip(ids, params, strict=True):
@@ -394,9 +411,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for run in engine.runs:
             engine.values.load(run.unit, source)
             run.release()  # a gathered copy would be stale
-        for k, v in saved_group.items():
-            if k != "params" and (extra is not None or k not in _TORCH_FLAGS):
-                self.param_groups[0][k] = tuple(v) if k == "betas" else v
+        for mine, group in zip(self.param_groups, saved_groups, strict=True):
+            for k, v in group.items():
+                if k != "params" and (extra is not None or k not in _TORCH_FLAGS):
+                    mine[k] = tuple(v) if k == "betas" else v
         extra = extra or {}
         engine.step_count = step_count
         self.skipped_steps = int(extra.get("skipped_steps", 0))
@@ -424,25 +442,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
             )
         return frozenset(param_of[i] for i in saved)
 
-    def _check_torch(self, group: dict, state: dict) -> int:
+    def _check_torch(self, groups: list[dict], state: dict) -> int:
         """A ``torch.optim.Adam`` / ``AdamW`` state dict's step (one for all parameters, as
         here: the largest of theirs), after refusing what offload's Adam does not do."""
-        unsupported = [k for k in ("amsgrad", "maximize") if group.get(k)]
-        decoupled = group.get("decoupled_weight_decay")
-        if (
-            decoupled is not None
-            and bool(decoupled) != self.param_groups[0]["adamw_mode"]
-            and float(group.get("weight_decay", 0.0))
-        ):
-            unsupported.append(f"decoupled_weight_decay={bool(decoupled)}")
-        if unsupported:
-            kind = "adamw" if self.param_groups[0]["adamw_mode"] else "adam"
-            raise ValueError(
-                f"load_state_dict: the torch optimizer's state dict has {unsupported}; "
-                f"offload's optimizer (type {kind!r}) has no such option: it loads the state of "
-                "torch.optim.AdamW, or Adam, without amsgrad and maximize ('adamw' decouples "
-                "weight decay as AdamW does, 'adam' adds it to the gradient as Adam does)"
-            )
+        for group, mine in zip(groups, self.param_groups, strict=True):
+            unsupported = [k for k in ("amsgrad", "maximize") if group.get(k)]
+            decoupled = group.get("decoupled_weight_decay")
+            if (
+                decoupled is not None
+                and bool(decoupled) != mine["adamw_mode"]
+                and float(group.get("weight_decay", 0.0))
+            ):
+                unsupported.append(f"decoupled_weight_decay={bool(decoupled)}")
+            if unsupported:
+                kind = "adamw" if mine["adamw_mode"] else "adam"
+                raise ValueError(
+                    f"load_state_dict: the torch optimizer's state dict has {unsupported}; "
+                    f"offload's optimizer (type {kind!r}) has no such option: it loads the state "
+                    "of torch.optim.AdamW, or Adam, without amsgrad and maximize ('adamw' "
+                    "decouples weight decay as AdamW does, 'adam' adds it to the gradient as "
+                    "Adam does)"
+                )
         steps = {int(float(entry["step"])) for entry in state.values() if "step" in entry}
         if len(steps) > 1:
             logger.warning(
@@ -497,14 +517,15 @@ _TORCH_FLAGS = frozenset(
 # where offload holds gradients that are not in p.grad, in words (errors name it)
 GRADS_HELD_IN = {GradOwner.HOST: "a host buffer", GradOwner.NVME: "NVMe shards"}
 _ONE_GROUP = (
-    "{what} is not supported: offload's optimizer has one param group, fixed at wrap: all of "
-    "the model's trainable parameters with the config's optimizer hyperparameters (lr, betas, "
-    "eps, weight_decay; a scheduler may change them, for all parameters together). A "
-    "parameter outside the model cannot be added: make it part of the model (an nn.Parameter "
-    "of one of its modules) before offload.wrap. Per-group hyperparameters are not supported, "
-    "but for weight decay: the config's optimizer.no_decay (name patterns) or "
-    "optimizer.set_no_decay(params) leave parameters undecayed (biases and norms); a "
-    "parameter that should not train is frozen with requires_grad_(False) before offload.wrap"
+    "{what} is not supported: offload's optimizer has the param groups wrap built, fixed "
+    "then: all of the model's trainable parameters with the config's optimizer "
+    "hyperparameters, or wrap's param_groups= (each group's lr, betas, eps, weight_decay may "
+    "change, by hand or by a scheduler; its parameters may not). A parameter outside the "
+    "model cannot be added: make it part of the model (an nn.Parameter of one of its modules) "
+    "before offload.wrap, and give parameters their own hyperparameters with wrap's "
+    "param_groups= (weight decay alone: the config's optimizer.no_decay or "
+    "optimizer.set_no_decay(params)); a parameter that should not train is frozen with "
+    "requires_grad_(False) before offload.wrap"
 )
 
 

@@ -132,8 +132,8 @@ class OffloadTrainer(transformers.Trainer):
         default (1.5e-2 off the Trainer's norm weights after 3 steps at decay 0.5). Where the
         two sets differ and the decay is not 0, one warning says so and how to match."""
         optimizer = self._offload_optimizer
-        group = optimizer.param_groups[0]
-        if not group["weight_decay"]:
+        decays = [g["weight_decay"] for g in optimizer.param_groups if g["weight_decay"]]
+        if not decays:
             return
         decayed = set(self.get_decay_parameter_names(self.model))
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -149,7 +149,7 @@ class OffloadTrainer(transformers.Trainer):
             "model.named_parameters() if n not in trainer.get_decay_parameter_names(model)) "
             "before train(), or list them in the config's optimizer.no_decay (name patterns, "
             "e.g. ['bias', 'norm'])",
-            group["weight_decay"],
+            decays[0],
             len(more),
             _some(more),
             f", and leaves undecayed {len(extra)} that it decays ({_some(extra)})" if extra else "",

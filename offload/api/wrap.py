@@ -40,12 +40,12 @@ import torch.nn as nn
 from offload import _native
 from offload.api import clipping
 from offload.api.loss_scale import DynamicLossScaler
-from offload.api.optimizer import OffloadOptimizer
+from offload.api.optimizer import OffloadOptimizer, hyperparameter
 from offload.api.pretrained import warn_kept_in_fp32
 from offload.config import ConfigError, OffloadConfig, load_config
 from offload.device import HostMemory, Transfers, for_device
 from offload.dist import Comm, LocalComm, comm_for
-from offload.homes.decay import NoDecay
+from offload.homes.decay import UpdateRuns
 from offload.homes.grads import AutogradGrads, HeldNvmeGrads, HostGrads, NvmeGrads
 from offload.homes.optim import (
     HostMaster,
@@ -192,6 +192,144 @@ def _close_at_exit(ref: weakref.ref) -> None:
     runtime = ref()
     if runtime is not None and not runtime.closed:
         runtime.close()
+
+
+GROUP_OVERRIDES = ("lr", "betas", "eps", "weight_decay")
+"""What a group of ``wrap``'s ``param_groups`` may set for its parameters."""
+
+
+def _param_groups(model: nn.Module, given, trainable: list, defaults: dict) -> list[dict]:
+    """The optimizer's param groups: one with ``trainable`` (``model.parameters()`` order)
+    and ``defaults`` (the config's) when ``given`` is None, else ``given``'s, checked as a torch
+    optimizer checks them and more: each a dict with ``params`` (the model's parameters; a
+    frozen one is accepted and left out, as it would get no gradient) and any of
+    ``GROUP_OVERRIDES``; no parameter in two groups; every trainable parameter in one (offload
+    trains all of them: one left out would train with no hyperparameters of its own)."""
+    if given is None:
+        return [dict(defaults, params=trainable)]
+    where = "offload.wrap: param_groups"
+    if isinstance(given, dict) or not isinstance(given, (list, tuple)) or not given:
+        raise ValueError(
+            f"{where}: got {type(given).__name__}; allowed: a non-empty list of dicts, each with "
+            "'params' (the model's parameters) and any of " + ", ".join(GROUP_OVERRIDES)
+        )
+    names = {p: n for n, p in model.named_parameters()}
+    wanted = set(trainable)
+    seen: dict = {}
+    groups = []
+    for i, g in enumerate(given):
+        at = f"{where}[{i}]"
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError(
+                f"{at}: got {type(g).__name__}{'' if not isinstance(g, dict) else ' without params'}"
+                "; allowed: a dict with 'params' (the model's parameters) and any of "
+                + ", ".join(GROUP_OVERRIDES)
+            )
+        extra = sorted(set(g) - {"params", *GROUP_OVERRIDES})
+        if extra:
+            raise ValueError(
+                f"{at}: keys {extra} are not supported; allowed: 'params' and any of "
+                + ", ".join(GROUP_OVERRIDES)
+                + " (the optimizer's type and bias_correction are the config's, for all groups)"
+            )
+        params = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for j, p in enumerate(params):
+            if not isinstance(p, nn.Parameter) or p not in names:
+                shape = f" of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else ""
+                raise ValueError(
+                    f"{at}['params'][{j}]: a {type(p).__name__}{shape} that is not a parameter "
+                    "of the wrapped model; allowed: its parameters (model.parameters())"
+                )
+            if p in seen:
+                raise ValueError(
+                    f"{at}['params'][{j}]: parameter '{names[p]}' is already in "
+                    f"param_groups[{seen[p]}]; allowed: each parameter in one group"
+                )
+            seen[p] = i
+        group = dict(defaults, params=[p for p in params if p in wanted])
+        for key in GROUP_OVERRIDES:
+            if key in g:
+                group[key] = hyperparameter(g, key, at)
+        groups.append(group)
+    missing = [names[p] for p in trainable if p not in seen]
+    if missing:
+        raise ValueError(
+            f"{where}: {len(missing)} trainable parameter(s) are in no group "
+            f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); allowed: every "
+            "trainable parameter in one group (offload trains all of them: freeze one with "
+            "requires_grad_(False) before offload.wrap to leave it untrained)"
+        )
+    return groups
+
+
+def _named_groups(model: nn.Module, listed: list[dict], trainable: list) -> list[dict]:
+    """The config's ``optimizer.param_groups`` as ``wrap``'s ``param_groups``: a first group of
+    the trainable parameters no group names (the config's values), then each listed group with
+    the trainable parameters a name of which (any of a tied one's) one of its patterns finds
+    (``re.search``). A pattern that finds no parameter, or a parameter two groups find, is
+    refused, naming the group."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    first = {p: n for n, p in reversed(named)}  # (a tied parameter by its first name)
+    owner: dict = {}
+    groups, wanted = [], set(trainable)
+    for i, group in enumerate(listed):
+        key = f"optimizer.param_groups[{i}].params"
+        found: dict = {}
+        for pattern in group["params"]:
+            hits = [p for name, p in named if re.search(pattern, name)]
+            if not hits:
+                examples = ", ".join(name for name, _ in named[:4])
+                raise ConfigError.bad(
+                    key,
+                    pattern,
+                    "regular expressions that each find a parameter name of the model (re.search; "
+                    f"its names look like {examples}, ...)",
+                )
+            found.update((p, None) for p in hits if p in wanted)  # (ordered, by identity)
+        for p in found:
+            if p in owner:
+                raise ConfigError.bad(
+                    key,
+                    group["params"],
+                    f"patterns that find no parameter an earlier group finds; '{first[p]}' is "
+                    f"found by optimizer.param_groups[{owner[p]}] too",
+                )
+            owner[p] = i
+        groups.append(dict({k: v for k, v in group.items() if k != "params"}, params=list(found)))
+    rest = [p for p in trainable if p not in owner]
+    return [{"params": rest}, *groups]
+
+
+def _check_ranks_groups(comm: Comm, model: nn.Module, groups: list[dict]) -> None:
+    """Every rank builds the same param groups (the same parameters, by their index in
+    ``model.parameters()``, and hyperparameters); the first difference is told."""
+    index = {p: i for i, p in enumerate(model.parameters())}
+    mine = [
+        {"params": [index[p] for p in g["params"]], **{k: v for k, v in g.items() if k != "params"}}
+        for g in groups
+    ]
+    theirs = comm.all_gather_object(mine, "every rank's param groups")
+    for rank, other in enumerate(theirs):
+        if len(other) != len(mine):
+            what = f"{len(mine)} param group(s) on rank {comm.rank} and {len(other)} on rank {rank}"
+        else:
+            found = [
+                (f"param_groups[{i}]['{k}']", a[k], b.get(k))
+                for i, (a, b) in enumerate(zip(mine, other, strict=True))
+                for k in a
+                if a[k] != b.get(k)
+            ]
+            if not found:
+                continue
+            key, a, b = found[0]
+            if key.endswith("['params']"):
+                what = f"{key[:-10]} holds other parameters (by their index in model.parameters())"
+            else:
+                what = f"{key} is {a!r} on rank {comm.rank} and {b!r} on rank {rank}"
+        raise ValueError(
+            f"offload.wrap: rank {comm.rank} and rank {rank} of the process group pass different "
+            f"param_groups: {what}; every rank must wrap the same model with the same param groups"
+        )
 
 
 def _not_decayed(model: nn.Module, patterns: list[str], trainable: list) -> frozenset:
@@ -686,6 +824,7 @@ def wrap(
     config=None,
     *,
     weights=None,
+    param_groups=None,
     process_group=None,
     _keep_grads: bool | None = None,
     _one_rank_collectives: bool = False,
@@ -703,6 +842,12 @@ def wrap(
     ``model.safetensors`` or a sharded ``model.safetensors.index.json``, or a mapping of
     ``model.state_dict()`` names to tensors. Each piece streams from it into its home; the full
     model is never in RAM (``offload.runtime.weights``).
+
+    ``param_groups`` (optional): the optimizer's param groups, as a torch optimizer takes them
+    (``[{"params": [...], "lr": 1e-3}, {"params": [...]}]``): every trainable parameter of the
+    model in exactly one group, each group's ``lr``, ``betas``, ``eps`` and ``weight_decay``
+    its own or the config's (:func:`_param_groups`). Without it, one group holds them all in
+    ``model.parameters()`` order.
 
     Inside an initialized ``torch.distributed`` process group (``process_group``, or the
     default one) with more than one rank, the state is sharded over its ranks by the ZeRO
@@ -740,8 +885,7 @@ def wrap(
         )
     opt = cfg.optimizer
     no_decay = _not_decayed(model, opt.no_decay, trainable)
-    group = {
-        "params": trainable,
+    defaults = {
         "lr": opt.lr,
         "betas": tuple(opt.betas),
         "eps": opt.eps,
@@ -749,6 +893,17 @@ def wrap(
         "adamw_mode": opt.type == "adamw",
         "bias_correction": opt.bias_correction,
     }
+    if opt.param_groups:
+        if param_groups is not None:
+            raise ValueError(
+                "offload.wrap: param_groups= was given and the config's optimizer.param_groups "
+                f"lists {len(opt.param_groups)} group(s); allowed: one of the two (the config's "
+                "names parameters by patterns, wrap's lists them)"
+            )
+        param_groups = _named_groups(model, opt.param_groups, trainable)
+    groups = _param_groups(model, param_groups, trainable, defaults)
+    if comm.world > 1:
+        _check_ranks_groups(comm, model, groups)
     if cfg.offload_optimizer.threads:
         _native.set_num_threads(cfg.offload_optimizer.threads)
     scaler = None
@@ -769,7 +924,7 @@ def wrap(
     try:
         source.fill_buffers(model)
         buffer_dtypes = _cast_buffers(model, placement.device, placement.dtype)
-        hyper = lambda: OffloadOptimizer.hyper_of(group, scaler)  # noqa: E731
+        hyper = lambda: OffloadOptimizer.hyper_of(groups, scaler)  # noqa: E731
         runtime = _build(model, cfg, plan, hyper, resources, buffer_dtypes, source, comm)
     except BaseException:
         for res in reversed(resources):
@@ -783,9 +938,10 @@ def wrap(
     _RUNTIMES[model] = weakref.ref(runtime)
     atexit.register(_close_at_exit, weakref.ref(runtime))
     trim_host_heap()
-    runtime.no_decay = NoDecay(no_decay)
+    group_of = {p: i for i, g in enumerate(groups) for p in g["params"] if i}
+    runtime.update_runs = UpdateRuns(no_decay, group_of)
     optimizer = OffloadOptimizer(
-        runtime, group, gradient_clipping=cfg.gradient_clipping, scaler=scaler
+        runtime, groups, defaults, gradient_clipping=cfg.gradient_clipping, scaler=scaler
     )
     clipping.register(optimizer)  # torch's clipping would see no gradient: guard it
     logger.info(

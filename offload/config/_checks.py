@@ -208,6 +208,46 @@ def as_pattern_list(key: str, value: Any) -> list[str]:
     return out
 
 
+GROUP_VALUES = ("lr", "betas", "eps", "weight_decay")
+"""What a group of ``optimizer.param_groups`` may give its parameters."""
+
+
+def as_group_list(key: str, value: Any) -> list[dict]:
+    """Param groups by name: each a mapping with ``params`` (regular expressions on parameter
+    names, :func:`as_pattern_list`) and any of ``GROUP_VALUES``, each checked as the
+    optimizer section's own key is."""
+    allowed = (
+        "a list of groups, each {params: [regular expressions on parameter names], and any of "
+        "lr, betas, eps, weight_decay}, e.g. [{params: ['lm_head'], lr: 1e-4}]"
+    )
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
+        raise ConfigError.bad(key, value, allowed)
+    out = []
+    for i, group in enumerate(value):
+        at = f"{key}[{i}]"
+        if not isinstance(group, Mapping) or "params" not in group:
+            raise ConfigError.bad(at, group, allowed)
+        extra = [k for k in group if k not in ("params", *GROUP_VALUES)]
+        if extra:
+            raise ConfigError.bad(
+                f"{at}.{extra[0]}", group[extra[0]], "keys params, " + ", ".join(GROUP_VALUES)
+            )
+        params = as_pattern_list(f"{at}.params", group["params"])
+        if not params:
+            raise ConfigError.bad(f"{at}.params", group["params"], "at least one pattern")
+        checked: dict[str, Any] = {"params": params}
+        if "lr" in group:
+            checked["lr"] = as_float(f"{at}.lr", group["lr"], lo=0.0, lo_open=True)
+        if "betas" in group:
+            checked["betas"] = list(as_betas(f"{at}.betas", group["betas"]))  # (JSON, YAML)
+        if "eps" in group:
+            checked["eps"] = as_float(f"{at}.eps", group["eps"], lo=0.0, lo_open=True)
+        if "weight_decay" in group:
+            checked["weight_decay"] = as_float(f"{at}.weight_decay", group["weight_decay"], lo=0.0)
+        out.append(checked)
+    return out
+
+
 def as_name_list(key: str, value: Any) -> list[str]:
     allowed = "a list of class names, e.g. ['LlamaDecoderLayer'] or ['my_pkg.model.Block']"
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):

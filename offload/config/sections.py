@@ -45,6 +45,7 @@ from offload.config._checks import (
     as_buffer_size,
     as_choice,
     as_float,
+    as_group_list,
     as_int,
     as_name_list,
     as_opt_path,
@@ -115,6 +116,8 @@ class OptimizerConfig(_Section):
     """Regular expressions on parameter names: trainable parameters one matches are not decayed."""
     bias_correction: bool = True
     """Divide the moments by (1 - beta**step) as in the Adam paper."""
+    param_groups: list[dict] = field(default_factory=list)
+    """Param groups of their own, after a first group of the parameters none names (with the values above): each {params: [regular expressions on parameter names], and any of lr, betas, eps, weight_decay}."""
 
     def __post_init__(self) -> None:
         self.type = as_choice(self._k("type"), self.type, {"adamw": (), "adam": ()})
@@ -124,6 +127,7 @@ class OptimizerConfig(_Section):
         self.weight_decay = as_float(self._k("weight_decay"), self.weight_decay, lo=0.0)
         self.no_decay = as_pattern_list(self._k("no_decay"), self.no_decay)
         self.bias_correction = as_bool(self._k("bias_correction"), self.bias_correction)
+        self.param_groups = as_group_list(self._k("param_groups"), self.param_groups)
 
 
 def _check_nvme_path(section: _Section, device: str, nvme_path: str | None) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offload._interrupts import interrupts_deferred
-from offload.homes.decay import NoDecay
+from offload.homes.decay import UpdateRuns
 from offload.optim import accumulate_grad, adam_step
 from offload.optim.kernels import AdamGroup
 from offload.plan import Plan, Unit
@@ -30,40 +30,34 @@ PartsSource = Callable[[], list]
 """Yields a unit's gradients on the host as ``(begin, end, tensor | None)`` parts."""
 
 
+GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
+"""What each param group gives its parameters' update (``Hyper.groups``)."""
+
+
 @dataclass(slots=True)
 class Hyper:
     """The hyperparameters of one step."""
 
     step: int
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-    adamw_mode: bool
-    bias_correction: bool
+    groups: tuple[dict, ...]
+    """Each param group's ``GROUP_KEYS`` values, in the optimizer's order."""
     grad_scale: float
-    no_decay: NoDecay = field(default_factory=NoDecay)
-    """The parameters ``weight_decay`` leaves alone (``offload.homes.decay``)."""
+    runs_of: UpdateRuns = field(default_factory=UpdateRuns)
+    """Each parameter's group and whether it decays (``offload.homes.decay``)."""
 
-    def kwargs(self, decayed: bool = True) -> dict:
-        """The kernels' keyword arguments (``decayed=False``: for a run of parameters weight
-        decay leaves alone)."""
-        return dict(
-            step=self.step,
-            lr=self.lr,
-            betas=self.betas,
-            eps=self.eps,
-            weight_decay=self.weight_decay if decayed else 0.0,
-            adamw_mode=self.adamw_mode,
-            bias_correction=self.bias_correction,
-            grad_scale=self.grad_scale,
-        )
+    def kwargs(self, group: int = 0, decayed: bool = True) -> dict:
+        """The kernels' keyword arguments for a run of ``group``'s parameters (``decayed=False``:
+        of parameters weight decay leaves alone)."""
+        out = dict(self.groups[group], step=self.step, grad_scale=self.grad_scale)
+        if not decayed:
+            out["weight_decay"] = 0.0
+        return out
 
     def runs(self, unit: Unit, lo: int, hi: int):
         """``(slice of the piece [lo, hi), kernel kwargs)`` for each run of it
-        (:meth:`NoDecay.runs`): the update makes one kernel call per run."""
-        for a, b, decayed in self.no_decay.runs(unit, lo, hi):
-            yield slice(a - lo, b - lo), self.kwargs(decayed)
+        (:meth:`UpdateRuns.runs`): the update makes one kernel call per run."""
+        for a, b, group, decayed in self.runs_of.runs(unit, lo, hi):
+            yield slice(a - lo, b - lo), self.kwargs(group, decayed)
 
 
 def adam_runs(
@@ -187,7 +181,7 @@ class AutogradGrads(GradHome):
     def __init__(self, plan: Plan) -> None:
         super().__init__(plan)
         self._groups: dict[tuple[int, int], tuple[AdamGroup, list]] = {}
-        # a group's two parts (decayed, not) for the step's NoDecay: (group, no_decay, parts)
+        # a group's parts (by param group, decayed) for the step's UpdateRuns: (group, runs, parts)
         self._parts: dict[int, tuple[AdamGroup, object, list]] = {}
 
     def absorb(self, unit: Unit, parts: PartsSource, first: bool) -> None:
@@ -228,33 +222,31 @@ class AutogradGrads(GradHome):
         self._step(*cached, hyper)
 
     def _step(self, group: AdamGroup, segs: list, hyper: Hyper) -> None:
-        """One call for the whole group; where some tensors are not decayed
-        (``hyper.no_decay``), one for the decayed and one for the others (their groups kept
+        """One call for the whole group; where its tensors take different hyperparameters
+        (``hyper.runs_of``: undecayed ones, param groups), one per set of them (the parts kept
         while every tensor gets a gradient); with some gradients missing, over those present."""
         grads = [s.param.grad for s in segs]
-        excluded = hyper.no_decay.params
+        runs_of = hyper.runs_of
         complete = all(g is not None for g in grads)
-        if not excluded and complete:
+        if not runs_of.no_decay and not runs_of.group_of and complete:
             group.step([g.view(-1) for g in grads], **hyper.kwargs())
             return
         cached = self._parts.get(id(group)) if complete else None
-        if cached is not None and cached[0] is group and cached[1] is hyper.no_decay:
+        if cached is not None and cached[0] is group and cached[1] is runs_of:
             parts = cached[2]
         else:
+            keys: dict[tuple[int, bool], list[int]] = {}
+            for i, (s, g) in enumerate(zip(segs, grads, strict=True)):
+                if g is not None:
+                    keys.setdefault(runs_of.key(s.param), []).append(i)
             parts = []
-            for decayed in (True, False):
-                live = [
-                    i
-                    for i, (s, g) in enumerate(zip(segs, grads, strict=True))
-                    if g is not None and (s.param not in excluded) == decayed
-                ]
-                if live:
-                    tensors = [None if t is None else [t[i] for i in live] for t in group.tensors]
-                    parts.append((AdamGroup(*tensors), live, decayed))
+            for key, live in keys.items():
+                tensors = [None if t is None else [t[i] for i in live] for t in group.tensors]
+                parts.append((AdamGroup(*tensors), live, key))
             if complete:  # (the entry holds its group: its id stays its own)
-                self._parts[id(group)] = (group, hyper.no_decay, parts)
-        for part, live, decayed in parts:
-            part.step([grads[i].view(-1) for i in live], **hyper.kwargs(decayed))
+                self._parts[id(group)] = (group, runs_of, parts)
+        for part, live, key in parts:
+            part.step([grads[i].view(-1) for i in live], **hyper.kwargs(*key))
 
     def _group(self, unit, lo, hi, master, exp_avg, exp_avg_sq, out) -> tuple[AdamGroup, list]:
         cached = self._groups.get((unit.index, lo))

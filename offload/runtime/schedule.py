@@ -569,9 +569,15 @@ class InBackward(Background):
 
 
 def _diff(a: Hyper, b: Hyper):
-    """``(name, a's value, b's value)`` of every hyperparameter but the step that differs."""
-    ka, kb = a.kwargs(), b.kwargs()
-    return [(k, ka[k], kb[k]) for k in ka if k != "step" and ka[k] != kb[k]]
+    """``(name, a's value, b's value)`` of every hyperparameter but the step that differs (a
+    group's named by its index where there are several)."""
+    out = [("grad_scale", a.grad_scale, b.grad_scale)] if a.grad_scale != b.grad_scale else []
+    if len(a.groups) != len(b.groups):
+        return [*out, ("param_groups", len(a.groups), len(b.groups))]
+    for i, (ga, gb) in enumerate(zip(a.groups, b.groups, strict=True)):
+        name = "{}" if len(a.groups) == 1 else f"param_groups[{i}].{{}}"
+        out += [(name.format(k), ga[k], gb[k]) for k in ga if ga[k] != gb[k]]
+    return out
 
 
 def _same(a: Hyper, b: Hyper) -> bool:
@@ -580,7 +586,13 @@ def _same(a: Hyper, b: Hyper) -> bool:
 
 def _step_size_only(a: Hyper, b: Hyper) -> bool:
     """Whether ``a`` and ``b`` differ only in what the moments do not depend on: lr, eps and
-    AdamW's (decoupled) weight decay. The update's moments are then right for ``b`` too, and
-    only its params need redoing (``NvmeOptim.redo_step_size``), without the gradients."""
-    free = {"lr", "eps"} | ({"weight_decay"} if a.adamw_mode else set())
-    return all(name in free for name, _, _ in _diff(a, b))
+    AdamW's (decoupled) weight decay, in any group. The update's moments are then right for
+    ``b`` too, and only its params need redoing (``NvmeOptim.redo_step_size``), without the
+    gradients."""
+    if a.grad_scale != b.grad_scale or len(a.groups) != len(b.groups):
+        return False
+    for ga, gb in zip(a.groups, b.groups, strict=True):
+        free = {"lr", "eps"} | ({"weight_decay"} if ga["adamw_mode"] else set())
+        if any(ga[k] != gb[k] for k in ga if k not in free):
+            return False
+    return True

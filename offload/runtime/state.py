@@ -47,7 +47,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from offload.device import Transfers
-from offload.homes.decay import NoDecay
+from offload.homes.decay import UpdateRuns
 from offload.homes.grads import Hyper
 from offload.homes.optim import OptimHome
 from offload.homes.params import ParamHome
@@ -147,8 +147,9 @@ class Runtime:
         self.timers = timers  # seconds of the current step (the schedule's worker adds too)
         self.runs = [UnitRun(u, params, timers) for u in self.units]
         self.autocast = AutocastSaves(self.runs, self.device)  # (its Note)
-        self._hyper = hyper  # the optimizer's param group values now
-        self.no_decay = NoDecay()  # the parameters weight decay leaves alone (set_no_decay)
+        self._hyper = hyper  # the optimizer's param groups' values now
+        # each parameter's param group, and those weight decay leaves alone (set_no_decay)
+        self.update_runs = UpdateRuns()
         self.telemetry = telemetry
         self.resources = resources  # IO engine, NVMe stores, pools, tiered stores (closed last)
         self.buffer_dtypes = buffer_dtypes  # (module, name) -> dtype before wrap
@@ -1048,15 +1049,19 @@ class Runtime:
         """This step's hyperparameters as they are now; ``grad_scale`` (loss scale and clipping)
         defaults to the loss scale's unscaling alone (what a speculative update assumes: no
         clipping), and is multiplied by the mean over ranks (``offload.runtime.grads``' Note)."""
-        base = dict(self._hyper())
-        unscale = base.pop("grad_scale")
+        groups, unscale = self._hyper()
         scale = unscale if grad_scale is None else grad_scale
         return Hyper(
             step=self.step_count + 1,
+            groups=groups,
             grad_scale=scale * self.grads.mean_scale,
-            no_decay=self.no_decay,
-            **base,
+            runs_of=self.update_runs,
         )
+
+    @property
+    def no_decay(self) -> frozenset:
+        """The trainable parameters weight decay leaves alone."""
+        return self.update_runs.no_decay
 
     def set_no_decay(self, params: frozenset, what: str) -> None:
         """From the next update on, weight decay leaves ``params`` alone. Between steps only: an
@@ -1068,7 +1073,7 @@ class Runtime:
                 "pending (its update may have run in them); call it before the step's first "
                 "backward or after optimizer.step()"
             )
-        self.no_decay = NoDecay(params)
+        self.update_runs = self.update_runs.with_no_decay(params)
 
     def step(self, grad_scale: float, clipped: bool = False) -> None:
         """The update with the gradients times ``grad_scale`` (loss unscaling and clipping

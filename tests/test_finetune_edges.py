@@ -235,6 +235,24 @@ def test_lr_given_to_a_resume_replaces_the_checkpoint_s(setup, capsys):
     )
 
 
+def test_lr_given_to_a_resume_leaves_a_group_with_an_lr_of_its_own(capsys):
+    """With the config's ``optimizer.param_groups``, ``--lr`` is ``optimizer.lr``: at a run's
+    start the groups without an ``lr`` of their own take it and the others keep theirs; a
+    resume's ``--lr`` replaced every group's peak with it (a new head's own LR lost without a
+    word). Now it replaces only the peaks of the groups that follow ``optimizer.lr``."""
+    from offload.finetune.recipe import _resume_lr  # noqa: PLC0415
+
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    opt = torch.optim.AdamW(
+        [{"params": [p], "lr": lr} for p, lr in zip(params, (1e-2, 1e-3, 1e-2))]
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    _resume_lr(opt, sched, 5e-2, 3, [False, True, False])
+    assert sched.base_lrs == [5e-2, 1e-3, 5e-2]
+    assert [g["lr"] for g in opt.param_groups] == [2.5e-2, 5e-4, 2.5e-2]
+    assert "--lr 0.05 replaces the checkpoint's 0.01 from step 4 on" in capsys.readouterr().err
+
+
 def test_a_diverged_run_stops_with_a_clear_error_before_another_step(setup, capsys):
     """A loss that became NaN (an LR far too high) raised a traceback, after the optimizer had
     stepped on that NaN loss. Now the run stops before that step with an error that says what

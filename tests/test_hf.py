@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import subprocess
 import sys
 
@@ -500,6 +501,56 @@ def test_trainer_clips_through_offload_for_every_placement(
     assert len(losses) == STEPS
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+
+
+def test_trainer_with_the_configs_param_groups_matches_the_plain_trainer_over_them(tmp_path):
+    """A Hugging Face model's param groups come by name in the config (``from_pretrained``
+    builds the model: there are no tensors to list before it): the second layer at a larger
+    LR and no decay. Through ``OffloadTrainer`` (its cosine schedule with warm-up, per group;
+    clipping; accumulation) the run equals the plain Trainer over torch's AdamW with the same
+    two groups."""
+    from transformers import Trainer  # noqa: PLC0415
+
+    d = write_model(tmp_path / "m")
+    second = r"layers\.1\."
+    ref = AutoModelForCausalLM.from_pretrained(d)
+    named = list(ref.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if not re.search(second, n)]},
+        {
+            "params": [p for n, p in named if re.search(second, n)],
+            "lr": 3 * LR,
+            "weight_decay": 0.0,
+        },
+    ]
+    opt = torch.optim.AdamW(groups, lr=LR, weight_decay=WD, foreach=False)
+    plain = Trainer(
+        model=ref,
+        args=_trainer_args(tmp_path / "r"),
+        train_dataset=_dataset(),
+        optimizers=(opt, None),
+    )
+    plain.train()
+    cfg = nvme_config(tmp_path, "cpu", "nvme")
+    cfg["optimizer"].update(
+        lr=LR, weight_decay=WD, param_groups=[{"params": [second], "lr": 3 * LR, "weight_decay": 0}]
+    )
+    model, oopt = offload.from_pretrained(d, cfg)
+    try:
+        assert [len(g["params"]) for g in oopt.param_groups] == [len(g["params"]) for g in groups]
+        trainer = offload.OffloadTrainer(
+            model=model, args=_trainer_args(tmp_path / "o"), train_dataset=_dataset(),
+            optimizers=(oopt, None),
+        )  # fmt: skip
+        trainer.train()
+        assert [g["lr"] for g in oopt.param_groups] == [g["lr"] for g in opt.param_groups]
+        got = model.state_dict()
+    finally:
+        oopt.close()
+    losses, ref_losses = _history(trainer)[0], _history(plain)[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_trainer_bf16_on_an_fp32_model_keeps_no_copy_of_the_weights(tmp_path):

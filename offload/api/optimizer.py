@@ -52,8 +52,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0  # steps an overflow skipped (with a loss scaler)
         self.empty_steps = 0  # step() calls with no backward since the last (_empty_step)
         self._groups = tuple(self.param_groups)
-        self._shapes = tuple(tuple(g["params"]) for g in self._groups)
-        self._params = tuple(p for ps in self._shapes for p in ps)  # torch's numbering
+        self._members = tuple(tuple(g["params"]) for g in self._groups)
+        self._params = tuple(p for ps in self._members for p in ps)  # torch's numbering
         # torch.amp.GradScaler.step hands an optimizer that says this its scale in
         # ``grad_scale`` / ``found_inf`` before step(), which refuses it (_refuse_grad_scaler);
         # gradients in p.grad are GradScaler's to unscale, as with any torch optimizer
@@ -101,7 +101,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Torch's for the groups ``wrap`` builds; refused after (:meth:`_check_groups`)."""
         if "_engine" not in self.__dict__:  # torch's __init__ adding wrap's groups
             return super().add_param_group(param_group)
-        raise ValueError(_ONE_GROUP.format(what="optimizer.add_param_group() after offload.wrap"))
+        raise ValueError(
+            _FIXED_GROUPS.format(what="optimizer.add_param_group() after offload.wrap")
+        )
 
     def _check_groups(self, what: str) -> None:
         """The runtime trains the groups ``wrap`` built, fixed then; a change to ``param_groups``
@@ -109,11 +111,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         groups = self.param_groups
         if len(groups) == len(self._groups) and all(
             g is mine and len(g["params"]) == len(ps) and all(map(operator.is_, g["params"], ps))
-            for g, mine, ps in zip(groups, self._groups, self._shapes, strict=True)
+            for g, mine, ps in zip(groups, self._groups, self._members, strict=True)
         ):
             return
         raise ValueError(
-            _ONE_GROUP.format(
+            _FIXED_GROUPS.format(
                 what=f"{what}: optimizer.param_groups was changed after offload.wrap (groups or "
                 "their 'params')"
             )
@@ -318,8 +320,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """Per-parameter state in torch's layout (``exp_avg``, ``exp_avg_sq``, ``step``, and the
         fp32 ``master``), gathered from wherever it lives, the parameters numbered as torch
         numbers them (group by group, each in its order: with one group, the trainable ones in
-        ``model.parameters()`` order), so ``torch.optim.AdamW`` over the same groups loads it. This pulls the whole optimizer state into
-        RAM; use ``offload.save_checkpoint`` for models whose state does not fit."""
+        ``model.parameters()`` order), so ``torch.optim.AdamW`` over the same groups loads it.
+        This pulls the whole optimizer state into RAM; use ``offload.save_checkpoint`` for
+        models whose state does not fit."""
         engine = self._engine
         self._check_groups("optimizer.state_dict()")
         engine.check_readable("optimizer.state_dict()")
@@ -333,7 +336,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     entry["step"] = torch.tensor(float(engine.step_count))
                     state[index[seg.param]] = entry
         groups, start = [], 0
-        for g, params in zip(self.param_groups, self._shapes, strict=True):
+        for g, params in zip(self.param_groups, self._members, strict=True):
             groups.append({k: v for k, v in g.items() if k != "params"})
             groups[-1]["params"] = list(range(start, start + len(params)))
             start += len(params)
@@ -358,7 +361,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
         engine = self._engine
         self._check_groups("optimizer.load_state_dict()")
         engine.check_idle("optimizer.load_state_dict()", restoring=True)
-        params, sizes = list(self._params), [len(ps) for ps in self._shapes]
+        params, sizes = list(self._params), [len(ps) for ps in self._members]
         saved_groups = state_dict["param_groups"]
         saved_sizes = [len(g["params"]) for g in saved_groups]
         if saved_sizes != sizes:
@@ -516,7 +519,7 @@ _TORCH_FLAGS = frozenset(
 
 # where offload holds gradients that are not in p.grad, in words (errors name it)
 GRADS_HELD_IN = {GradOwner.HOST: "a host buffer", GradOwner.NVME: "NVMe shards"}
-_ONE_GROUP = (
+_FIXED_GROUPS = (
     "{what} is not supported: offload's optimizer has the param groups wrap built, fixed "
     "then: all of the model's trainable parameters with the config's optimizer "
     "hyperparameters, or wrap's param_groups= (each group's lr, betas, eps, weight_decay may "

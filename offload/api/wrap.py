@@ -40,7 +40,7 @@ import torch.nn as nn
 from offload import _native
 from offload.api import clipping
 from offload.api.loss_scale import DynamicLossScaler
-from offload.api.optimizer import OffloadOptimizer, hyperparameter
+from offload.api.optimizer import HYPER_ALLOWED, OffloadOptimizer, hyperparameter
 from offload.api.pretrained import warn_kept_in_fp32
 from offload.config import ConfigError, OffloadConfig, load_config
 from offload.device import HostMemory, Transfers, for_device
@@ -194,8 +194,9 @@ def _close_at_exit(ref: weakref.ref) -> None:
         runtime.close()
 
 
-GROUP_OVERRIDES = ("lr", "betas", "eps", "weight_decay")
-"""What a group of ``wrap``'s ``param_groups`` may set for its parameters."""
+GROUP_OVERRIDES = tuple(HYPER_ALLOWED)
+"""What a group of ``wrap``'s ``param_groups`` may set for its parameters: the values the
+update checks (``lr``, ``betas``, ``eps``, ``weight_decay``)."""
 
 
 def _param_groups(model: nn.Module, given, trainable: list, defaults: dict) -> list[dict]:
@@ -220,10 +221,10 @@ def _param_groups(model: nn.Module, given, trainable: list, defaults: dict) -> l
     for i, g in enumerate(given):
         at = f"{where}[{i}]"
         if not isinstance(g, dict) or "params" not in g:
+            got = "dict without params" if isinstance(g, dict) else type(g).__name__
             raise ValueError(
-                f"{at}: got {type(g).__name__}{'' if not isinstance(g, dict) else ' without params'}"
-                "; allowed: a dict with 'params' (the model's parameters) and any of "
-                + ", ".join(GROUP_OVERRIDES)
+                f"{at}: got {got}; allowed: a dict with 'params' (the model's parameters) and "
+                "any of " + ", ".join(GROUP_OVERRIDES)
             )
         extra = sorted(set(g) - {"params", *GROUP_OVERRIDES})
         if extra:

@@ -395,7 +395,8 @@ def _run(opts, out, cfg, no_decay_given, lr_flag, rank, world, on_step) -> int:
                     f"steps; give --steps {start} or more"
                 )
             sched.load_state_dict(extra["scheduler"])
-            _resume_lr(optimizer, sched, lr_flag, start)
+            listed = cfg["optimizer"]["param_groups"]
+            _resume_lr(optimizer, sched, lr_flag, start, [False] + ["lr" in g for g in listed])
             _set_rng_state(extra["rng"])
             if (out / "metrics.jsonl").exists():  # the run's records up to the checkpoint
                 records = [
@@ -588,20 +589,25 @@ def _all_summed(value: float, comm) -> float:
     return float(t)
 
 
-def _resume_lr(optimizer, sched, lr_flag: float | None, start: int) -> None:
+def _resume_lr(
+    optimizer, sched, lr_flag: float | None, start: int, own_lr: list[bool] | None = None
+) -> None:
     """The LR of a resumed run's steps: the checkpoint's scheduler state (its peak LR and step)
     under this run's schedule (``--steps`` and ``--warmup`` may have changed it: the optimizer
     state holds the LR the old schedule set for the next step, which the first resumed step
     used). ``--lr`` given replaces the peak from the checkpoint's step on (lowering the LR after
     a loss spike and resuming is the usual remedy), said on stderr; the scheduler state alone
-    kept the old one without a word."""
+    kept the old one without a word. ``own_lr``: per param group, whether the config's
+    ``optimizer.param_groups`` gives it an ``lr`` of its own, which ``--lr`` leaves alone (as
+    it does at the run's start: ``--lr`` is the config's ``optimizer.lr``)."""
     if lr_flag is not None and lr_flag != sched.base_lrs[0]:
         print(
             f"offload finetune: --lr {lr_flag} replaces the checkpoint's {sched.base_lrs[0]} "
             f"from step {start + 1} on (the schedule's warm-up and decay stay)",
             file=sys.stderr,
         )
-        sched.base_lrs = [lr_flag] * len(sched.base_lrs)
+        own = own_lr or [False] * len(sched.base_lrs)
+        sched.base_lrs = [b if o else lr_flag for b, o in zip(sched.base_lrs, own, strict=True)]
     for group, base, factor in zip(
         optimizer.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True
     ):

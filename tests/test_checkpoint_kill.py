@@ -175,6 +175,7 @@ def check_resumes(baseline, tmp_path: Path, points: list[int]) -> list[tuple]:
     return table
 
 
+@pytest.mark.heavy  # (siblings in the default suite: test_swap_reclaim, test_checkpoint_faults)
 def test_sigkill_at_three_points_of_a_save_resumes_bitwise(baseline, tmp_path):
     b = baseline["bounds"]
     points = [b["commit"] // 2, b["replace"], b["cleanup"]]

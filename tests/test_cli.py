@@ -113,6 +113,7 @@ def _o_direct_opens(directory: Path) -> bool:
     return True
 
 
+@pytest.mark.heavy  # (a child process; test_report_text stays in the default suite)
 def test_report_says_fallback_when_native_is_off(tmp_path: Path):
     out = offload_cli("report", "--path", str(tmp_path), native=False)
     assert out.returncode == 0, out.stderr

@@ -263,6 +263,7 @@ def test_ctrl_c_baseline_stops_cleanly(tmp_path):
     assert summary["steps"] >= 1
 
 
+@pytest.mark.heavy  # (a killed demo's swap reclaimed by the next stays in the default suite)
 @needs_engine
 def test_ctrl_c_removes_swap_files(tmp_path):
     nvme = tmp_path / "nvme"

@@ -866,6 +866,7 @@ def test_an_unrouted_accelerator_refuses_to_clip_offload_s_parameters(tmp_path):
         opt.close()
 
 
+@pytest.mark.heavy  # (a child process; torch's clipping guard stays in the default suite)
 def test_accelerate_imported_after_wrap_is_guarded_too(tmp_path):
     """The guard is installed at the first wrap; Accelerate imported only later (a Trainer
     imported further down a script of a plain torch model) is guarded as it loads, without

@@ -211,7 +211,9 @@ opt.close()
 """
 
 
-@pytest.mark.parametrize("first", ["import offload", "import torch, offload"])
+@pytest.mark.parametrize(
+    "first", ["import offload", pytest.param("import torch, offload", marks=pytest.mark.heavy)]
+)
 def test_torch_clipping_bound_by_name_after_import_offload_is_guarded(first):
     """``from torch.nn.utils import clip_grad_norm_`` after ``import offload`` and before the
     first wrap binds the guarded function, torch loaded before offload or not (the guard was

@@ -341,6 +341,7 @@ def _forward_disk_waits(tmp_path, depth: int) -> float:
         opt.close()
 
 
+@pytest.mark.heavy  # (the update's reads ahead stay in the default suite)
 def test_reading_ahead_hides_the_disk_waits(tmp_path):
     """Against the same forwards without reads ahead, in the same run: while a block computes,
     the next blocks' reads complete, so the forward waits for the disk much less."""

@@ -122,10 +122,14 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("dist")
 
 
-def _one_rank(root: Path, name: str, param: str, optim: str, start_from=None, save=None, steps=3):
-    """The reference's first ``steps`` steps (or the rest after a load) in this process."""
+def _one_rank(
+    root: Path, name: str, param: str, optim: str, start_from=None, save=None, steps=3, groups=None
+):
+    """The reference's first ``steps`` steps (or the rest after a load) in this process
+    (``groups(model)``: wrap's param groups)."""
     cfg = placement_config(param, optim, root / "w1" / name)
-    model, opt = offload.wrap(make_model(), cfg)
+    model = make_model()
+    model, opt = offload.wrap(model, cfg, param_groups=None if groups is None else groups(model))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     start = 0
     try:
@@ -176,7 +180,7 @@ def two(root) -> Path:
         job("probe-s2", "cpu", "cpu", 2, steps=2, model="stack", probe_one_rank=True),
         job("unprobed-s2", "cpu", "cpu", 2, steps=2, model="stack"),
         *NO_DECAY,
-        *GROUPS,
+        *(dict(j, save=str(root / f"ck-{j['name']}")) for j in GROUPS),
         job("norm-whole", "cpu", "nvme", 3, steps=4, model="norm"),
         job("norm-first", "cpu", "nvme", 3, steps=2, model="norm", save=str(root / "ckN")),
         job("norm-second", "cpu", "nvme", 3, steps=4, model="norm", load=str(root / "ckN")),
@@ -403,6 +407,19 @@ def test_param_groups_on_two_ranks_match_torch_with_the_same_groups(two, name):
     _close(_final(two, name), model.state_dict(), atol=1e-5)
     one = reference_fp32(make_model(), data, 4, ACCUM, CLIP)[0].state_dict()
     assert not torch.allclose(model.state_dict()["huge.table"], one["huge.table"], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", [j["name"] for j in GROUPS])
+def test_param_groups_saved_by_two_ranks_resume_in_one_process(root, two, name):
+    """Each group's values and members go with a checkpoint of two ranks' shares (stages 2 and
+    3) and come back in one process at another placement, which trains on as torch does."""
+    data = batches(STEPS_DATA, batch=GLOBAL_BATCH)
+    model, losses = reference_fp32(make_model(), data, 6, ACCUM, CLIP, groups=lr_groups)
+    got_losses, state, _ = _one_rank(
+        root, f"from-{name}", "nvme", "cpu", root / f"ck-{name}", steps=6, groups=lr_groups
+    )
+    _losses_close(got_losses, losses[4:])
+    _close(state, model.state_dict(), atol=1e-5)
 
 
 @pytest.mark.parametrize("name", [j["name"] for j in PARITY_2])

@@ -320,7 +320,7 @@ def test_bad_param_groups_are_refused_by_name(tmp_path):
         ([{"lr": 1.0}], r"param_groups\[0\]: got dict without params"),
         (
             [{"params": trainable, "momentum": 0.9}],
-            r"param_groups\[0\]: keys \['momentum'\] are not supported; allowed: 'params' and",
+            r"param_groups\[0\]: keys \['momentum'\] are not supported; allowed: 'params', 'name'",
         ),
         (
             [{"params": trainable[:3]}, {"params": [*trainable[3:], stray]}],
@@ -340,6 +340,10 @@ def test_bad_param_groups_are_refused_by_name(tmp_path):
             r"param_groups\[0\]\['lr'\]: got -1.0; allowed: a finite number >= 0",
         ),
         (
+            [{"params": trainable, "name": 3}],
+            r"param_groups\[0\]\['name'\]: got 3; allowed: a string",
+        ),
+        (
             [{"params": trainable, "betas": (0.9, 1.5)}],
             r"param_groups\[0\]\['betas'\]: got \(0.9, 1.5\); allowed: two numbers",
         ),
@@ -353,10 +357,16 @@ def test_bad_param_groups_are_refused_by_name(tmp_path):
     # a frozen parameter in a group is accepted and left out, as it gets no gradient
     frozen = named["blocks.0.fc1.bias"]
     model, opt = offload.wrap(
-        model, cfg, param_groups=[{"params": [frozen, *trainable[:5]]}, {"params": trainable[5:]}]
+        model,
+        cfg,
+        param_groups=[
+            {"params": [frozen, *trainable[:5]]},
+            {"params": trainable[5:], "name": "rest"},
+        ],
     )
     try:
         assert [len(g["params"]) for g in opt.param_groups] == [5, 16]
+        assert opt.param_groups[1]["name"] == "rest" and "name" not in opt.param_groups[0]
         with pytest.raises(ValueError, match=r"add_param_group.*param groups wrap built"):
             opt.add_param_group({"params": [stray]})
     finally:
@@ -374,7 +384,7 @@ def test_the_configs_named_groups_train_as_the_same_groups_listed(tmp_path):
     cfg["optimizer"].update(lr=LR, weight_decay=WD)
     named = copy.deepcopy(cfg)
     named["optimizer"]["param_groups"] = [
-        {"params": [r"^blocks\.1\."], **OVERRIDES[0]},
+        {"params": [r"^blocks\.1\."], "name": "middle", **OVERRIDES[0]},
         {"params": [r"blocks\.[02]\.fc2\.weight$", "^huge"], **OVERRIDES[2]},
     ]
     named["optimizer"]["param_groups"][0]["betas"] = list(OVERRIDES[0]["betas"])  # (as YAML)
@@ -386,6 +396,7 @@ def test_the_configs_named_groups_train_as_the_same_groups_listed(tmp_path):
         model, opt = offload.wrap(model, config, param_groups=listed)
         try:
             assert [len(g["params"]) for g in opt.param_groups] == [12, 6, 3]
+            assert opt.param_groups[1].get("name") == ("middle" if how == "named" else None)
             for s in range(4):
                 lm_loss(model, data[s]).backward()
                 opt.step()

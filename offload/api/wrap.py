@@ -226,13 +226,16 @@ def _param_groups(model: nn.Module, given, trainable: list, defaults: dict) -> l
                 f"{at}: got {got}; allowed: a dict with 'params' (the model's parameters) and "
                 "any of " + ", ".join(GROUP_OVERRIDES)
             )
-        extra = sorted(set(g) - {"params", *GROUP_OVERRIDES})
+        extra = sorted(set(g) - {"params", "name", *GROUP_OVERRIDES}, key=str)
         if extra:
             raise ValueError(
-                f"{at}: keys {extra} are not supported; allowed: 'params' and any of "
+                f"{at}: keys {extra} are not supported; allowed: 'params', 'name' (a label, as "
+                "Lightning's LR monitor reads) and any of "
                 + ", ".join(GROUP_OVERRIDES)
                 + " (the optimizer's type and bias_correction are the config's, for all groups)"
             )
+        if not isinstance(g.get("name", ""), str):
+            raise ValueError(f"{at}['name']: got {g['name']!r}; allowed: a string")
         params = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
         for j, p in enumerate(params):
             if not isinstance(p, nn.Parameter) or p not in names:
@@ -248,6 +251,8 @@ def _param_groups(model: nn.Module, given, trainable: list, defaults: dict) -> l
                 )
             seen[p] = i
         group = dict(defaults, params=[p for p in params if p in wanted])
+        if "name" in g:
+            group["name"] = g["name"]
         for key in GROUP_OVERRIDES:
             if key in g:
                 group[key] = hyperparameter(g, key, at)

@@ -227,15 +227,19 @@ def as_group_list(key: str, value: Any) -> list[dict]:
         at = f"{key}[{i}]"
         if not isinstance(group, Mapping) or "params" not in group:
             raise ConfigError.bad(at, group, allowed)
-        extra = [k for k in group if k not in ("params", *GROUP_VALUES)]
+        extra = [k for k in group if k not in ("params", "name", *GROUP_VALUES)]
         if extra:
             raise ConfigError.bad(
-                f"{at}.{extra[0]}", group[extra[0]], "keys params, " + ", ".join(GROUP_VALUES)
+                f"{at}.{extra[0]}", group[extra[0]], "keys params, name, " + ", ".join(GROUP_VALUES)
             )
         params = as_pattern_list(f"{at}.params", group["params"])
         if not params:
             raise ConfigError.bad(f"{at}.params", group["params"], "at least one pattern")
         checked: dict[str, Any] = {"params": params}
+        if "name" in group:
+            if not isinstance(group["name"], str):
+                raise ConfigError.bad(f"{at}.name", group["name"], "a string (the group's label)")
+            checked["name"] = group["name"]
         if "lr" in group:
             checked["lr"] = as_float(f"{at}.lr", group["lr"], lo=0.0, lo_open=True)
         if "betas" in group:

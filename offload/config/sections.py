@@ -117,7 +117,7 @@ class OptimizerConfig(_Section):
     bias_correction: bool = True
     """Divide the moments by (1 - beta**step) as in the Adam paper."""
     param_groups: list[dict] = field(default_factory=list)
-    """Param groups of their own, after a first group of the parameters none names (with the values above): each {params: [regular expressions on parameter names], and any of lr, betas, eps, weight_decay}."""
+    """Param groups of their own, after a first group of the parameters none names (with the values above): each {params: [regular expressions on parameter names], and any of name, lr, betas, eps, weight_decay}."""
 
     def __post_init__(self) -> None:
         self.type = as_choice(self._k("type"), self.type, {"adamw": (), "adam": ()})

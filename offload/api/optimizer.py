@@ -125,7 +125,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def hyper_of(
         groups: list[dict], scaler: DynamicLossScaler | None = None
     ) -> tuple[tuple[dict, ...], float]:
-        """Each param group's hyperparameters as the update takes them (``GROUP_KEYS``), and
+        """Each param group's hyperparameters as the update takes them (``Hyper.groups``), and
         the loss scale's unscaling (1 without fp16), before any clipping."""
         out = tuple(
             dict(

@@ -30,17 +30,14 @@ PartsSource = Callable[[], list]
 """Yields a unit's gradients on the host as ``(begin, end, tensor | None)`` parts."""
 
 
-GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
-"""What each param group gives its parameters' update (``Hyper.groups``)."""
-
-
 @dataclass(slots=True)
 class Hyper:
     """The hyperparameters of one step."""
 
     step: int
     groups: tuple[dict, ...]
-    """Each param group's ``GROUP_KEYS`` values, in the optimizer's order."""
+    """Each param group's ``lr``, ``betas``, ``eps``, ``weight_decay``, ``adamw_mode`` and
+    ``bias_correction``, in the optimizer's order."""
     grad_scale: float
     runs_of: UpdateRuns = field(default_factory=UpdateRuns)
     """Each parameter's group and whether it decays (``offload.homes.decay``)."""

@@ -7,7 +7,9 @@ failed: the placements of params and optimizer state, gradient accumulation, cli
 every step or none), ``persistence_threshold``, ``prefetch.depth``, the swap buffers' size and
 count, ``step_in_backward`` with the optimizer on NVMe, the ``aio`` section (block size, queue
 depth, threads, O_DIRECT, checksums) and the ``optimizer`` section (Adam or AdamW, decay,
-betas, eps, ``no_decay``; torch's reference: the same class, a second group undecayed). The model is ``engine_models``'
+betas, eps, ``no_decay``; torch's reference: the same class, a second group undecayed; and,
+from a generator of its own so the other draws stay as they were, ``param_groups`` by name:
+torch's reference over the same groups). The model is ``engine_models``'
 TinyLM (tied weights, a frozen parameter, a block called twice, activation checkpointing, a
 huge cheap block) with its block width and the huge block's rows drawn too.
 
@@ -34,6 +36,7 @@ torch's skips (the README's optimizer bullet; DeepSpeed's flat buffers do as off
 from __future__ import annotations
 
 import random
+import re
 import warnings
 
 import pytest
@@ -105,19 +108,57 @@ def _draw_optimizer(rng: random.Random, undecayed=("bias", "norm")) -> dict:
 
 def _optimizer_name(o: dict) -> str:
     b1, b2 = o["betas"]
-    return f"{o['type']}-wd{o['weight_decay']}-b{b1},{b2}-e{o['eps']}{'-nd' if 'no_decay' in o else ''}"
+    groups = f"-pg{len(o['param_groups'])}" if o.get("param_groups") else ""
+    return f"{o['type']}-wd{o['weight_decay']}-b{b1},{b2}-e{o['eps']}{'-nd' if 'no_decay' in o else ''}{groups}"
+
+
+# param groups of their own (the config's ``optimizer.param_groups``), drawn by a generator of
+# their own (the cases drawn before them stay as they were): none, or the middle block at its own
+# LR and moments, or that and the second matrices and the huge table at another LR and decay
+GROUP_CHOICES = [
+    None,
+    None,
+    [{"params": [r"^blocks\.1\."], "lr": 3e-3, "betas": [0.8, 0.99]}],
+    [
+        {"params": [r"^blocks\.1\."], "lr": 3e-3},
+        {"params": [r"blocks\.[02]\.fc2\.weight$", "^huge"], "lr": 2e-2, "weight_decay": 0.02},
+    ],
+]
 
 
 def reference_hyper(optimizer: dict) -> dict:
-    """``reference_fp32``'s arguments for a config's ``optimizer`` section."""
+    """``reference_fp32``'s arguments for a config's ``optimizer`` section (its param groups
+    as torch's: the parameters no group names first, each group split in two where
+    ``no_decay`` leaves some undecayed)."""
     left = optimizer.get("no_decay")
-    return {
+    undecayed = (lambda n: any(p in n for p in left)) if left else None
+    out = {
         "wd": optimizer["weight_decay"],
         "adam": optimizer["type"] == "adam",
         "betas": tuple(optimizer["betas"]),
         "eps": optimizer["eps"],
-        "undecayed": (lambda n: any(p in n for p in left)) if left else None,
+        "undecayed": undecayed,
     }
+    listed = optimizer.get("param_groups")
+    if listed:
+        out["groups"] = lambda model: _torch_groups(model, listed, undecayed)
+    return out
+
+
+def _torch_groups(model, listed: list, undecayed) -> list[dict]:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    member = [
+        next((i for i, g in enumerate(listed) if any(re.search(x, n) for x in g["params"])), -1)
+        for n, _ in named
+    ]
+    out = []
+    for i, values in [(-1, {}), *enumerate(listed)]:
+        values = {k: tuple(v) if k == "betas" else v for k, v in values.items() if k != "params"}
+        ps = [(n, p) for (n, p), m in zip(named, member, strict=True) if m == i]
+        left = undecayed or (lambda n: False)
+        out.append(dict(values, params=[p for n, p in ps if not left(n)]))
+        out.append(dict(values, params=[p for n, p in ps if left(n)], weight_decay=0.0))
+    return [g for g in out if g["params"]]
 
 
 def _draw(seed: int, configs: int) -> tuple[dict, str]:
@@ -133,6 +174,9 @@ def _draw(seed: int, configs: int) -> tuple[dict, str]:
         "optimizer": _draw_optimizer(rng),
         "placements": [_draw_placement(rng) for _ in range(configs)],
     }
+    groups = random.Random(seed * 7919 + 1).choice(GROUP_CHOICES)
+    if groups:
+        run["optimizer"]["param_groups"] = groups
     name = "-".join(
         [
             f"a{run['accum']}-c{clip}{'cfg' if run['config_clips'] else ''}",

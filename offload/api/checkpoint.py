@@ -482,12 +482,13 @@ def _apply_counters(engine, optimizer, counters: dict) -> dict:
 
 
 def _check_group_members(path: Path, meta: dict, optimizer) -> None:
-    """The checkpoint's param groups hold the parameters the optimizer's do (by name; one
-    group: all of them), so each group's saved hyperparameters go to the same parameters."""
+    """The checkpoint's param groups hold the parameters the optimizer's do (by name, in any
+    order; one group: all of them), so each group's saved hyperparameters go to the same
+    parameters."""
     saved = meta.get("param_groups")
     names = {s.param: s.name for u in optimizer._engine.units for s in u.layout.segments}
-    mine = [[names[p] for p in g["params"]] for g in optimizer.param_groups]
-    theirs = None if saved is None else [g.get("params") for g in saved]
+    mine = [sorted(names[p] for p in g["params"]) for g in optimizer.param_groups]
+    theirs = None if saved is None else [sorted(map(str, g.get("params") or [])) for g in saved]
     if theirs is None and len(mine) == 1:
         return
     if theirs != mine:

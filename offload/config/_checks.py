@@ -214,11 +214,11 @@ GROUP_VALUES = ("lr", "betas", "eps", "weight_decay")
 
 def as_group_list(key: str, value: Any) -> list[dict]:
     """Param groups by name: each a mapping with ``params`` (regular expressions on parameter
-    names, :func:`as_pattern_list`) and any of ``GROUP_VALUES``, each checked as the
-    optimizer section's own key is."""
+    names, :func:`as_pattern_list`), an optional ``name`` (a label) and any of
+    ``GROUP_VALUES``, each checked as the optimizer section's own key is."""
     allowed = (
         "a list of groups, each {params: [regular expressions on parameter names], and any of "
-        "lr, betas, eps, weight_decay}, e.g. [{params: ['lm_head'], lr: 1e-4}]"
+        "name, lr, betas, eps, weight_decay}, e.g. [{params: ['lm_head'], lr: 1e-4}]"
     )
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
         raise ConfigError.bad(key, value, allowed)

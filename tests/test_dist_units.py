@@ -526,21 +526,21 @@ def test_ranks_whose_param_groups_differ_are_told_the_group_and_key():
     """``offload.wrap(param_groups=)`` must be the same on every rank (each rank updates its
     share of every group): a group's value, its parameters or their count differing is
     refused at wrap, naming it."""
-    from offload.api.wrap import _check_ranks_groups, _param_groups  # noqa: PLC0415
+    from offload.api.param_groups import _listed, check_ranks_agree  # noqa: PLC0415
 
     model = make_model()
     trainable = [p for p in model.parameters() if p.requires_grad]
     defaults = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 
     def fingerprint(given):
-        groups = _param_groups(model, given, trainable, dict(defaults))
+        groups = _listed(model, given, trainable, dict(defaults))
         out = []
-        _check_ranks_groups(_Recorder(out), model, groups)
+        check_ranks_agree(_Recorder(out), model, groups)
         return out[0], groups
 
     two = [{"params": trainable[:4], "lr": 1e-3}, {"params": trainable[4:]}]
     mine, groups = fingerprint(two)
-    _check_ranks_groups(_OtherRank(mine), model, groups)  # the same: accepted
+    check_ranks_agree(_OtherRank(mine), model, groups)  # the same: accepted
     for other, named in (
         (
             [{"params": trainable[:4], "lr": 2e-3}, {"params": trainable[4:]}],
@@ -553,7 +553,7 @@ def test_ranks_whose_param_groups_differ_are_told_the_group_and_key():
         (None, "2 param group(s) on rank 0 and 1 on rank 1"),
     ):
         with pytest.raises(ValueError) as err:
-            _check_ranks_groups(_OtherRank(fingerprint(other)[0]), model, groups)
+            check_ranks_agree(_OtherRank(fingerprint(other)[0]), model, groups)
         assert "rank 0 and rank 1" in str(err.value) and named in str(err.value), str(err.value)
 
 

@@ -100,8 +100,9 @@ ORIGINAL = (
 
 def skips(step: int, rank: int) -> bool:
     """``"model": "branch"``: whether the rank skips the middle block's extra layer (rank 1,
-    from the second step on: a parameter that one rank leaves unused)."""
-    return rank == 1 and step >= 1
+    from the second step on: a parameter that one rank leaves unused; every rank in the
+    third step: one no rank gives a gradient, which that step leaves alone)."""
+    return (rank == 1 and step >= 1) or step == 2
 
 
 def skips_unit(step: int, micro: int, rank: int) -> int | None:
@@ -549,8 +550,8 @@ def refusal_steps(d, opt, rank: int | None, world: int, seen: dict | None = None
     """``tests/test_gan.py``'s refusals on this rank's rows of a batch of ``4 * world`` (the
     reference: ``rank`` None, every rank's rows, with no refusal). A backward after the step
     with no ``zero_grad()``: the norm and the step are refused, then ``zero_grad()``, a
-    backward and the step; a block frozen for the next backward: the step is refused until
-    it is unfrozen; the last layer's bias (frozen at wrap) unfrozen: that backward is
+    backward and the step; a block frozen for the next backward and its step (which leaves it
+    alone, as torch's does; refused until 2026-12-06); the last layer's bias (frozen at wrap) unfrozen: that backward is
     refused; frozen again, a last backward and step. In ``seen``: each refusal's message
     (``"refused"``), whether the dropping backward left every ``p.grad`` None (``"dropped"``).
     The norms before the steps."""
@@ -591,13 +592,8 @@ def refusal_steps(d, opt, rank: int | None, world: int, seen: dict | None = None
     opt.zero_grad()
     d[1].requires_grad_(False)
     backward()
-    if not plain:
-        refuse(opt.step)
+    opt.step()  # the frozen block got no gradient on any rank: each step leaves it alone
     d[1].requires_grad_(True)
-    if plain:  # the block got no gradient: torch's step skips it, offload's moves it as with
-        for p in d[1].parameters():  # a zero gradient (README), its decay here
-            p.grad = torch.zeros_like(p)
-    opt.step()
     opt.zero_grad()
     if not plain:
         d[3].bias.requires_grad_(True)

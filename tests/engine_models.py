@@ -45,7 +45,12 @@ class HugeCheapBlock(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, n_blocks: int = 3, hidden: int = 96, huge_rows: int = 3000) -> None:
+    """``routed``: one more block, which a batch reaches only where its first token is even (an
+    MoE expert's routing, made a unit: steps in which it gets no gradient)."""
+
+    def __init__(
+        self, n_blocks: int = 3, hidden: int = 96, huge_rows: int = 3000, routed: bool = False
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(Block(DIM, hidden) for _ in range(n_blocks))
@@ -54,6 +59,7 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.embed.weight  # tied
         self.blocks[0].fc1.bias.requires_grad_(False)  # a frozen parameter
+        self.expert = Block(DIM, hidden) if routed else None
 
     def forward(self, tokens):
         x = self.embed(tokens)
@@ -61,6 +67,8 @@ class TinyLM(nn.Module):
         x = self.blocks[1](x)
         x = self.blocks[1](x)  # the same block twice
         x = checkpoint(self.blocks[2], x, use_reentrant=False)
+        if self.expert is not None and int(tokens[0, 0]) % 2 == 0:
+            x = self.expert(x)
         x = self.huge(x)
         return self.head(self.norm(x))
 
@@ -309,6 +317,8 @@ def reference_mixed(model, data, steps, accum, clip, dtype, lr=1e-2, wd=0.1, los
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             total += float(loss.detach())
             for mp, cp in zip(mparams, cparams):
+                if cp.grad is None:  # no gradient (a block this batch does not reach)
+                    continue
                 g = cp.grad.float() / loss_scale if loss_scale != 1.0 else cp.grad.float()
                 mp.grad = g if mp.grad is None else mp.grad + g
                 cp.grad = None

@@ -206,6 +206,7 @@ def test_predicted_collectives_are_the_textbook_volumes():
         "all_gather": 0,
         "reduce_scatter": 0,
         "broadcast": 0,
+        "all_reduce": 0,
     }
 
 

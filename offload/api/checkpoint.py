@@ -308,6 +308,13 @@ def _meta(engine, optimizer, extra: dict, groups: list[dict]) -> dict:
             for s in u.layout.segments
             if s.trainable and s.param in engine.no_decay
         ],
+        # the parameters whose own step count is not step_count (steps without a gradient)
+        "param_steps": {
+            s.name: engine.param_steps(s.param)
+            for u in engine.units
+            for s in u.layout.segments
+            if s.trainable and s.param in engine.missed
+        },
         "extra": extra,
     }
     if len(groups) > 1:
@@ -337,6 +344,31 @@ def _saved_no_decay(path: Path, meta: dict, engine) -> frozenset | None:
                 "of the model",
             )
     return frozenset(trainable[n] for n in names)
+
+
+def _saved_param_steps(path: Path, meta: dict, engine, step_count: int) -> dict:
+    """The trainable parameters' own step counts where not ``step_count`` (the steps each got a
+    gradient in), by name; none for a checkpoint written before they were kept."""
+    saved = meta.get("param_steps", {})
+    if not isinstance(saved, dict):
+        raise files.meta_error(path, f"'param_steps' is {files.short_repr(saved)}, not a dict")
+    trainable = {s.name: s.param for u in engine.units for s in u.layout.segments if s.trainable}
+    out = {}
+    for name, steps in saved.items():
+        if name not in trainable:
+            raise files.meta_error(
+                path,
+                f"'param_steps' names {files.short_repr(name)}, which is no trainable parameter "
+                "of the model",
+            )
+        out[trainable[name]] = files.meta_int(path, steps, f"'param_steps'.{name!r}")
+        if out[trainable[name]] > step_count:
+            raise files.meta_error(
+                path,
+                f"'param_steps'.{name!r} is {steps}, above 'step_count' {step_count} (a "
+                "parameter's steps with a gradient)",
+            )
+    return out
 
 
 def _agree(comm, error: BaseException | None, what: str, payload=None, cls=RuntimeError) -> list:
@@ -452,6 +484,9 @@ def _load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) 
         )
         _check_group_members(ckpt.path, ckpt.meta, optimizer)
         counters["no_decay"] = _saved_no_decay(ckpt.path, ckpt.meta, engine)
+        counters["param_steps"] = _saved_param_steps(
+            ckpt.path, ckpt.meta, engine, counters["step_count"]
+        )
         for run in engine.runs:  # (3)
             try:
                 _apply_unit(ckpt, engine, run)
@@ -468,7 +503,7 @@ def _load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) 
 
 
 def _apply_counters(engine, optimizer, counters: dict) -> dict:
-    engine.step_count = counters["step_count"]
+    engine.set_param_steps(counters["step_count"], counters["param_steps"])
     optimizer.skipped_steps = counters["skipped_steps"]
     if counters["loss_scaler"] is not None:
         optimizer.scaler.load_state_dict(counters["loss_scaler"])
@@ -709,6 +744,7 @@ def _load_ranks(root: Path, engine, optimizer) -> dict:
         )
         _check_group_members(path, meta, optimizer)
         counters["no_decay"] = _saved_no_decay(path, meta, engine)
+        counters["param_steps"] = _saved_param_steps(path, meta, engine, counters["step_count"])
     except Exception as exc:  # noqa: BLE001 - every rank hears of it before anything changes
         error = exc
     try:

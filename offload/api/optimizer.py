@@ -333,7 +333,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             for seg in unit.layout.segments:
                 if seg.trainable:
                     entry = {k: per_kind[k][seg.param].view(seg.shape) for k in KINDS}
-                    entry["step"] = torch.tensor(float(engine.step_count))
+                    entry["step"] = torch.tensor(float(engine.param_steps(seg.param)))
                     state[index[seg.param]] = entry
         groups, start = [], 0
         for g, params in zip(self.param_groups, self._members, strict=True):
@@ -395,10 +395,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 hyperparameter(loaded, k, f"load_state_dict: the saved param_groups[{i}]")
         no_decay = self._saved_no_decay(extra, ids, params)
         values: dict[str, dict] = {k: {} for k in kinds}
+        steps: dict = {}  # each parameter's own step count (absent: step_count)
         for i, p in zip(ids, params, strict=True):
             entry = state.get(i, state.get(str(i)))
             if entry is None and extra is None:  # torch: no gradient yet, no state yet
                 entry = {k: torch.zeros(p.shape) for k in MOMENTS}
+                steps[p] = 0
             if entry is None:
                 raise ValueError(f"load_state_dict: no saved state for parameter index {i}")
             missing = [k for k in kinds if k not in entry]
@@ -410,6 +412,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 )
             for k in kinds:
                 values[k][p] = entry[k]
+            if "step" in entry:
+                steps[p] = _saved_step(entry["step"], i, step_count)
         source = ParamTensors(values, "load_state_dict")
         for run in engine.runs:
             engine.values.load(run.unit, source)
@@ -419,7 +423,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 if k != "params" and (extra is not None or k not in _TORCH_FLAGS):
                     mine[k] = tuple(v) if k == "betas" else v
         extra = extra or {}
-        engine.step_count = step_count
+        engine.set_param_steps(step_count, steps)
         self.skipped_steps = int(extra.get("skipped_steps", 0))
         if self.scaler is not None and "loss_scaler" in extra:
             self.scaler.load_state_dict(extra["loss_scaler"])
@@ -446,8 +450,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
         return frozenset(param_of[i] for i in saved)
 
     def _check_torch(self, groups: list[dict], state: dict) -> int:
-        """A ``torch.optim.Adam`` / ``AdamW`` state dict's step (one for all parameters, as
-        here: the largest of theirs), after refusing what offload's Adam does not do."""
+        """A ``torch.optim.Adam`` / ``AdamW`` state dict's optimizer step count (the largest of
+        its parameters' own: each parameter keeps its own, its steps without a gradient the
+        difference), after refusing what offload's Adam does not do."""
         for group, mine in zip(groups, self.param_groups, strict=True):
             unsupported = [k for k in ("amsgrad", "maximize") if group.get(k)]
             decoupled = group.get("decoupled_weight_decay")
@@ -466,15 +471,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     "decouples weight decay as AdamW does, 'adam' adds it to the gradient as "
                     "Adam does)"
                 )
-        steps = {int(float(entry["step"])) for entry in state.values() if "step" in entry}
-        if len(steps) > 1:
-            logger.warning(
-                "load_state_dict: the torch optimizer's parameters took %s steps; offload "
-                "counts one step for all of them (Adam's bias correction) and takes %d",
-                sorted(steps),
-                max(steps),
-            )
-        return max(steps, default=0)
+        return max((int(float(e["step"])) for e in state.values() if "step" in e), default=0)
+
+
+def _saved_step(value, index: int, step_count: int) -> int:
+    """A parameter's saved ``step`` (torch's per-parameter count: the steps it got a gradient
+    in), checked against the optimizer's ``step_count`` it cannot exceed."""
+    try:
+        step = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        step = None
+    if step is None or not step.is_integer() or not 0 <= step <= step_count:
+        raise ValueError(
+            f"load_state_dict: the state of parameter index {index} has step {value!r}; "
+            f"allowed: a whole number from 0 to the optimizer's step count {step_count} (the "
+            "steps this parameter got a gradient in)"
+        )
+    return int(step)
 
 
 # what the update takes of each hyperparameter (the config's optimizer section has the same

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offload._interrupts import interrupts_deferred
-from offload.homes.decay import UpdateRuns
+from offload.homes.decay import StepCounts, UpdateRuns
 from offload.optim import accumulate_grad, adam_step
 from offload.optim.kernels import AdamGroup
 from offload.plan import Plan, Unit
@@ -41,20 +41,30 @@ class Hyper:
     grad_scale: float
     runs_of: UpdateRuns = field(default_factory=UpdateRuns)
     """Each parameter's group and whether it decays (``offload.homes.decay``)."""
+    counts: StepCounts = field(default_factory=StepCounts)
+    """Which parameters got a gradient, and each one's step count (``offload.homes.decay``)."""
 
-    def kwargs(self, group: int = 0, decayed: bool = True) -> dict:
+    def kwargs(self, group: int = 0, decayed: bool = True, step: int | None = None) -> dict:
         """The kernels' keyword arguments for a run of ``group``'s parameters (``decayed=False``:
-        of parameters weight decay leaves alone)."""
-        out = dict(self.groups[group], step=self.step, grad_scale=self.grad_scale)
+        of parameters weight decay leaves alone; ``step``: their own step count, where it is
+        not the optimizer's)."""
+        out = dict(self.groups[group], step=step or self.step, grad_scale=self.grad_scale)
         if not decayed:
             out["weight_decay"] = 0.0
         return out
 
     def runs(self, unit: Unit, lo: int, hi: int):
         """``(slice of the piece [lo, hi), kernel kwargs)`` for each run of it
-        (:meth:`UpdateRuns.runs`): the update makes one kernel call per run."""
-        for a, b, group, decayed in self.runs_of.runs(unit, lo, hi):
-            yield slice(a - lo, b - lo), self.kwargs(group, decayed)
+        (:meth:`UpdateRuns.runs`): the update makes one kernel call per run; kwargs None for a
+        run of parameters that got no gradient this step, which the update leaves alone."""
+        if self.counts.uniform(unit):
+            for a, b, group, decayed in self.runs_of.runs(unit, lo, hi):
+                yield slice(a - lo, b - lo), self.kwargs(group, decayed)
+            return
+        for a, b, group, decayed, step in self.runs_of.counted_runs(
+            unit, lo, hi, self.counts, self.step
+        ):
+            yield slice(a - lo, b - lo), self.kwargs(group, decayed, step) if step else None
 
 
 def adam_runs(
@@ -67,18 +77,22 @@ def adam_runs(
 ) -> None:
     """``adam_step`` of the piece ``[lo, hi)`` of ``unit`` (``state``: its master, gradient and
     moments, each holding exactly that range; ``out``: its compute params or None), one call
-    per run of ``hyper.runs`` (one call in all where every parameter decays)."""
+    per run of ``hyper.runs`` (one call in all where every parameter decays). A run the update
+    leaves alone keeps its master and moments; its compute params are the master's (``out``
+    is a fresh buffer the update fills)."""
     runs = list(hyper.runs(unit, lo, hi))
-    if len(runs) == 1:
+    if len(runs) == 1 and runs[0][1] is not None:
         adam_step(*state, **runs[0][1], out=out)
         return
     flat = [t.view(-1) for t in state]
     out = None if out is None else out.view(-1)
     for sl, kwargs in runs:
-        adam_step(*(t[sl] for t in flat), **kwargs, out=None if out is None else out[sl])
+        if kwargs is not None:
+            adam_step(*(t[sl] for t in flat), **kwargs, out=None if out is None else out[sl])
+        elif out is not None:
+            out[sl].copy_(flat[0][sl])
 
 
-@dataclass(slots=True)
 class GradRecord:
     """Latest accumulation result of one unit or piece."""
 
@@ -221,10 +235,11 @@ class AutogradGrads(GradHome):
     def _step(self, group: AdamGroup, segs: list, hyper: Hyper) -> None:
         """One call for the whole group; where its tensors take different hyperparameters
         (``hyper.runs_of``: undecayed ones, param groups), one per set of them (the parts kept
-        while every tensor gets a gradient); with some gradients missing, over those present."""
+        while every tensor gets a gradient and has the optimizer's step count); with some
+        gradients missing, over those present, each with its own step count."""
         grads = [s.param.grad for s in segs]
-        runs_of = hyper.runs_of
-        complete = all(g is not None for g in grads)
+        runs_of, counts = hyper.runs_of, hyper.counts
+        complete = all(g is not None for g in grads) and not counts.missed
         if not runs_of.no_decay and not runs_of.group_of and complete:
             group.step([g.view(-1) for g in grads], **hyper.kwargs())
             return
@@ -232,10 +247,13 @@ class AutogradGrads(GradHome):
         if cached is not None and cached[0] is group and cached[1] is runs_of:
             parts = cached[2]
         else:
-            keys: dict[tuple[int, bool], list[int]] = {}
+            # (a parameter's own step count where some differ; None: the optimizer's, which
+            # the cached parts must take afresh each step)
+            keys: dict[tuple[int, bool, int | None], list[int]] = {}
             for i, (s, g) in enumerate(zip(segs, grads, strict=True)):
                 if g is not None:
-                    keys.setdefault(runs_of.key(s.param), []).append(i)
+                    own = counts.step_of(s.param, hyper.step) if counts.missed else None
+                    keys.setdefault((*runs_of.key(s.param), own), []).append(i)
             parts = []
             for key, live in keys.items():
                 tensors = [None if t is None else [t[i] for i in live] for t in group.tensors]

@@ -372,7 +372,8 @@ class NvmeOptim(OptimHome):
                 values = self.master.read_committed(unit, lo, hi)
                 moments = [self.read(unit, kind, lo, hi) for kind in MOMENTS]
                 for sl, kwargs in hyper.runs(unit, lo, hi):
-                    adam_params_from_moments(values[sl], *(m[sl] for m in moments), **kwargs)
+                    if kwargs is not None:  # (else left alone by the update)
+                        adam_params_from_moments(values[sl], *(m[sl] for m in moments), **kwargs)
                 self.master.rewrite(unit, lo, hi, values)
 
     def read(self, unit: Unit, kind: str, lo: int, hi: int) -> torch.Tensor:

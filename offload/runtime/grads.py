@@ -16,7 +16,12 @@ The owner (``offload.homes.grads``) is the plan's choice; so is when the reducti
   the previous one's reduction.
 
 Each tracks the first micro-step after ``zero_grad`` (whose gradients overwrite instead of
-adding).
+adding), and which trainable parameters got a gradient since (``seen``: the update leaves the
+others alone, as torch's optimizers do; ``offload.homes.decay.StepCounts``). With several
+ranks a parameter got one where any rank's backward gave it one (data parallel's: the others'
+count as zero), so each unit's record is reduced with its gradients (a small all-reduce, the
+largest of 0 / 1 per parameter, beside its reduce-scatter): a unit's update knows it as soon as
+its gradients are there.
 
 Note: the mean over ranks
     The reductions sum. The mean of data parallel (each rank's loss is the mean over its own
@@ -102,9 +107,38 @@ class Grads:
         self.mean_scale = 1.0 / self.comm.world
         self.first_micro_step = True  # the next gradients overwrite instead of adding
         self._taken: list[Unit] = []  # units whose gradients the owner took, not yet told
+        # told between two units' gradients handed in within one call (the runtime: the
+        # schedule hears of those taken so far; see ScatteredGrads.unit_done)
+        self.between: Callable[[], None] = lambda: None
+        # the trainable parameters that got a gradient since the step began (a new set each
+        # step: an update still running keeps the one it began with); with several ranks,
+        # this rank's alone, and `seen` fills as the units' reductions land
+        self.mine: set[torch.nn.Parameter] = set()
+        self.seen = self.mine
+        # those torch would hold a gradient tensor for since the last zero_grad() that set
+        # them to None: zero_grad(set_to_none=False) zeroes torch's in place, and its next
+        # step moves them with that zero gradient
+        self._had: set[torch.nn.Parameter] = set()
+
+    def note(self, unit: Unit) -> None:
+        """``unit``'s backward ended: the parameters with a gradient in it got one this step."""
+        self.mine.update(p for p in unit.trainable_params if p.grad is not None)
+
+    def now_seen(self) -> set[torch.nn.Parameter]:
+        """The parameters the open step's update moves: those that got a gradient (in
+        ``p.grad`` where the owner leaves them there, as torch reads them at its step: a loop
+        that steps twice without ``zero_grad`` steps them twice)."""
+        if self.owner.kept_after_step:
+            return {p for u in self.units for p in u.trainable_params if p.grad is not None}
+        return self.seen
+
+    def _fresh_seen(self, kept: set = frozenset()) -> None:
+        self.mine = set(kept)
+        self.seen = self.mine
 
     def unit_done(self, unit: Unit) -> None:
         """``unit``'s gradients of this backward are final: its owner takes them."""
+        self.note(unit)
         with torch.profiler.record_function("offload::grads"):
             self.owner.absorb(unit, lambda: self.staging.host_parts(unit), self.first_micro_step)
         self._taken.append(unit)
@@ -152,9 +186,15 @@ class Grads:
     def step_ended(self) -> None:
         """A step (or a skipped one) ended: the next gradients start a new accumulation."""
         self.first_micro_step = True
+        self._had = self._had | self.seen
+        self._fresh_seen()
 
-    def zero(self) -> None:
+    def zero(self, set_to_none: bool = True) -> None:
+        """The gradients are dropped (``set_to_none=False``: the parameters that had one keep
+        a zero gradient in torch's terms, which its next step moves them with)."""
         self.first_micro_step = True
+        self._had = set() if set_to_none else self._had | self.seen
+        self._fresh_seen(self._had)
         for unit in self.units:
             for p in unit.trainable_params:
                 p.grad = None
@@ -172,12 +212,15 @@ class UnitOrderError(PhaseError):
 
 
 class _Flight:
-    """One unit's reduce-scatter in flight: what the owner takes when it lands."""
+    """One unit's reduce-scatter in flight, and the reduction of which of its parameters got a
+    gradient on any rank (``seen``): what the owner takes when they land."""
 
-    __slots__ = ("unit", "handle", "share", "first", "slot")
+    __slots__ = ("unit", "handle", "share", "first", "slot", "seen", "seen_handle")
 
     def __init__(self, unit: Unit, handle: Handle, share: torch.Tensor, first: bool, slot: int):
         self.unit, self.handle, self.share, self.first, self.slot = unit, handle, share, first, slot
+        self.seen: torch.Tensor | None = None
+        self.seen_handle: Handle | None = None
 
 
 class ScatteredGrads(Grads):
@@ -213,6 +256,10 @@ class ScatteredGrads(Grads):
         self._used: dict[int, None] = {}  # units by first use in this micro-step's forwards
         self._turns: list[Unit] | None = None  # this backward's order, from its first unit
         self._done: set[int] = set()  # units complete, their reduction not issued yet
+        self.seen: set[torch.nn.Parameter] = set()  # got a gradient on some rank (landed)
+
+    def _fresh_seen(self, kept: set = frozenset()) -> None:
+        self.mine, self.seen = set(kept), set(kept)
 
     def forward_use(self, unit: Unit) -> None:
         self._used.setdefault(unit.index)
@@ -261,6 +308,7 @@ class ScatteredGrads(Grads):
     def unit_done(self, unit: Unit) -> None:
         if not unit.layout.trainable:
             return  # nothing to reduce: no turn (a frozen unit must not hold the others)
+        self.note(unit)
         if self._turns is None:
             self.backward_begins()
         self._done.add(unit.index)
@@ -269,6 +317,11 @@ class ScatteredGrads(Grads):
                 turn = self._turns.pop(0)
                 self._done.discard(turn.index)
                 self._reduce(turn, self.first_micro_step)
+                # the update in the backward takes each unit landed before the next lands: its
+                # owner's hand-over holds few pieces, and one call reducing the units that
+                # waited for their turn (a parameter some rank left unused) stopped in the
+                # second's hand-over, the update waiting for the first (both ranks hung)
+                self.between()
 
     def _new_order(self) -> None:
         """The next micro-step's forwards record their order afresh."""
@@ -292,7 +345,14 @@ class ScatteredGrads(Grads):
             p.grad = None  # flattened: the device copy is not needed any more
         share = self._recv[slot][: n // self.comm.world]
         handle = self.comm.reduce_scatter(share, send, what=f"{unit.label} gradients")
-        previous, self._flight = self._flight, _Flight(unit, handle, share, first, slot)
+        flight = _Flight(unit, handle, share, first, slot)
+        flight.seen = torch.tensor(
+            [p in self.mine for p in unit.trainable_params], dtype=torch.uint8
+        )
+        flight.seen_handle = self.comm.all_reduce(
+            flight.seen, op="max", what=f"{unit.label} parameters with a gradient"
+        )
+        previous, self._flight = self._flight, flight
         if previous is not None:
             self._land(previous)
 
@@ -302,6 +362,9 @@ class ScatteredGrads(Grads):
 
     def _land(self, flight: _Flight) -> None:
         flight.handle.wait()
+        flight.seen_handle.wait()
+        params = flight.unit.trainable_params
+        self.seen.update(p for p, got in zip(params, flight.seen.tolist(), strict=True) if got)
         host = self.staging.share_to_host(flight.share)
         lo, hi = flight.unit.layout.local_trainable
         self.owner.absorb(flight.unit, lambda: [(lo, hi, host)], flight.first)
@@ -426,6 +489,7 @@ class StepScatteredGrads(ScatteredGrads):
 
     def unit_done(self, unit: Unit) -> None:
         self._settled = False  # autograd accumulated this backward's gradients in p.grad
+        self.note(unit)
         self._sums.unit_done(unit)
 
     def _flatten(self, unit: Unit, out: torch.Tensor) -> None:
@@ -449,7 +513,7 @@ class StepScatteredGrads(ScatteredGrads):
         self._fresh = True
         self._sums.clear()
 
-    def zero(self) -> None:
-        super().zero()
+    def zero(self, set_to_none: bool = True) -> None:
+        super().zero(set_to_none)
         self._settled, self._fresh = True, True
         self._sums.clear()

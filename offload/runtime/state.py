@@ -47,7 +47,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from offload.device import Transfers
-from offload.homes.decay import UpdateRuns
+from offload.homes.decay import StepCounts, UpdateRuns
 from offload.homes.grads import Hyper
 from offload.homes.optim import OptimHome
 from offload.homes.params import ParamHome
@@ -130,6 +130,7 @@ class Runtime:
         self.units = plan.units  # units[0] is the root
         self.device, self.dtype = plan.placement.device, plan.placement.dtype
         self.params, self.optim, self.grads, self.schedule = params, optim, grads, schedule
+        grads.between = self._hand_over
         self.transfers = transfers
         self.stores = stores  # config section -> TieredStore
         # phase name -> stores whose access trace starts there (the param store's with the
@@ -156,6 +157,9 @@ class Runtime:
         self.orig_dtype = {s.param: s.dtype for u in self.units for s in u.layout.segments}
         self.phase = PhaseTracker()
         self.step_count = 0  # optimizer steps taken (not counting skipped ones)
+        # each trainable parameter's steps without a gradient (absent: none): its own step
+        # count is step_count less that (offload.homes.decay.StepCounts; replaced, not changed)
+        self.missed: dict[nn.Parameter, int] = {}
         self.backwards_since_step = 0
         self.backwards_ever = 0  # backwards this runtime took (step(): see check_can_step)
         # the unit whose forward ran last (so far, and in the last forward with grad; before
@@ -726,9 +730,9 @@ class Runtime:
         a word: refused at the next backward instead, before it takes anything. One frozen
         after wrap (``requires_grad_(False)``) just gets no gradient in the backwards it is
         frozen for: a GAN's loop freezes the discriminator for the generator's step (CycleGAN's
-        ``set_requires_grad``; refused here until 2026-12-05). Its own step, though, would
-        update it as with a zero gradient where offload holds the gradients (its momentum and
-        weight decay move it) where torch leaves it: :meth:`_check_still_trainable`."""
+        ``set_requires_grad``; refused here until 2026-12-05), and its own step leaves it
+        alone, as torch's does (``offload.homes.decay.StepCounts``; that step was refused
+        until 2026-12-06, when offload's moved it as with a zero gradient)."""
         for run in self.runs:
             for s in run.unit.layout.segments:
                 if s.param.requires_grad and not s.trainable:
@@ -739,27 +743,6 @@ class Runtime:
                         "offload.wrap (offload.from_pretrained: its before_wrap= callable), or "
                         "wrap again"
                     )
-
-    def _check_still_trainable(self) -> None:
-        """A parameter trainable at wrap and frozen now: see :meth:`_check_trainable`."""
-        frozen = [
-            s.name
-            for u in self.units
-            for s in u.layout.segments
-            if s.trainable and not s.param.requires_grad
-        ]
-        if frozen:
-            raise PhaseError(
-                f"offload: optimizer.step() refused: {len(frozen)} parameter(s) were trainable "
-                f"when the model was wrapped and now have requires_grad=False "
-                f"({', '.join(frozen[:3])}{', ...' if len(frozen) > 3 else ''}): offload's "
-                "step would still move them (momentum and weight decay, as with a zero "
-                "gradient), where torch's skips a parameter with no gradient. Freezing them for "
-                "a backward (a GAN's discriminator during the generator's step) is fine: set "
-                "requires_grad back before this optimizer's step(). To stop training them, set "
-                "requires_grad before offload.wrap (offload.from_pretrained: its before_wrap= "
-                "callable), or wrap again"
-            )
 
     def _check_no_create_graph(self) -> None:
         """A backward that builds a graph of its own (``create_graph=True``: a gradient
@@ -1032,7 +1015,6 @@ class Runtime:
                 "call it after loss.backward() has returned"
             )
         self._check_unzeroed("optimizer.step()")
-        self._check_still_trainable()
         if self._grads_incomplete:
             raise PhaseError(
                 "offload: optimizer.step() after a backward that failed part way (an exception "
@@ -1056,7 +1038,19 @@ class Runtime:
             groups=groups,
             grad_scale=scale * self.grads.mean_scale,
             runs_of=self.update_runs,
+            counts=StepCounts(self.missed, self.grads.now_seen()),
         )
+
+    def param_steps(self, param: nn.Parameter) -> int:
+        """``param``'s own step count: the steps it got a gradient in (torch's per-parameter
+        ``step``)."""
+        return self.step_count - self.missed.get(param, 0)
+
+    def set_param_steps(self, step_count: int, steps: dict[nn.Parameter, int]) -> None:
+        """Restores the counts (a state dict, a checkpoint): ``step_count`` and each trainable
+        parameter's own (``steps``; absent: ``step_count``)."""
+        self.step_count = step_count
+        self.missed = {p: step_count - n for p, n in steps.items() if n != step_count}
 
     @property
     def no_decay(self) -> frozenset:
@@ -1101,6 +1095,7 @@ class Runtime:
         finally:
             self.phase.to(Phase.IDLE)
         self.step_count += 1
+        self.missed = hyper.counts.advanced(p for u in self.units for p in u.trainable_params)
         # the update's own time: a background update counts its time on its worker, and waiting
         # for it here is step_wait_seconds (counting it twice put more update than step in a
         # step whose update ran in its backward)
@@ -1166,13 +1161,15 @@ class Runtime:
         longer count toward it): an update that ran speculatively in the last one is undone,
         as no step was taken for it. ``set_to_none=False``: a ``p.grad`` that is set (where
         the gradients stay there) is zeroed in place instead, as torch's; gradients offload
-        holds elsewhere have no ``p.grad`` and are dropped."""
+        holds elsewhere have no ``p.grad`` and are dropped, their parameters moved by the next
+        step as with a zero gradient even where its backwards give them none, as torch's
+        zeroed ``p.grad`` is."""
         self._check_open()
         self._settle_backward()
         self.schedule.abandon_step()
         params = [p for u in self.units for p in u.trainable_params]
         kept = [(p, p.grad) for p in params if not set_to_none and p.grad is not None]
-        self.grads.zero()
+        self.grads.zero(set_to_none)
         for p, g in kept:
             if g.grad_fn is not None:
                 g.detach_()

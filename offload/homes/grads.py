@@ -149,6 +149,9 @@ class GradHome:
     # add to (``p.grad``, as in PyTorch) until ``zero_grad``; an owner of its own hands them to
     # the update, and the first backward after a step overwrites them
     kept_after_step = False
+    # whether an update running in this backward takes each unit's gradients as they come
+    # (``HeldNvmeGrads`` while the step in backward speculates)
+    handing = False
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan

@@ -136,9 +136,10 @@ def predict_collectives(plan: Plan, micro_steps: int = 1) -> dict[str, int]:
     reduce-scattered every micro-step. Stage 3: every
     unit's params all-gathered for each use (``GATHERS_PER_MICRO``, ``GATHERS_PER_STEP``) every micro-step, its gradients
     reduce-scattered every micro-step. The params all-gather of stages 1 and 2 over NVMe is one
-    broadcast per rank and piece (the same bytes). Beside each reduce-scatter, the all-reduce
-    of which of the unit's parameters got a gradient (one byte each, counted twice as every
-    all-reduce is: ``offload.runtime.grads``)."""
+    broadcast per rank and piece (the same bytes). Once per step, the all-reduce of which
+    trainable parameters got a gradient (one byte each, counted twice as every all-reduce is;
+    with the update in the backward, one per unit beside its last reduce-scatter instead, the
+    same bytes: ``offload.runtime.grads``)."""
     pl = plan.placement
     out = {"all_gather": 0, "reduce_scatter": 0, "broadcast": 0, "all_reduce": 0}
     if pl.world == 1:
@@ -149,7 +150,7 @@ def predict_collectives(plan: Plan, micro_steps: int = 1) -> dict[str, int]:
         steps = 1 if pl.grad_reduce is GradReduce.AT_STEP else micro_steps
         out["reduce_scatter"] += steps * unit.layout.trainable * pl.reduce_dtype.itemsize
         if unit.layout.trainable:
-            out["all_reduce"] += steps * 2 * len(unit.trainable_params)
+            out["all_reduce"] += 2 * len(unit.trainable_params)
         if pl.shard_params:  # a persistent unit stays gathered until the step
             r = unit.residency
             out["all_gather"] += (micro_steps * GATHERS_PER_MICRO[r] + GATHERS_PER_STEP[r]) * total

@@ -94,13 +94,11 @@ def _config(param_dev, opt_dev, tmp_path, **over):
     return cfg
 
 
-def _unseen_moved(base, got: dict, names=("blocks.2.fc1.weight", "aux.weight")) -> None:
-    """What the change is about, not only the totals: the third block's weights differ from
-    the same loop where each step moves it (a zero gradient), and the aux head, which got a
-    gradient in one step only, moved off its initial value."""
-    init = base.state_dict()
-    assert not torch.equal(got["aux.weight"], init["aux.weight"])
-    assert all(n in got for n in names)
+def _aux_trained(base, got: dict) -> None:
+    """The aux head, which got a gradient in one step only (its step count 1), moved off its
+    initial value (a run left out by mistake would leave it there too, and pass the
+    comparison only if torch's did the same)."""
+    assert not torch.equal(got["aux.weight"], base.state_dict()["aux.weight"])
 
 
 @pytest.mark.parametrize(
@@ -154,7 +152,7 @@ def test_a_parameter_with_no_gradient_is_left_alone_as_torch_leaves_it(
         torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)
     # each parameter's own count: all 6 steps; the third block 4; the extra layer 5; aux 1
     assert steps == {6, 4, 5, 1}, steps
-    _unseen_moved(base, got)
+    _aux_trained(base, got)
 
 
 def test_the_counts_go_to_torch_and_back_through_the_state_dict(tmp_path):

@@ -138,8 +138,8 @@ class StepCounts:
         return self.seen is None or all(p in self.seen for p in params)
 
     def advanced(self, trainable: Iterable[torch.nn.Parameter]) -> dict:
-        """``missed`` after this step: one more for each of ``trainable`` that got no gradient
-        (the same mapping where every one got one)."""
+        """``missed`` after this step, a new mapping: one more for each of ``trainable`` that
+        got no gradient."""
         if self.seen is None:
             return self.missed
         missed = dict(self.missed)

@@ -95,9 +95,9 @@ def _config(param_dev, opt_dev, tmp_path, **over):
 
 
 def _aux_trained(base, got: dict) -> None:
-    """The aux head, which got a gradient in one step only (its step count 1), moved off its
-    initial value (a run left out by mistake would leave it there too, and pass the
-    comparison only if torch's did the same)."""
+    """The aux head got a gradient in one step only (its step count 1): that step's update
+    moved it off its initial value, as torch's (a guard on the comparison itself: a loop in
+    which it never trained would leave both at their initial values)."""
     assert not torch.equal(got["aux.weight"], base.state_dict()["aux.weight"])
 
 

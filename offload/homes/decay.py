@@ -119,7 +119,7 @@ class StepCounts:
         missed: Mapping[torch.nn.Parameter, int] | None = None,
         seen: set[torch.nn.Parameter] | None = None,
     ) -> None:
-        self.missed = dict(missed or {})
+        self.missed = {} if missed is None else missed  # (never changed: see advanced)
         self.seen = seen
 
     def step_of(self, param: torch.nn.Parameter, step: int) -> int:

@@ -22,10 +22,11 @@ ranks a parameter got one where any rank's backward gave it one (data parallel's
 count as zero): the ranks' records are reduced (the largest of 0 / 1 per parameter) once per
 step, before the norm or the update (:meth:`ScatteredGrads.settle`); where the update runs in
 the backward, which takes each unit as its gradients land, each unit's record is reduced beside
-its reduce-scatter instead. A small all-reduce per unit is not free: 2 gloo ranks of a 9-unit
-stack on this 2-core machine (stage 2, accumulation 2) took 87-109 ms a step with one per unit
-and micro-step against 74-80 ms with none; with one per step, 67-80 ms against 62-81 ms
-(alternating runs, 2026-12-06).
+its reduce-scatter instead. A small all-reduce per unit is not free: in a scratch loop (not
+kept: 2 gloo ranks of a 9-unit stack on this 2-core machine, stage 2, accumulation 2, the
+all-reduce replaced by a completed handle for the runs without it, alternating runs,
+2026-12-06) one per unit and micro-step took 87-109 ms a step against 74-80 ms with none; one
+per step, 67-80 ms against 62-81 ms.
 
 Note: the mean over ranks
     The reductions sum. The mean of data parallel (each rank's loss is the mean over its own

@@ -117,7 +117,7 @@ def train_phase(args: argparse.Namespace) -> dict:
         | pools,
         "offload_optimizer": {"device": "nvme", "nvme_path": str(swap)}
         | pools
-        | {"buffer_count": 2 * args.buffer_count},
+        | {"buffer_count": args.opt_buffer_count or 2 * args.buffer_count},
         "wrap": {"module_classes": ["LlamaDecoderLayer"]},
     }
     out: dict = {"phases": {}}
@@ -209,6 +209,12 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--buffer-count", type=int, default=4, help="param pool (optimizer: 2x)")
+    ap.add_argument(
+        "--opt-buffer-count",
+        type=int,
+        help="optimizer pool (default: 2x --buffer-count; wrap warns when it holds fewer grad "
+        "pieces than a unit has, and names the count that holds them)",
+    )
     ap.add_argument("--buffer-size", default="64MiB")
     ap.add_argument("--shard-size", default="2GB", help="max safetensors shard size")
     ap.add_argument("--dir", help="work directory (checkpoint, swap, export; a temp dir)")
@@ -232,6 +238,8 @@ def main() -> int:
         cmd += ["--batch", str(args.batch), "--buffer-count", str(args.buffer_count)]
         cmd += ["--buffer-size", args.buffer_size, "--shard-size", args.shard_size]
         cmd += [] if args.export else ["--no-export"]
+        if args.opt_buffer_count:
+            cmd += ["--opt-buffer-count", str(args.opt_buffer_count)]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             print(f"beyond_ram: the training process failed ({proc.returncode})", file=sys.stderr)

@@ -384,6 +384,20 @@ class NvmeGrads(GradHome):
         }
 
 
+class PieceSink:
+    """Where :class:`HeldNvmeGrads` tells the update of the grad pieces it hands over (the step
+    in backward's schedule)."""
+
+    def takes_pieces(self, unit: Unit) -> bool:
+        """Whether the update takes ``unit``'s pieces as they are handed over (else only once
+        the unit's gradients are all in)."""
+        raise NotImplementedError
+
+    def pieces_in(self, unit: Unit, upto: int) -> None:
+        """``unit``'s pieces ``[0, upto)`` are handed over (``takes_pieces``)."""
+        raise NotImplementedError
+
+
 class HeldNvmeGrads(NvmeGrads):
     """The step in backward's gradients. Between :meth:`hand_over` and :meth:`take_back` (the
     last backward of a step and the update that runs in it) each unit's gradients are
@@ -391,35 +405,58 @@ class HeldNvmeGrads(NvmeGrads):
     update, which consumes them without a disk read; the rest are released dirty (written, and
     read back by the update). The backward waits while the update still holds earlier pieces
     and this unit's would exceed ``hold``: it then runs at the update's pace instead of taking
-    every buffer. A consumed piece is dropped unwritten, unless ``retain``: then it is written,
-    so that a redo of the update (clipping, a changed learning rate) can read it again.
-    Outside a hand-over they are accumulated on NVMe like :class:`NvmeGrads`'s."""
+    every buffer. A unit of more pieces than ``hold``, where the update takes a unit's pieces
+    as they come (``PieceSink``: all but the root), waits piece by piece instead: its first
+    pieces are updated while the backward hands in the next, and none is written (before
+    2026-12-06 the update heard of a unit only once it was all in, so its pieces beyond
+    ``hold`` were written and read back, 8 bytes more disk traffic a parameter of them: a 2B
+    Llama in 64 MiB buffers, 5 and 10 pieces a unit, one held, wrote 15.2 bytes a parameter a
+    step instead of 12.3; ``benchmarks/README.md``, beyond_ram). A consumed piece is dropped unwritten, unless ``retain``: then it is
+    written, so that a redo of the update (clipping, a changed learning rate) can read it
+    again. Outside a hand-over they are accumulated on NVMe like :class:`NvmeGrads`'s."""
 
     def __init__(self, plan: Plan, store, hold: int) -> None:
         super().__init__(plan, store)
         self.hold = hold
         self.handing = False
         self.retain = False
+        self._sink: PieceSink | None = None
         self._handed: dict[str, torch.Tensor] = {}
         self._held = 0
         self._lock = threading.Lock()  # entered directly: see BufferPool's
         self._cond = threading.Condition(self._lock)
 
-    def hand_over(self, retain: bool) -> None:
-        """The next units' gradients go to the update running in this backward."""
-        self.handing, self.retain = True, retain
+    def hand_over(self, retain: bool, sink: PieceSink | None = None) -> None:
+        """The next units' gradients go to the update running in this backward (told to
+        ``sink`` piece by piece where it takes them so)."""
+        self.handing, self.retain, self._sink = True, retain, sink
 
     def take_back(self) -> None:
         """The update is over: gradients are kept on NVMe again."""
-        self.handing = False
+        self.handing, self._sink = False, None
+
+    def _wait_for_room(self, pieces: int) -> bool:
+        """Waits until ``pieces`` more can be held, or none can wait: nothing held (a unit of
+        more pieces than ``hold`` then keeps ``hold``), or no hand-over (an update that failed
+        ended it); whether the hand-over goes on."""
+        with self._lock:
+            while self.handing and self._held and self._held + pieces > self.hold:
+                self._cond.wait()
+            return self.handing
 
     def absorb(self, unit: Unit, parts: PartsSource, first: bool) -> None:
         pieces = self.plan.trainable_pieces(unit)
-        with self._lock:
-            while self.handing and self._held and self._held + len(pieces) > self.hold:
-                self._cond.wait()
-            handing = self.handing  # an update that failed meanwhile ended the hand-over
-        if not handing:
+        sink = self._sink
+        # a unit that fits is handed over whole, as its backward ends: told piece by piece
+        # too, bench_e2e's units (3 pieces, 4 held) ran 1.03-1.04x per pair in 4 A/B pairs,
+        # slower in 7 of 8 runs; handed whole, 1.00x / 0.98x (benchmarks/README, ab_roots)
+        streamed = (
+            self.handing
+            and len(pieces) > self.hold
+            and sink is not None
+            and sink.takes_pieces(unit)
+        )
+        if not self._wait_for_room(1 if streamed else len(pieces)):
             super().absorb(unit, parts, first)
             return
         if not pieces:
@@ -427,6 +464,8 @@ class HeldNvmeGrads(NvmeGrads):
         grad = GradParts(parts())
         recs = self.records[unit.index]
         for j, (lo, hi) in enumerate(pieces):
+            if streamed and j:  # the update takes the pieces before this one meanwhile
+                self._wait_for_room(1)
             key = self.key(unit, lo)
             if not first:  # added to what the earlier backwards of this step left on NVMe
                 self.store.use(key, self.tier)
@@ -450,6 +489,8 @@ class HeldNvmeGrads(NvmeGrads):
                 if not settled:
                     self.store.release(key, self.tier, discard=True)
                 raise
+            if keep and streamed:
+                sink.pieces_in(unit, j + 1)
         _drop_device_grads(unit)
 
     def fetch(self, unit: Unit, lo: int):

@@ -35,22 +35,30 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 MOMENTS = KINDS[1:]
 
 
+Part = tuple[Unit, int, "int | None"]
+"""``(unit, first, stop)``: the unit's pieces ``[first, stop)`` (``stop`` None: to its last)."""
+
+
 class Units:
-    """The units an update goes over, in order: a known list here; the step in backward's feed
-    (``offload.runtime.schedule.UnitFeed``) has the same methods and is filled as it runs.
+    """The units an update goes over, in order, as :data:`Part` s: whole units of a known list
+    here; the step in backward's feed (``offload.runtime.schedule.UnitFeed``) has the same
+    methods and is filled as it runs, a unit's first pieces possibly before the backward has
+    handed in the rest (the NVMe update, which alone takes a feed, goes piece by piece).
     :meth:`poll` never blocks (None: nothing yet); :meth:`take` waits (None: no more)."""
 
     def __init__(self, units: Iterable[Unit]) -> None:
         self._it = iter(units)
 
-    def take(self) -> Unit | None:
-        return next(self._it, None)
+    def take(self) -> Part | None:
+        unit = next(self._it, None)
+        return None if unit is None else (unit, 0, None)
 
     poll = take
 
     def __iter__(self):
-        while (unit := self.take()) is not None:
-            yield unit
+        """The units (of whole parts: a list's)."""
+        while (part := self.take()) is not None:
+            yield part[0]
 
 
 MasterValues = Callable[[int, int], torch.Tensor]
@@ -441,18 +449,22 @@ class NvmeOptim(OptimHome):
         in flight while piece ``j`` is updated and piece ``j - 1`` is written back (the store
         writes released dirty shards asynchronously). The update's order is known exactly, so it
         issues its own fetches instead of going through the store's trace prefetcher. ``units``
-        may be a feed still being filled: it looks ahead only over units already handed in
-        (``poll`` never blocks; ``take`` waits for the next unit or the feed's end). Its first
+        may be a feed still being filled: it looks ahead only over the pieces already handed in
+        (``poll`` never blocks; ``take`` waits for the next part or the feed's end). Its first
         pieces may have been read already (:meth:`read_head`)."""
         queued: deque = deque()  # (unit, lo, hi, last piece of its unit), not fetched yet
         ahead: deque = deque()  # the same with the futures of its fetches
 
         def more(block: bool) -> bool:
-            unit = units.take() if block else units.poll()
-            if unit is None:
+            part = units.take() if block else units.poll()
+            if part is None:
                 return False
+            unit, first, stop = part
             pieces = self.pieces(unit)
-            queued.extend((unit, lo, hi, j + 1 == len(pieces)) for j, (lo, hi) in enumerate(pieces))
+            queued.extend(
+                (unit, lo, hi, j + 1 == len(pieces))
+                for j, (lo, hi) in enumerate(pieces[first:stop], first)
+            )
             return True
 
         current = None  # the piece being updated: what it still holds

@@ -62,49 +62,58 @@ import torch
 
 from offload import _native
 from offload._interrupts import interrupts_deferred
-from offload.homes.grads import Hyper
-from offload.homes.optim import OptimHome, Units
+from offload.homes.grads import Hyper, PieceSink
+from offload.homes.optim import OptimHome, Part, Units
 from offload.homes.params import ParamHome
 from offload.plan import Unit
 from offload.runtime.phase import PhaseError
 
 
 class UnitFeed(Units):
-    """Units handed to an update while it runs (the step in backward gets each unit as its
-    backward completes). :meth:`poll` never blocks (None: nothing yet); :meth:`take` waits
-    (None: the feed is closed and empty)."""
+    """Units handed to an update while it runs (the step in backward gets each unit's pieces
+    as the backward hands them over, the rest of a unit once its gradients are all in).
+    :meth:`poll` never blocks (None: nothing yet); :meth:`take` waits (None: the feed is closed
+    and empty)."""
 
     def __init__(self, units: list[Unit]) -> None:
         self._lock = threading.Lock()  # entered directly: see BufferPool's
         self._cond = threading.Condition(self._lock)
-        self._items: deque[Unit] = deque()
-        self._expected = {u.index for u in units}  # not given yet
+        self._items: deque[Part] = deque()
+        self._next = {u.index: 0 for u in units}  # units not given whole yet: their next piece
         self._closed = False
 
-    def put(self, unit: Unit) -> None:
-        """Hands ``unit`` in (once; a unit the update does not go over is ignored)."""
+    def put(self, unit: Unit, upto: int | None = None) -> None:
+        """Hands in ``unit``'s pieces up to ``upto`` (None: all the rest; a unit the update does
+        not go over is ignored)."""
         with self._lock:
-            if unit.index in self._expected:
-                self._expected.discard(unit.index)
-                self._items.append(unit)
-                self._cond.notify_all()
+            first = self._next.get(unit.index)
+            if first is None or (upto is not None and upto <= first):
+                return
+            if upto is None:
+                del self._next[unit.index]
+            else:
+                self._next[unit.index] = upto
+            self._items.append((unit, first, upto))
+            self._cond.notify_all()
 
     def close(self, rest: list[Unit] = (), reorder=None) -> None:
-        """No more units after ``rest`` (those of them not given yet); ``reorder`` (a sort key)
-        reorders the units not taken yet."""
+        """No more units after ``rest`` (what of them was not given yet); ``reorder`` (a sort
+        key of units) reorders the parts not taken yet."""
         with self._lock:
-            self._items.extend(u for u in rest if u.index in self._expected)
-            self._expected.clear()
-            if reorder is not None:
-                self._items = deque(sorted(self._items, key=reorder))
+            self._items.extend(
+                (u, self._next[u.index], None) for u in rest if u.index in self._next
+            )
+            self._next.clear()
+            if reorder is not None:  # (stable: a unit's parts keep their order)
+                self._items = deque(sorted(self._items, key=lambda part: reorder(part[0])))
             self._closed = True
             self._cond.notify_all()
 
-    def poll(self) -> Unit | None:
+    def poll(self) -> Part | None:
         with self._lock:
             return self._items.popleft() if self._items else None
 
-    def take(self) -> Unit | None:
+    def take(self) -> Part | None:
         with self._lock:
             while not self._items and not self._closed:
                 self._cond.wait()
@@ -313,7 +322,7 @@ class Background(StepSchedule):
         self.worker.failure = None
 
 
-class InBackward(Background):
+class InBackward(Background, PieceSink):
     """Note: the step in backward, above. ``accumulation`` backwards make a step; in the last
     one each unit is updated speculatively as its gradients are final, inside a version of the
     optimizer store (``offload.store``'s Note on versions). ``optimizer.step()`` then knows the
@@ -340,6 +349,7 @@ class InBackward(Background):
         # after its backwards, as the background step's)
         self.accumulation = accumulation
         self.feed: UnitFeed | None = None  # being filled, until the backward ends
+        self._quiesced: set[int] = set()  # units the feed got some of (their homes quiesced)
         self._spec: Hyper | None = None  # the speculative update's hyperparameters, until step()
         self._then: tuple | None = None  # what launch() does: ("redo",), ("refuse", used, hyper)
         self._norm_asked = False  # the global norm was asked for (clipping): keep the grads
@@ -376,9 +386,9 @@ class InBackward(Background):
         retain = self.retain_configured or self._norm_asked or self._steps == 0
         with interrupts_deferred():  # a speculative update begun whole, or not at all
             self._spec = hyper()
-            self.grads.hand_over(retain)
+            self.grads.hand_over(retain, self)
             self.optim.begin_version()
-            self.feed = UnitFeed(self.stepped)
+            self.feed, self._quiesced = UnitFeed(self.stepped), set()
             self.worker.start(self.stepped, self.feed, self._spec, undo=self._undo)
 
     def unit_backward_done(self, run) -> None:
@@ -403,12 +413,30 @@ class InBackward(Background):
         if self._head_after is not None:
             self._head_after.discard(unit.index)
             self._head_start()
-        if self.feed is None or unit.is_root:  # the root goes in at the backward's end
+        if not self.takes_pieces(unit):
             return
         if self.worker.failed:
-            self.flush()
-        self.params.quiesce(unit)  # the unit's share in its home is about to be rewritten
-        self.feed.put(unit)
+            self.flush()  # (raises its error)
+        self._quiesce(unit)
+        self.feed.put(unit)  # what of it was not handed over piece by piece
+
+    # PieceSink: the update takes a unit's grad pieces as they are handed over, so a unit of
+    # more pieces than the pool holds for it crosses no disk (HeldNvmeGrads)
+    def takes_pieces(self, unit: Unit) -> bool:
+        # the root is still gathered (its residency releases nothing): it goes in at the
+        # backward's end; every other unit was released before its gradients were taken
+        return self.feed is not None and not unit.is_root
+
+    def pieces_in(self, unit: Unit, upto: int) -> None:
+        self._quiesce(unit)
+        self.feed.put(unit, upto)
+
+    def _quiesce(self, unit: Unit) -> None:
+        """Once per unit and step, before the update gets any of it: its share in its home is
+        about to be rewritten."""
+        if unit.index not in self._quiesced:
+            self._quiesced.add(unit.index)
+            self.params.quiesce(unit)
 
     def backward_ends(self, runs: list) -> None:
         if self.feed is None:

@@ -869,15 +869,17 @@ class Runtime:
             self._abort_backward()
 
     def finish_unit_backward(self, run: UnitRun) -> None:
-        """The unit's gradients are final: their owner takes them (now, or once their
-        reduction across ranks lands), then the residency and the schedule say what happens to
-        the unit, and the schedule hears of the units whose gradients were taken."""
+        """The unit's gradients are final: the residency and the schedule say what happens to
+        the unit, then the gradients' owner takes them (now, or once their reduction across
+        ranks lands), and the schedule hears of the units whose gradients were taken."""
         run.backward_done = True
         if self._grad_free:  # (_reaches_trainable): nothing to take
             run.residency.backward_done(run, self.schedule)
             return
-        self.grads.unit_done(run.unit)
+        # released first: the update in the backward may take the unit's first gradient
+        # pieces while the rest are handed over (HeldNvmeGrads), and rewrites its home
         run.residency.backward_done(run, self.schedule)
+        self.grads.unit_done(run.unit)
         self._hand_over()
 
     def _hand_over(self) -> None:

@@ -390,7 +390,7 @@ class PieceSink:
 
     def takes_pieces(self, unit: Unit) -> bool:
         """Whether the update takes ``unit``'s pieces as they are handed over (else only once
-        the unit's gradients are all in)."""
+        the unit's gradients are all in: it then waits for room for all of them)."""
         raise NotImplementedError
 
     def pieces_in(self, unit: Unit, upto: int) -> None:
@@ -447,15 +447,7 @@ class HeldNvmeGrads(NvmeGrads):
     def absorb(self, unit: Unit, parts: PartsSource, first: bool) -> None:
         pieces = self.plan.trainable_pieces(unit)
         sink = self._sink
-        # a unit that fits is handed over whole, as its backward ends: told piece by piece
-        # too, bench_e2e's units (3 pieces, 4 held) ran 1.03-1.04x per pair in 4 A/B pairs,
-        # slower in 7 of 8 runs; handed whole, 1.00x / 0.98x (benchmarks/README, ab_roots)
-        streamed = (
-            self.handing
-            and len(pieces) > self.hold
-            and sink is not None
-            and sink.takes_pieces(unit)
-        )
+        streamed = self.handing and sink is not None and sink.takes_pieces(unit)
         if not self._wait_for_room(1 if streamed else len(pieces)):
             super().absorb(unit, parts, first)
             return

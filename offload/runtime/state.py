@@ -869,17 +869,21 @@ class Runtime:
             self._abort_backward()
 
     def finish_unit_backward(self, run: UnitRun) -> None:
-        """The unit's gradients are final: the residency and the schedule say what happens to
-        the unit, then the gradients' owner takes them (now, or once their reduction across
-        ranks lands), and the schedule hears of the units whose gradients were taken."""
+        """The unit's gradients are final: their owner takes them (now, or once their
+        reduction across ranks lands) and the residency and the schedule say what happens to
+        the unit (in that order, but where the update takes the unit's gradient pieces as
+        they come: ``Schedule.takes_pieces``), then the schedule hears of the units whose
+        gradients were taken."""
         run.backward_done = True
         if self._grad_free:  # (_reaches_trainable): nothing to take
             run.residency.backward_done(run, self.schedule)
             return
-        # released first: the update in the backward may take the unit's first gradient
-        # pieces while the rest are handed over (HeldNvmeGrads), and rewrites its home
-        run.residency.backward_done(run, self.schedule)
-        self.grads.unit_done(run.unit)
+        if self.schedule.takes_pieces(run.unit):  # the update may rewrite its home meanwhile
+            run.residency.backward_done(run, self.schedule)
+            self.grads.unit_done(run.unit)
+        else:
+            self.grads.unit_done(run.unit)
+            run.residency.backward_done(run, self.schedule)
         self._hand_over()
 
     def _hand_over(self) -> None:

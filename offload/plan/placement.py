@@ -35,11 +35,12 @@ Note: the NVMe step's buffers
     step takes 3 per piece in flight (its grad comes in its own buffer); what is left holds
     grads handed over by the backward (``grad_hold``), and one piece is read ahead when that
     still leaves 2 to hold. ``grad_hold`` bounds how far the backward runs ahead of the update,
-    not a unit's size: the update takes a unit's pieces as they are handed over
-    (``HeldNvmeGrads``), but for the root's, whose pieces beyond it are written and read back. When the update runs after the backward instead (the loop clips, so
-    no speculative one ran), those buffers are idle in its last backward: the first pieces'
-    master and moments are read into them there (``head_start``), less one buffer for each grad
-    the update's first pieces in flight fetch when it starts.
+    not a unit's size: the update takes the pieces of a larger unit as they are handed over
+    (``HeldNvmeGrads``), but for the root's, whose pieces beyond it are written and read back.
+    When the update runs after the backward instead (the loop clips, so no speculative one
+    ran), those buffers are idle in its last backward: the first pieces' master and moments
+    are read into them there (``head_start``), less one buffer for each grad the update's
+    first pieces in flight fetch when it starts.
 
 Note: a model that trains nothing
     A model wrapped with no trainable parameter (forwards only: an inference beyond the

@@ -407,7 +407,7 @@ class HeldNvmeGrads(NvmeGrads):
     and this unit's would exceed ``hold``: it then runs at the update's pace instead of taking
     every buffer. A unit of more pieces than ``hold`` (``PieceSink.takes_pieces``: all but the
     root) waits piece by piece instead, the update taking its pieces as they come: its first
-    pieces are updated while the backward hands in the next, and none is written (before
+    pieces are updated while the backward hands in the next, and none waits on disk (before
     2026-12-06 the update heard of a unit only once it was all in, so its pieces beyond
     ``hold`` were written and read back, 8 bytes more disk traffic a parameter of them: a 2B
     Llama in 64 MiB buffers, 5 and 10 pieces a unit, one held, wrote 15.2 bytes a parameter a

@@ -212,8 +212,7 @@ def main() -> int:
     ap.add_argument(
         "--opt-buffer-count",
         type=int,
-        help="optimizer pool (default: 2x --buffer-count; wrap warns when it holds fewer grad "
-        "pieces than a unit has, and names the count that holds them)",
+        help="optimizer pool (default: 2x --buffer-count)",
     )
     ap.add_argument("--buffer-size", default="64MiB")
     ap.add_argument("--shard-size", default="2GB", help="max safetensors shard size")

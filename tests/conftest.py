@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import subprocess
 
@@ -40,3 +41,13 @@ def tmpfs(tmp_path):
     yield mount
     for d in reversed(mounted):
         subprocess.run(["umount", "-l", str(d)], check=True)
+
+
+@pytest.fixture
+def watchdog():
+    """A test that hangs (a wait nobody ends) ends the run after 120 s, exit status 1, instead
+    of running until CI's limit (faulthandler's stacks of every thread go to stderr, which
+    pytest captures: rerun the test with ``-s`` to see them)."""
+    faulthandler.dump_traceback_later(120, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()

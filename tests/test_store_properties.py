@@ -8,8 +8,6 @@ fetch that could not get a buffer would raise instead of passing, and a watchdog
 
 from __future__ import annotations
 
-import faulthandler
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -160,13 +158,6 @@ def backend(request):
     else:
         with _native.force_fallback():
             yield "fallback"
-
-
-@pytest.fixture
-def watchdog():
-    faulthandler.dump_traceback_later(120, exit=True)  # a hang fails loudly instead of forever
-    yield
-    faulthandler.cancel_dump_traceback_later()
 
 
 def _run(tmp_path_factory, specs, ops, depth, max_pins, backend) -> None:

@@ -192,7 +192,7 @@ def test_accumulating_step_in_backward_reads_no_grad_piece_twice(tmp_path, clip)
 
 
 @pytest.mark.parametrize("count", [8, 11])
-def test_a_unit_of_more_grad_pieces_than_the_pool_holds_crosses_no_disk(tmp_path, count):
+def test_a_unit_of_more_grad_pieces_than_the_pool_holds_crosses_no_disk(tmp_path, watchdog, count):
     """The step in backward's pool holds ``grad_hold`` grad pieces for the update (the default
     8 buffers: 1; a layer of a 7B model in 256 MiB buffers is 4 pieces, a block here 7). The
     update takes a unit's pieces as the backward hands them over, and the backward waits for
@@ -200,7 +200,9 @@ def test_a_unit_of_more_grad_pieces_than_the_pool_holds_crosses_no_disk(tmp_path
     for the root's pieces beyond ``grad_hold`` (it goes in at the backward's end, still
     gathered until then), written and read back. Before 2026-12-06 the update heard of a unit
     only once it was all in: every piece of a unit beyond ``grad_hold`` was written and read
-    back (at 8 buffers, 42% more of the optimizer store's writes here)."""
+    back (at 8 buffers, 42% more of the optimizer store's writes here). A piece the backward
+    keeps but does not tell the update of makes the backward wait for room forever: the
+    watchdog ends that."""
     cfg = _config(tmp_path, "nvme", "nvme", "fp32", step_in_backward=True)
     for section in ("offload_param", "offload_optimizer"):
         cfg[section]["buffer_size"] = "8KiB"  # 2048 elements: a block is 7 pieces

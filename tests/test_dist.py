@@ -1318,16 +1318,24 @@ def test_every_stage_and_placement_matches(tmp_path, reference, world):
 
 @pytest.mark.slow
 def test_step_in_backward_across_ranks(tmp_path):
-    """The update in the backward (no accumulation, no clipping) for every stage."""
+    """The update in the backward (no accumulation, no clipping) for every stage; with 8 KiB
+    buffers (the stack, stages 2 and 3) every unit's share, the root's too, is more grad
+    pieces than the pool holds for the update (8 buffers: one), which it takes as they land
+    from their reduce-scatter."""
     data = batches(STEPS_DATA, batch=GLOBAL_BATCH)
     model, losses = reference_fp32(make_model(), data, STEPS, 1, 0.0)
+    torch.manual_seed(0)
+    stack, stack_losses = reference_fp32(StackLM(n=4), data, STEPS, 1, 0.0)
     jobs = []
-    for s in (1, 2, 3):
-        section = {"device": "nvme", "buffer_count": 8, "buffer_size": "64KiB",
-                   "step_in_backward": True, "nvme_path": str(tmp_path / f"ib-s{s}")}  # fmt: skip
+    for name, s, size, kw in (("s1", 1, "64KiB", {}), ("s2", 2, "64KiB", {}),
+                              ("s3", 3, "64KiB", {}), ("stack-s2", 2, "8KiB", {"model": "stack"}),
+                              ("stack-s3", 3, "8KiB", {"model": "stack"})):  # fmt: skip
+        section = {"device": "nvme", "buffer_count": 8, "buffer_size": size,
+                   "step_in_backward": True, "nvme_path": str(tmp_path / f"ib-{name}")}  # fmt: skip
         cfg = {"offload_optimizer": section}
-        jobs.append(job(f"ib-s{s}", "nvme", "nvme", s, accum=1, clip=0.0, config=cfg))
+        jobs.append(job(f"ib-{name}", "nvme", "nvme", s, accum=1, clip=0.0, config=cfg, **kw))
     run_ranks(2, jobs, tmp_path, timeout=900)
     for j in jobs:
-        _losses_close(result(tmp_path, j["name"])["losses"], losses)
-        _close(_final(tmp_path, j["name"]), model.state_dict())
+        want, want_losses = (stack, stack_losses) if "model" in j else (model, losses)
+        _losses_close(result(tmp_path, j["name"])["losses"], want_losses)
+        _close(_final(tmp_path, j["name"]), want.state_dict())

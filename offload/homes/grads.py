@@ -405,8 +405,8 @@ class HeldNvmeGrads(NvmeGrads):
     update, which consumes them without a disk read; the rest are released dirty (written, and
     read back by the update). The backward waits while the update still holds earlier pieces
     and this unit's would exceed ``hold``: it then runs at the update's pace instead of taking
-    every buffer. A unit of more pieces than ``hold`` (``PieceSink.takes_pieces``: all but the
-    root) waits piece by piece instead, the update taking its pieces as they come: its first
+    every buffer. A unit of more pieces than ``hold`` (``PieceSink.takes_pieces``; the root
+    too, at the backward's end) waits piece by piece instead, the update taking its pieces as they come: its first
     pieces are updated while the backward hands in the next, and none waits on disk (before
     2026-12-06 the update heard of a unit only once it was all in, so its pieces beyond
     ``hold`` were written and read back, 8 bytes more disk traffic a parameter of them: a 2B

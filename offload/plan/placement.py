@@ -36,7 +36,7 @@ Note: the NVMe step's buffers
     grads handed over by the backward (``grad_hold``), and one piece is read ahead when that
     still leaves 2 to hold. ``grad_hold`` bounds how far the backward runs ahead of the update,
     not a unit's size: the update takes the pieces of a larger unit as they are handed over
-    (``HeldNvmeGrads``), but for the root's, whose pieces beyond it are written and read back.
+    (``HeldNvmeGrads``), the root's too (at the backward's end).
     When the update runs after the backward instead (the loop clips, so no speculative one
     ran), those buffers are idle in its last backward: the first pieces' master and moments
     are read into them there (``head_start``), less one buffer for each grad the update's

@@ -429,13 +429,14 @@ class InBackward(Background, PieceSink):
     # PieceSink: the update takes the grad pieces of a unit larger than what the pool holds
     # for it as they are handed over, so that none crosses the disk (HeldNvmeGrads)
     def takes_pieces(self, unit: Unit) -> bool:
-        # The root is still gathered (its residency releases nothing): it goes in at the
-        # backward's end. A unit that fits goes over whole, as its backward ends: told piece
-        # by piece too, bench_e2e's units (3 pieces, 4 held) ran 1.03-1.04x per pair in 4 A/B
-        # pairs, slower in 7 of 8 runs; whole, 1.00x / 0.98x; and releasing every unit before
-        # its gradients were taken made its clipping recipe 1.07x (benchmarks/README, ab_roots)
+        # The root too: it is finished at the backward's end (``Root``), released there
+        # before its gradients are taken. A unit that fits goes over whole, as its backward
+        # ends: told piece by piece too, bench_e2e's units (3 pieces, 4 held) ran 1.03-1.04x
+        # per pair in 4 A/B pairs, slower in 7 of 8 runs; whole, 1.00x / 0.98x; and releasing
+        # every unit before its gradients were taken made its clipping recipe 1.07x
+        # (benchmarks/README, ab_roots)
         hold = self.optim.plan.placement.grad_hold
-        return self.feed is not None and not unit.is_root and len(self.optim.pieces(unit)) > hold
+        return self.feed is not None and len(self.optim.pieces(unit)) > hold
 
     def pieces_in(self, unit: Unit, upto: int) -> None:
         self._quiesce(unit)

@@ -878,8 +878,10 @@ class Runtime:
         if self._grad_free:  # (_reaches_trainable): nothing to take
             run.residency.backward_done(run, self.schedule)
             return
-        if self.schedule.takes_pieces(run.unit):  # the update may rewrite its home meanwhile
-            run.residency.backward_done(run, self.schedule)
+        if self.schedule.takes_pieces(run.unit):  # the update may rewrite its home meanwhile:
+            # released first, the root too (its residency waits for the backward's end,
+            # which is where the root is finished)
+            self.schedule.unit_backward_done(run)
             self.grads.unit_done(run.unit)
         else:
             self.grads.unit_done(run.unit)

@@ -93,6 +93,7 @@ def train_phase(args: argparse.Namespace) -> dict:
     import offload  # noqa: PLC0415
     from offload.api import engine_of  # noqa: PLC0415
     from offload.estimate import host_memory_budget  # noqa: PLC0415
+    from offload.runtime.telemetry import store_totals  # noqa: PLC0415
 
     torch.manual_seed(0)
     directory = Path(args.dir)
@@ -151,6 +152,7 @@ def train_phase(args: argparse.Namespace) -> dict:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     steps = []
+    moved: dict = {}  # cumulative bytes per tier pair at the last synchronize()
     rss.start()
     t_train = time.perf_counter()
     for _ in range(args.steps):
@@ -165,15 +167,21 @@ def train_phase(args: argparse.Namespace) -> dict:
         optimizer.synchronize()  # the NVMe update runs in the background: time all of it
         t3 = time.perf_counter()
         stats = optimizer.stats()
+        # The step's record closes at step(), so an update that runs on after it (the first
+        # step's, after its backward) is in the next step's record: "bytes" counts from one
+        # synchronize() to the next instead, a step with all of its update
+        total = store_totals(engine_of(model).counted())[0]
         steps.append(
             {
                 "loss": loss.item(),
                 "forward": t1 - t0,
                 "backward": t2 - t1,
                 "step": t3 - t2,
-                "bytes": stats.get("bytes", {}),
+                "bytes": {k: v - moved.get(k, 0) for k, v in total.items()},
+                "record_bytes": stats.get("bytes", {}),
             }
         )
+        moved = total
         print(f"beyond_ram: step {len(steps)}: {steps[-1]}", file=sys.stderr, flush=True)
     phase("train", time.perf_counter() - t_train)
     out["steps"] = steps
@@ -270,9 +278,11 @@ def main() -> int:
     for name, p in r["phases"].items():
         print(f"  {name:<7} {p['seconds']:8.1f} s   peak RSS growth {_gib(p['peak_growth'])}")
     for i, s in enumerate(r["steps"], 1):
+        rw = (s["bytes"].get(k, 0) / r["params"] for k in ("nvme->host", "host->nvme"))
         print(
             f"  step {i}: loss {s['loss']:.3f}  forward {s['forward']:.1f} s  backward "
-            f"{s['backward']:.1f} s  step {s['step']:.1f} s"
+            f"{s['backward']:.1f} s  step {s['step']:.1f} s  NVMe read / write "
+            "{:.1f} / {:.1f} B/param".format(*rw)
         )
     print(f"  peak RSS growth {_gib(r['peak_growth'])}: within budget: {r['within_budget']}")
     return 0 if r["within_budget"] else 1

@@ -152,7 +152,8 @@ def train_phase(args: argparse.Namespace) -> dict:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     steps = []
-    moved: dict = {}  # cumulative bytes per tier pair at the last synchronize()
+    # cumulative bytes per tier pair at the last synchronize() (here: what the load moved)
+    moved = store_totals(engine_of(model).counted())[0]
     rss.start()
     t_train = time.perf_counter()
     for _ in range(args.steps):

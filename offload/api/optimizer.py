@@ -290,7 +290,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """The last step's counters: seconds per phase, bytes per tier pair, collectives (bytes
         and seconds waited), prefetch hits and misses, memory figures, cumulative totals (see
         ``offload.runtime.telemetry``), and ``state_bytes``: the training state this rank holds
-        now by where (``Runtime.state_bytes``)."""
+        now by where (``Runtime.state_bytes``). A step's record closes at ``step()``: what an
+        update in the background moves after that (the first step's, or every step's where
+        the update runs after the backward) is in the next step's record, a
+        :meth:`synchronize` between them or not."""
         out = self._engine.telemetry.stats()
         out["state_bytes"] = self._engine.state_bytes()
         out["skipped_steps"] = self.skipped_steps

@@ -109,6 +109,9 @@ def _aux_trained(base, got: dict) -> None:
         ("cpu", "cpu", {"keep_grads": False, "type": "adam"}),  # L2 decay: in the moments
         ("nvme", "nvme", {}),  # the update in the last backward, redone (clipped)
         ("nvme", "nvme", {"clip": None, "cut_at": 3}),  # its step size redone (an LR cut)
+        # 8 KiB buffers, 8 of them: the update takes every unit's grad pieces one by one as
+        # the backward hands them over, the root's (with the aux head) at the backward's end
+        ("nvme", "nvme", {"clip": None, "small": True}),
         ("cpu", "nvme", {"step_in_backward": False}),  # the update after the backward
         ("nvme", "cpu", {"no_decay": True}),  # the update's runs cut by decay and count
     ],
@@ -138,6 +141,9 @@ def test_a_parameter_with_no_gradient_is_left_alone_as_torch_leaves_it(
         cfg["optimizer"]["no_decay"] = ["bias"]
     if "step_in_backward" in over:
         cfg["offload_optimizer"]["step_in_backward"] = over["step_in_backward"]
+    if over.get("small"):
+        for section in ("offload_param", "offload_optimizer"):
+            cfg[section].update(buffer_size="8KiB", buffer_count=8)
     model, opt = offload.wrap(copy.deepcopy(base), cfg, _keep_grads=over.get("keep_grads"))
     try:
         _loop(model, opt, data, clip, own=True, cut_at=cut_at)

@@ -117,7 +117,7 @@ def _aux_trained(base, got: dict) -> None:
     ],
 )
 def test_a_parameter_with_no_gradient_is_left_alone_as_torch_leaves_it(
-    tmp_path, param_dev, opt_dev, over
+    tmp_path, watchdog, param_dev, opt_dev, over
 ):
     base, data = _base(), batches(8)
     clip, kind, cut_at = over.get("clip", CLIP), over.get("type", "adamw"), over.get("cut_at")

@@ -121,6 +121,8 @@ def train_phase(args: argparse.Namespace) -> dict:
         | {"buffer_count": args.opt_buffer_count or 2 * args.buffer_count},
         "wrap": {"module_classes": ["LlamaDecoderLayer"]},
     }
+    if args.prefetch_depth is not None:
+        cfg["prefetch"] = {"depth": args.prefetch_depth}
     out: dict = {"phases": {}}
 
     def phase(name: str, seconds: float) -> None:
@@ -224,6 +226,9 @@ def main() -> int:
         help="optimizer pool (default: 2x --buffer-count)",
     )
     ap.add_argument("--buffer-size", default="64MiB")
+    ap.add_argument(
+        "--prefetch-depth", type=int, help="prefetch.depth (default: the config's default)"
+    )
     ap.add_argument("--shard-size", default="2GB", help="max safetensors shard size")
     ap.add_argument("--dir", help="work directory (checkpoint, swap, export; a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -248,6 +253,8 @@ def main() -> int:
         cmd += [] if args.export else ["--no-export"]
         if args.opt_buffer_count:
             cmd += ["--opt-buffer-count", str(args.opt_buffer_count)]
+        if args.prefetch_depth is not None:
+            cmd += ["--prefetch-depth", str(args.prefetch_depth)]
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             print(f"beyond_ram: the training process failed ({proc.returncode})", file=sys.stderr)

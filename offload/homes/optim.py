@@ -233,6 +233,10 @@ class NvmeMaster:
         piece's turn: nothing (its out buffer is taken at its turn)."""
         return None
 
+    def expect(self, unit: Unit, pieces: list[tuple[int, int]]) -> None:
+        """The update in the backward will take these pieces: nothing of the param home to
+        keep for it (it overwrites its out buffers)."""
+
     def tensors(self, item: _Piece, fetched: list[torch.Tensor]) -> tuple:
         """``(master, exp_avg, exp_avg_sq, out)`` of a piece whose ``kinds`` are ``fetched``;
         what the piece holds of the param home is ``item.out`` until it is committed."""
@@ -278,6 +282,9 @@ class ParamShardsMaster(NvmeMaster):
 
     def hold(self, unit: Unit, lo: int, hi: int):
         return self.params.master_piece(unit, lo, hi)
+
+    def expect(self, unit: Unit, pieces: list[tuple[int, int]]) -> None:
+        self.params.expect_masters(unit, pieces)
 
     def tensors(self, item: _Piece, fetched: list[torch.Tensor]) -> tuple:
         return (item.out.wait()[: item.hi - item.lo], *fetched, None)
@@ -402,6 +409,11 @@ class NvmeOptim(OptimHome):
             self.master.load(unit, lo, hi, values)
         else:
             self.store.write_from(self.key(unit, kind, lo), values)
+
+    def expect(self, unit: Unit) -> None:
+        """The update in this backward takes ``unit`` once its gradients are in: what it will
+        read of the param home is kept for it meanwhile (``ParamShardsMaster``)."""
+        self.master.expect(unit, self.pieces(unit))
 
     # -- the head start (offload.plan.placement, Note: the NVMe step's buffers) --------------
     def head_pieces(self, units: list[Unit], buffers: int) -> list[_Piece]:

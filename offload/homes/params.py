@@ -690,7 +690,13 @@ class NvmeParams(_Released):
         master: ``homes.optim.ParamShardsMaster``); :meth:`commit` or :meth:`give_up_out`
         releases it."""
         self._not_lent(unit)
-        return self.store.fetch(self.key(unit, lo), self.tier)
+        return self.store.fetch(self.key(unit, lo), self.tier, expected=True)
+
+    def expect_masters(self, unit: Unit, pieces: list[tuple[int, int]]) -> None:
+        """The update in this backward fetches these pieces (:meth:`master_piece`) once the
+        unit's gradients are in: the store keeps their copies for it (``TieredStore.expect``)
+        rather than let the backward's prefetches take their buffers first."""
+        self.store.expect(self.key(unit, lo) for lo, _ in pieces)
 
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
         self.store.release(self.key(unit, lo), self.tier, dirty=True)

@@ -235,6 +235,9 @@ class StepSchedule:
         """A backward starts (``hyper`` gives this step's hyperparameters as they are now)."""
         self.flush()  # the gradients about to be accumulated are what an update reads
 
+    def unit_backward_begins(self, unit: Unit) -> None:
+        """The backward reached ``unit`` (its params are gathered next)."""
+
     def unit_backward_done(self, run) -> None:
         """A unit's backward ended (its gradients are with their owner, or on their way)."""
         run.residency.after_backward(run)
@@ -396,6 +399,14 @@ class InBackward(Background, PieceSink):
             self.optim.begin_version()
             self.feed, self._quiesced = UnitFeed(self.stepped), set()
             self.worker.start(self.stepped, self.feed, self._spec, undo=self._undo)
+
+    def unit_backward_begins(self, unit: Unit) -> None:
+        # its update comes right after its backward: what the update reads of the param home
+        # (one copy on disk) is kept for it, not taken by the backward's prefetches meanwhile
+        # (23.1 -> 16.3 B/param read with beyond_ram's 4 param buffers). Not the root's: its
+        # backward is the whole backward
+        if self.feed is not None and not unit.is_root:
+            self.optim.expect(unit)
 
     def unit_backward_done(self, run) -> None:
         if self.feed is None:

@@ -790,6 +790,7 @@ class Runtime:
         if self.phase.phase is not Phase.BACKWARD:
             self._begin_backward()
         if not run.backward_done:
+            self.schedule.unit_backward_begins(run.unit)
             run.gather(Phase.BACKWARD.value)
             if not self._grad_free:
                 run.residency.backward_begins(self.grads, run)

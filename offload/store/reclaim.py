@@ -17,6 +17,15 @@ Note: prefetch never starves a demand fetch
     ordinary candidate for a demand fetch (near next use, so it goes last), and an unclaimed
     prefetch still in flight is waited for and then evicted. So with a pool of one shard plus
     ``prefetch_depth`` buffers a single outstanding demand fetch always gets a buffer.
+
+Note: expected copies
+    A fetch outside the trace (the update in the backward reading a unit's params, which are
+    its fp32 master) has no next use in it: its copies look a whole iteration away and the
+    backward's prefetches took their buffers just before the update read them again
+    (``TieredStore.expect``; ``benchmarks/README.md``, beyond_ram: 23.1 B/param read a step
+    instead of 16.3 with 4 param buffers). A caller that knows it fetches a key next says so;
+    until that fetch (or the iteration's end) the key's next use counts as now: no prefetch
+    displaces its copy, and a demand fetch takes it last.
 """
 
 from __future__ import annotations
@@ -73,6 +82,7 @@ class Reclaimer:
         self._prefetcher, self._counters, self._lock = prefetcher, counters, lock
         self._transfers = transfers
         self.cached: dict[str, Shard] = {}  # shards holding a pool buffer: eviction candidates
+        self.expected: set[str] = set()  # keys a fetch outside the trace takes next (Note)
         self.held_bytes = 0  # IO bytes of the shards holding a buffer (what the pages hold)
         self.peak_held_bytes = 0
 
@@ -136,6 +146,8 @@ class Reclaimer:
 
     # -- taking a buffer ----------------------------------------------------------------------------
     def _distance(self, key: str) -> float | None:
+        if key in self.expected:
+            return 0.0
         return self._prefetcher.distance((key, Tier.HOST))
 
     def take(self, shard: Shard, *, blocking: bool, prefetch: bool) -> torch.Tensor | None:

@@ -220,6 +220,7 @@ class TieredStore:
         read: bool = True,
         readonly: bool = False,
         held: MutableSequence[str] | None = None,
+        expected: bool = False,
     ) -> Fetch:
         """Pin ``key`` in host memory and start moving it there; ``wait()`` the result to use it.
 
@@ -232,6 +233,7 @@ class TieredStore:
         ``read=False``: the caller overwrites the whole copy (no disk read; the shard counts
         as dirty from now on). ``readonly``: the caller only reads the copy, so it need not
         wait for a write-back in flight (the Note on coherence); released clean.
+        ``expected``: this is the fetch an :meth:`expect` announced (its hint ends here).
         """
         if readonly and not read:
             raise ValueError(f"{self.name}: fetch({key!r}) with both read=False and readonly")
@@ -243,6 +245,8 @@ class TieredStore:
             shard.pins += 1
             if held is not None:
                 held.append(key)
+            if expected and self._room is not None:
+                self._room.expected.discard(key)
             self._poll()
             self._clock += 1
             shard.last_used = self._clock
@@ -366,9 +370,19 @@ class TieredStore:
             self._poll()
             self._prefetcher.begin_iteration()
 
+    def expect(self, keys: Iterable[str]) -> None:
+        """A hint: ``keys`` will be fetched soon, outside the trace, by a ``fetch(...,
+        expected=True)``; until then eviction keeps their cached copies (the reclaimer's Note
+        on expected copies). The iteration's end forgets a hint nobody followed."""
+        with self._lock:
+            if self._room is not None:
+                self._room.expected.update(keys)
+
     def end_iteration(self) -> None:
         """End of an iteration; re-records quietly if the order changed; prefetches the head."""
         with self._lock:
+            if self._room is not None:
+                self._room.expected.clear()
             head = self._prefetcher.end_iteration()
             self._counters.rerecords = self._prefetcher.rerecords
             self._want(head)

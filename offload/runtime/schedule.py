@@ -403,7 +403,7 @@ class InBackward(Background, PieceSink):
     def unit_backward_begins(self, unit: Unit) -> None:
         # its update comes right after its backward: what the update reads of the param home
         # (one copy on disk) is kept for it, not taken by the backward's prefetches meanwhile
-        # (23.1 -> 16.3 B/param read with beyond_ram's 4 param buffers). Not the root's: its
+        # (23.1 -> 15.5 B/param read with beyond_ram's 4 param buffers). Not the root's: its
         # backward is the whole backward
         if self.feed is not None and not unit.is_root:
             self.optim.expect(unit)

@@ -399,22 +399,22 @@ class PieceSink:
 
 
 class HeldNvmeGrads(NvmeGrads):
-    """The step in backward's gradients. Between :meth:`hand_over` and :meth:`take_back` (the
-    last backward of a step and the update that runs in it) each unit's gradients are
-    accumulated into its grad pieces and up to ``hold`` pieces stay in their buffers for the
-    update, which consumes them without a disk read; the rest are released dirty (written, and
-    read back by the update). The backward waits while the update still holds earlier pieces
-    and this unit's would exceed ``hold``: it then runs at the update's pace instead of taking
+    """The step in backward's gradients. Between :meth:`hand_over` and :meth:`take_back` (the last
+    backward of a step and the update that runs in it) each unit's gradients are accumulated
+    into its grad pieces and up to ``hold`` pieces stay in their buffers for the update,
+    which consumes them without a disk read; the rest are released dirty (written, and read
+    back by the update). The backward waits while the update still holds earlier pieces and
+    this unit's would exceed ``hold``: it then runs at the update's pace instead of taking
     every buffer. A unit of more pieces than ``hold`` (``PieceSink.takes_pieces``; the root
-    too, at the backward's end) waits piece by piece instead, the update taking its pieces as they come: its first
-    pieces are updated while the backward hands in the next, and none waits on disk (before
-    2026-12-06 the update heard of a unit only once it was all in, so its pieces beyond
-    ``hold`` were written and read back, 8 bytes more disk traffic a parameter of them: a 2B
-    Llama in 64 MiB buffers, 5 and 10 pieces a unit, one held, wrote 15.2 bytes a parameter a
-    step instead of 12.3; ``benchmarks/README.md``, beyond_ram). A consumed piece is dropped
-    unwritten, unless ``retain``: then it is written, so that a redo of the update (clipping,
-    a changed learning rate) can read it again. Outside a hand-over they are accumulated on
-    NVMe like :class:`NvmeGrads`'s."""
+    too, at the backward's end) waits piece by piece instead, the update taking its pieces
+    as they come: its first pieces are updated while the backward hands in the next, and
+    none waits on disk (before 2026-12-06 the update heard of a unit only once it was all
+    in, so its pieces beyond ``hold`` were written and read back, 8 bytes more disk traffic
+    a parameter of them: a 2B Llama in 64 MiB buffers, 5 and 10 pieces a unit, one held,
+    wrote 15.2 bytes a parameter a step instead of 12.3; ``benchmarks/README.md``,
+    beyond_ram). A consumed piece is dropped unwritten, unless ``retain``: then it is
+    written, so that a redo of the update (clipping, a changed learning rate) can read it
+    again. Outside a hand-over they are accumulated on NVMe like :class:`NvmeGrads`'s."""
 
     def __init__(self, plan: Plan, store, hold: int) -> None:
         super().__init__(plan, store)

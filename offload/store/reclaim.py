@@ -82,7 +82,7 @@ class Reclaimer:
         self._prefetcher, self._counters, self._lock = prefetcher, counters, lock
         self._transfers = transfers
         self.cached: dict[str, Shard] = {}  # shards holding a pool buffer: eviction candidates
-        self.expected: set[str] = set()  # keys a fetch outside the trace takes next (Note)
+        self._expected: set[str] = set()  # keys a fetch outside the trace takes next (Note)
         self.held_bytes = 0  # IO bytes of the shards holding a buffer (what the pages hold)
         self.peak_held_bytes = 0
 
@@ -145,8 +145,20 @@ class Reclaimer:
         return True
 
     # -- taking a buffer ----------------------------------------------------------------------------
+    # -- expected copies (Note) ---------------------------------------------------------------
+    def expect(self, keys: Iterable[str]) -> None:
+        self._expected.update(keys)
+
+    def claimed(self, key: str) -> None:
+        """The fetch that :meth:`expect` announced for ``key`` came."""
+        self._expected.discard(key)
+
+    def forget_expected(self) -> None:
+        """The iteration ended: a hint nobody followed lapses."""
+        self._expected.clear()
+
     def _distance(self, key: str) -> float | None:
-        if key in self.expected:
+        if key in self._expected:
             return 0.0
         return self._prefetcher.distance((key, Tier.HOST))
 

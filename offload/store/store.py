@@ -246,7 +246,7 @@ class TieredStore:
             if held is not None:
                 held.append(key)
             if expected and self._room is not None:
-                self._room.expected.discard(key)
+                self._room.claimed(key)
             self._poll()
             self._clock += 1
             shard.last_used = self._clock
@@ -376,13 +376,13 @@ class TieredStore:
         on expected copies). The iteration's end forgets a hint nobody followed."""
         with self._lock:
             if self._room is not None:
-                self._room.expected.update(keys)
+                self._room.expect(keys)
 
     def end_iteration(self) -> None:
         """End of an iteration; re-records quietly if the order changed; prefetches the head."""
         with self._lock:
             if self._room is not None:
-                self._room.expected.clear()
+                self._room.forget_expected()
             head = self._prefetcher.end_iteration()
             self._counters.rerecords = self._prefetcher.rerecords
             self._want(head)

@@ -61,6 +61,9 @@ void register_aio(py::module_& m) {
           "close", [](Engine& e) { without_gil([&] { e.close(); }); },
           "Wait for every submitted request, then stop the threads.");
 
+  m.def("aio_contexts_made", &aio::contexts_made,
+        "Kernel AIO contexts this process set up so far (engines reuse those closed engines "
+        "left: aio_engine.h); a forked child counts its own.");
   m.def("aio_inject_fault", &aio::inject_fault, py::arg("op"), py::arg("err"), py::arg("count"),
         "Test only: the next `count` syscalls of kind op (0 any, 1 read, 2 write, 3 O_DIRECT "
         "open) fail with errno err.");

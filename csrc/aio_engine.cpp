@@ -3,15 +3,18 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <linux/aio_abi.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 namespace offload {
 namespace aio {
@@ -45,6 +48,81 @@ long sys_io_getevents(aio_context_t ctx, long min_nr, long nr, struct io_event* 
   return syscall(SYS_io_getevents, ctx, min_nr, nr, ev, nullptr);
 }
 
+// ---- kernel AIO contexts kept between engines (aio_engine.h) -----------------------------
+struct IdleContexts {
+  std::mutex mu;
+  pid_t pid = ::getpid();
+  std::vector<std::pair<aio_context_t, unsigned>> idle;  // (context, events it was set up for)
+  uint64_t made = 0;  // contexts this process set up (contexts_made)
+};
+
+IdleContexts& idle_contexts() {
+  // leaked: an engine's threads may still return a context while the process exits
+  static IdleContexts* c = [] {
+    auto* fresh = new IdleContexts;
+    // a fork while a thread holds the lock must not leave it held in the child, whose list
+    // is emptied there (its parent's contexts are not its own)
+    ::pthread_atfork([] { idle_contexts().mu.lock(); }, [] { idle_contexts().mu.unlock(); },
+                     [] {
+                       IdleContexts& mine = idle_contexts();
+                       mine.idle.clear();
+                       mine.made = 0;
+                       mine.pid = ::getpid();
+                       mine.mu.unlock();
+                     });
+    return fresh;
+  }();
+  return *c;
+}
+
+// A context of at least `nr` events: the smallest idle one, or a new one; 0 when none can be had.
+aio_context_t open_context(unsigned nr) {
+  IdleContexts& c = idle_contexts();
+  {
+    std::lock_guard<std::mutex> lk(c.mu);
+    auto best = c.idle.end();
+    for (auto it = c.idle.begin(); it != c.idle.end(); ++it) {
+      if (it->second >= nr && (best == c.idle.end() || it->second < best->second)) best = it;
+    }
+    if (best != c.idle.end()) {
+      aio_context_t ctx = best->first;
+      c.idle.erase(best);
+      return ctx;
+    }
+  }
+  aio_context_t ctx = 0;
+  if (sys_io_setup(nr, &ctx) != 0) return 0;
+  std::lock_guard<std::mutex> lk(c.mu);
+  ++c.made;
+  return ctx;
+}
+
+// `ctx` (set up for `nr` events, nothing in flight) is kept for the next engine, or destroyed
+// when the list is full.
+void close_context(aio_context_t ctx, unsigned nr) {
+  IdleContexts& c = idle_contexts();
+  {
+    std::lock_guard<std::mutex> lk(c.mu);
+    if (c.pid == ::getpid() && c.idle.size() < kIdleContexts) {
+      c.idle.emplace_back(ctx, nr);
+      return;
+    }
+  }
+  sys_io_destroy(ctx);
+}
+
+// Whether Linux AIO works here; a refusal is asked again by the next engine (it may be the
+// system's fs.aio-max-nr, reached for now), a success is not. The probe's context is kept.
+bool kernel_aio_available() {
+  static std::atomic<bool> works{false};
+  if (works.load()) return true;
+  aio_context_t probe = open_context(1);
+  if (probe == 0) return false;
+  close_context(probe, 1);
+  works.store(true);
+  return true;
+}
+
 // "<why> (in the write of N bytes at file offset X)": Python puts the whole request first
 std::string piece_error(const Request& r, size_t len, off_t foff, const char* why) {
   return std::string(why) + " (in the " + (r.is_write ? "write" : "read") + " of " +
@@ -62,6 +140,12 @@ char* Bounce::get() {
     if (posix_memalign(&p, kAlign, bytes_) == 0) ptr_ = static_cast<char*>(p);
   }
   return ptr_;  // nullptr when out of memory: the caller fails the request with ENOMEM
+}
+
+uint64_t contexts_made() {
+  IdleContexts& c = idle_contexts();
+  std::lock_guard<std::mutex> lk(c.mu);
+  return c.made;
 }
 
 void inject_fault(int op, int err, int count) {
@@ -113,11 +197,7 @@ Engine::Engine(size_t block_size, int queue_depth, int thread_count, bool direct
       direct_io_(direct_io),
       owner_pid_(::getpid()) {
   if (thread_count < 1) thread_count = 1;
-  aio_context_t probe = 0;
-  if (sys_io_setup(1, &probe) == 0) {
-    kernel_aio_ = true;
-    sys_io_destroy(probe);
-  }
+  kernel_aio_ = kernel_aio_available();
   for (int i = 0; i < thread_count; ++i) {
     // queue_depth is shared out over the threads (each gets at least one slot)
     int depth = queue_depth_ / thread_count + (i < queue_depth_ % thread_count ? 1 : 0);
@@ -281,8 +361,9 @@ void Engine::worker_sync() {
 }
 
 void Engine::worker(int depth) {
-  aio_context_t ctx = 0;
-  if (sys_io_setup(static_cast<unsigned>(depth), &ctx) != 0) {
+  const unsigned nr = static_cast<unsigned>(depth);
+  aio_context_t ctx = open_context(nr);
+  if (ctx == 0) {
     worker_sync();
     return;
   }
@@ -402,7 +483,7 @@ void Engine::worker(int depth) {
       --inflight;
     }
   }
-  sys_io_destroy(ctx);
+  close_context(ctx, nr);  // nothing in flight: the loop ends only then
 }
 
 void Engine::piece_done(Piece& p) {

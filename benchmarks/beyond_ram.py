@@ -93,7 +93,6 @@ def train_phase(args: argparse.Namespace) -> dict:
     import offload  # noqa: PLC0415
     from offload.api import engine_of  # noqa: PLC0415
     from offload.estimate import host_memory_budget  # noqa: PLC0415
-    from offload.runtime.telemetry import store_totals  # noqa: PLC0415
 
     torch.manual_seed(0)
     directory = Path(args.dir)
@@ -155,7 +154,7 @@ def train_phase(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(0)
     steps = []
     # cumulative bytes per tier pair at the last synchronize() (here: what the load moved)
-    moved = store_totals(engine_of(model).counted())[0]
+    moved = optimizer.stats()["total"]["bytes"]
     rss.start()
     t_train = time.perf_counter()
     for _ in range(args.steps):
@@ -172,8 +171,9 @@ def train_phase(args: argparse.Namespace) -> dict:
         stats = optimizer.stats()
         # The step's record closes at step(), so an update that runs on after it (the first
         # step's, after its backward) is in the next step's record: "bytes" counts from one
-        # synchronize() to the next instead, a step with all of its update
-        total = store_totals(engine_of(model).counted())[0]
+        # synchronize() to the next instead (the totals', read at the call), a step with all
+        # of its update
+        total = stats["total"]["bytes"]
         steps.append(
             {
                 "loss": loss.item(),

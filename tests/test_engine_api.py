@@ -831,6 +831,31 @@ def test_zero_grad_before_step_drops_the_backwards_and_their_update(
         assert totals["rollbacks"] == 1, totals
 
 
+def test_the_totals_bytes_are_read_at_the_call_the_background_update_in_them(tmp_path):
+    """A step's record closes at ``step()``, and the first step's update (after its backward,
+    on NVMe in the background) runs on after it: no record holds it until the next step. The
+    totals' bytes are read at the call, so after ``synchronize()`` they hold all of it (the
+    stores' own counters): how ``benchmarks/beyond_ram.py`` counts a step with its update."""
+    from offload.runtime.telemetry import store_totals  # noqa: PLC0415
+
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
+    try:
+        runtime = engine_of(model)
+        wrapped = opt.stats()["total"]["bytes"]  # the homes the wrap wrote, before any step
+        assert wrapped == store_totals(runtime.counted())[0] and wrapped["host->nvme"] > 0
+        lm_loss(model, batches(1)[0]).backward()
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()
+        total = opt.stats()["total"]["bytes"]
+        assert total == store_totals(runtime.counted())[0]
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # the update wrote every trainable parameter's master (its param) and both moments
+        assert total["host->nvme"] - wrapped["host->nvme"] >= 12 * trainable
+    finally:
+        opt.close()
+
+
 def test_stats_and_close(tmp_path):
     model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
     data = batches(2)

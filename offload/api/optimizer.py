@@ -293,8 +293,12 @@ class OffloadOptimizer(torch.optim.Optimizer):
         now by where (``Runtime.state_bytes``). A step's record closes at ``step()``: what an
         update in the background moves after that (the first step's, or every step's where
         the update runs after the backward) is in the next step's record, a
-        :meth:`synchronize` between them or not."""
-        out = self._engine.telemetry.stats()
+        :meth:`synchronize` between them or not. The totals' bytes and prefetch counts
+        (``stats()["total"]["bytes"]``) are read at this call instead, the background update
+        in them as far as it has gone: a step's bytes with its update are the difference of
+        two totals, each read after a :meth:`synchronize` (``benchmarks/beyond_ram.py``); the
+        totals' seconds are those of the last step's end."""
+        out = self._engine.telemetry.stats(self._engine.counted())
         out["state_bytes"] = self._engine.state_bytes()
         out["skipped_steps"] = self.skipped_steps
         if self.scaler is not None:

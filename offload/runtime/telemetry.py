@@ -125,10 +125,14 @@ class Telemetry:
         self._prev = (moved, hits, misses)
         self._prev_coll = collective_totals(counted)
 
-    def stats(self) -> dict:
-        """The last step's record (all zeros before the first step)."""
+    def stats(self, counted=None) -> dict:
+        """The last step's record (all zeros before the first step). With ``counted`` (the
+        engine's counted objects), its ``total`` bytes and prefetch counts are read now rather
+        than at the step's end: an update running in the background is in them as far as it
+        has gone (whole after a ``synchronize()``), which no step's record holds until the next
+        step closes (``bytes``)."""
         if not self._last:
-            return {k: 0.0 for k in TIMERS} | {
+            out = {k: 0.0 for k in TIMERS} | {
                 "bytes": {},
                 "collectives": {},
                 "collective_bytes": 0,
@@ -138,7 +142,16 @@ class Telemetry:
                 "steps": 0,
                 "total": {},
             }
-        return dict(self._last)
+        else:
+            out = dict(self._last)
+        if counted is not None:
+            moved, hits, misses, _, _ = store_totals(counted)
+            out["total"] = {**self._totals, **out["total"]} | {
+                "bytes": moved,
+                "prefetch_hits": hits,
+                "prefetch_misses": misses,
+            }
+        return out
 
 
 def check_jsonl_path(path: str | None) -> None:

@@ -229,11 +229,12 @@ def test_a_unit_of_more_grad_pieces_than_the_pool_holds_crosses_no_disk(
         opt.close()
 
 
-def _param_reads_a_step(tmp_path, depth: int) -> float:
+def _param_reads_a_step(tmp_path, depth: int, dtype: str) -> float:
     """Bytes the param store reads a step (steps 3 and 4) with ``prefetch.depth`` = ``depth``:
-    the step in backward, its update reading each unit's params (the fp32 master) through
-    that store, 4 param buffers against blocks of 7 pieces."""
-    cfg = _config(tmp_path / f"depth{depth}", "nvme", "nvme", "fp32", step_in_backward=True)
+    the step in backward, its update reading each unit's params (fp32: they are its master)
+    or writing its new compute params (bf16: a master of its own) through that store, 4 param
+    buffers against blocks of 7 pieces."""
+    cfg = _config(tmp_path / f"depth{depth}", "nvme", "nvme", dtype, step_in_backward=True)
     for section in ("offload_param", "offload_optimizer"):
         cfg[section]["buffer_size"] = "8KiB"  # 2048 elements: a block is 7 pieces
     cfg["prefetch"]["depth"] = depth
@@ -250,16 +251,22 @@ def _param_reads_a_step(tmp_path, depth: int) -> float:
         opt.close()
 
 
-def test_the_backwards_read_ahead_leaves_the_update_its_params(tmp_path, watchdog):
-    """The update in the backward reads a unit's params (one copy on disk: they are its fp32
-    master) right after the unit's backward, through the param store but outside the trace
-    its read-ahead plans by; so the backward's prefetches took the buffers of exactly those
-    pieces (farthest next use, by the trace: the next forward) and the update read them
-    again. Measured here before 2026-12-06: 12.5 B/param a step at depth 2 against 6.4 with
-    no read-ahead (beyond_ram's 2B Llama: 23.1 against 15.4). The update now says what it
-    reads next (``TieredStore.expect``) and the read-ahead costs no more reads than ~1.04x."""
-    without = _param_reads_a_step(tmp_path, 0)
-    with_read_ahead = _param_reads_a_step(tmp_path, 2)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_backwards_read_ahead_leaves_the_update_its_params(tmp_path, watchdog, dtype):
+    """The update in the backward takes a unit's params right after the unit's backward,
+    through the param store but outside the trace its read-ahead plans by: fp32, it reads
+    them (one copy on disk: they are its master); bf16, it overwrites them with the new
+    compute params (a master of its own). So the backward's prefetches took the buffers of
+    exactly those pieces (farthest next use, by the trace: the next forward), and the update
+    read them again (fp32) or evicted the read-ahead's copies for buffers to write in (bf16).
+    Measured here before 2026-12-06: fp32 12.5 B/param a step at depth 2 against 6.4 with no
+    read-ahead (beyond_ram's 2B Llama: 23.1 against 15.4); bf16, 4.85 against 2.99 (a scratch
+    count of its own: the read-ahead's copies evicted for the update's, a piece read three
+    times before its one use). The update now says what it takes next
+    (``TieredStore.expect``) and the read-ahead costs no more reads than ~1.04x (fp32) and
+    ~1.11x (bf16)."""
+    without = _param_reads_a_step(tmp_path, 0, dtype)
+    with_read_ahead = _param_reads_a_step(tmp_path, 2, dtype)
     assert with_read_ahead <= 1.15 * without, (with_read_ahead, without)
 
 

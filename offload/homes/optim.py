@@ -234,8 +234,9 @@ class NvmeMaster:
         return None
 
     def expect(self, unit: Unit, pieces: list[tuple[int, int]]) -> None:
-        """The update in the backward will take these pieces: nothing of the param home to
-        keep for it (it overwrites its out buffers)."""
+        """The update in the backward will take these pieces: the param home keeps what it
+        caches of them (the copies its out buffers overwrite, or here, the master)."""
+        self.params.expect_update(unit, pieces)
 
     def tensors(self, item: _Piece, fetched: list[torch.Tensor]) -> tuple:
         """``(master, exp_avg, exp_avg_sq, out)`` of a piece whose ``kinds`` are ``fetched``;
@@ -282,9 +283,6 @@ class ParamShardsMaster(NvmeMaster):
 
     def hold(self, unit: Unit, lo: int, hi: int):
         return self.params.master_piece(unit, lo, hi)
-
-    def expect(self, unit: Unit, pieces: list[tuple[int, int]]) -> None:
-        self.params.expect_masters(unit, pieces)
 
     def tensors(self, item: _Piece, fetched: list[torch.Tensor]) -> tuple:
         return (item.out.wait()[: item.hi - item.lo], *fetched, None)
@@ -412,7 +410,7 @@ class NvmeOptim(OptimHome):
 
     def expect(self, unit: Unit) -> None:
         """The update in this backward takes ``unit`` once its gradients are in: what it will
-        read of the param home is kept for it meanwhile (``ParamShardsMaster``)."""
+        read or overwrite of the param home is kept for it meanwhile."""
         self.master.expect(unit, self.pieces(unit))
 
     # -- the head start (offload.plan.placement, Note: the NVMe step's buffers) --------------

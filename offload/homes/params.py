@@ -283,6 +283,11 @@ class ParamHome:
         """Where the optimizer writes updated compute values of elements ``[lo, hi)``."""
         raise NotImplementedError
 
+    def expect_update(self, unit: Unit, pieces: list[tuple[int, int]]) -> None:
+        """The update in this backward takes these pieces of ``unit`` next (their
+        :meth:`out_buffer`, or the master the home holds), once the unit's gradients are in: a
+        home that caches pieces keeps their copies for it."""
+
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
         """The optimizer finished writing ``out_buffer(unit, lo, hi)``."""
 
@@ -683,7 +688,7 @@ class NvmeParams(_Released):
 
     def out_buffer(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         self._not_lent(unit)
-        return self.store.take(self.key(unit, lo), self.tier, read=False)
+        return self.store.take(self.key(unit, lo), self.tier, read=False, expected=True)
 
     def master_piece(self, unit: Unit, lo: int, hi: int):
         """The piece's current values, fetched for an update in place (the shards are the fp32
@@ -692,10 +697,12 @@ class NvmeParams(_Released):
         self._not_lent(unit)
         return self.store.fetch(self.key(unit, lo), self.tier, expected=True)
 
-    def expect_masters(self, unit: Unit, pieces: list[tuple[int, int]]) -> None:
-        """The update in this backward fetches these pieces (:meth:`master_piece`) once the
-        unit's gradients are in: the store keeps their copies for it (``TieredStore.expect``)
-        rather than let the backward's prefetches take their buffers first."""
+    def expect_update(self, unit: Unit, pieces: list[tuple[int, int]]) -> None:
+        """The update in this backward fetches these pieces (:meth:`master_piece`) or takes
+        them to overwrite (:meth:`out_buffer`) once the unit's gradients are in: the store
+        keeps their copies for it (``TieredStore.expect``) rather than let the backward's
+        prefetches take their buffers first (a copy kept is a buffer the update need not
+        evict another's for)."""
         self.store.expect(self.key(unit, lo) for lo, _ in pieces)
 
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
@@ -775,6 +782,9 @@ class ShardedParams(_Released):
 
     def out_buffer(self, unit: Unit, lo: int, hi: int) -> torch.Tensor:
         return self.inner.out_buffer(unit, lo, hi)
+
+    def expect_update(self, unit: Unit, pieces: list[tuple[int, int]]) -> None:
+        self.inner.expect_update(unit, pieces)
 
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
         self.inner.commit(unit, lo, hi)

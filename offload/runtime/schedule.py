@@ -401,10 +401,11 @@ class InBackward(Background, PieceSink):
             self.worker.start(self.stepped, self.feed, self._spec, undo=self._undo)
 
     def unit_backward_begins(self, unit: Unit) -> None:
-        # its update comes right after its backward: what the update reads of the param home
-        # (one copy on disk) is kept for it, not taken by the backward's prefetches meanwhile
-        # (23.1 -> 15.5 B/param read with beyond_ram's 4 param buffers). Not the root's: its
-        # backward is the whole backward
+        # its update comes right after its backward: what the update reads (one copy on
+        # disk: the master) or overwrites (the compute params of a master of its own) of the
+        # param home is kept for it, not taken by the backward's prefetches meanwhile (23.1 ->
+        # 15.5 B/param read with beyond_ram's 4 param buffers). Not the root's: its backward
+        # is the whole backward
         if self.feed is not None and not unit.is_root:
             self.optim.expect(unit)
 

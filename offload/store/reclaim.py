@@ -23,7 +23,9 @@ Note: expected copies
     its fp32 master) has no next use in it: its copies look a whole iteration away and the
     backward's prefetches took their buffers just before the update read them again
     (``TieredStore.expect``; ``benchmarks/README.md``, beyond_ram: 23.1 B/param read a step
-    instead of 15.5 with 4 param buffers). A caller that knows it fetches a key next says so;
+    instead of 15.5 with 4 param buffers); so did the update writing a unit's new compute
+    params (a master of its own, bf16), which then evicted the read-ahead's copies for buffers
+    to write them in. A caller that knows it fetches a key next says so;
     until that fetch (or the iteration's end) the key's next use counts as now: no prefetch
     displaces its copy, and a demand fetch takes it last.
 """

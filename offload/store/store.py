@@ -289,13 +289,15 @@ class TieredStore:
             self._write_back(shard)
         self._poll()
 
-    def take(self, key: str, tier: Tier = Tier.HOST, *, read: bool = True) -> torch.Tensor:
+    def take(
+        self, key: str, tier: Tier = Tier.HOST, *, read: bool = True, expected: bool = False
+    ) -> torch.Tensor:
         """``fetch`` + ``wait``: the host copy, pinned until the caller's ``release``. If the
         fetch or its wait fails, nothing stays pinned (a read's IO error, a Ctrl-C) and the
-        copy is dropped unwritten."""
+        copy is dropped unwritten. ``expected``: as ``fetch``'s."""
         held: list[str] = []  # empty when the fetch raised before its pin
         try:
-            return self.fetch(key, tier, read=read, held=held).wait()
+            return self.fetch(key, tier, read=read, held=held, expected=expected).wait()
         except BaseException:
             if held:
                 with contextlib.suppress(Exception):  # the fetch's own error is raised

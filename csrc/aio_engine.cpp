@@ -75,11 +75,21 @@ IdleContexts& idle_contexts() {
   return *c;
 }
 
+// Locked: the list is this process's (a child forked without the handlers above, which only a
+// raw clone() is, would otherwise hand out its parent's contexts).
+void own_contexts(IdleContexts& c) {
+  if (c.pid == ::getpid()) return;
+  c.idle.clear();
+  c.made = 0;
+  c.pid = ::getpid();
+}
+
 // A context of at least `nr` events: the smallest idle one, or a new one; 0 when none can be had.
 aio_context_t open_context(unsigned nr) {
   IdleContexts& c = idle_contexts();
   {
     std::lock_guard<std::mutex> lk(c.mu);
+    own_contexts(c);
     auto best = c.idle.end();
     for (auto it = c.idle.begin(); it != c.idle.end(); ++it) {
       if (it->second >= nr && (best == c.idle.end() || it->second < best->second)) best = it;
@@ -93,19 +103,29 @@ aio_context_t open_context(unsigned nr) {
   aio_context_t ctx = 0;
   if (sys_io_setup(nr, &ctx) != 0) return 0;
   std::lock_guard<std::mutex> lk(c.mu);
+  own_contexts(c);
   ++c.made;
   return ctx;
 }
 
-// `ctx` (set up for `nr` events, nothing in flight) is kept for the next engine, or destroyed
-// when the list is full.
+// `ctx` (set up for `nr` events, nothing in flight) is kept for the next engine; with the list
+// full, the smallest of it and the idle ones is destroyed (a larger context serves more depths).
 void close_context(aio_context_t ctx, unsigned nr) {
   IdleContexts& c = idle_contexts();
   {
     std::lock_guard<std::mutex> lk(c.mu);
-    if (c.pid == ::getpid() && c.idle.size() < kIdleContexts) {
+    own_contexts(c);
+    if (c.idle.size() < kIdleContexts) {
       c.idle.emplace_back(ctx, nr);
       return;
+    }
+    auto smallest = std::min_element(
+        c.idle.begin(), c.idle.end(),
+        [](const std::pair<aio_context_t, unsigned>& a,
+           const std::pair<aio_context_t, unsigned>& b) { return a.second < b.second; });
+    if (smallest->second < nr) {  // kept in its place; the smaller one goes
+      std::swap(smallest->first, ctx);
+      std::swap(smallest->second, nr);
     }
   }
   sys_io_destroy(ctx);
@@ -145,6 +165,7 @@ char* Bounce::get() {
 uint64_t contexts_made() {
   IdleContexts& c = idle_contexts();
   std::lock_guard<std::mutex> lk(c.mu);
+  own_contexts(c);
   return c.made;
 }
 

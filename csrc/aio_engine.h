@@ -21,8 +21,8 @@
 // threads' io_destroy, on an engine that moved nothing). A thread's context goes to a small
 // process-wide list when its engine closes and the next engine's thread takes it (one of at
 // least its depth), so opening and closing an engine costs thread starts and joins. The list
-// holds at most kIdleContexts (each holds its events against the system's fs.aio-max-nr, as it
-// did while its engine was open); the kernel frees them at exit. A forked child starts with an
+// holds at most kIdleContexts, the largest (each holds its events against the system's
+// fs.aio-max-nr, as it did while its engine was open); the kernel frees them at exit. A forked child starts with an
 // empty list: its parent's contexts are not its own (an mm's contexts are not inherited).
 //
 // Errors are recorded on the request (errno + message, the path is on the request) and raised

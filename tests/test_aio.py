@@ -389,3 +389,19 @@ def test_a_forked_child_sets_up_contexts_of_its_own(tmp_path):
     with AsyncIO(block_size=8192, queue_depth=4, thread_count=2) as aio:  # the parent's are kept
         assert _round_trip(aio, tmp_path / "parent.bin", 8)
     assert mod.aio_contexts_made() == made
+
+
+def test_a_full_list_of_idle_contexts_keeps_the_larger_ones(tmp_path):
+    """At most 4 idle contexts are kept: a closing engine's larger context takes the place of
+    a smaller idle one (it serves every depth the smaller one does), so the next engine of
+    that depth sets up none."""
+    mod = _native_kernel_aio()
+    small = [AsyncIO(block_size=8192, queue_depth=1, thread_count=1) for _ in range(6)]
+    big = AsyncIO(block_size=8192, queue_depth=4, thread_count=1)
+    for aio in small:
+        aio.close()  # the idle list fills up with contexts of one event
+    big.close()
+    made = mod.aio_contexts_made()
+    with AsyncIO(block_size=8192, queue_depth=4, thread_count=1) as aio:
+        assert _round_trip(aio, tmp_path / "f.bin", 9)
+    assert mod.aio_contexts_made() == made

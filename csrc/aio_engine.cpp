@@ -56,32 +56,30 @@ struct IdleContexts {
   uint64_t made = 0;  // contexts this process set up (contexts_made)
 };
 
-IdleContexts& idle_contexts() {
-  // leaked: an engine's threads may still return a context while the process exits
-  static IdleContexts* c = [] {
-    auto* fresh = new IdleContexts;
-    // a fork while a thread holds the lock must not leave it held in the child, whose list
-    // is emptied there (its parent's contexts are not its own)
-    ::pthread_atfork([] { idle_contexts().mu.lock(); }, [] { idle_contexts().mu.unlock(); },
-                     [] {
-                       IdleContexts& mine = idle_contexts();
-                       mine.idle.clear();
-                       mine.made = 0;
-                       mine.pid = ::getpid();
-                       mine.mu.unlock();
-                     });
-    return fresh;
-  }();
-  return *c;
-}
-
-// Locked: the list is this process's (a child forked without the handlers above, which only a
-// raw clone() is, would otherwise hand out its parent's contexts).
+// Locked: the list is this process's. A forked child's starts empty (its parent's contexts
+// are not its own): the fork handlers below empty it, and a child forked without them (a raw
+// clone()) empties it at its first use.
 void own_contexts(IdleContexts& c) {
   if (c.pid == ::getpid()) return;
   c.idle.clear();
   c.made = 0;
   c.pid = ::getpid();
+}
+
+IdleContexts& idle_contexts() {
+  // leaked: an engine's threads may still return a context while the process exits
+  static IdleContexts* c = [] {
+    auto* fresh = new IdleContexts;
+    // a fork while a thread holds the lock must not leave it held in the child
+    ::pthread_atfork([] { idle_contexts().mu.lock(); }, [] { idle_contexts().mu.unlock(); },
+                     [] {
+                       IdleContexts& mine = idle_contexts();
+                       own_contexts(mine);
+                       mine.mu.unlock();
+                     });
+    return fresh;
+  }();
+  return *c;
 }
 
 // A context of at least `nr` events: the smallest idle one, or a new one; 0 when none can be had.

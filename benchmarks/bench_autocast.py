@@ -12,7 +12,7 @@ over ``--reps`` after one warm-up step:
 - ``offload, copies saved``: the same with the references turned off (``AutocastSaves`` packs
   every tensor as is): what offload did before them, less its cache setting.
 
-``--frozen`` freezes the blocks' matrices (an adapter's base: their copies are matched by value).
+``--frozen`` freezes the blocks' matrices (an adapter's base: their copies are matched by their bits).
 Then one more step of each, untimed, under a dispatch mode that holds every bf16 copy of a
 weight-shaped tensor weakly: the most alive at once (torch's whole model's; offload's 2 at most).
 

@@ -15,7 +15,11 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 from engine_models import (
+    STACK_DIM,
+    STACK_VOCAB,
     LiveCasts,
     LoraLM,
     batches,
@@ -25,6 +29,7 @@ from engine_models import (
 )
 
 import offload
+from offload.runtime.autocast import _is_cast_of
 
 PLACEMENTS = [("none", "cpu"), ("cpu", "cpu"), ("nvme", "nvme")]
 MODELS = {
@@ -223,3 +228,79 @@ def test_a_forward_that_raises_gives_the_cache_setting_and_the_hooks_back(tmp_pa
         opt.step()
     finally:
         opt.close()
+
+
+class SiblingBlock(nn.Module):
+    """An attention's frozen q and o (one shape), a low-rank adapter beside them."""
+
+    def __init__(self, dim: int = STACK_DIM) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.down = nn.Linear(dim, 4, bias=False)
+        self.up = nn.Linear(4, dim, bias=False)
+        for p in (*self.q.parameters(), *self.o.parameters()):
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        return x + self.o(F.gelu(self.q(x))) + self.up(self.down(x))
+
+
+class SiblingLM(nn.Module):
+    def __init__(self, n: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(STACK_VOCAB, STACK_DIM)
+        self.blocks = nn.Sequential(*(SiblingBlock() for _ in range(n)))
+        self.head = nn.Linear(STACK_DIM, STACK_VOCAB)
+
+    def forward(self, tokens):
+        return self.head(self.blocks(self.embed(tokens)))
+
+
+def test_a_frozen_weights_cast_is_matched_to_it_not_to_a_sibling_of_its_shape(tmp_path):
+    """An attention's q and o, frozen, have one shape: each cast is matched to its own weight
+    (torch's numbers after three steps), and the sibling tried first is told apart by its
+    first elements, not cast whole: a forward makes two whole casts a frozen weight (autocast's
+    and the match's), where o's match cast q whole too before (5 a block, not 4)."""
+    plain = _seeded(SiblingLM)
+    data = batches(6, batch=2, seq=8)
+    ref = copy.deepcopy(plain)
+    ref_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1, foreach=False
+    )
+    expected = _steps(ref, ref_opt, data, cache=False)
+    cfg = placement_config("cpu", "cpu", tmp_path, wrap={"module_classes": ["SiblingBlock"]})
+    model, opt = offload.wrap(copy.deepcopy(plain), cfg)
+    try:
+        dim = STACK_DIM
+        casts = LiveCasts({(dim, dim), (dim * dim,)})  # a weight's cast, whole or flat
+        with casts, _autocast():
+            loss = lm_loss(model, data[0])
+        assert len(casts.refs) == 4 * len(model.blocks), len(casts.refs)
+        loss.backward()
+        opt.zero_grad()
+        model.load_state_dict(plain.state_dict())
+        assert _steps(model, opt, data) == expected
+        sd, rsd = model.state_dict(), ref.state_dict()
+        for k in rsd:
+            torch.testing.assert_close(sd[k], rsd[k], rtol=0, atol=1e-6, msg=k)
+    finally:
+        opt.close()
+
+
+def test_a_cast_is_its_weights_by_every_bit():
+    """The match compares bits: a tensor equal to the cast in its first elements but one
+    later, or in value but for a zero's sign, is not the cast (the backward's cast gives the
+    cast's bits back); sizes and offsets that do not fill a wide word are compared too."""
+    p = torch.randn(300, 7)
+    t = p.to(torch.bfloat16)
+    assert _is_cast_of(t, p)
+    late = t.clone()
+    late.view(-1)[-1] = late.view(-1)[-1] * 2
+    assert not _is_cast_of(late, p)
+    z = torch.zeros(3, 5)
+    signed = z.to(torch.bfloat16)
+    signed[2, 4] = -0.0
+    assert torch.equal(signed, z.to(torch.bfloat16)) and not _is_cast_of(signed, z)
+    odd = torch.randn(11)[1:]  # 10 elements at offset 1
+    assert _is_cast_of(odd.to(torch.float16)[1:], odd[1:])
+    assert not _is_cast_of(odd.to(torch.float16)[1:], odd[:-1])

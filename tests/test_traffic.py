@@ -264,7 +264,7 @@ def test_the_backwards_read_ahead_leaves_the_update_its_params(tmp_path, watchdo
     count of its own: the read-ahead's copies evicted for the update's, a piece read three
     times before its one use). The update now says what it takes next
     (``TieredStore.expect``) and the read-ahead costs no more reads than ~1.04x (fp32) and
-    ~1.11x (bf16)."""
+    ~1.11x (bf16): the lookahead's own price (``offload.store.prefetch``'s Note on it)."""
     without = _param_reads_a_step(tmp_path, 0, dtype)
     with_read_ahead = _param_reads_a_step(tmp_path, 2, dtype)
     assert with_read_ahead <= 1.15 * without, (with_read_ahead, without)

@@ -15,7 +15,7 @@ Note: record, replay, re-record
 Note: what a lookahead costs in reads
     Where the pool is smaller than what an iteration uses, the pieces fetched ahead hold
     buffers that would otherwise cache copies, so a depth-``d`` read-ahead reads about what a
-    pool ``d`` buffers smaller reads with none (the buffer its piece is read into counted). On
+    pool ``d`` buffers smaller reads with none. On
     ``tests/test_traffic.py``'s stack (units of 8 pieces, bf16, the update in the backward), the
     param store read, a step, with no read-ahead 1.91 B/param in 16 buffers, 2.00 in 15 and
     2.09 in 14; at depth 2, 2.09 in 16, 2.00 in 17 and 1.91 in 18 (fp32, no read-ahead 5.99 in

@@ -14,15 +14,17 @@ Note: record, replay, re-record
 
 Note: what a lookahead costs in reads
     Where the pool is smaller than what an iteration uses, the pieces fetched ahead hold
-    buffers that would otherwise cache copies, so a depth-``d`` read-ahead reads about what a
-    pool ``d`` buffers smaller reads with none. On
-    ``tests/test_traffic.py``'s stack (units of 8 pieces, bf16, the update in the backward), the
-    param store read, a step, with no read-ahead 1.91 B/param in 16 buffers, 2.00 in 15 and
-    2.09 in 14; at depth 2, 2.09 in 16, 2.00 in 17 and 1.91 in 18 (fp32, no read-ahead 5.99 in
-    6 buffers and 5.62 in 8; at depth 2, 6.17 in 8 and 5.62 in 10); no piece was read twice
-    before its use. So the read-ahead's extra reads are the price of reading while the compute
-    runs, not wasted reads, and ``d`` more buffers take them back (2026-12-06, scratch counts
-    over ``_param_reads_a_step``'s steps 3-4).
+    buffers that would otherwise cache copies, so a read-ahead reads about what a pool smaller
+    by the buffers it holds ahead reads without one (how many it holds: ``depth`` units at
+    most, bounded by what the pool lends it, ``offload.plan.placement``'s Note on reading
+    ahead). On ``tests/test_traffic.py``'s stack (units of 8 pieces, bf16, the update in the
+    backward), the param store read, a step, with no read-ahead 1.91 B/param in 16 buffers,
+    2.00 in 15 and 2.09 in 14; at depth 1 or 2, 2.09 in 16, and at depth 2, 2.00 in 17 and 1.91
+    in 18: two buffers' worth. fp32: no read-ahead 5.99 in 6 buffers and 5.62 in 8; at depth 2,
+    6.17 in 8 and 5.62 in 10 (at depth 1, 5.62 in 8). No piece was read twice before its use.
+    So the read-ahead's extra reads are the price of reading while the compute runs, not
+    wasted reads, and that many more buffers take them back (2026-12-06, scratch counts over
+    ``_param_reads_a_step``'s steps 3-4).
 """
 
 from __future__ import annotations

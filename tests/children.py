@@ -39,6 +39,19 @@ def start_worker(root: Path, end: str, *places: str, env: dict | None = None) ->
     )
 
 
+def stacks_of_stuck(proc: subprocess.Popen) -> str:
+    """A child that did not end in time: where its threads wait. A child started with
+    ``PYTHONFAULTHANDLER=1`` in its environment prints every thread's stack at SIGABRT; the
+    stderr it wrote (the stacks last) comes back, and the child is killed if it still runs."""
+    try:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+    return err or ""
+
+
 def wait_for_step(proc: subprocess.Popen, step: int) -> None:
     """Reads the child's output until it reports ``step``; kills it and fails otherwise."""
     deadline = time.monotonic() + TIMEOUT

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from children import default_sigint
+from children import default_sigint, stacks_of_stuck
 
 from offload.cli.demo import build_config, engine_status
 from offload.cli.main import build_parser, main
@@ -27,7 +27,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def _env() -> dict[str, str]:
     # one torch thread: the tiny model trains fastest that way, also on a busy machine
     path = str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    # (a demo that does not end shows its threads' stacks: children.stacks_of_stuck)
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
 
 
 @pytest.fixture(autouse=True)
@@ -242,7 +243,13 @@ def _interrupt_after_steps(
         assert proc.poll() is None, "the demo ended before it could be interrupted"
         time.sleep(extra_delay)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            stacks = stacks_of_stuck(proc)
+            raise AssertionError(
+                f"the demo did not end within 120 s of its Ctrl-C; its stderr:\n{stacks[-8000:]}"
+            ) from None
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,4 +1,5 @@
-"""Running child processes from tests: a default SIGINT, the training worker, its progress.
+"""Running child processes from tests: a default SIGINT, the training worker, its progress,
+the stacks of one that does not end.
 
 A child inherits its parent's signal dispositions through exec. When the suite runs with SIGINT
 ignored (a shell's background job), Python in the child leaves SIGINT ignored and never installs

@@ -24,7 +24,8 @@ Note: what a lookahead costs in reads
     6.17 in 8 and 5.62 in 10 (at depth 1, 5.62 in 8). No piece was read twice before its use.
     So the read-ahead's extra reads are the price of reading while the compute runs, not
     wasted reads, and that many more buffers take them back (2026-12-06, scratch counts over
-    ``_param_reads_a_step``'s steps 3-4).
+    ``_param_reads_a_step``'s steps 3-4; the fp32 8 / 10 and bf16 16 / 18 pairs are
+    ``test_what_the_read_ahead_reads_more_two_more_buffers_take_back`` there).
 """
 
 from __future__ import annotations

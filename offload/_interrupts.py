@@ -22,6 +22,26 @@ Note: why defer
     completion it finishes: ~0.6% of its time in bench_e2e's recipe (py-spy, 2026-12-06).
     Through ``_signal`` a block costs 2.0 us (best of 5, ``python -m timeit -s "from
     offload._interrupts import interrupts_deferred" "with interrupts_deferred(): pass"``).
+
+Note: waits
+    ``threading.Event.wait`` and ``threading.Condition.wait`` are Python code (CPython 3.11's
+    ``threading.py``), and a Ctrl-C raised inside them breaks the primitive itself. Raised in
+    ``Condition.__enter__`` right after it took the lock (an ``Event``'s wait enters its own
+    Condition so), the lock stays held for good: whoever sets the event next blocks forever.
+    Raised in ``Condition.wait`` before it took the lock back, the caller's ``with`` releases a
+    lock it no longer holds (``RuntimeError: release unlocked lock``, or another thread's hold
+    released under it). Measured with real signals, 3000 SIGINTs into a loop of
+    ``Event().wait(0)``: 277 left the event's lock held, 413 raised that RuntimeError. That was
+    the demo's hang after Ctrl-C: its forward waited for a unit's update (``Event.wait``), the
+    Ctrl-C left the event's lock held, the update's thread blocked setting it, and closing the
+    engine joined that thread forever (found with an injector that raises KeyboardInterrupt at
+    the points where CPython delivers a signal, in offload's and ``threading``'s frames).
+
+    So offload's blocking waits go through :func:`wait`: the primitive's wait runs with SIGINT
+    deferred, in slices of :data:`SLICE_S`, and a Ctrl-C is raised between slices, where the
+    caller's state is whole (a Condition's lock held again, inside the caller's ``with``): the
+    wait ends within a slice of the Ctrl-C. On other threads (nothing to defer there) the
+    slices bound what a wake-up lost to a notify broken by a Ctrl-C on the main thread costs.
 """
 
 from __future__ import annotations
@@ -30,7 +50,11 @@ import _signal  # (the Note: why not signal's wrappers)
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Iterator
+
+SLICE_S = 0.05
+"""Seconds :func:`wait` blocks at a time (Note: waits): what a Ctrl-C waits for at most."""
 
 _depth = 0  # nested blocks on the main thread
 _caught: list[tuple[int, object]] = []  # (signum, frame) noted while deferred
@@ -70,3 +94,17 @@ def interrupts_deferred() -> Iterator[None]:
             signum, frame = _caught[0]
             _caught.clear()
             previous(signum, frame)  # the default handler raises KeyboardInterrupt here
+
+
+def wait(waitable: threading.Event | threading.Condition, timeout: float | None = None) -> bool:
+    """``waitable.wait(timeout)`` that a Ctrl-C cannot break (Note: waits): an Event, or a
+    Condition whose lock the caller holds (as for its own ``wait``). True once notified or
+    set; False after ``timeout`` seconds (None: no limit)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = SLICE_S if deadline is None else max(0.0, min(SLICE_S, deadline - time.monotonic()))
+        with interrupts_deferred():
+            if waitable.wait(left):
+                return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False

@@ -2,18 +2,36 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import threading
+import time
+import types
 from pathlib import Path
 
 import pytest
 from children import ROOT, default_sigint
 
 from offload._interrupts import interrupts_deferred
+
+
+def _waiter(frame) -> str:
+    """The first caller of ``frame`` outside ``threading`` and ``offload._interrupts``."""
+    while frame.f_code.co_filename in (threading.__file__, _interrupts_file()):
+        frame = frame.f_back
+    return frame.f_code.co_name
+
+
+def _interrupts_file() -> str:
+    import offload._interrupts
+
+    return offload._interrupts.__file__
 
 
 def _ctrl_c() -> None:
@@ -204,3 +222,118 @@ def test_a_ctrl_c_in_a_completion_callback_is_not_the_request_s_error(python_ctr
         handle.wait()
     assert ran == [1, 2]
     handle.wait()  # done, without error, for every later waiter
+
+
+@pytest.mark.parametrize("kind", ["event", "condition"])
+def test_a_ctrl_c_during_a_wait_leaves_the_primitive_whole(python_ctrl_c, kind):
+    """Real SIGINTs into a loop of zero-length waits, which spends its time inside the
+    primitive's Python code (``threading.py``). With ``Event.wait`` itself, 3000 of them left
+    the event's lock held for good 277 times and raised ``RuntimeError: release unlocked lock``
+    413 times (offload._interrupts, Note: waits; the demo's hang after Ctrl-C). Through
+    ``wait``: only KeyboardInterrupt, and the lock free after each."""
+    from offload._interrupts import wait
+
+    rng = random.Random(0)
+    outcomes = []
+    for _ in range(100):
+        event = threading.Event()
+        cond = threading.Condition(threading.Lock())
+        lock = event._cond._lock if kind == "event" else cond._lock
+        go = threading.Event()
+        delay = rng.uniform(0.0002, 0.002)
+
+        def ctrl_c_soon(go=go, delay=delay):
+            go.wait()
+            time.sleep(delay)
+            _ctrl_c()
+
+        sender = threading.Thread(target=ctrl_c_soon)
+        sender.start()
+        try:
+            go.set()
+            while True:
+                if kind == "event":
+                    wait(event, 0)
+                else:  # (entered through its C lock, as offload's are: Condition.__enter__
+                    with lock:  # is Python, and a Ctrl-C there leaves the lock held too)
+                        wait(cond, 0)
+        except KeyboardInterrupt:
+            outcomes.append("KeyboardInterrupt")
+        except RuntimeError as exc:
+            outcomes.append(f"RuntimeError: {exc}")
+        finally:
+            while sender.is_alive():
+                with contextlib.suppress(KeyboardInterrupt):
+                    sender.join()
+        if lock.locked():
+            outcomes.append("lock left held")
+    assert set(outcomes) == {"KeyboardInterrupt"}, collections.Counter(outcomes)
+
+
+def test_a_ctrl_c_while_the_forward_waits_for_the_update_leaves_the_engine_closable(
+    tmp_path, monkeypatch, python_ctrl_c
+):
+    """The demo's hang after Ctrl-C (CI, 2026-12-06): its forward waited for a unit's update
+    on the update's ``threading.Event``; the Ctrl-C landed in ``Condition.__enter__`` right
+    after it took the event's lock, so the lock stayed held, the update's thread blocked
+    setting the event, and closing the engine joined that thread forever. The Ctrl-C is sent
+    at exactly that point here (a real SIGINT: Python delivers it as the call that sends it
+    returns, inside ``__enter__``); the step must raise KeyboardInterrupt and the engine close
+    within seconds, leaving no swap file."""
+    from engine_models import batches, lm_loss, make_model, placement_config
+
+    import offload
+    import offload.runtime.schedule as schedule
+    from offload.homes.optim import NvmeOptim
+
+    main = threading.main_thread()
+    fired = []
+
+    class CtrlCAfterTakingTheLock(threading.Condition):
+        def __enter__(self):
+            took = super().__enter__()
+            if not fired and threading.current_thread() is main:
+                fired.append(_waiter(sys._getframe(1)))
+                _ctrl_c()
+            return took
+
+    class UpdateEvent(threading.Event):
+        def __init__(self):
+            super().__init__()
+            self._cond = CtrlCAfterTakingTheLock(threading.Lock())
+
+    real_step_units = NvmeOptim.step_units
+
+    def slow_step_units(self, *args, **kw):  # the next forward waits for unit 0's update
+        time.sleep(0.3)
+        return real_step_units(self, *args, **kw)
+
+    # the update after optimizer.step() runs into the next forward (the first step of the
+    # default schedule, every step of this one)
+    cfg = placement_config("nvme", "nvme", tmp_path)
+    cfg["offload_optimizer"]["step_in_backward"] = False
+    model, opt = offload.wrap(make_model(), cfg)
+    data = batches(2)
+    # the update's events, and no other (Thread.start waits on one of its own)
+    names = {k: getattr(threading, k) for k in dir(threading) if not k.startswith("__")}
+    with_fake_events = types.SimpleNamespace(**{**names, "Event": UpdateEvent})
+    closed = threading.Event()
+    try:
+        for tokens in data:
+            lm_loss(model, tokens).backward()
+            opt.step()
+            opt.zero_grad()
+        monkeypatch.setattr(NvmeOptim, "step_units", slow_step_units)
+        monkeypatch.setattr(schedule, "threading", with_fake_events)
+        lm_loss(model, data[0]).backward()
+        opt.step()  # its update starts, slowly
+        with pytest.raises(KeyboardInterrupt):
+            lm_loss(model, data[1]).backward()
+        assert fired == ["wait_unit"]
+    finally:
+        closer = threading.Thread(target=lambda: (opt.close(), closed.set()), daemon=True)
+        closer.start()
+        closer.join(timeout=30)
+    assert closed.is_set(), "the engine did not close within 30 s of the Ctrl-C"
+    left = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert left == [], left

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload._interrupts import interrupts_deferred
+from offload._interrupts import interrupts_deferred, wait
 from offload.homes.decay import StepCounts, UpdateRuns
 from offload.optim import accumulate_grad, adam_step
 from offload.optim.kernels import AdamGroup
@@ -442,7 +442,7 @@ class HeldNvmeGrads(NvmeGrads):
         ended it); whether the hand-over goes on."""
         with self._lock:
             while self.handing and self._held and self._held + pieces > self.hold:
-                self._cond.wait()
+                wait(self._cond)  # (offload._interrupts, Note: waits)
             return self.handing
 
     def absorb(self, unit: Unit, parts: PartsSource, first: bool) -> None:

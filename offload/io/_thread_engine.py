@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 
+from offload._interrupts import interrupts_deferred, wait
 from offload.io import faults
 
 ALIGN = 4096
@@ -93,7 +94,7 @@ class _Request:
 
     # the native request object offers the same four calls
     def wait(self, timeout_s: float) -> bool:
-        return self.event.wait(None if timeout_s < 0 else timeout_s)
+        return wait(self.event, None if timeout_s < 0 else timeout_s)  # (_interrupts: waits)
 
     def done(self) -> bool:
         return self.event.is_set()
@@ -150,8 +151,9 @@ class ThreadEngine:
             threading.Thread(target=self._worker, name=f"offload-aio-{i}", daemon=True)
             for i in range(thread_count)
         ]
-        for t in self._threads:
-            t.start()
+        with interrupts_deferred():  # Thread.start waits on an Event (_interrupts: waits)
+            for t in self._threads:
+                t.start()
 
     # ---- submission -------------------------------------------------------------------
     def submit(
@@ -175,8 +177,11 @@ class ThreadEngine:
             req.finish()
             return req
         req.remaining = len(pieces)
-        for p in pieces:
-            self._queue.put((0 if urgent else 1, next(self._order), (req, p)))
+        # all queued or none: a request missing a piece never finishes (and Queue.put enters a
+        # Condition: offload._interrupts, Note: waits)
+        with interrupts_deferred():
+            for p in pieces:
+                self._queue.put((0 if urgent else 1, next(self._order), (req, p)))
         return req
 
     def _open(self, req: _Request, pieces: list[tuple[int, int, int, int]]) -> None:
@@ -309,9 +314,10 @@ class ThreadEngine:
             if self._closed:
                 return
             while self._outstanding:
-                self._idle.wait()
+                wait(self._idle)
             self._closed = True
-        for _ in self._threads:
-            self._queue.put((2, next(self._order), None))
+        with interrupts_deferred():  # (Queue.put enters a Condition: _interrupts, waits)
+            for _ in self._threads:
+                self._queue.put((2, next(self._order), None))
         for t in self._threads:
             t.join()

@@ -15,9 +15,11 @@ it never waits forever unless the pool's timeout is set to ``math.inf`` explicit
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
+from offload._interrupts import wait
 from offload.io.aligned import ALIGN, aligned_empty, round_up
 from offload.io.errors import PoolExhaustedError
 
@@ -91,14 +93,17 @@ class BufferPool:
         with self._lock:
             if self._storage is None:
                 raise RuntimeError("BufferPool is closed")
-            limit = None if wait_s == float("inf") else wait_s
-            if not self._cond.wait_for(lambda: bool(self._free), timeout=limit):
-                raise PoolExhaustedError(
-                    110,
-                    f"BufferPool exhausted: all buffer_count={self._count} buffers of "
-                    f"buffer_size={self._size} bytes stayed in use for {wait_s:g} s; release "
-                    "buffers sooner or raise buffer_count",
-                )
+            deadline = None if wait_s == float("inf") else time.monotonic() + wait_s
+            while not self._free:  # (not Condition.wait_for: see offload._interrupts, waits)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise PoolExhaustedError(
+                        110,
+                        f"BufferPool exhausted: all buffer_count={self._count} buffers of "
+                        f"buffer_size={self._size} bytes stayed in use for {wait_s:g} s; "
+                        "release buffers sooner or raise buffer_count",
+                    )
+                wait(self._cond, left)
             return self._buffers[self._free.pop()]
 
     def release(self, buf: torch.Tensor) -> None:

@@ -61,7 +61,7 @@ from collections.abc import Callable
 import torch
 
 from offload import _native
-from offload._interrupts import interrupts_deferred
+from offload._interrupts import interrupts_deferred, wait
 from offload.homes.grads import Hyper, PieceSink
 from offload.homes.optim import OptimHome, Part, Units
 from offload.homes.params import ParamHome
@@ -116,7 +116,7 @@ class UnitFeed(Units):
     def take(self) -> Part | None:
         with self._lock:
             while not self._items and not self._closed:
-                self._cond.wait()
+                wait(self._cond)  # (offload._interrupts, Note: waits)
             return self._items.popleft() if self._items else None
 
 
@@ -184,7 +184,7 @@ class _Worker:
         if event is not None and not event.is_set():
             t0 = time.perf_counter()
             with torch.profiler.record_function("offload::wait_update"):
-                event.wait()
+                wait(event)  # a Ctrl-C inside Event.wait left it locked (Note: waits)
             self.timers["step_wait_seconds"] += time.perf_counter() - t0
         if self._error is not None:
             self.join()

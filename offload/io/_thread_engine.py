@@ -159,30 +159,31 @@ class ThreadEngine:
     def submit(
         self, is_write: bool, path: str, addr: int, nbytes: int, offset: int, urgent: bool = False
     ) -> _Request:
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("AsyncIO engine is closed")
-            self._outstanding += 1
-        req = _Request(self, is_write, path, addr, nbytes)
-        pieces = plan(addr, nbytes, offset, self.block_size, self.direct_io)
-        try:
-            self._open(req, pieces)
-        except OSError as exc:
-            req.fail(exc.errno or errno_mod.EIO, f"cannot open the file: {exc.strerror}")
-            req.finish()
-            return req
-        if req.direct_refused:
-            pieces = plan(addr, nbytes, offset, self.block_size, False)
-        if not pieces:
-            req.finish()
-            return req
-        req.remaining = len(pieces)
-        # all queued or none: a request missing a piece never finishes (and Queue.put enters a
-        # Condition: offload._interrupts, Note: waits)
+        # whole or not at all: a request counted outstanding but never queued whole never
+        # finishes, and close() waits for it (Queue.put also enters a Condition:
+        # offload._interrupts, Note: waits)
         with interrupts_deferred():
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("AsyncIO engine is closed")
+                self._outstanding += 1
+            req = _Request(self, is_write, path, addr, nbytes)
+            pieces = plan(addr, nbytes, offset, self.block_size, self.direct_io)
+            try:
+                self._open(req, pieces)
+            except OSError as exc:
+                req.fail(exc.errno or errno_mod.EIO, f"cannot open the file: {exc.strerror}")
+                req.finish()
+                return req
+            if req.direct_refused:
+                pieces = plan(addr, nbytes, offset, self.block_size, False)
+            if not pieces:
+                req.finish()
+                return req
+            req.remaining = len(pieces)
             for p in pieces:
                 self._queue.put((0 if urgent else 1, next(self._order), (req, p)))
-        return req
+            return req
 
     def _open(self, req: _Request, pieces: list[tuple[int, int, int, int]]) -> None:
         flags = (os.O_WRONLY | os.O_CREAT) if req.is_write else os.O_RDONLY

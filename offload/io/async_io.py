@@ -125,17 +125,19 @@ class IOHandle:
             raise self._error
 
     def _finish_locked(self) -> None:
-        req = self._req
-        if req is not None and req.error():
-            self._error = OSError(req.error(), self._describe(req), self._path)
-        self._tensor = None
-        self._finished = True
-        callbacks, errbacks = self._callbacks, self._errbacks
-        self._callbacks, self._errbacks = [], []
         # A Ctrl-C on the main thread waits for the completion's bookkeeping: caught below,
         # it became this handle's error, raised again to every later waiter (the update's
-        # thread, whose pins then leaked), and the callbacks after it never ran
+        # thread, whose pins then leaked), and the callbacks after it never ran. Landing
+        # before the block (with the handle already marked finished), it lost the callbacks:
+        # the handle is marked inside it, so a Ctrl-C before leaves it for the next wait
         with interrupts_deferred():
+            req = self._req
+            if req is not None and req.error():
+                self._error = OSError(req.error(), self._describe(req), self._path)
+            self._tensor = None
+            self._finished = True
+            callbacks, errbacks = self._callbacks, self._errbacks
+            self._callbacks, self._errbacks = [], []
             if self._error is None:
                 for fn in callbacks:
                     try:

@@ -148,9 +148,7 @@ class _Worker:
         """Updates ``units`` in the order ``source`` gives them; ``then`` runs on the worker
         when the update succeeded, ``undo`` on the main thread when it failed (it restores the
         state from before the update, which is then not mixed)."""
-        self._unit_done = {u.index: threading.Event() for u in units}
-        self._error = None
-        self._undo = undo
+        events = {u.index: threading.Event() for u in units}
 
         def run() -> None:
             t0 = time.perf_counter()
@@ -160,7 +158,7 @@ class _Worker:
             try:
                 with torch.profiler.record_function("offload::update"):
                     self.optim.step_units(
-                        source, hyper, on_unit_done=lambda u: self._unit_done[u.index].set()
+                        source, hyper, on_unit_done=lambda u: events[u.index].set()
                     )
                     if then is not None:
                         then()
@@ -169,12 +167,14 @@ class _Worker:
             finally:
                 # counted in the step whose forward it overlaps (joined before that step ends)
                 self.timers["optimizer_seconds"] += time.perf_counter() - t0
-                for event in self._unit_done.values():
+                for event in events.values():
                     event.set()
 
-        # a Ctrl-C inside start() would leave a thread that runs but is not held, or one held
-        # that never started (join() then raises): held back over the two lines
+        # a Ctrl-C inside start() would leave a thread that runs but is not held, one held
+        # that never started (join() then raises), or events no thread sets (a forward then
+        # waited on them for good): held back over the lines that make the update this one
         with interrupts_deferred():
+            self._unit_done, self._error, self._undo = events, None, undo
             self._thread = threading.Thread(target=run, name="offload-step", daemon=True)
             self._thread.start()
 

@@ -1,0 +1,157 @@
+"""A child for ``tests/test_interrupts.py``: a Ctrl-C at each point where Python could deliver
+one during a training step, one point per trial, and training goes on.
+
+``python _ctrl_c_points.py ROOT FRAMES FIRST STRIDE [ACCUM]``: params and optimizer state on
+NVMe under ROOT, the default config (the step in backward) with ``gradient_accumulation_steps``
+ACCUM (and clipping when ACCUM > 1). Trial ``n`` (``FIRST``, ``FIRST + STRIDE``, ... until a
+step has fewer points) wraps a fresh model, runs two steps, then a third in which the main
+thread raises KeyboardInterrupt at its ``n``-th signal point, catches it, calls
+``zero_grad()``, runs one more step, waits for the update, and closes the engine. Any other
+exception, a shard still pinned, a file left in ROOT or a wait longer than a minute (which
+exits with every thread's stack) fails the trial. Prints one JSON line: the trials, and the
+failures with where their Ctrl-C landed.
+
+The points are where CPython 3.11 runs a pending signal's handler on the main thread: right
+after a call returns, at a backward jump, at a function's start; in the frames of ``FRAMES``:
+``threading`` (threading.py only: where a Ctrl-C breaks the primitives,
+``offload._interrupts``, Note: waits) or ``all`` (offload's, threading's and contextlib's),
+and only while SIGINT's handler is the one that raises (not inside ``interrupts_deferred``).
+A Ctrl-C landing elsewhere (torch's C++, a native call) is delivered at one of them.
+"""
+
+from __future__ import annotations
+
+import _signal
+import contextlib
+import dis
+import faulthandler
+import json
+import os
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_models import batches, lm_loss, make_model, placement_config  # noqa: E402
+
+import offload  # noqa: E402
+from offload.api.wrap import engine_of  # noqa: E402
+
+OFFLOAD = os.path.dirname(offload.__file__)
+FRAMES = {
+    "threading": (threading.__file__,),
+    "all": (OFFLOAD, threading.__file__, contextlib.__file__),
+}
+CALLS = {dis.opmap["CALL"], dis.opmap["CALL_FUNCTION_EX"]}
+JUMP_BACK = dis.opmap["JUMP_BACKWARD"]
+
+
+class Injector:
+    """Raises KeyboardInterrupt on the main thread at its ``target``-th signal point."""
+
+    def __init__(self, roots: tuple[str, ...], target: int) -> None:
+        self.roots, self.target = roots, target
+        self.count = 0
+        self.fired: str | None = None
+        self.stack = ""  # where it fired
+        self._last: dict[int, int] = {}  # frame id -> its last opcode
+
+    def __enter__(self) -> Injector:
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(None)
+
+    def _call(self, frame, event, arg):
+        if self.fired is None and frame.f_code.co_filename.startswith(self.roots):
+            frame.f_trace_opcodes = True
+            self._last.pop(id(frame), None)
+            return self._opcode
+        return None
+
+    def _opcode(self, frame, event, arg):
+        if event != "opcode" or self.fired is not None:
+            return self._opcode
+        op = frame.f_code.co_code[frame.f_lasti]
+        before = self._last.get(id(frame))
+        self._last[id(frame)] = op
+        point = before is None or before in CALLS or before == JUMP_BACK
+        if point and _signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self.count += 1
+            if self.count == self.target:
+                where = frame.f_code.co_filename.replace(OFFLOAD, "offload")
+                self.fired = f"{where}:{frame.f_lineno} in {frame.f_code.co_name}"
+                self.stack = "".join(traceback.format_stack(frame, limit=12))
+                raise KeyboardInterrupt
+        return self._opcode
+
+
+def trial(root: Path, roots: tuple[str, ...], n: int, accum: int) -> dict:
+    cfg = placement_config("nvme", "nvme", root)
+    cfg["gradient_accumulation_steps"] = accum
+    if accum > 1:
+        cfg["gradient_clipping"] = 1.0
+    model, opt = offload.wrap(make_model(), cfg)
+    runtime = engine_of(model)
+    data = batches(4)
+
+    def one_step(s: int) -> None:
+        for m in range(accum):
+            (lm_loss(model, data[(s + m) % len(data)]) / accum).backward()
+        opt.step()
+        opt.zero_grad()
+
+    out: dict = {"n": n}
+    try:
+        one_step(0)
+        one_step(1)
+        injector = Injector(roots, n)
+        try:
+            with injector:
+                one_step(2)
+        except KeyboardInterrupt:
+            opt.zero_grad()
+        out["at"], out["stack"] = injector.fired, injector.stack
+        one_step(3)
+        opt.synchronize()
+        pinned = sorted(
+            k for st in runtime.stores.values() for k, sh in st._shards.items() if sh.pins
+        )
+        if pinned:
+            out["failed"] = f"pinned after the next step: {pinned}"
+    except BaseException as exc:  # noqa: BLE001 - anything but the interrupt fails the trial
+        out["failed"] = "".join(traceback.format_exception(exc))[-2000:]
+    finally:
+        opt.close()
+    left = [str(p) for p in root.rglob("*") if p.is_file()]
+    if left and "failed" not in out:
+        out["failed"] = f"files left: {left}"
+    return out
+
+
+def main() -> None:
+    root, frames = Path(sys.argv[1]), sys.argv[2]
+    first, stride = int(sys.argv[3]), int(sys.argv[4])
+    accum = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    trials, failures = 0, []
+    n = first
+    while True:
+        faulthandler.dump_traceback_later(60, exit=True)  # a hang shows where it waits
+        result = trial(root / f"t{n}", FRAMES[frames], n, accum)
+        faulthandler.cancel_dump_traceback_later()
+        print(f"trial {n}: {result.get('at')}", file=sys.stderr, flush=True)
+        if result.get("at") is None and "failed" not in result:
+            break  # the step has fewer points than n
+        trials += 1
+        if "failed" in result:
+            failures.append(result)
+        n += stride
+    print(json.dumps({"trials": trials, "failures": failures}))
+
+
+if __name__ == "__main__":
+    main()

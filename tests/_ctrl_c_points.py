@@ -49,6 +49,24 @@ CALLS = {dis.opmap["CALL"], dis.opmap["CALL_FUNCTION_EX"]}
 JUMP_BACK = dis.opmap["JUMP_BACKWARD"]
 
 
+_HANDLERS: dict = {}
+
+
+def _handler(code, offset: int):
+    """The exception handler covering ``offset`` in ``code`` (None: none). CPython raises a
+    signal delivered after a call at the call's instruction; this injector can only raise at
+    the next one, which where the call ends a ``with`` or ``try`` body (``return f(x)``
+    inside ``with lock:``) lies outside the body's handler: raised there, the ``with``'s exit
+    never runs (a lock left held), which no real Ctrl-C does. Those points are skipped."""
+    table = _HANDLERS.get(code)
+    if table is None:
+        table = _HANDLERS[code] = dis._parse_exception_table(code)
+    for entry in table:
+        if entry.start <= offset < entry.end:
+            return entry.target
+    return None
+
+
 class Injector:
     """Raises KeyboardInterrupt on the main thread at its ``target``-th signal point."""
 
@@ -57,7 +75,7 @@ class Injector:
         self.count = 0
         self.fired: str | None = None
         self.stack = ""  # where it fired
-        self._last: dict[int, int] = {}  # frame id -> its last opcode
+        self._last: dict[int, tuple] = {}  # frame id -> its last opcode and its offset
 
     def __enter__(self) -> Injector:
         sys.settrace(self._call)
@@ -76,16 +94,23 @@ class Injector:
     def _opcode(self, frame, event, arg):
         if event != "opcode" or self.fired is not None:
             return self._opcode
-        op = frame.f_code.co_code[frame.f_lasti]
-        before = self._last.get(id(frame))
-        self._last[id(frame)] = op
-        point = before is None or before in CALLS or before == JUMP_BACK
+        code, at = frame.f_code, frame.f_lasti
+        op = code.co_code[at]
+        before, before_at = self._last.get(id(frame), (None, None))
+        self._last[id(frame)] = op, at
+        if before is None:  # the function's start (its RESUME, outside every handler)
+            point = _handler(code, at) is None
+        else:
+            same = _handler(code, before_at) == _handler(code, at)
+            point = (before in CALLS or before == JUMP_BACK) and same
         if point and _signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             self.count += 1
             if self.count == self.target:
                 where = frame.f_code.co_filename.replace(OFFLOAD, "offload")
                 self.fired = f"{where}:{frame.f_lineno} in {frame.f_code.co_name}"
                 self.stack = "".join(traceback.format_stack(frame, limit=12))
+                if os.environ.get("CTRL_C_POINTS_VERBOSE"):
+                    print(f"fired {self.target}: {self.fired}\n{self.stack}", file=sys.stderr)
                 raise KeyboardInterrupt
         return self._opcode
 
@@ -143,7 +168,8 @@ def main() -> None:
         faulthandler.dump_traceback_later(60, exit=True)  # a hang shows where it waits
         result = trial(root / f"t{n}", FRAMES[frames], n, accum)
         faulthandler.cancel_dump_traceback_later()
-        print(f"trial {n}: {result.get('at')}", file=sys.stderr, flush=True)
+        if os.environ.get("CTRL_C_POINTS_VERBOSE"):
+            print(f"trial {n}: {result.get('at')}", file=sys.stderr, flush=True)
         if result.get("at") is None and "failed" not in result:
             break  # the step has fewer points than n
         trials += 1

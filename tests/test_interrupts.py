@@ -364,3 +364,76 @@ def test_a_ctrl_c_while_the_forward_waits_for_the_update_leaves_the_engine_closa
     assert closed.is_set(), "the engine did not close within 30 s of the Ctrl-C"
     left = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert left == [], left
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    "frames, first, stride",
+    [
+        pytest.param("threading", 1, 1, id="every-point-in-threading"),
+        pytest.param("all", 1, 97, marks=pytest.mark.slow, id="offload-and-threading-sampled"),
+    ],
+)
+def test_a_ctrl_c_at_each_signal_point_of_a_step_then_training_goes_on(
+    tmp_path, frames, first, stride
+):
+    """``_ctrl_c_points.py``: one trial per point where Python can deliver a Ctrl-C on the
+    main thread during a step (in ``threading``'s frames: where a Ctrl-C broke the
+    primitives, offload._interrupts' Note on waits; or in offload's too, sampled), each caught,
+    then ``zero_grad()``, one more step and ``close()``: no other error, nothing pinned, no
+    file left, no wait of a minute. This found the demo's hang after Ctrl-C and three blocks
+    that changed state before deferring the signal."""
+    worker = Path(__file__).resolve().parent / "_ctrl_c_points.py"
+    proc = subprocess.run(
+        [sys.executable, str(worker), str(tmp_path), frames, str(first), str(stride)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        preexec_fn=default_sigint,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["trials"] >= 50, result  # the points were reached
+    assert result["failures"] == [], json.dumps(result["failures"], indent=1)[-6000:]
+
+
+def test_a_ctrl_c_as_the_store_lets_its_lock_go_for_a_wait_leaves_it_held_after(python_ctrl_c):
+    """A store waiting for a transfer lets its (reentrant) lock go, every level of it, and
+    takes it back after. A Ctrl-C delivered as the letting go returned (before the ``try``
+    whose ``finally`` takes it back) left the lock released under callers holding it: their
+    ``with`` then released a lock they no longer held (``RuntimeError``), or another thread's
+    hold. The three lines are one block for a Ctrl-C now: it comes out once the lock is held
+    again, at the level it had."""
+    from types import SimpleNamespace
+
+    from offload.store.prefetch import TracePrefetcher
+    from offload.store.reclaim import Reclaimer
+    from offload.store.shard import Transfer
+    from offload.store.state import Tier
+    from offload.store.stats import StoreCounters
+
+    real = threading.RLock()
+
+    class CtrlCAsItLetsGo:  # the store's RLock, a Ctrl-C sent as _release_save returns
+        def _release_save(self):
+            saved = real._release_save()
+            _ctrl_c()
+            return saved
+
+        def _acquire_restore(self, saved):
+            real._acquire_restore(saved)
+
+        def _is_owned(self):
+            return real._is_owned()
+
+    pool = SimpleNamespace(buffer_count=1, buffer_size=4096)
+    lock = CtrlCAsItLetsGo()
+    reclaimer = Reclaimer("store", pool, TracePrefetcher(2), StoreCounters(), lock, None)
+    done = SimpleNamespace(wait=lambda: None, done=lambda: True)
+    with real, real:  # two levels, as a fetch inside a release's callback holds it
+        with pytest.raises(KeyboardInterrupt):
+            reclaimer.block_on(Transfer(Tier.NVME, Tier.HOST, 4096, done))
+        assert real._is_owned()
+    assert not real._is_owned() and real.acquire(blocking=False)
+    real.release()

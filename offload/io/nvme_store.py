@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload._interrupts import interrupts_deferred
 from offload.io import _owner, lifecycle
 from offload.io.aligned import ALIGN, round_up
 from offload.io.async_io import AsyncIO, IOHandle
@@ -245,10 +246,7 @@ class NvmeStore:
         shard, n = self._span(key, tensor, offset, "write")
         crc = zlib.crc32(_bytes_of(tensor)) if self.checksum else None
         name = self._files[shard.file]
-        with self._lock:
-            shard.ranges = _cut(shard.ranges, offset, offset + n)  # invalid until completed
-            handle = self._aio.write(tensor, name, shard.offset + offset, label=f"shard {key!r}")
-            shard.pending.append((handle, offset, offset + n))
+        handle = None
 
         def completed() -> None:
             with self._lock:
@@ -266,7 +264,17 @@ class NvmeStore:
                 shard.pending = [p for p in shard.pending if p[0] is not handle]
                 shard.last_error = str(exc)
 
-        handle.add_done_callback(completed, on_error=failed)
+        # submitted, recorded and its bookkeeping attached as one block for a Ctrl-C (a
+        # write not in ``pending`` is never waited for; without its callback, its range
+        # stays invalid: offload.store.store's Note on Ctrl-C and IO in flight)
+        with interrupts_deferred():
+            with self._lock:
+                shard.ranges = _cut(shard.ranges, offset, offset + n)  # invalid until completed
+                handle = self._aio.write(
+                    tensor, name, shard.offset + offset, label=f"shard {key!r}"
+                )
+                shard.pending.append((handle, offset, offset + n))
+            handle.add_done_callback(completed, on_error=failed)
         return handle
 
     def read(self, key: str, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
@@ -293,9 +301,6 @@ class NvmeStore:
                 if crc is not None and a >= offset and b <= offset + n
             ]
         name = self._files[shard.file]
-        handle = self._aio.read(
-            tensor, name, shard.offset + offset, label=f"shard {key!r}", urgent=self.urgent_reads
-        )
 
         def completed() -> None:
             if self.checksum and checks:
@@ -314,7 +319,15 @@ class NvmeStore:
             with self._lock:
                 self._counters["bytes_read"] += n
 
-        handle.add_done_callback(completed)
+        with interrupts_deferred():  # (as write's)
+            handle = self._aio.read(
+                tensor,
+                name,
+                shard.offset + offset,
+                label=f"shard {key!r}",
+                urgent=self.urgent_reads,
+            )
+            handle.add_done_callback(completed)
         return handle
 
     def _span(self, key: str, tensor: torch.Tensor, offset: int, what: str) -> tuple[_Shard, int]:

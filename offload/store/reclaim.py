@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 import torch
 
+from offload._interrupts import interrupts_deferred
 from offload.store.budget import HostBudget
 from offload.store.planner import choose_victim
 from offload.store.prefetch import TracePrefetcher
@@ -121,15 +122,21 @@ class Reclaimer:
         """Waits for ``transfer`` with the store's lock released (every level of it), so another
         thread using this store (the background step, the backward handing it gradients) is not
         stopped for the duration of a disk transfer. Callers look at the shard again afterwards;
-        an error is left for the store's ``finish``, whose wait raises it."""
-        saved = self._lock._release_save()  # what threading.Condition.wait does with an RLock
-        try:
-            start = time.perf_counter()
-            with contextlib.suppress(Exception):
-                transfer.handle.wait()
-            waited = time.perf_counter() - start
-        finally:
-            self._lock._acquire_restore(saved)
+        an error is left for the store's ``finish``, whose wait raises it.
+
+        The release, the wait and the taking back are one block for a Ctrl-C: landing between
+        the release and the ``try``, it left the lock released under callers that hold it
+        (their ``with`` then released what they no longer held). The wait is native and runs
+        to its end whatever the signal, so nothing is delayed by holding it back."""
+        with interrupts_deferred():
+            saved = self._lock._release_save()  # as threading.Condition.wait does (RLock)
+            try:
+                start = time.perf_counter()
+                with contextlib.suppress(Exception):
+                    transfer.handle.wait()
+                waited = time.perf_counter() - start
+            finally:
+                self._lock._acquire_restore(saved)
         self._counters.waited(transfer.src, transfer.dst, waited)
 
     def _wait_one(self, shard: Shard) -> bool:
@@ -197,11 +204,14 @@ class Reclaimer:
             try:
                 # in short slices with the lock released: another thread's release may free a
                 # buffer, or leave a copy that can be evicted, which only this loop sees
-                saved = self._lock._release_save()
-                try:
-                    return host.take_blocking(min(_SLICE, max(0.0, deadline - time.monotonic())))
-                finally:
-                    self._lock._acquire_restore(saved)
+                with interrupts_deferred():  # (as in block_on; a slice is 50 ms at most)
+                    saved = self._lock._release_save()
+                    try:
+                        return host.take_blocking(
+                            min(_SLICE, max(0.0, deadline - time.monotonic()))
+                        )
+                    finally:
+                        self._lock._acquire_restore(saved)
             except Exception as exc:
                 if time.monotonic() < deadline:
                     continue

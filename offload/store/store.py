@@ -44,6 +44,16 @@ Note: whose error
     (after writing every copy home again). ``release`` raises only its own misuse: once it
     returns or raises, the pin is given back.
 
+Note: Ctrl-C and IO in flight
+    Submitting a transfer and recording it (the shard's pending transfer, the buffer it
+    holds) are one block for a Ctrl-C (``offload._interrupts``): delivered after a read was
+    submitted but before it was recorded, its ``except`` gave the buffer back to the pool
+    while the read still wrote into it (another shard's copy overwritten, or, once the engine
+    closed and freed the pool, memory the process no longer owned: a segfault in
+    ``tests/_ctrl_c_points.py``'s sweep), and a write-back submitted but not recorded was
+    never waited for. The synchronous reads and writes wait for their transfer inside the
+    block too: unwound before the wait, their buffer was freed under the transfer.
+
 Note: synchronous access
     Registering a shard with its initial value and ``write_from`` / ``read[_into]`` (loading
     and exporting values, checkpoints) move a shard between a caller's tensor and its NVMe
@@ -507,7 +517,8 @@ class TieredStore:
         from offload.io import aligned_empty  # noqa: PLC0415 (only needed with NVMe)
 
         whole = aligned_empty(round_up(shard.io_nbytes))[: shard.io_nbytes]
-        self._nvme.read(shard.extent if committed else self._source(shard), whole).wait()
+        with interrupts_deferred():  # (the Note on Ctrl-C and IO in flight)
+            self._nvme.read(shard.extent if committed else self._source(shard), whole).wait()
         self._counters.moved(Tier.NVME, Tier.HOST, shard.io_nbytes)
         return whole[: shard.nbytes].view(shard.dtype)
 
@@ -636,17 +647,18 @@ class TieredStore:
             if shard.state is not ShardState.NVME or shard.pending is not None:
                 self._room.budget.give(buf)  # another thread loaded it while this one waited
                 continue
-            transfer = None
-            if read:
-                try:
-                    handle = self._nvme.read(self._source(shard), buf[: shard.io_nbytes])
-                except BaseException:
-                    self._room.budget.give(buf)  # refused at submission: the buffer goes back
-                    raise
-                transfer = Transfer(Tier.NVME, Tier.HOST, shard.io_nbytes, handle, keep=buf)
-            shard.load_host(buf, transfer)
-            self._room.took(shard)
-            self._issued(shard, transfer)
+            with interrupts_deferred():  # (the Note on Ctrl-C and IO in flight)
+                transfer = None
+                if read:
+                    try:
+                        handle = self._nvme.read(self._source(shard), buf[: shard.io_nbytes])
+                    except BaseException:
+                        self._room.budget.give(buf)  # refused at submission: it goes back
+                        raise
+                    transfer = Transfer(Tier.NVME, Tier.HOST, shard.io_nbytes, handle, keep=buf)
+                shard.load_host(buf, transfer)
+                self._room.took(shard)
+                self._issued(shard, transfer)
 
     def _issued(self, shard: Shard, transfer: Transfer | None) -> None:
         if transfer is not None:
@@ -747,13 +759,14 @@ class TieredStore:
         # refused at submission (an error, or Ctrl-C inside the call): nothing was written, the
         # copy stays dirty and cached, and the error goes up
         target = shard.extent
-        if self._version is not None and shard.shadow is not None:
-            target = shard.shadow  # the version's own extent (see the Note)
-            self._version[shard.key] = shard
-        handle = self._nvme.write(target, shard.host_io_view())
-        transfer = Transfer(Tier.HOST, Tier.NVME, shard.io_nbytes, handle, keep=shard.host_buf)
-        shard.write_back(transfer)
-        self._issued(shard, transfer)
+        with interrupts_deferred():  # (the Note on Ctrl-C and IO in flight)
+            if self._version is not None and shard.shadow is not None:
+                target = shard.shadow  # the version's own extent (see the Note)
+                self._version[shard.key] = shard
+            handle = self._nvme.write(target, shard.host_io_view())
+            transfer = Transfer(Tier.HOST, Tier.NVME, shard.io_nbytes, handle, keep=shard.host_buf)
+            shard.write_back(transfer)
+            self._issued(shard, transfer)
 
     def _abort(self, shard: Shard) -> None:
         """Roll a failed transfer back to a consistent state (the error is re-raised by the
@@ -809,7 +822,8 @@ class TieredStore:
             if n:
                 staging[: n * size].view(shard.dtype).copy_(flat[first : first + n])
             staging[n * size :].zero_()
-            self._nvme.write(extent, staging, offset).wait()
+            with interrupts_deferred():  # (the Note on Ctrl-C and IO in flight)
+                self._nvme.write(extent, staging, offset).wait()
         self._counters.moved(Tier.HOST, Tier.NVME, shard.io_nbytes)
 
     def _check_open(self) -> None:

@@ -437,3 +437,48 @@ def test_a_ctrl_c_as_the_store_lets_its_lock_go_for_a_wait_leaves_it_held_after(
         assert real._is_owned()
     assert not real._is_owned() and real.acquire(blocking=False)
     real.release()
+
+
+def test_a_ctrl_c_inside_a_transfer_s_completion_loses_no_buffer(tmp_path, python_ctrl_c):
+    """Completing a transfer moves its shard's state after dropping the transfer. A Ctrl-C
+    between the two (in the state move's logging call) left the shard in flight with no
+    transfer: its buffer never came back, and in training a pool a buffer short deadlocked
+    the next step's update against the backward (``_ctrl_c_points.py``, after ~12000
+    trials). The completion is one block for a Ctrl-C now: every buffer comes back."""
+    import torch
+    from test_store import make_store
+
+    from offload.store import Tier
+    from offload.store.shard import Shard
+
+    real_move = Shard._move
+    sent = []
+
+    def move(self, accepted, new, what):
+        if what == "written_back" and not sent:
+            sent.append(self.key)
+            _ctrl_c()  # delivered as this call returns, inside the completion
+        return real_move(self, accepted, new, what)
+
+    with make_store(tmp_path, buffers=1) as store:  # (asserts every buffer came back)
+        for key in ("a", "b"):
+            store.register(key, 1000, torch.float32, Tier.NVME, init=torch.ones(1000))
+        store.fetch("a", Tier.HOST).wait().add_(1.0)
+        pinned = []
+        Shard._move = move
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                # a's write-back completes here, or in the fetch of b (the only buffer: a's)
+                store.release("a", Tier.HOST, dirty=True)
+                pinned.append("b")
+                store.fetch("b", Tier.HOST).wait()
+        finally:
+            Shard._move = real_move
+        for key in pinned:  # (a fetch pins before its wait raises)
+            store.release(key, Tier.HOST, discard=True)
+        assert sent == ["a"]
+        got = store.fetch("b", Tier.HOST).wait()  # a's buffer, free again
+        assert torch.equal(got, torch.ones(1000))
+        store.release("b", Tier.HOST)
+        assert torch.equal(store.fetch("a", Tier.HOST).wait(), torch.full((1000,), 2.0))
+        store.release("a", Tier.HOST)

@@ -98,11 +98,13 @@ class Reclaimer:
 
     def give_buf(self, shard: Shard) -> None:
         """Drops the host copy of ``shard`` (clean, settled) and gives its buffer back."""
-        self._gone(shard, shard.drop_host())
+        with interrupts_deferred():  # dropped and given back together (a buffer lost, or
+            self._gone(shard, shard.drop_host())  # given back twice, otherwise)
 
     def give_aborted(self, shard: Shard, buf: torch.Tensor) -> None:
         """A read into ``buf`` failed: the buffer goes back."""
-        self._gone(shard, buf)
+        with interrupts_deferred():
+            self._gone(shard, buf)
 
     def _gone(self, shard: Shard, buf: torch.Tensor) -> None:
         self.budget.give(buf)

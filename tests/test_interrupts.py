@@ -366,11 +366,10 @@ def test_a_ctrl_c_while_the_forward_waits_for_the_update_leaves_the_engine_closa
     assert left == [], left
 
 
-@pytest.mark.heavy
 @pytest.mark.parametrize(
     "frames, first, stride",
-    [
-        pytest.param("threading", 1, 1, id="every-point-in-threading"),
+    [  # (heavy: CI runs it; slow: by hand, `pytest -m slow -k signal_point`)
+        pytest.param("threading", 1, 1, marks=pytest.mark.heavy, id="every-point-in-threading"),
         pytest.param("all", 1, 97, marks=pytest.mark.slow, id="offload-and-threading-sampled"),
     ],
 )

@@ -481,3 +481,44 @@ def test_a_ctrl_c_inside_a_transfer_s_completion_loses_no_buffer(tmp_path, pytho
         store.release("b", Tier.HOST)
         assert torch.equal(store.fetch("a", Tier.HOST).wait(), torch.full((1000,), 2.0))
         store.release("a", Tier.HOST)
+
+
+def test_a_ctrl_c_as_a_gathered_unit_is_marked_leaves_no_false_write(
+    tmp_path, monkeypatch, python_ctrl_c
+):
+    """A Ctrl-C after a unit's pieces were gathered (their pages lent to it) but before it was
+    marked gathered left the unit marked released with its pages lent: the next forward's
+    watch refused it as parameters written in place after wrap (``_ctrl_c_points.py``'s
+    sampled sweep, in CI). The mark is inside the gather's ``try`` now: training goes on."""
+    from engine_models import batches, lm_loss, make_model, placement_config
+
+    import offload
+    from offload.homes import params
+
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
+    data = batches(2)
+    real_add = params._Gathered.add
+    sent = []
+
+    def add(self, index):
+        if not sent and threading.current_thread() is threading.main_thread():
+            sent.append(index)
+            _ctrl_c()  # delivered as this call returns: before the unit is marked
+        real_add(self, index)
+
+    try:
+        lm_loss(model, data[0]).backward()
+        opt.step()
+        opt.zero_grad()
+        monkeypatch.setattr(params._Gathered, "add", add)
+        with pytest.raises(KeyboardInterrupt):
+            lm_loss(model, data[1]).backward()
+        monkeypatch.undo()
+        assert sent
+        opt.zero_grad()
+        for tokens in data:
+            lm_loss(model, tokens).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        opt.close()

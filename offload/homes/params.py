@@ -556,14 +556,18 @@ class NvmeParams(_Released):
             self._stream(
                 unit, lambda a, b, buf: unit.layout.pairs(a, b, buf, _param_view), lend=lend
             )
-        except BaseException:  # a failed read: the unit stays released
+            # marked inside the try: a Ctrl-C after the gather but before the mark left its
+            # pages lent to a unit marked released, which the next forward's watch took for
+            # parameters written in place (tests/_ctrl_c_points.py)
+            self._gathered.add(unit.index)
+        except BaseException:  # a failed read (or a Ctrl-C): the unit stays released
             with interrupts_deferred():  # a second Ctrl-C waits for the pages to be home
+                self._gathered.discard(unit.index)
                 try:
                     self._take_back(unit)
                 finally:  # failed: the drop moves what is still lent back first
                     self.storage.drop(unit)
             raise
-        self._gathered.add(unit.index)
 
     def reshard(self, unit: Unit) -> None:
         with interrupts_deferred():  # the pages go home whole (offload._interrupts' Note)
@@ -809,10 +813,11 @@ class ShardedParams(_Released):
         gather = self._inflight.pop(unit.index, None) or self._start(unit)
         try:
             gather.finish()
+            self._gathered.add(unit.index)  # (inside the try: NvmeParams.unshard's comment)
         except BaseException:
+            self._gathered.discard(unit.index)
             self.storage.drop(unit)
             raise
-        self._gathered.add(unit.index)
         if nxt is not None and nxt not in self._gathered and nxt not in self._inflight:
             ahead = self.plan.units[nxt]
             self.gate(ahead)

@@ -759,8 +759,8 @@ class TieredStore:
         if shard.home is Tier.HOST or not shard.dirty:
             shard.dirty = False  # the host copy is the home: nothing to move
             return
-        # refused at submission (an error, or Ctrl-C inside the call): nothing was written, the
-        # copy stays dirty and cached, and the error goes up
+        # refused at submission (an error; a Ctrl-C waits for the block's end): nothing was
+        # written, the copy stays dirty and cached, and the error goes up
         target = shard.extent
         with interrupts_deferred():  # (the Note on Ctrl-C and IO in flight)
             if self._version is not None and shard.shadow is not None:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_models import batches, lm_loss, make_model, placement_config  # noqa: E402
+from engine_models import nvme_recipe, pinned_shards  # noqa: E402
 
 import offload  # noqa: E402
 from offload.api.wrap import engine_of  # noqa: E402
@@ -116,20 +116,7 @@ class Injector:
 
 
 def trial(root: Path, roots: tuple[str, ...], n: int, accum: int) -> dict:
-    cfg = placement_config("nvme", "nvme", root)
-    cfg["gradient_accumulation_steps"] = accum
-    if accum > 1:
-        cfg["gradient_clipping"] = 1.0
-    model, opt = offload.wrap(make_model(), cfg)
-    runtime = engine_of(model)
-    data = batches(4)
-
-    def one_step(s: int) -> None:
-        for m in range(accum):
-            (lm_loss(model, data[(s + m) % len(data)]) / accum).backward()
-        opt.step()
-        opt.zero_grad()
-
+    model, opt, one_step = nvme_recipe(root, accum)
     out: dict = {"n": n}
     try:
         one_step(0)
@@ -143,9 +130,7 @@ def trial(root: Path, roots: tuple[str, ...], n: int, accum: int) -> dict:
         out["at"], out["stack"] = injector.fired, injector.stack
         one_step(3)
         opt.synchronize()
-        pinned = sorted(
-            k for st in runtime.stores.values() for k, sh in st._shards.items() if sh.pins
-        )
+        pinned = pinned_shards(engine_of(model))
         if pinned:
             out["failed"] = f"pinned after the next step: {pinned}"
     except BaseException as exc:  # noqa: BLE001 - anything but the interrupt fails the trial

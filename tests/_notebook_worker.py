@@ -25,9 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_models import batches, lm_loss, make_model, placement_config  # noqa: E402
+from engine_models import nvme_recipe, pinned_shards  # noqa: E402
 
-import offload  # noqa: E402
 from offload.api.wrap import engine_of  # noqa: E402
 
 STEPS = 24
@@ -37,20 +36,7 @@ def main() -> None:
     root, seed, accum = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     faulthandler.dump_traceback_later(240, exit=True)  # a hang shows where it waits
     rng = random.Random(seed)
-    cfg = placement_config("nvme", "nvme", root)
-    cfg["gradient_accumulation_steps"] = accum
-    if accum > 1:
-        cfg["gradient_clipping"] = 1.0
-    model, opt = offload.wrap(make_model(), cfg)
-    runtime = engine_of(model)
-    data = batches(4)
-
-    def one_step(s: int) -> None:
-        for m in range(accum):
-            (lm_loss(model, data[(s + m) % len(data)]) / accum).backward()
-        opt.step()
-        opt.zero_grad()
-
+    model, opt, one_step = nvme_recipe(root, accum)
     one_step(0)  # (counts the backwards, and warms up: slower than the rest)
     start = time.perf_counter()
     one_step(1)
@@ -79,7 +65,7 @@ def main() -> None:
     one_step(0)
     one_step(1)
     opt.synchronize()
-    pinned = sorted(k for st in runtime.stores.values() for k, sh in st._shards.items() if sh.pins)
+    pinned = pinned_shards(engine_of(model))
     finite = all(math.isfinite(float(v.float().abs().sum())) for v in model.state_dict().values())
     print(json.dumps({"caught": caught, "pinned": pinned, "finite": finite}), flush=True)
     opt.close()

@@ -404,3 +404,32 @@ class LiveCasts(TorchDispatchMode):
 
     def live(self) -> int:
         return sum(ref() is not None for ref in self.refs)
+
+
+def nvme_recipe(root, accum: int):
+    """The Ctrl-C children's engine (``_notebook_worker.py``, ``_ctrl_c_points.py``): the tiny
+    model with params and optimizer state on NVMe under ``root``, the default config (the step
+    in backward) with ``gradient_accumulation_steps`` ``accum`` (and clipping when above 1).
+    ``(model, opt, one_step)``: ``one_step(s)`` runs step ``s``'s micro-batches, ``step()``
+    and ``zero_grad()``."""
+    import offload  # noqa: PLC0415
+
+    cfg = placement_config("nvme", "nvme", root)
+    cfg["gradient_accumulation_steps"] = accum
+    if accum > 1:
+        cfg["gradient_clipping"] = 1.0
+    model, opt = offload.wrap(make_model(), cfg)
+    data = batches(4)
+
+    def one_step(s: int) -> None:
+        for m in range(accum):
+            (lm_loss(model, data[(s + m) % len(data)]) / accum).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, one_step
+
+
+def pinned_shards(runtime) -> list[str]:
+    """The keys of every store's shards still pinned (none may be between steps)."""
+    return sorted(k for st in runtime.stores.values() for k, sh in st._shards.items() if sh.pins)

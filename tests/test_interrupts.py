@@ -34,6 +34,22 @@ def _interrupts_file() -> str:
     return offload._interrupts.__file__
 
 
+def _child(script: str, *args, timeout: float) -> dict:
+    """Runs a child of this directory with SIGINT at its default (the Ctrl-C children): its
+    last stdout line, a JSON result; a nonzero exit fails with its stderr's end."""
+    worker = Path(__file__).resolve().parent / script
+    proc = subprocess.run(
+        [sys.executable, str(worker), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        preexec_fn=default_sigint,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _ctrl_c() -> None:
     os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler at the next line
 
@@ -105,17 +121,7 @@ def test_ctrl_c_anywhere_then_training_goes_on(tmp_path, seed, accum):
     left. This stress found three bugs: the engine left in the backward for good, the units a
     failed backward took told to the next one's update, and gradient pins leaked by an
     interrupted absorb. ``pytest -m slow tests/test_interrupts.py``."""
-    worker = Path(__file__).resolve().parent / "_notebook_worker.py"
-    proc = subprocess.run(
-        [sys.executable, str(worker), str(tmp_path), str(seed), str(accum)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        preexec_fn=default_sigint,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _child("_notebook_worker.py", tmp_path, seed, accum, timeout=300)
     assert result["caught"] >= 1, result  # the timers did interrupt
     assert result["pinned"] == [] and result["finite"], result
     left = [p for d in ("nvme_p", "nvme_o") for p in (tmp_path / d).iterdir()]
@@ -134,7 +140,7 @@ def test_a_ctrl_c_right_after_a_gradient_is_summed_leaves_no_pin(
     outside a hand-over: ``borrow``, in the first step, which counts the backwards). The
     Ctrl-C is sent at exactly that point here; after ``zero_grad()`` and two more steps
     nothing may stay pinned."""
-    from engine_models import batches, lm_loss, make_model, placement_config
+    from engine_models import batches, lm_loss, make_model, pinned_shards, placement_config
 
     import offload
     from offload.api.wrap import engine_of
@@ -199,10 +205,7 @@ def test_a_ctrl_c_right_after_a_gradient_is_summed_leaves_no_pin(
         one_step(3)
         one_step(4)
         opt.synchronize()
-        pinned = sorted(
-            k for st in runtime.stores.values() for k, sh in st._shards.items() if sh.pins
-        )
-        assert pinned == []
+        assert pinned_shards(runtime) == []
     finally:
         opt.close()
 
@@ -380,19 +383,10 @@ def test_a_ctrl_c_at_each_signal_point_of_a_step_then_training_goes_on(
     main thread during a step (in ``threading``'s frames: where a Ctrl-C broke the
     primitives, offload._interrupts' Note on waits; or in offload's too, sampled), each caught,
     then ``zero_grad()``, one more step and ``close()``: no other error, nothing pinned, no
-    file left, no wait of a minute. This found the demo's hang after Ctrl-C and three blocks
-    that changed state before deferring the signal."""
-    worker = Path(__file__).resolve().parent / "_ctrl_c_points.py"
-    proc = subprocess.run(
-        [sys.executable, str(worker), str(tmp_path), frames, str(first), str(stride)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-        preexec_fn=default_sigint,
-    )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    file left, no wait of a minute. This found the demo's hang after Ctrl-C and the windows
+    where a Ctrl-C split one change of the store's in two (offload/store/store.py, Note:
+    Ctrl-C and IO in flight)."""
+    result = _child("_ctrl_c_points.py", tmp_path, frames, first, stride, timeout=900)
     assert result["trials"] >= 50, result  # the points were reached
     assert result["failures"] == [], json.dumps(result["failures"], indent=1)[-6000:]
 

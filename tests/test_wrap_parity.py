@@ -27,6 +27,7 @@ from engine_models import (
     reference_mixed,
     train_wrapped,
 )
+from torch.overrides import TorchFunctionMode
 
 import offload
 from offload.runtime.phase import PhaseError
@@ -713,6 +714,50 @@ def test_check_reads_names_a_released_parameter_read_outside_its_unit(tmp_path, 
             assert len(model._forward_hooks) == hooks - 1  # the check's, gone after 2 forwards
         finally:
             opt.close()
+
+
+class _CallerMode(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_check_reads_ends_after_a_ctrl_c_in_a_checked_forward(tmp_path):
+    """A Ctrl-C in a checked forward runs none of torch's forward hooks (``always_call`` ones
+    run for an ``Exception`` only), so the check's mode stays on the thread's stack: the next
+    forward finds that forward stopped and takes the mode off, also from below a mode the
+    caller pushed since; the forwards after it are checked and counted as without the Ctrl-C,
+    and the check ends after them."""
+    cfg = placement_config("cpu", "cpu", tmp_path)
+    cfg["wrap"] = {"module_classes": ["_PeekBlock"], "check_reads": 2}
+    torch.manual_seed(0)
+    model = _ReadsOtherBlocksWeights()
+    _register_reads(model)
+    stops = [KeyboardInterrupt]
+
+    def ctrl_c(module, args):
+        if stops:
+            raise stops.pop()
+
+    model.blocks[1].register_forward_pre_hook(ctrl_c)
+    model, opt = offload.wrap(model, cfg)
+    tokens = batches(2, batch=2, seq=8)
+    try:
+        hooks = len(model._forward_hooks)
+        with pytest.raises(KeyboardInterrupt):
+            model(tokens[0][:, :-1])
+        assert torch._C._len_torch_function_stack() == 1  # the check's, left by the Ctrl-C
+        with _CallerMode() as mine:
+            for t in tokens:
+                loss = F.cross_entropy(model(t[:, :-1]).reshape(-1, 64), t[:, 1:].reshape(-1))
+                assert torch._C._len_torch_function_stack() == 1
+                assert torch._C._get_function_stack_at(0) is mine  # the check's, taken off
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        assert torch._C._len_torch_function_stack() == 0
+        assert len(model._forward_hooks) == hooks - 1  # the check's, gone after 2 forwards
+    finally:
+        opt.close()
 
 
 @pytest.mark.parametrize("param_dev", ["cpu", "nvme"])

@@ -12,14 +12,20 @@ Note: what the check sees
     tensor arguments, one list deep: a watched parameter (a unit's, where the param home
     releases) whose unit is not gathered at that moment raises, naming the parameter, its
     unit and the module whose forward was running. Reading its metadata (shape, dtype,
-    device, ``requires_grad``, ...) reads no value and passes; so do offload's own calls (the
-    first frame outside torch is offload's: its gathers). ``p.data`` and ``p.detach()`` count
+    device, ``requires_grad``, ...) reads no value and passes; so do offload's own calls (a
+    frame of offload's between the call and the module call it runs under: its gathers, its
+    watch's compares, also where a mode of the caller's runs first). ``p.data`` and ``p.detach()`` count
     as reads (what they return aliases the storage and is not watched). What it does not see:
     a read in a backward (an activation-checkpoint recomputation), one after the forwards it
     covers, and one traced by ``torch.compile`` (the mode passes everything while dynamo
     traces, which would otherwise guard on each argument's identity and recompile the user's
     forwards for every new activation); under ``torch.compile`` the end of the check changes
     the mode stack, so each compiled frame recompiles once then.
+
+    A forward stopped by Ctrl-C runs none of torch's forward hooks (``always_call`` ones run
+    for an ``Exception`` only), so the mode stays on the thread's stack until the next
+    forward, which finds that forward gone (:meth:`ReadCheck._drop_stopped`) and takes it off;
+    the stopped forward does not count among those checked.
 
     It costs nothing where it is off (0, the default: no hook, no mode). On, each torch call of
     the covered forwards goes through Python: on a 3-block model of 48 features (CPU, one
@@ -87,9 +93,9 @@ _METADATA = frozenset(
 _CALLS = (nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__)
 
 
-def _in_torch(frame) -> bool:
-    name = frame.f_globals.get("__name__", "")
-    return name == "torch" or name.startswith("torch.")
+def _module_call(frame) -> bool:
+    """Whether the frame is torch's call of a module (its forward and hooks run under it)."""
+    return frame.f_code in _CALLS and isinstance(frame.f_locals.get("self"), nn.Module)
 
 
 class _Watch:
@@ -121,16 +127,13 @@ class _ReleasedReads(TorchFunctionMode):
 
     def _refuse(self, w: _Watch) -> None:
         frame = sys._getframe(2)
-        while frame is not None and _in_torch(frame):
+        while frame is not None and not _module_call(frame):
+            if frame.f_globals.get("__name__", "").startswith("offload."):
+                # offload's own (a gather's copy into the parameter, the watch's compare), also
+                # through a mode the caller pushed above this one
+                return
             frame = frame.f_back
-        if frame is not None and frame.f_globals.get("__name__", "").startswith("offload."):
-            return  # offload's own (a gather's copy into the parameter)
-        module = None
-        while frame is not None:
-            if frame.f_code in _CALLS and isinstance(frame.f_locals.get("self"), nn.Module):
-                module = frame.f_locals["self"]
-                break
-            frame = frame.f_back
+        module = frame.f_locals["self"] if frame is not None else None
         name = self.module_names.get(id(module), None) if module is not None else None
         reader = (
             f"the forward of {name or '<model>'} ({type(module).__name__})"
@@ -171,6 +174,8 @@ class ReadCheck:
         ]
 
     def _enter(self, module, args) -> None:
+        if self._depth and self._depth >= self._calls_on_stack():
+            self._drop_stopped()
         if self._depth == 0 and self.left > 0:
             self._mode.__enter__()
             self._depth = 1
@@ -186,6 +191,32 @@ class ReadCheck:
             self.left -= 1
             if self.left == 0:
                 self.remove()
+
+    def _calls_on_stack(self) -> int:
+        """How many of the model's calls are running on this thread, this one included."""
+        frame, calls = sys._getframe(1), 0
+        while frame is not None:
+            calls += frame.f_code is _CALLS[0] and frame.f_locals.get("self") is self.model
+            frame = frame.f_back
+        return calls
+
+    def _drop_stopped(self) -> None:
+        """Forwards that began under the check are no longer running, and no forward hook
+        said so: a Ctrl-C stopped them (torch runs ``always_call`` hooks for an ``Exception``
+        only), leaving the mode on the thread's stack, the modes that ``with`` blocks inside
+        them pushed popped by their exits. The mode is taken off (from the top, or from below
+        a mode the caller pushed since) and the depth counts the forwards still running."""
+        self._depth = self._calls_on_stack() - 1
+        if self._depth:
+            return
+        above = []
+        while torch._C._len_torch_function_stack():
+            mode = torch._C._pop_torch_function_stack()
+            if mode is self._mode:
+                break
+            above.append(mode)
+        for mode in reversed(above):
+            torch._C._push_on_torch_function_stack(mode)
 
     def remove(self) -> None:
         for h in self._handles:

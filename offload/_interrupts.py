@@ -44,6 +44,18 @@ Note: waits
     caller's state is whole (a Condition's lock held again, inside the caller's ``with``): the
     wait ends within a slice of the Ctrl-C. On other threads (nothing to defer there) the
     slices bound what a wake-up lost to a notify broken by a Ctrl-C on the main thread costs.
+
+    A Condition's wait returns to its caller after each slice, which looks at its predicate
+    again (each caller waits in a ``while`` on it). Waiting slice after slice inside
+    :func:`wait` instead (its first form, 2026-12-07) lost wake-ups: a notify
+    that comes as a slice times out goes to the waiter that is giving up (``Condition.wait``
+    returns False, the notify spent), and the next slice waited for another that never
+    came, with the predicate true. The update then waited for a unit already in its feed and
+    the backward for the update to take a held gradient piece: a training deadlock, 3 of 4
+    processes within 17-27 wraps of 4 steps each with the two cores contended
+    (``tests/test_interrupts.py``'s ``..._returns_to_its_caller`` is the deterministic form).
+    An Event's wait looks at its flag at each slice's start, so it loses nothing and loops
+    here to its timeout.
 """
 
 from __future__ import annotations
@@ -100,13 +112,16 @@ def interrupts_deferred() -> Iterator[None]:
 
 def wait(waitable: threading.Event | threading.Condition, timeout: float | None = None) -> bool:
     """``waitable.wait(timeout)`` that a Ctrl-C cannot break (Note: waits): an Event, or a
-    Condition whose lock the caller holds (as for its own ``wait``). True once notified or
-    set; False after ``timeout`` seconds (None: no limit)."""
+    Condition whose lock the caller holds (as for its own ``wait``). An Event: True once set,
+    False after ``timeout`` seconds (None: no limit). A Condition: True once notified, False
+    after one slice at most, so the caller looks at its predicate again (Note: waits)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         left = SLICE_S if deadline is None else max(0.0, min(SLICE_S, deadline - time.monotonic()))
         with interrupts_deferred():
             if waitable.wait(left):
                 return True
+        if isinstance(waitable, threading.Condition):
+            return False
         if deadline is not None and time.monotonic() >= deadline:
             return False

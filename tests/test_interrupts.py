@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from children import ROOT, default_sigint
 
-from offload._interrupts import interrupts_deferred
+from offload._interrupts import interrupts_deferred, wait
 
 
 def _waiter(frame) -> str:
@@ -261,7 +261,6 @@ def test_a_ctrl_c_during_a_wait_leaves_the_primitive_whole(python_ctrl_c, kind):
     the event's lock held for good 277 times and raised ``RuntimeError: release unlocked lock``
     413 times (offload._interrupts, Note: waits; the demo's hang after Ctrl-C). Through
     ``wait``: only KeyboardInterrupt, and the lock free after each."""
-    from offload._interrupts import wait
 
     rng = random.Random(0)
     outcomes = []
@@ -475,6 +474,35 @@ def test_a_ctrl_c_inside_a_transfer_s_completion_loses_no_buffer(tmp_path, pytho
         store.release("b", Tier.HOST)
         assert torch.equal(store.fetch("a", Tier.HOST).wait(), torch.full((1000,), 2.0))
         store.release("a", Tier.HOST)
+
+
+def test_a_condition_s_wait_that_times_out_as_the_notify_comes_returns_to_its_caller():
+    """A notify that comes as a slice of ``wait`` times out is spent on the waiter that is
+    giving up (``Condition.wait`` returns False). Waiting slice after slice inside ``wait``
+    then waited for another notify that never came, with the caller's predicate true: the
+    update waited for a unit already in its feed, the backward for the update, in plain
+    training (the Note: waits). ``wait`` returns to its caller after the slice now, which
+    looks at its predicate again."""
+    items = []
+
+    class NotifiedAsItTimedOut(threading.Condition):
+        def wait(self, timeout=None):
+            if not items:
+                items.append("unit")  # put, and notified, as this slice timed out
+                return False
+            return super().wait(timeout)
+
+    cond = NotifiedAsItTimedOut(threading.Lock())
+    took = threading.Event()
+
+    def waiter():
+        with cond:
+            while not items:
+                wait(cond)
+        took.set()
+
+    threading.Thread(target=waiter, daemon=True).start()
+    assert took.wait(5.0), "the waiter waited on with its predicate true"
 
 
 def test_a_ctrl_c_as_a_gathered_unit_is_marked_leaves_no_false_write(

@@ -7,15 +7,15 @@ ACCUM (and clipping when ACCUM > 1). Trial ``n`` (``FIRST``, ``FIRST + STRIDE``,
 step has fewer points) wraps a fresh model, runs two steps, then a third in which the main
 thread raises KeyboardInterrupt at its ``n``-th signal point, catches it, calls
 ``zero_grad()``, runs one more step, waits for the update, and closes the engine. Any other
-exception, a shard still pinned, a file left in ROOT or a wait longer than a minute (which
-exits with every thread's stack) fails the trial. Prints one JSON line: the trials, and the
+exception, a shard still pinned, a pool buffer without an owner, a file left in ROOT or a
+wait longer than a minute (which exits with every thread's stack) fails the trial. Prints one JSON line: the trials, and the
 failures with where their Ctrl-C landed.
 
 The points are where CPython 3.11 runs a pending signal's handler on the main thread: right
 after a call returns, at a backward jump, at a function's start; in the frames of ``FRAMES``:
 ``threading`` (threading.py only: where a Ctrl-C breaks the primitives,
-``offload._interrupts``, Note: waits) or ``all`` (offload's, threading's and contextlib's),
-and only while SIGINT's handler is the one that raises (not inside ``interrupts_deferred``).
+``offload._interrupts``, Note: waits), ``all`` (offload's, threading's and contextlib's) or
+``buffers`` (the stores' and the buffer pool's: where a pool buffer changes hands), and only while SIGINT's handler is the one that raises (not inside ``interrupts_deferred``).
 A Ctrl-C landing elsewhere (torch's C++, a native call) is delivered at one of them.
 """
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_models import nvme_recipe, pinned_shards  # noqa: E402
+from engine_models import lost_buffers, nvme_recipe, pinned_shards  # noqa: E402
 
 import offload  # noqa: E402
 from offload.api.wrap import engine_of  # noqa: E402
@@ -44,6 +44,7 @@ OFFLOAD = os.path.dirname(offload.__file__)
 FRAMES = {
     "threading": (threading.__file__,),
     "all": (OFFLOAD, threading.__file__, contextlib.__file__),
+    "buffers": tuple(os.path.join(OFFLOAD, p) for p in ("store", "io/buffer_pool.py")),
 }
 CALLS = {dis.opmap["CALL"], dis.opmap["CALL_FUNCTION_EX"]}
 JUMP_BACK = dis.opmap["JUMP_BACKWARD"]
@@ -133,6 +134,9 @@ def trial(root: Path, roots: tuple[str, ...], n: int, accum: int) -> dict:
         pinned = pinned_shards(engine_of(model))
         if pinned:
             out["failed"] = f"pinned after the next step: {pinned}"
+        lost = lost_buffers(engine_of(model))
+        if lost:
+            out["failed"] = f"buffers without an owner after the next step: {lost}"
     except BaseException as exc:  # noqa: BLE001 - anything but the interrupt fails the trial
         out["failed"] = "".join(traceback.format_exception(exc))[-2000:]
     finally:

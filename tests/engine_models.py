@@ -433,3 +433,21 @@ def nvme_recipe(root, accum: int):
 def pinned_shards(runtime) -> list[str]:
     """The keys of every store's shards still pinned (none may be between steps)."""
     return sorted(k for st in runtime.stores.values() for k, sh in st._shards.items() if sh.pins)
+
+
+def lost_buffers(runtime) -> list[str]:
+    """What says a pool buffer has no owner: a store whose budget counts more (or fewer)
+    buffers taken than its cached copies hold, or a pool whose free buffers and its stores'
+    taken ones do not add up to its count."""
+    lost, pools = [], {}
+    for st in runtime.stores.values():
+        if st._room is None:
+            continue  # (no NVMe home: no pool)
+        budget = st._room.budget
+        if budget.in_use != len(st._room.cached):
+            lost.append(f"{st.name}: {budget.in_use} taken, {len(st._room.cached)} cached")
+        pools.setdefault(id(budget.pool), [budget.pool, 0])[1] += budget.in_use
+    for pool, taken in pools.values():
+        if pool.free_count + taken != pool.buffer_count:
+            lost.append(f"{pool!r}: {taken} taken by its stores")
+    return lost

@@ -505,6 +505,56 @@ def test_a_condition_s_wait_that_times_out_as_the_notify_comes_returns_to_its_ca
     assert took.wait(5.0), "the waiter waited on with its predicate true"
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["free-buffer", "after-a-wait"])
+def test_a_ctrl_c_as_the_pool_hands_out_a_buffer_loses_none(tmp_path, python_ctrl_c, full):
+    """A fetch took a pool buffer, then gave it to its shard: a Ctrl-C delivered as the pool's
+    call returned (CPython runs a pending handler there) left the buffer out of the pool with
+    no owner, one buffer fewer for good (``_ctrl_c_points.py``'s ``buffers`` frames; a pool a
+    buffer short deadlocked a step, as a lost completion's did). Taking and placing are one
+    block for a Ctrl-C now, and a wait for room holds nothing: every buffer comes back. Also
+    after waiting for a buffer another fetch held (``after-a-wait``)."""
+    import threading
+
+    import torch
+    from test_store import make_store
+
+    from offload.store import Tier
+
+    with make_store(tmp_path, buffers=1, timeout=5.0) as store:  # (asserts every buffer back)
+        for key in ("a", "b"):
+            store.register(key, 1000, torch.float32, Tier.NVME, init=torch.ones(1000))
+        pool = store._room.budget.pool
+        sent = []
+
+        class CtrlCAsItReturns:
+            def __getattr__(self, name):
+                got = getattr(pool, name)
+                if name not in ("acquire", "try_acquire"):
+                    return got
+
+                def handed_out(*args, **kwargs):
+                    buf = got(*args, **kwargs)
+                    if buf is not None and not sent:
+                        sent.append(name)
+                        _ctrl_c()  # delivered as this call returns
+                    return buf
+
+                return handed_out
+
+        if full:  # b holds the only buffer, released from another thread in a while
+            store.take("b")
+            threading.Timer(0.2, store.release, ("b", Tier.HOST)).start()
+        store._room.budget.pool = CtrlCAsItReturns()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                store.take("a")
+        finally:
+            store._room.budget.pool = pool
+        assert sent
+        assert torch.equal(store.take("a"), torch.ones(1000))  # the buffer, found again
+        store.release("a", Tier.HOST)
+
+
 def test_a_ctrl_c_as_a_gathered_unit_is_marked_leaves_no_false_write(
     tmp_path, monkeypatch, python_ctrl_c
 ):

@@ -106,6 +106,23 @@ class BufferPool:
                 wait(self._cond, left)
             return self._buffers[self._free.pop()]
 
+    def try_acquire(self) -> torch.Tensor | None:
+        """A free buffer, or None when none is free now (never blocks). Its caller records the
+        buffer it got in the same block for a Ctrl-C (``offload._interrupts``): one raised as
+        this returns would leave the buffer out of the pool with no owner."""
+        with self._lock:
+            if self._storage is None:
+                raise RuntimeError("BufferPool is closed")
+            return self._buffers[self._free.pop()] if self._free else None
+
+    def wait_free(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for a buffer to be free, taking none (a Ctrl-C may
+        end the wait: nothing changed hands); whether one is free now."""
+        with self._lock:
+            if not self._free and self._storage is not None:
+                wait(self._cond, timeout)
+            return bool(self._free)
+
     def release(self, buf: torch.Tensor) -> None:
         """Return a buffer obtained from :meth:`acquire` (the same tensor or a view at its start)."""
         i = self._index.get(buf.data_ptr())

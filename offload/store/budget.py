@@ -38,14 +38,17 @@ class HostBudget:
         """Most buffers held at once (count)."""
 
     def try_take(self) -> Any | None:
-        """A free buffer, or ``None`` when the pool has none free right now (never blocks)."""
-        if self.in_use >= self.capacity or self.pool.free_count <= 0:
+        """A free buffer, or ``None`` when the pool has none free right now (never blocks).
+        Called with Ctrl-C held back by the caller, who gives the buffer an owner in the same
+        block (the store's Note on Ctrl-C and IO in flight)."""
+        if self.in_use >= self.capacity:
             return None
-        return self._took(self.pool.acquire(timeout=1.0))
+        buf = self.pool.try_acquire()
+        return None if buf is None else self._took(buf)
 
-    def take_blocking(self, timeout: float | None) -> Any:
-        """A buffer, waiting up to ``timeout`` seconds (the pool raises when none comes free)."""
-        return self._took(self.pool.acquire(timeout=timeout))
+    def wait_free(self, timeout: float) -> None:
+        """Waits up to ``timeout`` seconds for the pool to have a free buffer, taking none."""
+        self.pool.wait_free(timeout)
 
     def give(self, buf: Any) -> None:
         """Return a buffer to the pool."""

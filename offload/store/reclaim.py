@@ -173,13 +173,13 @@ class Reclaimer:
             return 0.0
         return self._prefetcher.distance((key, Tier.HOST))
 
-    def take(self, shard: Shard, *, blocking: bool, prefetch: bool) -> torch.Tensor | None:
-        """A pool buffer for ``shard``: free, or freed by evicting or by waiting (see the
-        Notes); None when not ``blocking`` and none can be had now."""
-        host = self.budget
-        deadline = None
+    def take(self, shard: Shard, *, prefetch: bool) -> torch.Tensor | None:
+        """A pool buffer for ``shard``: free, or freed by evicting a copy (the Notes); None
+        when neither can be had now. Never blocks: its caller gives the buffer to the shard in
+        the same block for a Ctrl-C (the store's Note on Ctrl-C and IO in flight), and waits
+        for room with :meth:`wait_for_room`, holding nothing."""
         while True:
-            buf = host.try_take()
+            buf = self.budget.try_take()
             if buf is not None:
                 return buf
             candidates = [
@@ -192,41 +192,42 @@ class Reclaimer:
                 and s.state is ShardState.HOST
             ]
             victim = self._choose(candidates, shard, prefetch)
-            if victim is not None:
-                self.give_buf(victim)
-                self._counters.evicted(Tier.HOST)
-                continue
-            if not blocking:
+            if victim is None:
                 return None
-            if self._wait_one(shard):
-                continue
-            timeout = getattr(self.pool, "timeout", 60.0)
-            if deadline is None:
-                deadline = time.monotonic() + timeout
+            self.give_buf(victim)
+            self._counters.evicted(Tier.HOST)
+
+    def wait_for_room(self, shard: Shard, since: float | None) -> float | None:
+        """Waits a while for room for ``shard``, holding no buffer (a Ctrl-C may end the wait
+        at any line): for the oldest unpinned transfer in flight, or else a slice of waiting
+        for the pool with the store's lock released (another thread's release may free a
+        buffer, or leave a copy that :meth:`take` can evict). ``since``: when the caller's
+        first wait for the pool began (``time.monotonic``; None before it), returned updated;
+        once the pool's timeout has passed since then, raises naming the budget."""
+        if self._wait_one(shard):
+            return since
+        since = time.monotonic() if since is None else since
+        timeout = getattr(self.pool, "timeout", 60.0)
+        left = since + timeout - time.monotonic()
+        if left <= 0:
+            host = self.budget
+            held = list(self.cached) or [
+                "none of this store's; is the pool shared with another user?"
+            ]
+            raise RuntimeError(
+                f"{self.name}: host budget exhausted fetching {shard.key!r}: all "
+                f"{host.capacity} buffers ({self.name}.buffer_count={host.capacity}, "
+                f"{self.name}.buffer_size={host.buffer_size} bytes) are held by fetched, "
+                f"unreleased shards {held[:8]} and none came free within {timeout} s; "
+                f"raise {self.name}.buffer_count or release shards sooner"
+            )
+        with interrupts_deferred():  # (as in block_on; a slice is 50 ms at most)
+            saved = self._lock._release_save()
             try:
-                # in short slices with the lock released: another thread's release may free a
-                # buffer, or leave a copy that can be evicted, which only this loop sees
-                with interrupts_deferred():  # (as in block_on; a slice is 50 ms at most)
-                    saved = self._lock._release_save()
-                    try:
-                        return host.take_blocking(
-                            min(_SLICE, max(0.0, deadline - time.monotonic()))
-                        )
-                    finally:
-                        self._lock._acquire_restore(saved)
-            except Exception as exc:
-                if time.monotonic() < deadline:
-                    continue
-                held = list(self.cached)
-                if not held:
-                    held = ["none of this store's; is the pool shared with another user?"]
-                raise RuntimeError(
-                    f"{self.name}: host budget exhausted fetching {shard.key!r}: all "
-                    f"{host.capacity} buffers ({self.name}.buffer_count={host.capacity}, "
-                    f"{self.name}.buffer_size={host.buffer_size} bytes) are held by fetched, "
-                    f"unreleased shards {held[:8]} and none came free within {timeout} s; "
-                    f"raise {self.name}.buffer_count or release shards sooner"
-                ) from exc
+                self.budget.wait_free(min(_SLICE, left))
+            finally:
+                self._lock._acquire_restore(saved)
+        return since
 
     def _choose(self, candidates: list[Shard], shard: Shard, prefetch: bool) -> Shard | None:
         if not candidates:

@@ -52,7 +52,11 @@ Note: Ctrl-C and IO in flight
     closed and freed the pool, memory the process no longer owned: a segfault in
     ``tests/_ctrl_c_points.py``'s sweep), and a write-back submitted but not recorded was
     never waited for. The synchronous reads and writes wait for their transfer inside the
-    block too: unwound before the wait, their buffer was freed under the transfer.
+    block too: unwound before the wait, their buffer was freed under the transfer. A pool
+    buffer passes from the pool to its shard inside one too (``_advance``): delivered as the
+    pool's call returned, the Ctrl-C left the buffer taken with no owner, the pool a buffer
+    short for good; so taking one never blocks, and a wait for room holds none
+    (``Reclaimer.wait_for_room``), where a Ctrl-C may land at any line.
 
 Note: synchronous access
     Registering a shard with its initial value and ``write_from`` / ``read[_into]`` (loading
@@ -627,6 +631,7 @@ class TieredStore:
 
         Non-blocking calls stop at the first transfer in flight or missing buffer.
         """
+        since = None  # when this call began waiting for the pool
         while True:
             if readonly and shard.state is ShardState.WRITING_BACK:
                 return True
@@ -640,25 +645,32 @@ class TieredStore:
                 continue
             if shard.ready():
                 return True
-            # NVME: take a buffer, read into it (unless the caller overwrites it)
-            buf = self._room.take(shard, blocking=blocking, prefetch=prefetch)
-            if buf is None:
+            # NVME: take a buffer and read into it (unless the caller overwrites it), the
+            # buffer passing from the pool to the shard in one block (the Note on Ctrl-C and
+            # IO in flight); waiting for room, none is held
+            with interrupts_deferred():
+                buf = self._room.take(shard, prefetch=prefetch)
+                if buf is not None:
+                    self._load(shard, buf, read)
+                    continue
+            if not blocking:
                 return False
-            if shard.state is not ShardState.NVME or shard.pending is not None:
-                self._room.budget.give(buf)  # another thread loaded it while this one waited
-                continue
-            with interrupts_deferred():  # (the Note on Ctrl-C and IO in flight)
-                transfer = None
-                if read:
-                    try:
-                        handle = self._nvme.read(self._source(shard), buf[: shard.io_nbytes])
-                    except BaseException:
-                        self._room.budget.give(buf)  # refused at submission: it goes back
-                        raise
-                    transfer = Transfer(Tier.NVME, Tier.HOST, shard.io_nbytes, handle, keep=buf)
-                shard.load_host(buf, transfer)
-                self._room.took(shard)
-                self._issued(shard, transfer)
+            since = self._room.wait_for_room(shard, since)  # (the lock let go: look again)
+
+    def _load(self, shard: Shard, buf: torch.Tensor, read: bool) -> None:
+        """``shard`` (on NVMe) takes ``buf``, and the read of its values into it is submitted
+        unless ``read`` is False; inside the caller's block for a Ctrl-C."""
+        transfer = None
+        if read:
+            try:
+                handle = self._nvme.read(self._source(shard), buf[: shard.io_nbytes])
+            except BaseException:
+                self._room.budget.give(buf)  # refused at submission: it goes back
+                raise
+            transfer = Transfer(Tier.NVME, Tier.HOST, shard.io_nbytes, handle, keep=buf)
+        shard.load_host(buf, transfer)
+        self._room.took(shard)
+        self._issued(shard, transfer)
 
     def _issued(self, shard: Shard, transfer: Transfer | None) -> None:
         if transfer is not None:

@@ -505,6 +505,30 @@ def test_a_condition_s_wait_that_times_out_as_the_notify_comes_returns_to_its_ca
     assert took.wait(5.0), "the waiter waited on with its predicate true"
 
 
+@pytest.mark.slow
+def test_training_in_contended_processes_never_deadlocks(tmp_path):
+    """Four processes at once, each training the NVMe model 40 wraps of 4 steps
+    (``_contended_steps.py``; by hand, ~4 min: ``pytest -m slow -k contended``). With the wait
+    that lost a notify as its slice timed out (the test above), 3 of 4 such processes
+    deadlocked within 17-27 wraps here (the update waiting for a unit in its feed, the
+    backward for the update)."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve().parent / "_contended_steps.py")]
+            + [str(tmp_path / f"p{i}"), "40", str(1 + i % 2)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )
+        for i in range(4)
+    ]
+    for proc in procs:
+        out, err = proc.communicate(timeout=1500)
+        assert proc.returncode == 0, err[-6000:]
+        assert json.loads(out.strip().splitlines()[-1]) == {"wraps": 40}
+
+
 @pytest.mark.parametrize("full", [False, True], ids=["free-buffer", "after-a-wait"])
 def test_a_ctrl_c_as_the_pool_hands_out_a_buffer_loses_none(tmp_path, python_ctrl_c, full):
     """A fetch took a pool buffer, then gave it to its shard: a Ctrl-C delivered as the pool's

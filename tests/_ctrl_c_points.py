@@ -158,7 +158,8 @@ def main() -> None:
         result = trial(root / f"t{n}", FRAMES[frames], n, accum)
         faulthandler.cancel_dump_traceback_later()
         if os.environ.get("CTRL_C_POINTS_VERBOSE"):
-            print(f"trial {n}: {result.get('at')}", file=sys.stderr, flush=True)
+            failed = f"\nFAILED: {result['failed']}" if "failed" in result else ""
+            print(f"trial {n}: {result.get('at')}{failed}", file=sys.stderr, flush=True)
         if result.get("at") is None and "failed" not in result:
             break  # the step has fewer points than n
         trials += 1

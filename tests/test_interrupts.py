@@ -128,7 +128,7 @@ def test_ctrl_c_anywhere_then_training_goes_on(tmp_path, seed, accum):
     assert left == [], left
 
 
-@pytest.mark.parametrize("where", ["release", "lock", "borrow"])
+@pytest.mark.parametrize("where", ["release", "lock", "borrow", "taken", "borrow-taken"])
 def test_a_ctrl_c_right_after_a_gradient_is_summed_leaves_no_pin(
     tmp_path, monkeypatch, python_ctrl_c, where
 ):
@@ -137,8 +137,10 @@ def test_a_ctrl_c_right_after_a_gradient_is_summed_leaves_no_pin(
     line, or as the backward takes the hand-over's lock) left the piece neither handed over
     nor released: pinned for good (``_notebook_worker.py``, one run in many: ``grad.u3.0``).
     The same at the release that ends ``TieredStore.borrow`` (the gradients summed on NVMe,
-    outside a hand-over: ``borrow``, in the first step, which counts the backwards). The
-    Ctrl-C is sent at exactly that point here; after ``zero_grad()`` and two more steps
+    outside a hand-over: ``borrow``, in the first step, which counts the backwards). And
+    as the piece's ``TieredStore.take`` returned, in either (``taken``, ``borrow-taken``;
+    ``_ctrl_c_points.py``, 2026-12-07): the pinned copy it returned was lost with its pin.
+    The Ctrl-C is sent at exactly that point here; after ``zero_grad()`` and two more steps
     nothing may stay pinned."""
     from engine_models import batches, lm_loss, make_model, pinned_shards, placement_config
 
@@ -164,10 +166,21 @@ def test_a_ctrl_c_right_after_a_gradient_is_summed_leaves_no_pin(
     try:
         owner = runtime.grads.owner
         assert isinstance(owner, HeldNvmeGrads)
-        if where != "borrow":
+        if not where.startswith("borrow"):
             one_step(0)  # counts the backwards
             one_step(1)  # the step in backward from now on
-        if where in ("release", "borrow"):
+        if where in ("taken", "borrow-taken"):
+            real_take = TieredStore.take
+
+            def take(self, key, tier=Tier.HOST, **kw):
+                buf = real_take(self, key, tier, **kw)
+                if not fired and key.startswith("grad.") and threading.current_thread() is main:
+                    fired.append(key)
+                    _ctrl_c()  # delivered as take returns
+                return buf
+
+            monkeypatch.setattr(TieredStore, "take", take)
+        elif where in ("release", "borrow"):
             real_release = TieredStore.release
 
             def release(self, key, tier=Tier.HOST, **kw):

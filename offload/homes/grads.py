@@ -462,9 +462,9 @@ class HeldNvmeGrads(NvmeGrads):
             key = self.key(unit, lo)
             if not first:  # added to what the earlier backwards of this step left on NVMe
                 self.store.use(key, self.tier)
-            buf = self.store.take(key, self.tier, read=not first)
-            settled = False  # the buffer handed to the update, or released
+            held: list[str] = []  # the pin, once taken; cleared once handed over or released
             try:
+                buf = self.store.take(key, self.tier, read=not first, held=held)
                 recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
                 # a Ctrl-C landing between the sum and the release (at the release's first
                 # line, say) would leave the buffer neither handed over nor released: pinned
@@ -477,9 +477,9 @@ class HeldNvmeGrads(NvmeGrads):
                             self._handed[key] = buf
                     if not keep:
                         self.store.release(key, self.tier, dirty=True)
-                    settled = True
+                    held.clear()
             except BaseException:  # a failed backward: zero_grad() overwrites what it summed
-                if not settled:
+                if held:
                     self.store.release(key, self.tier, discard=True)
                 raise
             if keep and streamed:

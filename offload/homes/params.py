@@ -741,13 +741,17 @@ class NvmeParams(_Released):
             for r, share in enumerate(shares):
                 lo, hi = split(*share, piece)[j]
                 key = self.key(unit, lo)
-                buf = self.store.take(key, self.tier, read=r == me)
+                held: list[str] = []  # the pin, once taken (TieredStore.take's held)
                 try:
+                    buf = self.store.take(key, self.tier, read=r == me, held=held)
                     self.comm.broadcast(buf[: hi - lo], r, what=f"{unit.label} params").wait()
+                    with interrupts_deferred():  # released and its record cleared together
+                        self.store.release(key, self.tier, dirty=r != me)
+                        held.clear()
                 except BaseException:  # what it received is dropped, the home keeps its values
-                    self.store.release(key, self.tier, discard=True)
+                    if held:
+                        self.store.release(key, self.tier, discard=True)
                     raise
-                self.store.release(key, self.tier, dirty=r != me)
         return completed(self.comm, "broadcast")
 
     def close(self) -> None:

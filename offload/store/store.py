@@ -304,16 +304,28 @@ class TieredStore:
         self._poll()
 
     def take(
-        self, key: str, tier: Tier = Tier.HOST, *, read: bool = True, expected: bool = False
+        self,
+        key: str,
+        tier: Tier = Tier.HOST,
+        *,
+        read: bool = True,
+        expected: bool = False,
+        held: MutableSequence[str] | None = None,
     ) -> torch.Tensor:
         """``fetch`` + ``wait``: the host copy, pinned until the caller's ``release``. If the
         fetch or its wait fails, nothing stays pinned (a read's IO error, a Ctrl-C) and the
-        copy is dropped unwritten. ``expected``: as ``fetch``'s."""
-        held: list[str] = []  # empty when the fetch raised before its pin
-        try:
+        copy is dropped unwritten. ``expected``: as ``fetch``'s. ``held``: the caller's record
+        of its pins, as ``fetch``'s; given, the caller releases (``discard``) what it records
+        when anything fails, this call included: a Ctrl-C delivered as this call returns
+        (CPython runs a pending handler right after a call) loses the copy it returned, which
+        only such a record still names."""
+        if held is not None:
             return self.fetch(key, tier, read=read, held=held, expected=expected).wait()
+        mine: list[str] = []  # empty when the fetch raised before its pin
+        try:
+            return self.fetch(key, tier, read=read, held=mine, expected=expected).wait()
         except BaseException:
-            if held:
+            if mine:
                 with contextlib.suppress(Exception):  # the fetch's own error is raised
                     self.release(key, tier, discard=True)
             raise
@@ -323,16 +335,16 @@ class TieredStore:
         """``fetch`` + ``wait`` + ``release``: the block gets the host copy, which is released
         dirty when it ends. If the block (or the read) fails, the copy is dropped unwritten
         (the shard keeps its value from before) and the error goes up."""
-        buf = self.take(key, read=read)
-        released = False
+        held: list[str] = []  # the pin, once taken (take's Note on a Ctrl-C as it returns)
         try:
+            buf = self.take(key, read=read, held=held)
             yield buf
             # a Ctrl-C at the release's first line would leave the shard pinned for good
             with interrupts_deferred():
                 self.release(key, Tier.HOST, dirty=True)
-                released = True
+                held.clear()
         except BaseException:
-            if not released:
+            if held:
                 self.release(key, Tier.HOST, discard=True)
             raise
 

@@ -7,7 +7,8 @@ ROOT, the default config (the step in backward) with ``gradient_accumulation_ste
 (seeded) within about a step; the loop catches the KeyboardInterrupt, calls ``zero_grad()``
 and goes on. Any other exception, or a step that does not end, fails the run. At the end, two
 uninterrupted steps, then one JSON line: the interrupts caught, the shards still pinned at idle
-(none may be), whether the weights are finite; then ``close()``.
+and the pool buffers without an owner (none may be), whether the weights are finite; then
+``close()``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_models import nvme_recipe, pinned_shards  # noqa: E402
+from engine_models import lost_buffers, nvme_recipe, pinned_shards  # noqa: E402
 
 from offload.api.wrap import engine_of  # noqa: E402
 
@@ -65,7 +66,7 @@ def main() -> None:
     one_step(0)
     one_step(1)
     opt.synchronize()
-    pinned = pinned_shards(engine_of(model))
+    pinned = pinned_shards(engine_of(model)) + lost_buffers(engine_of(model))
     finite = all(math.isfinite(float(v.float().abs().sum())) for v in model.state_dict().values())
     print(json.dumps({"caught": caught, "pinned": pinned, "finite": finite}), flush=True)
     opt.close()

@@ -395,7 +395,7 @@ def test_a_ctrl_c_at_each_signal_point_of_a_step_then_training_goes_on(
     main thread during a step (in ``threading``'s frames: where a Ctrl-C broke the
     primitives, offload._interrupts' Note on waits; or in offload's too, sampled), each caught,
     then ``zero_grad()``, one more step and ``close()``: no other error, nothing pinned, no
-    file left, no wait of a minute. This found the demo's hang after Ctrl-C and the windows
+    pool buffer without an owner, no file left, no wait of a minute. This found the demo's hang after Ctrl-C and the windows
     where a Ctrl-C split one change of the store's in two (offload/store/store.py, Note:
     Ctrl-C and IO in flight)."""
     result = _child("_ctrl_c_points.py", tmp_path, frames, first, stride, timeout=900)

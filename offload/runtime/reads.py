@@ -14,8 +14,9 @@ Note: what the check sees
     unit and the module whose forward was running. Reading its metadata (shape, dtype,
     device, ``requires_grad``, ...) reads no value and passes; so do offload's own calls (a
     frame of offload's between the call and the module call it runs under: its gathers, its
-    watch's compares, also where a mode of the caller's runs first). ``p.data`` and ``p.detach()`` count
-    as reads (what they return aliases the storage and is not watched). What it does not see:
+    watch's compares, also where a mode of the caller's runs first). ``p.data`` and
+    ``p.detach()`` count as reads (what they return aliases the storage and is not watched).
+    What it does not see:
     a read in a backward (an activation-checkpoint recomputation), one after the forwards it
     covers, and one traced by ``torch.compile`` (the mode passes everything while dynamo
     traces, which would otherwise guard on each argument's identity and recompile the user's

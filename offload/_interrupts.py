@@ -52,8 +52,10 @@ Note: waits
     returns False, the notify spent), and the next slice waited for another that never
     came, with the predicate true. The update then waited for a unit already in its feed and
     the backward for the update to take a held gradient piece: a training deadlock, 3 of 4
-    processes within 17-27 wraps of 4 steps each with the two cores contended
-    (``tests/test_interrupts.py``'s ``..._returns_to_its_caller`` is the deterministic form).
+    processes within 17-27 wraps of 4 steps each with the two cores contended (a scratch
+    loop; ``tests/test_interrupts.py``'s ``..._in_contended_processes_never_deadlocks``,
+    heavy, is its rerunnable form, red in 131 s before the fix, and
+    ``..._returns_to_its_caller`` the deterministic one).
     An Event's wait looks at its flag at each slice's start, so it loses nothing and loops
     here to its timeout.
 """

@@ -45,6 +45,8 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from offload.runtime.state import model_calls
+
 if TYPE_CHECKING:  # pragma: no cover
     from offload.runtime.state import Runtime
 
@@ -175,7 +177,7 @@ class ReadCheck:
         ]
 
     def _enter(self, module, args) -> None:
-        if self._depth and self._depth >= self._calls_on_stack():
+        if self._depth and self._depth >= model_calls(self.model, sys._getframe()):
             self._drop_stopped()
         if self._depth == 0 and self.left > 0:
             self._mode.__enter__()
@@ -193,21 +195,13 @@ class ReadCheck:
             if self.left == 0:
                 self.remove()
 
-    def _calls_on_stack(self) -> int:
-        """How many of the model's calls are running on this thread, this one included."""
-        frame, calls = sys._getframe(1), 0
-        while frame is not None:
-            calls += frame.f_code is _CALLS[0] and frame.f_locals.get("self") is self.model
-            frame = frame.f_back
-        return calls
-
     def _drop_stopped(self) -> None:
         """Forwards that began under the check are no longer running, and no forward hook
         said so: a Ctrl-C stopped them (torch runs ``always_call`` hooks for an ``Exception``
         only), leaving the mode on the thread's stack, the modes that ``with`` blocks inside
         them pushed popped by their exits. The mode is taken off (from the top, or from below
         a mode the caller pushed since) and the depth counts the forwards still running."""
-        self._depth = self._calls_on_stack() - 1
+        self._depth = model_calls(self.model, sys._getframe()) - 1
         if self._depth:
             return
         above = []

@@ -107,6 +107,19 @@ def _grad_hook(runtime: weakref.ref, index: int):
     return hook
 
 
+_WRAPPED_CALL = nn.Module._wrapped_call_impl.__code__
+
+
+def model_calls(model: nn.Module, frame) -> int:
+    """How many calls of ``model`` run on this thread's stack from ``frame`` outwards: the
+    frames of torch's ``Module.__call__`` for it (one a call, compiled or not)."""
+    calls = 0
+    while frame is not None:
+        calls += frame.f_code is _WRAPPED_CALL and frame.f_locals.get("self") is model
+        frame = frame.f_back
+    return calls
+
+
 class Runtime:
     def __init__(
         self,
@@ -465,13 +478,7 @@ class Runtime:
         """Whether the root forward is still running under the caller on this thread: a
         frame of torch's module call for the model is on the stack (after a Ctrl-C it is
         not: the exception unwound it)."""
-        calls = (nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__)
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame.f_code in calls and frame.f_locals.get("self") is self.model:
-                return True
-            frame = frame.f_back
-        return False
+        return model_calls(self.model, sys._getframe(1)) > 0
 
     def _begin_micro_step(self) -> None:
         # the update in the last backward (step_in_backward) wrote the weights: a forward

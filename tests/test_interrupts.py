@@ -128,6 +128,84 @@ def test_ctrl_c_anywhere_then_training_goes_on(tmp_path, seed, accum):
     assert left == [], left
 
 
+@pytest.mark.parametrize("where", ["copied", "released"])
+def test_a_ctrl_c_as_a_gathered_piece_changes_hands_leaves_it_held_once(
+    tmp_path, monkeypatch, python_ctrl_c, where
+):
+    """A gather (``NvmeParams._stream_in``) copies each pinned piece to the device, moves it
+    from the pieces fetching to the copies in flight, and releases it once its copy is done.
+    A Ctrl-C right after the copy (``copied``: at the gather's next call, which came after the
+    piece had left the first list) left the piece in neither, so the failed gather's cleanup
+    did not release it: pinned for good (``_ctrl_c_points.py``, 2026-12-07: ``param.u0.0``
+    after the next step). One as a copy's release returned (``released``), before the piece
+    left the copies, had the cleanup release it a second time: a release without a fetch
+    (another holder's pin, had there been one). The Ctrl-C is sent at exactly that point in
+    the third step's forward; after ``zero_grad()`` and two more steps nothing
+    may stay pinned, and no release may have found no pin."""
+    from engine_models import nvme_recipe, pinned_shards
+
+    from offload.api.wrap import engine_of
+    from offload.device.copier import Transfers
+    from offload.homes.params import NvmeParams
+    from offload.store import Tier, TieredStore
+
+    model, opt, one_step = nvme_recipe(tmp_path, 1)
+    runtime = engine_of(model)
+    fired, unmatched = [], []
+    main = threading.main_thread()
+
+    def from_gather() -> bool:
+        callers = {sys._getframe(k).f_code.co_name for k in range(2, 5)}
+        gather = {"_stream_in", "_give_back_oldest"}
+        return threading.current_thread() is main and bool(callers & gather)
+
+    try:
+        one_step(0)
+        one_step(1)
+        if where == "copied":  # the Ctrl-C at the gather's first call after a copy
+            real_copy, real_key, copied = Transfers.to_device, NvmeParams.key, []
+
+            def to_device(self, pairs):
+                event = real_copy(self, pairs)
+                copied.append(from_gather())
+                return event
+
+            def key(unit, lo):
+                name = real_key(unit, lo)
+                if not fired and copied and copied[-1] and from_gather():
+                    fired.append(name)
+                    _ctrl_c()  # delivered as the call returns
+                return name
+
+            monkeypatch.setattr(Transfers, "to_device", to_device)
+            monkeypatch.setattr(NvmeParams, "key", staticmethod(key))
+        real_release = TieredStore.release
+
+        def release(self, key, tier=Tier.HOST, **kw):
+            try:
+                real_release(self, key, tier, **kw)
+            except RuntimeError as e:
+                unmatched.append(str(e))
+                raise
+            if where == "released" and not fired and key.startswith("param.") and from_gather():
+                fired.append(key)
+                _ctrl_c()  # delivered as the release returns
+
+        monkeypatch.setattr(TieredStore, "release", release)
+        with pytest.raises(KeyboardInterrupt):
+            one_step(2)
+        assert fired
+        opt.zero_grad()
+        one_step(3)
+        one_step(4)
+        opt.synchronize()
+        assert unmatched == []
+        assert pinned_shards(runtime) == []
+    finally:
+        monkeypatch.undo()
+        opt.close()
+
+
 @pytest.mark.parametrize("where", ["release", "lock", "borrow", "taken", "borrow-taken"])
 def test_a_ctrl_c_right_after_a_gradient_is_summed_leaves_no_pin(
     tmp_path, monkeypatch, python_ctrl_c, where

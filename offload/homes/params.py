@@ -664,8 +664,7 @@ class NvmeParams(_Released):
                 futures.append(self.store.fetch(key, self.tier, readonly=True, held=fetching))
                 ahead += 1
             if not fetching:  # the window is full of copies: the oldest gives its buffer back
-                self._give_back(*copying[0])
-                copying.popleft()
+                self._give_back_oldest(copying)
                 continue
             a, b = pieces[copied]  # fetching[0]'s piece: fetched and copied in order
             buf = futures[0].wait()
@@ -673,18 +672,31 @@ class NvmeParams(_Released):
             lent = lend and not self.store.writing(futures[0].key) and self._lend(unit, a, b, buf)
             if lend and not lent:  # copied into recycled pages (pages.py, recycled pages)
                 self.storage.make_room_for(unit, a, b)
-            event = None if lent else self.transfers.to_device(pairs(a, b, buf))
-            fetching.popleft()
-            futures.popleft()
-            if event is not None:
-                copying.append((self.key(unit, a), event))
+            key = self.key(unit, a)
+            # the piece moves from fetching to copying whole: a Ctrl-C between the two (as the
+            # copy or a popleft returned) left it in neither, pinned for good
+            # (tests/_ctrl_c_points.py, 2026-12-07: param.u0.0 after the next step)
+            with interrupts_deferred():
+                event = None if lent else self.transfers.to_device(pairs(a, b, buf))
+                fetching.popleft()
+                futures.popleft()
+                if event is not None:
+                    copying.append((key, event))
             copied += 1
             while copying and copying[0][1].done():
-                self.store.release(copying[0][0], self.tier)
-                copying.popleft()
+                self._give_back_oldest(copying)
         while copying:
-            self._give_back(*copying[0])
+            self._give_back_oldest(copying)
+
+    def _give_back_oldest(self, copying: deque) -> None:
+        """The oldest copy's buffer goes back to the store once the copy is done, and out of
+        ``copying`` with it: a Ctrl-C between the release and the popleft would have the
+        failed gather's cleanup release it again (another holder's pin, if any)."""
+        key, event = copying[0]
+        self.transfers.wait(event, "host->device")
+        with interrupts_deferred():
             copying.popleft()
+            self.store.release(key, self.tier)
 
     def _give_back(self, key: str, event: Event) -> None:
         self.transfers.wait(event, "host->device")

@@ -1,12 +1,16 @@
 """A child for ``tests/test_interrupts.py``: a Ctrl-C at each point where Python could deliver
 one during a training step, one point per trial, and training goes on.
 
-``python _ctrl_c_points.py ROOT FRAMES FIRST STRIDE [ACCUM]``: params and optimizer state on
-NVMe under ROOT, the default config (the step in backward) with ``gradient_accumulation_steps``
-ACCUM (and clipping when ACCUM > 1). Trial ``n`` (``FIRST``, ``FIRST + STRIDE``, ... until a
-step has fewer points) wraps a fresh model, runs two steps, then a third in which the main
-thread raises KeyboardInterrupt at its ``n``-th signal point, catches it, calls
-``zero_grad()``, runs one more step, waits for the update, and closes the engine. Any other
+``python _ctrl_c_points.py ROOT FRAMES FIRST STRIDE [ACCUM [PHASE]]``: params and optimizer
+state on NVMe under ROOT, the default config (the step in backward) with
+``gradient_accumulation_steps`` ACCUM (and clipping when ACCUM > 1). Trial ``n`` (``FIRST``,
+``FIRST + STRIDE``, ... until the phase has fewer points) wraps a fresh model, runs two steps,
+then a third in which the main thread raises KeyboardInterrupt at its ``n``-th signal point,
+catches it, calls ``zero_grad()``, runs one more step, waits for the update, and closes the
+engine. With PHASE ``save`` or ``load`` the Ctrl-C lands instead in a ``save_checkpoint`` or
+a ``load_checkpoint`` of the checkpoint saved after the second step; then a whole load of it
+must give its values back, the next step must run, and (``save``) a save after it must leave
+no temporary directory behind. Any other
 exception, a shard still pinned, a pool buffer without an owner, a file left in ROOT or a
 wait longer than a minute (which exits with every thread's stack) fails the trial. Prints one JSON line: the trials, and the
 failures with where their Ctrl-C landed.
@@ -27,6 +31,7 @@ import dis
 import faulthandler
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -35,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch  # noqa: E402
 from engine_models import lost_buffers, nvme_recipe, pinned_shards  # noqa: E402
 
 import offload  # noqa: E402
@@ -46,6 +52,9 @@ FRAMES = {
     "all": (OFFLOAD, threading.__file__, contextlib.__file__),
     "buffers": tuple(os.path.join(OFFLOAD, p) for p in ("store", "io/buffer_pool.py")),
 }
+PHASES = ("step", "save", "load")
+"""What the Ctrl-C lands in: the third step; or, after a checkpoint of the second, a
+``save_checkpoint`` or a ``load_checkpoint`` of it."""
 CALLS = {dis.opmap["CALL"], dis.opmap["CALL_FUNCTION_EX"]}
 JUMP_BACK = dis.opmap["JUMP_BACKWARD"]
 
@@ -116,19 +125,34 @@ class Injector:
         return self._opcode
 
 
-def trial(root: Path, roots: tuple[str, ...], n: int, accum: int) -> dict:
+def trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "step") -> dict:
     model, opt, one_step = nvme_recipe(root, accum)
+    ckpt = root.with_name(f"{root.name}-ckpt")  # beside ROOT: the files-left check is ROOT's
     out: dict = {"n": n}
     try:
         one_step(0)
         one_step(1)
+        if phase != "step":  # a whole checkpoint, and the values it holds
+            offload.save_checkpoint(ckpt, model, opt)
+            saved = {k: v.clone() for k, v in model.state_dict().items()}
         injector = Injector(roots, n)
         try:
             with injector:
-                one_step(2)
+                if phase == "step":
+                    one_step(2)
+                elif phase == "save":
+                    offload.save_checkpoint(ckpt, model, opt, keep_last=2)
+                else:
+                    offload.load_checkpoint(ckpt, model, opt)
         except KeyboardInterrupt:
             opt.zero_grad()
         out["at"], out["stack"] = injector.fired, injector.stack
+        if phase != "step":  # loaded whole (again), it holds what was saved
+            offload.load_checkpoint(ckpt, model, opt)
+            now = model.state_dict()
+            differ = [k for k, v in saved.items() if not torch.equal(now[k], v)]
+            if differ:
+                out["failed"] = f"after a whole load, not the checkpoint's values: {differ}"
         one_step(3)
         opt.synchronize()
         pinned = pinned_shards(engine_of(model))
@@ -137,10 +161,16 @@ def trial(root: Path, roots: tuple[str, ...], n: int, accum: int) -> dict:
         lost = lost_buffers(engine_of(model))
         if lost:
             out["failed"] = f"buffers without an owner after the next step: {lost}"
+        if phase == "save":  # a save after the stopped one publishes and leaves no temp
+            offload.save_checkpoint(ckpt, model, opt)
+            temp = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("."))
+            if temp:
+                out["failed"] = f"left in the checkpoint directory after a save: {temp}"
     except BaseException as exc:  # noqa: BLE001 - anything but the interrupt fails the trial
         out["failed"] = "".join(traceback.format_exception(exc))[-2000:]
     finally:
         opt.close()
+        shutil.rmtree(ckpt, ignore_errors=True)
     left = [str(p) for p in root.rglob("*") if p.is_file()]
     if left and "failed" not in out:
         out["failed"] = f"files left: {left}"
@@ -151,11 +181,14 @@ def main() -> None:
     root, frames = Path(sys.argv[1]), sys.argv[2]
     first, stride = int(sys.argv[3]), int(sys.argv[4])
     accum = int(sys.argv[5]) if len(sys.argv) > 5 else 1
+    phase = sys.argv[6] if len(sys.argv) > 6 else "step"
+    if phase not in PHASES:
+        raise SystemExit(f"PHASE: got {phase!r}; allowed: {', '.join(PHASES)}")
     trials, failures = 0, []
     n = first
     while True:
         faulthandler.dump_traceback_later(60, exit=True)  # a hang shows where it waits
-        result = trial(root / f"t{n}", FRAMES[frames], n, accum)
+        result = trial(root / f"t{n}", FRAMES[frames], n, accum, phase)
         faulthandler.cancel_dump_traceback_later()
         if os.environ.get("CTRL_C_POINTS_VERBOSE"):
             failed = f"\nFAILED: {result['failed']}" if "failed" in result else ""

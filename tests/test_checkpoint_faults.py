@@ -28,6 +28,7 @@ from offload.api.checkpoint_files import (
 )
 from offload.api.wrap import engine_of
 from offload.io import faults
+from offload.runtime.phase import PhaseError
 
 
 # --------------------------------------------------------------------------- state snapshot
@@ -369,6 +370,9 @@ def test_swap_write_error_during_apply_is_reported(tmp_path):
         faults.clear()
     assert isinstance(err.value.__cause__, OSError)
     assert engine_of(model).step_count == 3
+    for refused in (opt.step, lambda: offload.save_checkpoint(tmp_path / "ck2", model, opt)):
+        with pytest.raises(PhaseError, match=r"load_checkpoint\('.*ck.*'\) stopped part way"):
+            refused()  # the units hold a mix of the checkpoint's values and their own
     offload.load_checkpoint(tmp_path / "ck", model, opt)
     after = snapshot(model, opt, tmp_path)
     for part in ("model", "engine", "opt_state"):
@@ -376,6 +380,62 @@ def test_swap_write_error_during_apply_is_reported(tmp_path):
             assert torch.equal(v, after[part][k]), (part, k)
     assert after["opt_counters"] == saved["opt_counters"]
     opt.close()
+
+
+@pytest.mark.parametrize("kind", ["load_checkpoint", "optimizer.load_state_dict", "model"])
+def test_a_load_stopped_part_way_refuses_steps_and_saves_until_a_whole_one(tmp_path, kind):
+    """A load writes the units' state one unit after another. Stopped part way (a Ctrl-C in
+    a notebook; an error, which ``load_checkpoint`` names), the units held a mix of the loaded
+    values and their own, and the next cell's steps trained on it, its saves wrote it. Now a
+    step and a save say which load stopped, until a whole load ends; the whole load then
+    gives the loaded values back and training goes on."""
+    from offload.runtime.values import Values
+
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
+    data = batches(4)
+    try:
+        train_wrapped(model, opt, data, 1, 1, 0.0)
+        offload.save_checkpoint(tmp_path / "ck", model, opt)
+        saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+        saved_opt = opt.state_dict()
+        train_wrapped(model, opt, data, 2, 1, 0.0, start=1)
+
+        def load() -> None:
+            if kind == "load_checkpoint":
+                offload.load_checkpoint(tmp_path / "ck", model, opt)
+            elif kind == "optimizer.load_state_dict":
+                opt.load_state_dict(saved_opt)
+            else:
+                model.load_state_dict(saved_model)
+
+        real, calls = Values.load, []
+
+        def stopped(self, unit, source):
+            calls.append(unit.index)
+            if len(calls) == 2:  # the first unit is written, the second not
+                raise KeyboardInterrupt
+            return real(self, unit, source)
+
+        Values.load = stopped
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                load()
+        finally:
+            Values.load = real
+        what = {"model": r"model\.load_state_dict\(\)", "load_checkpoint": r"load_checkpoint\("}
+        match = what.get(kind, r"optimizer\.load_state_dict\(\)") + ".* stopped part way"
+        for refused in (opt.step, lambda: offload.save_checkpoint(tmp_path / "ck2", model, opt)):
+            with pytest.raises(PhaseError, match=match):
+                refused()
+        assert not (tmp_path / "ck2").exists()
+        load()  # whole this time
+        now = model.state_dict()
+        if kind != "optimizer.load_state_dict":
+            assert all(torch.equal(now[k], v) for k, v in saved_model.items())
+        train_wrapped(model, opt, data, 1, 1, 0.0, start=3)  # trains again
+        offload.save_checkpoint(tmp_path / "ck2", model, opt)
+    finally:
+        opt.close()
 
 
 def test_a_full_disk_during_a_save_names_the_file(tmp_path, monkeypatch):

@@ -487,6 +487,7 @@ def _load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) 
         counters["param_steps"] = _saved_param_steps(
             ckpt.path, ckpt.meta, engine, counters["step_count"]
         )
+        engine.restoring(f"load_checkpoint('{ckpt.path}')")  # until _apply_counters ends
         for run in engine.runs:  # (3)
             try:
                 _apply_unit(ckpt, engine, run)
@@ -755,6 +756,7 @@ def _load_ranks(root: Path, engine, optimizer) -> dict:
         raise
     with ckpt:
         source = _Reads(ckpt, plan)
+        engine.restoring(f"load_checkpoint('{ckpt.path}')")  # until _apply_counters ends
         for run in engine.runs:  # (3)
             try:
                 engine.values.load(run.unit, source)

@@ -422,6 +422,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
             if "step" in entry:
                 steps[p] = _saved_step(entry["step"], i, step_count)
         source = ParamTensors(values, "load_state_dict")
+        engine.restoring("optimizer.load_state_dict()")  # until state_restored below
         for run in engine.runs:
             engine.values.load(run.unit, source)
             run.release()  # a gathered copy would be stale

@@ -206,6 +206,7 @@ class Runtime:
         self._fwd_start: float | None = None
         self._forward_open = False  # a root forward begun and not ended yet
         self._in_step = False  # inside step() or skip_step() (a call made there is refused)
+        self._torn: str | None = None  # a load that stopped part way (:meth:`restoring`)
         self._forward_thread = 0  # the thread that began it
         self._forward_graph: _Graph | None = None  # that forward's, until it returns
         # the graphs of this micro-step's forwards that returned (weak references to the
@@ -982,10 +983,26 @@ class Runtime:
                 f"({failure}), so some units hold the new values and others the old ones; "
                 "load a checkpoint (offload.load_checkpoint) or optimizer.load_state_dict() first"
             )
+        if self._torn is not None and what != self._torn:  # (the same load may run again)
+            raise PhaseError(
+                f"offload: {what} refused: {self._torn} stopped part way (an error or a Ctrl-C "
+                "after it had begun writing the units' state), so some units hold the loaded "
+                "values and others their own; load a checkpoint (offload.load_checkpoint) or "
+                "optimizer.load_state_dict() again first"
+            )
+
+    def restoring(self, what: str) -> None:
+        """``what`` (a load) begins writing the units' state: until :meth:`state_restored`
+        says it ended, the state is a mix of the loaded values and the units' own, and a step
+        or a save of it is refused (:meth:`_check_consistent`). A load that stopped part way
+        (an error while writing, which it names; a Ctrl-C, which it cannot) left it so, and a
+        notebook's next cell trained on the mix."""
+        self._torn = what
 
     def state_restored(self) -> None:
         """Every unit's state was loaded (a checkpoint, ``load_state_dict``)."""
         self.schedule.state_restored()
+        self._torn = None
 
     def _check_trains(self) -> None:
         """A model wrapped with no trainable parameter is wrapped for its forwards (an
@@ -1285,11 +1302,16 @@ class Runtime:
         if errors or not given:
             return
         source = GivenValues(given, self.values.flat, self.params.dtype)
+        # the parameters are whole again at the end, the optimizer's state as it was: a mix
+        # only if an earlier load of it stopped (:meth:`restoring`)
+        mine = "model.load_state_dict()"
+        before, self._torn = (None if self._torn == mine else self._torn), mine
         for run in self.runs:
             self.values.load(run.unit, source)
             if any(s.trainable and s.param in given for s in run.unit.layout.segments):
                 self.params.loaded(run.unit)  # (on every rank: its share may hold none)
             run.release()  # a gathered copy would be stale
+        self._torn = before
 
     def _loaded_values(self, module, incompatible) -> None:
         self.watch.forget_writes()  # (a write before the load is what the load replaced)

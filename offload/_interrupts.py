@@ -127,3 +127,59 @@ def wait(waitable: threading.Event | threading.Condition, timeout: float | None 
             return False
         if deadline is not None and time.monotonic() >= deadline:
             return False
+
+
+def map_in_threads(fn, jobs: list, workers: int, name: str) -> list:
+    """``[fn(job, stop) for job in jobs]`` on ``workers`` threads, the results in the jobs'
+    order; ``stop`` is an Event each job looks at between its pieces of work. A Ctrl-C (or a
+    job's error, raised here) sets it, and comes out once every thread has ended: within a
+    piece. ``concurrent.futures.ThreadPoolExecutor`` ran every queued job at its exit first
+    (a Ctrl-C while a checkpoint was verified waited for the whole verification), and a Ctrl-C
+    inside its ``submit`` could leave a lock of its own held, its exit waiting for good
+    (``tests/_ctrl_c_points.py``, PHASE load, 2026-12-07: a semaphore's Condition entered).
+    Here the main thread only waits through :func:`wait`."""
+    results: list = [None] * len(jobs)
+    errors: list[BaseException] = []
+    stop, done, lock = threading.Event(), threading.Event(), threading.Lock()
+    order = iter(range(len(jobs)))
+    count = max(1, min(workers, len(jobs)))
+    left = [count]  # threads not ended (one never started counts as ended)
+
+    def ended() -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] <= 0:
+                done.set()
+
+    def work() -> None:
+        try:
+            while not stop.is_set():
+                with lock:
+                    i = next(order, None)
+                if i is None:
+                    return
+                results[i] = fn(jobs[i], stop)
+        except BaseException as exc:  # noqa: BLE001 - raised on the main thread
+            errors.append(exc)
+            stop.set()
+        finally:
+            ended()
+
+    threads = [threading.Thread(target=work, name=f"{name}-{k}", daemon=True) for k in range(count)]
+    if not jobs:
+        return results
+    try:
+        for t in threads:
+            t.start()
+        wait(done)
+    except BaseException:
+        stop.set()
+        with interrupts_deferred():  # (a second Ctrl-C waits for the threads' pieces)
+            for t in threads:
+                if t.ident is None:  # never started
+                    ended()
+            wait(done)
+        raise
+    if errors:
+        raise errors[0]
+    return results

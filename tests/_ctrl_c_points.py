@@ -41,7 +41,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from engine_models import lost_buffers, nvme_recipe, pinned_shards  # noqa: E402
+from engine_models import (  # noqa: E402
+    batches,
+    lm_loss,
+    lost_buffers,
+    make_model,
+    nvme_recipe,
+    pinned_shards,
+    placement_config,
+)
 
 import offload  # noqa: E402
 from offload.api.wrap import engine_of  # noqa: E402
@@ -52,9 +60,9 @@ FRAMES = {
     "all": (OFFLOAD, threading.__file__, contextlib.__file__),
     "buffers": tuple(os.path.join(OFFLOAD, p) for p in ("store", "io/buffer_pool.py")),
 }
-PHASES = ("step", "save", "load")
+PHASES = ("step", "save", "load", "wrap")
 """What the Ctrl-C lands in: the third step; or, after a checkpoint of the second, a
-``save_checkpoint`` or a ``load_checkpoint`` of it."""
+``save_checkpoint`` or a ``load_checkpoint`` of it; or ``offload.wrap`` (:func:`wrap_trial`)."""
 CALLS = {dis.opmap["CALL"], dis.opmap["CALL_FUNCTION_EX"]}
 JUMP_BACK = dis.opmap["JUMP_BACKWARD"]
 
@@ -177,6 +185,60 @@ def trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "
     return out
 
 
+def wrap_trial(root: Path, roots: tuple[str, ...], n: int, accum: int) -> dict:
+    """PHASE ``wrap``: the Ctrl-C lands in ``offload.wrap``. Stopped there, the model must be
+    as it was (its values, no hook of offload's, no swap file), and wrapping it again must
+    train."""
+    cfg = placement_config("nvme", "nvme", root)
+    cfg["gradient_accumulation_steps"] = accum
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out: dict = {"n": n}
+    opt = None
+    try:
+        injector = Injector(roots, n)
+        try:
+            with injector:
+                model, opt = offload.wrap(model, cfg)
+        except KeyboardInterrupt:
+            pass
+        out["at"], out["stack"] = injector.fired, injector.stack
+        if opt is None:
+            now = model.state_dict()
+            differ = [k for k, v in before.items() if not torch.equal(now[k], v)]
+            hooked = [
+                name
+                for name, m in model.named_modules()
+                if m._forward_pre_hooks or m._forward_hooks or m._backward_hooks
+            ]
+            left = [str(p) for p in root.rglob("*") if p.is_file() or p.name.startswith("offload-")]
+            if differ or hooked or left:
+                out["failed"] = (
+                    f"after a stopped wrap: values changed {differ}, hooks on {hooked}, "
+                    f"files {left}"
+                )
+                return out
+            model, opt = offload.wrap(model, cfg)
+        data = batches(4)
+        for m in range(accum):
+            (lm_loss(model, data[m]) / accum).backward()
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()
+        pinned = pinned_shards(engine_of(model))
+        if pinned:
+            out["failed"] = f"pinned after a step: {pinned}"
+    except BaseException as exc:  # noqa: BLE001 - anything but the interrupt fails the trial
+        out["failed"] = "".join(traceback.format_exception(exc))[-2000:]
+    finally:
+        if opt is not None:
+            opt.close()
+    left = [str(p) for p in root.rglob("*") if p.is_file()]
+    if left and "failed" not in out:
+        out["failed"] = f"files left: {left}"
+    return out
+
+
 def main() -> None:
     root, frames = Path(sys.argv[1]), sys.argv[2]
     first, stride = int(sys.argv[3]), int(sys.argv[4])
@@ -188,7 +250,10 @@ def main() -> None:
     n = first
     while True:
         faulthandler.dump_traceback_later(60, exit=True)  # a hang shows where it waits
-        result = trial(root / f"t{n}", FRAMES[frames], n, accum, phase)
+        run = wrap_trial if phase == "wrap" else trial
+        result = run(
+            root / f"t{n}", FRAMES[frames], n, accum, *(() if phase == "wrap" else (phase,))
+        )
         faulthandler.cancel_dump_traceback_later()
         if os.environ.get("CTRL_C_POINTS_VERBOSE"):
             failed = f"\nFAILED: {result['failed']}" if "failed" in result else ""

@@ -248,3 +248,29 @@ def test_a_run_at_another_rank_count_reclaims_the_killed_run_s_swap(tmp_path, ki
         model, opt = offload.wrap(make_model(), cfg)
         opt.close()
     assert [d for d in dead if d.exists()] == []
+
+
+@pytest.mark.parametrize("where", ["record", "engine"])
+def test_a_ctrl_c_while_a_store_is_made_leaves_no_directory(
+    tmp_path, monkeypatch, python_ctrl_c, where
+):
+    """A Ctrl-C while ``NvmeStore`` wrote its owner record left the private directory with an
+    ``owner.json.tmp`` (``_ctrl_c_points.py``, PHASE wrap), and one after the record, before
+    the store was tracked, the directory alone: neither is ever reclaimed (an owner record it
+    cannot read is never judged gone). Now the directory goes with the error."""
+    real_record = _owner.this_process
+
+    def record(keep):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered as the record's write goes on
+        return real_record(keep)
+
+    def aio(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if where == "record":
+        monkeypatch.setattr(_owner, "this_process", record)
+    else:
+        monkeypatch.setattr(nvme_store, "AsyncIO", aio)
+    with pytest.raises(KeyboardInterrupt):
+        NvmeStore(tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -5,6 +5,7 @@ engine let go of without close()."""
 from __future__ import annotations
 
 import gc
+import importlib
 import weakref
 
 import pytest
@@ -132,3 +133,74 @@ def test_an_engine_let_go_without_close_is_collected_by_the_next_wrap(tmp_path):
     finally:
         if enabled:
             gc.enable()
+
+
+@pytest.mark.parametrize("where", ["second unit", "hooks"])
+@pytest.mark.parametrize("param_dev,opt_dev", [("nvme", "nvme"), ("cpu", "cpu"), ("none", "cpu")])
+@pytest.mark.parametrize("meta", [False, True], ids=["live", "meta"])
+def test_a_wrap_stopped_part_way_leaves_the_model_as_it_was(
+    tmp_path, monkeypatch, where, param_dev, opt_dev, meta
+):
+    """A Ctrl-C in ``wrap`` (a large model's values streaming to NVMe) closed the homes that
+    held the attached units' only copy: the model's values were gone up to where it stopped
+    (``tests/_ctrl_c_points.py``, PHASE wrap: 80 of 98 points in the build). Stopped after
+    the first unit is attached (``second unit``) or once the runtime is built (``hooks``),
+    the model is as it was (values, buffers, no hook, no swap directory; a model on the meta
+    device back on it), and wrapping it again trains."""
+    from engine_models import batches, lm_loss, make_model, placement_config
+    from safetensors.torch import save_file
+
+    from offload.runtime import Runtime
+
+    wrap_module = importlib.import_module("offload.api.wrap")  # (offload.api.wrap: the function)
+
+    live = make_model()
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    kwargs = {}
+    if meta:
+        save_file({k: v for k, v in before.items() if k != "head.weight"}, tmp_path / "w.st")
+        with torch.device("meta"):
+            from engine_models import TinyLM
+
+            model = TinyLM()
+        kwargs["weights"] = tmp_path / "w.st"
+    else:
+        model = live
+    cfg = placement_config(param_dev, opt_dev, tmp_path)
+    real_trim, real_hooks, calls = wrap_module.trim_host_heap, Runtime.install_hooks, []
+
+    def trim() -> None:
+        calls.append(1)
+        if where == "second unit" and len(calls) == 2:  # after the first unit's attach
+            raise KeyboardInterrupt
+        real_trim()
+
+    def hooks(self) -> None:
+        real_hooks(self)
+        if where == "hooks":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(wrap_module, "trim_host_heap", trim)
+    monkeypatch.setattr(Runtime, "install_hooks", hooks)
+    with pytest.raises(KeyboardInterrupt):
+        offload.wrap(model, cfg, **kwargs)
+    monkeypatch.undo()
+    if meta:
+        assert all(p.is_meta for p in model.parameters())
+    else:
+        now = model.state_dict()
+        assert all(torch.equal(now[k], v) for k, v in before.items())
+    hooked = [n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
+    assert hooked == []
+    swap = [
+        p for d in ("nvme_p", "nvme_o") if (tmp_path / d).is_dir() for p in (tmp_path / d).iterdir()
+    ]
+    assert swap == []
+    model, opt = offload.wrap(model, cfg, **kwargs)
+    try:
+        loss = lm_loss(model, batches(1)[0])
+        loss.backward()
+        opt.step()
+        assert torch.isfinite(loss)
+    finally:
+        opt.close()

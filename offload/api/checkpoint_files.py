@@ -68,15 +68,16 @@ import os
 import re
 import shutil
 import struct
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from offload._interrupts import map_in_threads
 from offload.runtime.safetensors import fsync_dir, write_stream
 
 logger = logging.getLogger("offload.checkpoint")
@@ -564,8 +565,9 @@ def _parse_header(path: Path, fd: int, size: int) -> tuple[dict[str, TensorInfo]
     return tensors, n
 
 
-def _sha256_of(fd: int, size: int, begin: int = 0) -> str:
-    """The SHA-256 of bytes ``[begin, size)`` of the file.
+def _sha256_of(fd: int, size: int, begin: int = 0, stop: threading.Event | None = None) -> str:
+    """The SHA-256 of bytes ``[begin, size)`` of the file (``stop``, once set: given up
+    between two chunks, ``"<stopped>"``).
 
     The buffer is an anonymous mapping, unmapped when it returns: the verifying threads'
     ``bytearray`` of ``CHUNK`` came from each thread's own malloc arena, whose top glibc does
@@ -576,6 +578,8 @@ def _sha256_of(fd: int, size: int, begin: int = 0) -> str:
     at = begin
     with mmap.mmap(-1, min(CHUNK, max(size - begin, 1))) as buf, memoryview(buf) as view:
         while at < size:
+            if stop is not None and stop.is_set():
+                return "<stopped>"
             got = os.preadv(fd, [view[: min(CHUNK, size - at)]], at)
             if got == 0:
                 break
@@ -735,8 +739,12 @@ def open_checkpoint(
                 )
         jobs.sort(key=lambda j: j[1] - j[2])  # largest first
         workers = max(1, min(threads or os.cpu_count() or 1, 8, len(jobs) or 1))
-        with ThreadPoolExecutor(workers, thread_name_prefix="offload-ckpt-verify") as pool:
-            digests = list(pool.map(lambda j: _sha256_of(out._fds[j[0]], j[2], j[1]), jobs))
+        digests = map_in_threads(
+            lambda j, stop: _sha256_of(out._fds[j[0]], j[2], j[1], stop),
+            jobs,
+            workers,
+            "offload-ckpt-verify",
+        )
         for (name, begin, end, want), got in sorted(zip(jobs, digests), key=lambda x: x[0][:2]):
             if got != want:
                 where = "" if (begin, end) == (0, sizes[name]) else f" of bytes [{begin}, {end})"

@@ -19,6 +19,21 @@ Note: a model on the meta device
     (the same ``nn.Parameter`` object, swapped in place by ``torch.utils.swap_tensors``) just
     before its home attaches it to its working storage. Buffers come from the weights
     (persistent ones) or are computed by the model (``fill_computed_buffers``).
+
+Note: a wrap that stops
+    Building moves each unit's values into its homes and points its parameters at their
+    working storage (released, where the home is off the device): from there on the homes hold
+    the only copy. A wrap stopped part way (a Ctrl-C while a large model's values stream to
+    NVMe; an error) closed the homes and their files with them, and the model's values were
+    gone, unit by unit up to where it stopped (``tests/_ctrl_c_points.py``, PHASE ``wrap``,
+    2026-12-07: 80 of 98 points in the build, on one process). So a wrap that stops puts
+    the model back as it was before the error goes up: the units attached so far get their
+    values back from the homes (on the device and in the dtype each parameter had; the fp32
+    master of trainable ones, so those come back exactly; frozen ones held in a narrower
+    compute dtype come back rounded to it, as after ``close(restore=True)``), parameters that
+    were on the meta device go back to it, the buffers are the original tensors again, and the
+    hooks, pools, files and threads go. A second Ctrl-C waits for that. Across ranks the
+    values are not put back (reading them is a collective the other ranks are not in).
 """
 
 from __future__ import annotations
@@ -38,6 +53,7 @@ import torch
 import torch.nn as nn
 
 from offload import _native
+from offload._interrupts import interrupts_deferred
 from offload.api import clipping
 from offload.api.loss_scale import DynamicLossScaler
 from offload.api.optimizer import OffloadOptimizer
@@ -65,6 +81,7 @@ from offload.plan import (
     Plan,
     Schedule,
     ShardSpec,
+    Unit,
     check_host_buffers,
     make_plan,
 )
@@ -74,7 +91,7 @@ from offload.runtime.grads import Grads, ScatteredGrads, StepScatteredGrads
 from offload.runtime.reads import ReadCheck
 from offload.runtime.schedule import Background, Immediate, InBackward
 from offload.runtime.telemetry import Telemetry, check_jsonl_path
-from offload.runtime.values import LiveParams, ParamValues
+from offload.runtime.values import LiveParams, ParamValues, Values
 from offload.runtime.watch import master_apart
 from offload.runtime.weights import ModelWeights, tie_declared
 
@@ -470,6 +487,60 @@ def _cast_buffers(model: nn.Module, device: torch.device, dtype: torch.dtype) ->
     return before
 
 
+def _undo(
+    model: nn.Module, runtime, resources: list, buffers: dict, devices: dict, world: int
+) -> None:
+    """A wrap that stopped (module Note): with its runtime built, the values go back from its
+    homes and it closes; before, what was built closes (``_build`` put the attached units'
+    values back already). The buffers are the original tensors again."""
+    if runtime is not None:
+        _RUNTIMES.pop(model, None)
+        try:
+            _put_back(runtime.units, devices, runtime.values, world)
+        finally:
+            runtime.close()
+            if world == 1:  # the values are back: the closed engine's refusals go too
+                runtime.forget()
+    else:
+        for res in reversed(resources):
+            res.close()
+    for (m, name), buf in buffers.items():
+        m._buffers[name] = buf
+
+
+def _put_back(attached: list[Unit], devices: dict, values: Values, world: int) -> None:
+    """The parameters of the units ``attached`` get their values back from the homes, each
+    on its device (``devices``) and in its dtype; those that were on the meta device go back
+    to it (module Note: a wrap that stops). What cannot be read back is logged, by name."""
+    live = [u for u in attached if any(devices[s.param].type != "meta" for s in u.layout.segments)]
+    if world > 1 and live:
+        logger.error(
+            "offload.wrap stopped: across ranks the values of the %d units it had taken are "
+            "not put back into the model (a collective); wrap it again with its values",
+            len(live),
+        )
+    for unit in attached:
+        full = {}
+        if unit in live and world == 1:
+            try:
+                full = values.full(unit)
+            except Exception as exc:  # noqa: BLE001 - the wrap's own error is the one raised
+                logger.error("offload.wrap stopped: the values of %s could not be read back "
+                             "(%s)", unit.label, exc)  # fmt: skip
+        lost = []
+        for s in unit.layout.segments:
+            p = s.param
+            if devices[p].type == "meta":
+                meta = torch.empty(s.shape, dtype=s.dtype, device="meta")
+                torch.utils.swap_tensors(p, nn.Parameter(meta, requires_grad=p.requires_grad))
+            elif p in full:
+                p.data = full[p].to(devices[p], s.dtype)
+            else:
+                lost.append(s.name)
+        if lost and world == 1:
+            logger.error("offload.wrap stopped: the values of %s are lost (%s)", unit.label, lost)
+
+
 def _build(
     model: nn.Module,
     cfg: OffloadConfig,
@@ -479,6 +550,8 @@ def _build(
     buffer_dtypes: dict,
     source: ParamValues,
     comm: Comm,
+    built: list,
+    devices: dict,
 ) -> Runtime:
     placement = plan.placement
     memory, staging, writer = for_device(placement.device)
@@ -503,37 +576,47 @@ def _build(
         params = ShardedParams(plan, transfers, memory, params, comm)
     grad_home = GRAD_HOMES[(placement.grads, placement.schedule)](b)
     optim = OPTIM_HOMES[placement.master, placement.optim_home](b, params, grad_home)
-    for unit in plan.units:  # piece by piece from the source (see offload.runtime.values)
-        params.create(unit, lambda lo, hi, u=unit: source.values(u, lo, hi, placement.dtype))
-        grad_home.create(unit)
-        optim.create(unit, lambda lo, hi, u=unit: source.values(u, lo, hi, torch.float32))
-        _materialize(unit)
-        params.attach(unit)
-        trim_host_heap()  # the unit's pieces were new tensors: no heap left holding them
-    largest = max((u.layout.trainable for u in plan.units), default=0)
-    timers: dict[str, float] = defaultdict(float)
-    stepped = [u for u in plan.units if plan.trainable_pieces(u)]
-    trace_starts: dict[str, list] = {}
-    for section, store in b.stores.items():
-        trace_starts.setdefault(TRACE_STARTS[section], []).append(store)
-    return Runtime(
-        model,
-        plan,
-        params=params,
-        optim=optim,
-        grads=GRAD_PATHS[placement.grad_reduce](
-            b, grad_home, staging(transfers, memory, placement.dtype, largest)
-        ),
-        schedule=SCHEDULES[placement.schedule](b, optim, params, grad_home, stepped, timers),
-        transfers=transfers,
-        stores=b.stores,
-        trace_starts=trace_starts,
-        hyper=hyper,
-        timers=timers,
-        telemetry=Telemetry(cfg.telemetry.jsonl_path),
-        resources=resources,
-        buffer_dtypes=buffer_dtypes,
-    )
+    attached: list[Unit] = []  # units whose parameters point at their homes (_put_back)
+    try:
+        for unit in plan.units:  # piece by piece from the source (see offload.runtime.values)
+            params.create(unit, lambda lo, hi, u=unit: source.values(u, lo, hi, placement.dtype))
+            grad_home.create(unit)
+            optim.create(unit, lambda lo, hi, u=unit: source.values(u, lo, hi, torch.float32))
+            with interrupts_deferred():  # recorded as it is attached
+                attached.append(unit)
+                _materialize(unit)
+                params.attach(unit)
+            trim_host_heap()  # the unit's pieces were new tensors: no heap left holding them
+        largest = max((u.layout.trainable for u in plan.units), default=0)
+        timers: dict[str, float] = defaultdict(float)
+        stepped = [u for u in plan.units if plan.trainable_pieces(u)]
+        trace_starts: dict[str, list] = {}
+        for section, store in b.stores.items():
+            trace_starts.setdefault(TRACE_STARTS[section], []).append(store)
+        runtime = Runtime(
+            model,
+            plan,
+            params=params,
+            optim=optim,
+            grads=GRAD_PATHS[placement.grad_reduce](
+                b, grad_home, staging(transfers, memory, placement.dtype, largest)
+            ),
+            schedule=SCHEDULES[placement.schedule](b, optim, params, grad_home, stepped, timers),
+            transfers=transfers,
+            stores=b.stores,
+            trace_starts=trace_starts,
+            hyper=hyper,
+            timers=timers,
+            telemetry=Telemetry(cfg.telemetry.jsonl_path),
+            resources=resources,
+            buffer_dtypes=buffer_dtypes,
+        )
+        built.append(runtime)  # (for the caller's cleanup: a Ctrl-C may land as this returns)
+        return runtime
+    except BaseException:
+        with interrupts_deferred():  # (module Note: a wrap that stops)
+            _put_back(attached, devices, Values(plan, params, optim, comm), comm.world)
+        raise
 
 
 def _fingerprint(model: nn.Module, cfg: OffloadConfig, plan: Plan, weights) -> dict:
@@ -754,29 +837,34 @@ def wrap(
     else:  # checked against the model here, before anything is built
         source = ModelWeights(model, weights, placement.dtype, new_head=_new_head, resized=_resized)
     resources: list = []  # pools, NVMe stores and the IO engine, closed with the runtime
+    buffers = {(m, n): b for m in model.modules() for n, b in m._buffers.items() if b is not None}
+    built: list = []  # the runtime, once _build has made it
+    devices = {s.param: s.param.device for u in plan.units for s in u.layout.segments}
     try:
-        source.fill_buffers(model)
-        buffer_dtypes = _cast_buffers(model, placement.device, placement.dtype)
-        hyper = lambda: OffloadOptimizer.hyper_of(groups, scaler)  # noqa: E731
-        runtime = _build(model, cfg, plan, hyper, resources, buffer_dtypes, source, comm)
+        try:
+            source.fill_buffers(model)
+            buffer_dtypes = _cast_buffers(model, placement.device, placement.dtype)
+            hyper = lambda: OffloadOptimizer.hyper_of(groups, scaler)  # noqa: E731
+            args = (model, cfg, plan, hyper, resources, buffer_dtypes, source, comm, built, devices)
+            runtime = _build(*args)
+        finally:
+            source.close()
+        runtime.install_hooks()
+        if cfg.wrap.check_reads and runtime.params.releases:
+            runtime._handles.append(ReadCheck(model, runtime, cfg.wrap.check_reads))
+        _RUNTIMES[model] = weakref.ref(runtime)
+        atexit.register(_close_at_exit, weakref.ref(runtime))
+        trim_host_heap()
+        group_of = {p: i for i, g in enumerate(groups) for p in g["params"] if i}
+        runtime.update_runs = UpdateRuns(no_decay, group_of)
+        optimizer = OffloadOptimizer(
+            runtime, groups, defaults, gradient_clipping=cfg.gradient_clipping, scaler=scaler
+        )
+        clipping.register(optimizer)  # torch's clipping would see no gradient: guard it
     except BaseException:
-        for res in reversed(resources):
-            res.close()
+        with interrupts_deferred():  # (module Note: a wrap that stops)
+            _undo(model, built[0] if built else None, resources, buffers, devices, comm.world)
         raise
-    finally:
-        source.close()
-    runtime.install_hooks()
-    if cfg.wrap.check_reads and runtime.params.releases:
-        runtime._handles.append(ReadCheck(model, runtime, cfg.wrap.check_reads))
-    _RUNTIMES[model] = weakref.ref(runtime)
-    atexit.register(_close_at_exit, weakref.ref(runtime))
-    trim_host_heap()
-    group_of = {p: i for i, g in enumerate(groups) for p in g["params"] if i}
-    runtime.update_runs = UpdateRuns(no_decay, group_of)
-    optimizer = OffloadOptimizer(
-        runtime, groups, defaults, gradient_clipping=cfg.gradient_clipping, scaler=scaler
-    )
-    clipping.register(optimizer)  # torch's clipping would see no gradient: guard it
     logger.info(
         "offload: %d units (+root), params on %s, optimizer on %s, compute %s on %s, piece %d "
         "elements%s",

@@ -135,33 +135,42 @@ class NvmeStore:
             )
         for where in dict.fromkeys([path, *map(os.fspath, reclaim)]):
             _owner.reclaim(where)
-        try:
-            self._dir = tempfile.mkdtemp(prefix=_owner.PREFIX, dir=path)  # mode 0700
-            _owner.write_record(self._dir, keep)
-        except OSError as exc:
-            if getattr(self, "_dir", None):
+        self._dir = ""
+        try:  # until the store is tracked (closed at exit), its directory is removed here
+            # made and recorded whole or not at all: a Ctrl-C in the record's write left the
+            # directory with an owner.json.tmp, which no later run reclaims (an owner it
+            # cannot read is never judged gone; tests/_ctrl_c_points.py, PHASE wrap)
+            with interrupts_deferred():
+                try:
+                    self._dir = tempfile.mkdtemp(prefix=_owner.PREFIX, dir=path)  # mode 0700
+                    _owner.write_record(self._dir, keep)
+                except OSError as exc:
+                    raise OSError(
+                        exc.errno,
+                        "cannot create the private swap directory under nvme_path "
+                        f"({exc.strerror}); nvme_path must be a writable directory on a local "
+                        "disk",
+                        path,
+                    ) from exc
+            self._pid = os.getpid()  # a forked child never removes its parent's files
+            self._own_aio = aio is None
+            self._aio = aio if aio is not None else AsyncIO()
+            self.checksum = bool(checksum)
+            self.keep = bool(keep)
+            self.urgent_reads = bool(urgent_reads)
+            self.file_bytes = max(round_up(int(file_bytes)), ALIGN)
+            self._files: list[str] = []
+            self._file_end: list[int] = []
+            self._free: list[tuple[int, int, int]] = []  # (file, offset, capacity)
+            self._shards: dict[str, _Shard] = {}
+            self._lock = threading.Lock()
+            self._closed = False
+            self._counters = dict(checksum_failures=0, bytes_written=0, bytes_read=0)
+            lifecycle.track_store(self)
+        except BaseException:
+            if self._dir:
                 shutil.rmtree(self._dir, ignore_errors=True)
-            raise OSError(
-                exc.errno,
-                f"cannot create the private swap directory under nvme_path ({exc.strerror}); "
-                "nvme_path must be a writable directory on a local disk",
-                path,
-            ) from exc
-        self._pid = os.getpid()  # a forked child never removes its parent's files
-        self._own_aio = aio is None
-        self._aio = aio if aio is not None else AsyncIO()
-        self.checksum = bool(checksum)
-        self.keep = bool(keep)
-        self.urgent_reads = bool(urgent_reads)
-        self.file_bytes = max(round_up(int(file_bytes)), ALIGN)
-        self._files: list[str] = []
-        self._file_end: list[int] = []
-        self._free: list[tuple[int, int, int]] = []  # (file, offset, capacity)
-        self._shards: dict[str, _Shard] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-        self._counters = dict(checksum_failures=0, bytes_written=0, bytes_read=0)
-        lifecycle.track_store(self)
+            raise
 
     # ---- layout -----------------------------------------------------------------------
     @property

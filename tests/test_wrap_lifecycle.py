@@ -143,7 +143,7 @@ def test_a_wrap_stopped_part_way_leaves_the_model_as_it_was(
 ):
     """A Ctrl-C in ``wrap`` (a large model's values streaming to NVMe) closed the homes that
     held the attached units' only copy: the model's values were gone up to where it stopped
-    (``tests/_ctrl_c_points.py``, PHASE wrap: 80 of 98 points in the build). Stopped after
+    (``tests/_ctrl_c_points.py``, PHASE wrap: 40 of 71 trials). Stopped after
     the first unit is attached (``second unit``) or once the runtime is built (``hooks``),
     the model is as it was (values, buffers, no hook, no swap directory; a model on the meta
     device back on it), and wrapping it again trains."""

@@ -26,8 +26,9 @@ Note: a wrap that stops
     the only copy. A wrap stopped part way (a Ctrl-C while a large model's values stream to
     NVMe; an error) closed the homes and their files with them, and the model's values were
     gone, unit by unit up to where it stopped (``tests/_ctrl_c_points.py``, PHASE ``wrap``,
-    2026-12-07: 80 of 98 points in the build, on one process). So a wrap that stops puts
-    the model back as it was before the error goes up: the units attached so far get their
+    2026-12-07: 40 of 71 trials at one point in 150, on one process; hooks left half
+    installed too, and swap directories). So a wrap that stops puts the model back as it was
+    before the error goes up: the units attached so far get their
     values back from the homes (on the device and in the dtype each parameter had; the fp32
     master of trainable ones, so those come back exactly; frozen ones held in a narrower
     compute dtype come back rounded to it, as after ``close(restore=True)``), parameters that

@@ -169,8 +169,9 @@ def map_in_threads(fn, jobs: list, workers: int, name: str) -> list:
     if not jobs:
         return results
     try:
-        for t in threads:
-            t.start()
+        with interrupts_deferred():  # Thread.start waits on an Event (Note: waits)
+            for t in threads:
+                t.start()
         wait(done)
     except BaseException:
         stop.set()

@@ -1302,16 +1302,14 @@ class Runtime:
         if errors or not given:
             return
         source = GivenValues(given, self.values.flat, self.params.dtype)
-        # the parameters are whole again at the end, the optimizer's state as it was: a mix
-        # only if an earlier load of it stopped (:meth:`restoring`)
-        mine = "model.load_state_dict()"
-        before, self._torn = (None if self._torn == mine else self._torn), mine
+        # (check_idle refused any other load's mix: the parameters are whole again at the end)
+        self.restoring("model.load_state_dict()")
         for run in self.runs:
             self.values.load(run.unit, source)
             if any(s.trainable and s.param in given for s in run.unit.layout.segments):
                 self.params.loaded(run.unit)  # (on every rank: its share may hold none)
             run.release()  # a gathered copy would be stale
-        self._torn = before
+        self._torn = None
 
     def _loaded_values(self, module, incompatible) -> None:
         self.watch.forget_writes()  # (a write before the load is what the load replaced)

@@ -7,10 +7,11 @@ state on NVMe under ROOT, the default config (the step in backward) with
 ``FIRST + STRIDE``, ... until the phase has fewer points) wraps a fresh model, runs two steps,
 then a third in which the main thread raises KeyboardInterrupt at its ``n``-th signal point,
 catches it, calls ``zero_grad()``, runs one more step, waits for the update, and closes the
-engine. With PHASE ``save`` or ``load`` the Ctrl-C lands instead in a ``save_checkpoint`` or
-a ``load_checkpoint`` of the checkpoint saved after the second step; then a whole load of it
-must give its values back, the next step must run, and (``save``) a save after it must leave
-no temporary directory behind. Any other
+engine. With PHASE ``save``, ``load`` or ``export`` the Ctrl-C lands instead in a
+``save_checkpoint``, a ``load_checkpoint`` of the checkpoint saved after the second step, or an
+``export``; then a whole load of it must give its values back, the next step must run, and a
+save or an export after it must leave no temporary file behind (an export: its values, the
+model's). With PHASE ``wrap`` it lands in ``offload.wrap`` (:func:`wrap_trial`). Any other
 exception, a shard still pinned, a pool buffer without an owner, a file left in ROOT or a
 wait longer than a minute (which exits with every thread's stack) fails the trial. Prints one JSON line: the trials, and the
 failures with where their Ctrl-C landed.
@@ -50,6 +51,7 @@ from engine_models import (  # noqa: E402
     pinned_shards,
     placement_config,
 )
+from safetensors.torch import load_file  # noqa: E402
 
 import offload  # noqa: E402
 from offload.api.wrap import engine_of  # noqa: E402
@@ -60,9 +62,10 @@ FRAMES = {
     "all": (OFFLOAD, threading.__file__, contextlib.__file__),
     "buffers": tuple(os.path.join(OFFLOAD, p) for p in ("store", "io/buffer_pool.py")),
 }
-PHASES = ("step", "save", "load", "wrap")
+PHASES = ("step", "save", "load", "export", "wrap")
 """What the Ctrl-C lands in: the third step; or, after a checkpoint of the second, a
-``save_checkpoint`` or a ``load_checkpoint`` of it; or ``offload.wrap`` (:func:`wrap_trial`)."""
+``save_checkpoint``, a ``load_checkpoint`` of it or an ``export`` (fp32); or ``offload.wrap``
+(:func:`wrap_trial`)."""
 CALLS = {dis.opmap["CALL"], dis.opmap["CALL_FUNCTION_EX"]}
 JUMP_BACK = dis.opmap["JUMP_BACKWARD"]
 
@@ -150,6 +153,8 @@ def trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "
                     one_step(2)
                 elif phase == "save":
                     offload.save_checkpoint(ckpt, model, opt, keep_last=2)
+                elif phase == "export":
+                    offload.export(model, ckpt / "model.safetensors", dtype=torch.float32)
                 else:
                     offload.load_checkpoint(ckpt, model, opt)
         except KeyboardInterrupt:
@@ -171,9 +176,16 @@ def trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "
             out["failed"] = f"buffers without an owner after the next step: {lost}"
         if phase == "save":  # a save after the stopped one publishes and leaves no temp
             offload.save_checkpoint(ckpt, model, opt)
+        if phase == "export":  # a whole export after the stopped one holds the values
+            offload.export(model, ckpt / "model.safetensors", dtype=torch.float32)
+            now, exported = model.state_dict(), load_file(ckpt / "model.safetensors")
+            differ = [k for k, v in now.items() if not torch.equal(exported[k], v)]
+            if differ:
+                out["failed"] = f"the export after a stopped one differs: {differ}"
+        if phase in ("save", "export"):
             temp = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("."))
             if temp:
-                out["failed"] = f"left in the checkpoint directory after a save: {temp}"
+                out["failed"] = f"left in the checkpoint directory: {temp}"
     except BaseException as exc:  # noqa: BLE001 - anything but the interrupt fails the trial
         out["failed"] = "".join(traceback.format_exception(exc))[-2000:]
     finally:

@@ -62,10 +62,10 @@ FRAMES = {
     "all": (OFFLOAD, threading.__file__, contextlib.__file__),
     "buffers": tuple(os.path.join(OFFLOAD, p) for p in ("store", "io/buffer_pool.py")),
 }
-PHASES = ("step", "save", "load", "export", "wrap")
+PHASES = ("step", "save", "load", "export", "close", "wrap")
 """What the Ctrl-C lands in: the third step; or, after a checkpoint of the second, a
-``save_checkpoint``, a ``load_checkpoint`` of it or an ``export`` (fp32); or ``offload.wrap``
-(:func:`wrap_trial`)."""
+``save_checkpoint``, a ``load_checkpoint`` of it or an ``export`` (fp32), or ``close()``
+(then closed again: no thread or file may be left); or ``offload.wrap`` (:func:`wrap_trial`)."""
 CALLS = {dis.opmap["CALL"], dis.opmap["CALL_FUNCTION_EX"]}
 JUMP_BACK = dis.opmap["JUMP_BACKWARD"]
 
@@ -155,11 +155,21 @@ def trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "
                     offload.save_checkpoint(ckpt, model, opt, keep_last=2)
                 elif phase == "export":
                     offload.export(model, ckpt / "model.safetensors", dtype=torch.float32)
+                elif phase == "close":
+                    opt.close()
                 else:
                     offload.load_checkpoint(ckpt, model, opt)
         except KeyboardInterrupt:
-            opt.zero_grad()
+            if phase != "close":
+                opt.zero_grad()
         out["at"], out["stack"] = injector.fired, injector.stack
+        if phase == "close":  # a close after the stopped one finishes it: no thread, no file
+            opt.close()
+            alive = [t.name for t in threading.enumerate() if t.name.startswith("offload")]
+            left = [str(p) for p in root.rglob("*") if p.is_file()]
+            if alive or left:
+                out["failed"] = f"after a second close: threads {alive}, files {left}"
+            return out
         if phase != "step":  # loaded whole (again), it holds what was saved
             offload.load_checkpoint(ckpt, model, opt)
             now = model.state_dict()

@@ -471,6 +471,7 @@ def test_a_ctrl_c_while_the_forward_waits_for_the_update_leaves_the_engine_closa
         pytest.param("threading", 1, 1, "save", marks=pytest.mark.heavy, id="save-threading"),
         pytest.param("threading", 1, 1, "load", marks=pytest.mark.heavy, id="load-threading"),
         pytest.param("all", 1, 97, "wrap", marks=pytest.mark.heavy, id="wrap-sampled"),
+        pytest.param("all", 1, 7, "close", marks=pytest.mark.heavy, id="close-sampled"),
     ],
 )
 def test_a_ctrl_c_at_each_signal_point_of_a_step_then_training_goes_on(
@@ -483,8 +484,9 @@ def test_a_ctrl_c_at_each_signal_point_of_a_step_then_training_goes_on(
     pool buffer without an owner, no file left, no wait of a minute. This found the demo's hang after Ctrl-C and the windows
     where a Ctrl-C split one change of the store's in two (offload/store/store.py, Note:
     Ctrl-C and IO in flight). The same in a ``save_checkpoint``, a ``load_checkpoint`` (found
-    the verification's executor hanging on a lock of its own, 2026-12-07) and ``wrap`` (found
-    the model's values lost), each followed by their checks (the script's PHASE)."""
+    the verification's executor hanging on a lock of its own, 2026-12-07), ``wrap`` (found the
+    model's values lost) and ``close()`` (found its swap files left for good), each followed by
+    their checks (the script's PHASE)."""
     result = _child("_ctrl_c_points.py", tmp_path, frames, first, stride, 1, phase, timeout=900)
     assert result["trials"] >= 40, result  # the points were reached
     assert result["failures"] == [], json.dumps(result["failures"], indent=1)[-6000:]
@@ -762,3 +764,39 @@ def test_a_ctrl_c_in_map_in_threads_stops_its_jobs_within_a_piece(python_ctrl_c)
     assert time.monotonic() - t0 < 2.0
     assert not [t for t in threading.enumerate() if t.name.startswith("offload-test-map")]
     assert set(pieces) == {0, 1}  # the queued jobs never started
+
+
+@pytest.mark.parametrize("where", ["update", "store"])
+def test_a_close_stopped_part_way_is_finished_by_the_next(tmp_path, monkeypatch, where):
+    """A Ctrl-C in ``close()`` (as it waits for the last update, ``update``; or for a swap
+    store's writes, ``store``) left the swap files and the IO threads for the process's life
+    (a notebook's session): the engine was marked closed first, so a second ``close()`` did
+    nothing (``_ctrl_c_points.py``, PHASE close: 379 of 387 trials). The next close now runs
+    the steps left."""
+    from engine_models import nvme_recipe
+
+    from offload.api.wrap import engine_of
+    from offload.io.nvme_store import NvmeStore
+
+    model, opt, one_step = nvme_recipe(tmp_path, 1)
+    one_step(0)
+    one_step(1)
+    runtime, stopped = engine_of(model), []
+    real = runtime.flush_pending if where == "update" else NvmeStore._drain
+
+    def stop(*args):
+        if not stopped:
+            stopped.append(where)
+            raise KeyboardInterrupt
+        return real(*args)
+
+    if where == "update":
+        monkeypatch.setattr(runtime, "flush_pending", stop)
+    else:
+        monkeypatch.setattr(NvmeStore, "_drain", stop)
+    with pytest.raises(KeyboardInterrupt):
+        opt.close()
+    opt.close()
+    assert stopped
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert [t.name for t in threading.enumerate() if t.name.startswith("offload")] == []

@@ -165,6 +165,7 @@ class NvmeStore:
             self._shards: dict[str, _Shard] = {}
             self._lock = threading.Lock()
             self._closed = False
+            self._closed_whole = False  # (close: files removed, untracked)
             self._counters = dict(checksum_failures=0, bytes_written=0, bytes_read=0)
             lifecycle.track_store(self)
         except BaseException:
@@ -419,19 +420,22 @@ class NvmeStore:
 
     def close(self) -> None:
         """Wait for writes in flight, close an engine the store made, remove the files unless
-        ``keep``. Idempotent; in a forked child it only forgets the store."""
-        if self._closed:
+        ``keep``. Idempotent; in a forked child it only forgets the store. Stopped part way (a
+        Ctrl-C while it waits for a write), the next call finishes it: the store stays
+        tracked (closed at exit) until its files are gone."""
+        if self._closed_whole:
             return
-        self._closed = True
-        lifecycle.untrack(self)
-        if os.getpid() != self._pid:
-            return
-        for shard in list(self._shards.values()):
-            self._drain(shard)
-        if self._own_aio:
-            self._aio.close()
-        if not self.keep:
-            _remove_tree(self._dir)
+        self._closed = True  # no new request from here on
+        if os.getpid() == self._pid:
+            for shard in list(self._shards.values()):
+                self._drain(shard)
+            if self._own_aio:
+                self._aio.close()
+            if not self.keep:
+                _remove_tree(self._dir)
+        with interrupts_deferred():  # done, and no longer tracked, together
+            self._closed_whole = True
+            lifecycle.untrack(self)
 
     def abandon(self) -> None:
         """:meth:`close` for a process that is being terminated (see ``offload.io.lifecycle``):

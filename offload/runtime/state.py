@@ -214,6 +214,7 @@ class Runtime:
         self._graphs: list[weakref.ref] = []
         self._bwd_start: float | None = None
         self.closed = False
+        self._teardown: list = []  # close()'s steps not run yet (a stopped close)
 
     # ---------------------------------------------------------------- hooks
     def install_hooks(self) -> None:
@@ -1366,8 +1367,12 @@ class Runtime:
     def close(self, restore: bool = False) -> None:
         """Removes the hooks and frees pools and swap files. With ``restore`` every parameter
         first gets its current value back (original dtype, on the device), so the model goes
-        on as a plain PyTorch model; without, using the model afterwards is an error."""
+        on as a plain PyTorch model; without, using the model afterwards is an error. A close
+        stopped part way (a Ctrl-C while it waits for the last update) is finished by the next
+        call: the teardown's steps left are kept (their swap files and pools stayed until the
+        process ended, in a notebook its whole session)."""
         if self.closed:
+            self._tear_down()
             return
         if restore:
             self.check_idle("close(restore=True)")
@@ -1379,26 +1384,36 @@ class Runtime:
             for (m, name), dt in self.buffer_dtypes.items():
                 if m._buffers.get(name) is not None:
                     m._buffers[name] = m._buffers[name].to(dt)
+        # Teardown goes on past errors: every pool, swap file and thread is released. IO errors
+        # (already raised to the caller when they happened) are logged; any other is raised.
+        steps = [self.remove_hooks]
+        if not restore:  # a forward or a state dict would read the released storage: zeros
+            steps.append(self._refuse_after_close)
+        steps += [self.flush_pending, self.params.close, self.optim.close, self.grads.owner.close]
+        steps += [res.close for res in reversed(self.resources)]  # stores before their pools
+        steps.append(self.comm.close)  # the process group, last: closing may still gather
+        self._teardown = steps  # (before closed: a close stopped before it starts again)
         self.closed = True
         # the parameters' values went with the engine (where it released them)
         self.released = not restore and any(run.home.releases for run in self.runs)
-        self.remove_hooks()
-        if not restore:  # a forward or a state dict would read the released storage: zeros
-            self._handles.append(self.model.register_forward_pre_hook(self._closed_hook))
-            for module in (self.model, *self._parts):
-                self._handles.append(module._register_state_dict_hook(self._closed_hook))
-        # Teardown goes on past errors: every pool, swap file and thread is released. IO errors
-        # (already raised to the caller when they happened) are logged; any other is raised.
+        self._tear_down()
+
+    def _refuse_after_close(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._closed_hook))
+        for module in (self.model, *self._parts):
+            self._handles.append(module._register_state_dict_hook(self._closed_hook))
+
+    def _tear_down(self) -> None:
+        """Runs the close's steps left, each taken off once it ran (a Ctrl-C inside one leaves
+        it for the next close: each is idempotent)."""
         first: BaseException | None = None
-        steps = [self.flush_pending, self.params.close, self.optim.close, self.grads.owner.close]
-        steps += [res.close for res in reversed(self.resources)]  # stores before their pools
-        steps.append(self.comm.close)  # the process group, last: closing may still gather
-        for close in steps:
+        while self._teardown:
             try:
-                close()
+                self._teardown[0]()
             except Exception as exc:  # noqa: BLE001 - logged, the rest still closes
                 logger.warning("offload: error while closing (%s); continuing teardown", exc)
                 first = first or exc
+            del self._teardown[0]
         if first is not None and not isinstance(first, OSError | RuntimeError):
             raise first
 

@@ -112,12 +112,16 @@ class Reclaimer:
             self.held_bytes -= shard.io_nbytes
 
     def close(self) -> None:
-        """Gives every buffer back (the store has settled every transfer)."""
-        for shard in self.cached.values():
-            if shard.host_buf is not None:
-                self.budget.give(shard.host_buf)
-                shard.host_buf = None
-        self.cached.clear()
+        """Gives every buffer back (the store has settled every transfer). Stopped part way
+        (a Ctrl-C), the next call gives the rest: each is given back and forgotten together
+        (given back again, the pool raised "released twice" at the next close)."""
+        while self.cached:
+            with interrupts_deferred():
+                key, shard = next(iter(self.cached.items()))
+                if shard.host_buf is not None:
+                    self.budget.give(shard.host_buf)
+                    shard.host_buf = None
+                del self.cached[key]
 
     # -- waiting --------------------------------------------------------------------------------
     def block_on(self, transfer: Transfer) -> None:

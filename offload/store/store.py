@@ -616,11 +616,12 @@ class TieredStore:
             try:
                 self.flush()
             finally:  # what failed was raised; the buffers go back all the same
-                if self._room is not None:
-                    self._room.close()
-                self._shards.clear()
-                self._staging = None
-                self._closed = True
+                with interrupts_deferred():  # whole: a close stopped in it is never resumed
+                    if self._room is not None:
+                        self._room.close()
+                    self._shards.clear()
+                    self._staging = None
+                    self._closed = True
 
     def __enter__(self) -> TieredStore:
         return self

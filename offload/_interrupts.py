@@ -139,6 +139,8 @@ def map_in_threads(fn, jobs: list, workers: int, name: str) -> list:
     (``tests/_ctrl_c_points.py``, PHASE load, 2026-12-07: a semaphore's Condition entered).
     Here the main thread only waits through :func:`wait`."""
     results: list = [None] * len(jobs)
+    if not jobs:
+        return results
     errors: list[BaseException] = []
     stop, done, lock = threading.Event(), threading.Event(), threading.Lock()
     order = iter(range(len(jobs)))
@@ -166,8 +168,6 @@ def map_in_threads(fn, jobs: list, workers: int, name: str) -> list:
             ended()
 
     threads = [threading.Thread(target=work, name=f"{name}-{k}", daemon=True) for k in range(count)]
-    if not jobs:
-        return results
     try:
         with interrupts_deferred():  # Thread.start waits on an Event (Note: waits)
             for t in threads:

@@ -457,7 +457,7 @@ class NvmeStore:
 
     def __del__(self) -> None:
         try:
-            if not getattr(self, "_closed", True):
+            if not getattr(self, "_closed_whole", True):  # (also a close stopped part way)
                 self.close()
         except Exception:
             pass

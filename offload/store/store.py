@@ -616,7 +616,8 @@ class TieredStore:
             try:
                 self.flush()
             finally:  # what failed was raised; the buffers go back all the same
-                with interrupts_deferred():  # whole: a close stopped in it is never resumed
+                # one block: stopped inside it, the next close flushed a store half given back
+                with interrupts_deferred():
                     if self._room is not None:
                         self._room.close()
                     self._shards.clear()

@@ -147,7 +147,7 @@ def test_a_wrap_stopped_part_way_leaves_the_model_as_it_was(
     the first unit is attached (``second unit``) or once the runtime is built (``hooks``),
     the model is as it was (values, buffers, no hook, no swap directory; a model on the meta
     device back on it), and wrapping it again trains."""
-    from engine_models import batches, lm_loss, make_model, placement_config
+    from engine_models import TinyLM, batches, lm_loss, make_model
     from safetensors.torch import save_file
 
     from offload.runtime import Runtime
@@ -160,8 +160,6 @@ def test_a_wrap_stopped_part_way_leaves_the_model_as_it_was(
     if meta:
         save_file({k: v for k, v in before.items() if k != "head.weight"}, tmp_path / "w.st")
         with torch.device("meta"):
-            from engine_models import TinyLM
-
             model = TinyLM()
         kwargs["weights"] = tmp_path / "w.st"
     else:

@@ -218,9 +218,9 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
             read["data"] += got.numel() * got.element_size()
             return got
 
-        def counted_sha(fd, size, begin=0):
+        def counted_sha(fd, size, begin=0, stop=None):
             read["verified"] += size - begin
-            return real_sha(fd, size, begin)
+            return real_sha(fd, size, begin, stop)
 
         checkpoint_files.VerifiedCheckpoint.read = counted_read
         checkpoint_files._sha256_of = counted_sha

@@ -209,7 +209,7 @@ def _close_at_exit(ref: weakref.ref) -> None:
     files removed) before the IO layer shuts down (``offload.io.lifecycle``'s Note on order:
     registered at wrap time, so it runs before the IO layer's own handler)."""
     runtime = ref()
-    if runtime is not None and not runtime.closed:
+    if runtime is not None:  # (closed: what a close stopped part way left, if any)
         runtime.close()
 
 

@@ -496,14 +496,15 @@ def _remove_tree(directory: str) -> None:
     reclaiming prefix): a process killed while deleting it (SIGTERM's cleanup cut short by
     SIGKILL) leaves a directory the next store on the path removes, never data files whose
     ``owner.json`` is gone, which no store would reclaim. Once more if a file appeared in it
-    meanwhile."""
+    meanwhile. Either name is removed: a removal stopped after its rename (a Ctrl-C in a
+    close) left the renamed one for the next call."""
     head, name = os.path.split(directory)
     doomed = os.path.join(head, _owner.RECLAIMING + name)
     try:
         os.rename(directory, doomed)
-    except OSError:  # gone already, or not renamable: deleted where it is
-        doomed = directory
-    shutil.rmtree(doomed, ignore_errors=True)
-    for tree in (doomed, directory):  # once more if a file appeared meanwhile
-        if os.path.lexists(tree):
-            shutil.rmtree(tree, ignore_errors=True)
+    except OSError:  # gone already (renamed), or not renamable: deleted where it is
+        pass
+    for _ in range(2):  # once more if a file appeared meanwhile
+        for tree in (doomed, directory):
+            if os.path.lexists(tree):
+                shutil.rmtree(tree, ignore_errors=True)

@@ -1408,12 +1408,14 @@ class Runtime:
         it for the next close: each is idempotent)."""
         first: BaseException | None = None
         while self._teardown:
+            step = self._teardown[0]
             try:
-                self._teardown[0]()
+                step()
             except Exception as exc:  # noqa: BLE001 - logged, the rest still closes
                 logger.warning("offload: error while closing (%s); continuing teardown", exc)
                 first = first or exc
-            del self._teardown[0]
+            if self._teardown and self._teardown[0] is step:  # (a close inside it ran it too)
+                del self._teardown[0]
         if first is not None and not isinstance(first, OSError | RuntimeError):
             raise first
 

@@ -462,6 +462,86 @@ class _HeldWrite:
         return self.handle.wait(*a)
 
 
+def test_a_ctrl_c_while_the_fallback_engine_reads_waits_for_the_read(tmp_path, monkeypatch):
+    """A Ctrl-C while the store waits for a read in flight is delivered once the read is done,
+    with the thread engine as with the native one (whose wait runs to its end). Raised between
+    the fallback's wait slices, the store took the read for failed and gave its buffer back
+    with the engine still reading into it: the next fetch's values were overwritten by the
+    old read's bytes."""
+    import os
+    import signal
+    import threading
+
+    from offload.io._thread_engine import ThreadEngine
+
+    gate, started = threading.Event(), threading.Event()
+    real_piece = ThreadEngine._run_piece
+
+    def held_read(self, req, *args):
+        if not req.is_write and not started.is_set():  # the first read waits for the gate
+            started.set()
+            gate.wait(10)
+        return real_piece(self, req, *args)
+
+    with _native.force_fallback(), make_store(tmp_path, buffers=1) as store:
+        store.register("a", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 2.0))
+        store.register("b", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 3.0))
+        monkeypatch.setattr(ThreadEngine, "_run_piece", held_read)
+        store.read_ahead(["a"])  # in flight, held at the gate
+        assert started.wait(5)
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+        threading.Timer(0.6, gate.set).start()
+        with pytest.raises(KeyboardInterrupt):
+            store.flush()  # waits for the read; the Ctrl-C comes in 0.1 s
+        read_done = gate.is_set()
+        with store.borrow("b") as got:  # the buffer a read given back early would hold
+            b_before = got.clone()
+            gate.wait(5)
+            store.flush()  # the held read has landed somewhere by now
+            b_after = got.clone()
+        assert torch.equal(b_before, torch.full((1000,), 3.0))
+        assert torch.equal(b_after, torch.full((1000,), 3.0)), "b's copy was overwritten"
+        assert read_done, "the Ctrl-C was raised with the read still in flight"
+        with store.borrow("a") as got:
+            assert torch.equal(got, torch.full((1000,), 2.0))
+
+
+def test_a_close_stopped_between_two_transfers_gives_no_buffer_back_under_a_read(
+    tmp_path, backend, monkeypatch
+):
+    """``close`` finishes the transfers in flight, then gives every buffer back, the latter
+    even when the former raised. Stopped by a Ctrl-C after the first of two reads in flight
+    (between two finishes), it gave the second read's buffer back to the pool with the read
+    still landing in it: another user of the pool (the pools outlive a store) had its copy
+    overwritten. Now the buffers go back once nothing in flight may still write into them."""
+    import threading
+
+    gate = threading.Event()
+    with make_store(tmp_path, buffers=2) as store:
+        pool = store._room.pool
+        for key, value in (("a", 2.0), ("b", 3.0)):
+            store.register(key, 1000, torch.float32, Tier.NVME, init=torch.full((1000,), value))
+        real_read = store._nvme.read
+        monkeypatch.setattr(store._nvme, "read", lambda *a: Gated(real_read(*a), gate))
+        store.read_ahead(["a", "b"])  # both in flight, held at the gate
+        real_finish = TieredStore.finish
+
+        def finish_then_interrupt(self, shard):
+            gate.set()  # the first read lands; the second may still be in flight
+            real_finish(self, shard)
+            monkeypatch.setattr(TieredStore, "finish", real_finish)
+            gate.clear()
+            threading.Timer(0.3, gate.set).start()
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(TieredStore, "finish", finish_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            store.close()
+        assert gate.is_set(), "close gave the buffers back with a read in flight"
+        assert pool.free_count == pool.buffer_count
+        assert not store._inflight
+
+
 def test_interrupt_while_finishing_a_transfer_leaves_the_store_closable(
     tmp_path, backend, monkeypatch
 ):

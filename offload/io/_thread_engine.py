@@ -94,7 +94,12 @@ class _Request:
 
     # the native request object offers the same four calls
     def wait(self, timeout_s: float) -> bool:
-        return wait(self.event, None if timeout_s < 0 else timeout_s)  # (_interrupts: waits)
+        # as the native request's wait, a Ctrl-C does not end it (_interrupts: waits, for the
+        # slices): raised between slices, the store took the read for failed and gave its
+        # buffer back with this engine still reading into it (the next fetch's values
+        # overwritten: tests/test_store.py)
+        with interrupts_deferred():
+            return wait(self.event, None if timeout_s < 0 else timeout_s)
 
     def done(self) -> bool:
         return self.event.is_set()

@@ -615,14 +615,24 @@ class TieredStore:
                 return
             try:
                 self.flush()
-            finally:  # what failed was raised; the buffers go back all the same
-                # one block: stopped inside it, the next close flushed a store half given back
+            finally:  # what failed was raised; the buffers go back all the same, once
+                # nothing in flight may still write into one (a flush stopped between two
+                # transfers left the rest in flight; given back under a read, another user of
+                # the pool had its copy overwritten). One block: stopped inside it, the next
+                # close flushed a store half given back
                 with interrupts_deferred():
+                    self._wait_out()
                     if self._room is not None:
                         self._room.close()
                     self._shards.clear()
                     self._staging = None
                     self._closed = True
+
+    def _wait_out(self) -> None:
+        """Waits for every transfer in flight, dropping its error (the caller has its own)."""
+        while self._inflight:
+            with contextlib.suppress(Exception):
+                self.finish(next(iter(self._inflight.values())))
 
     def __enter__(self) -> TieredStore:
         return self

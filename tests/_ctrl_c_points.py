@@ -11,7 +11,11 @@ engine. With PHASE ``save``, ``load`` or ``export`` the Ctrl-C lands instead in 
 ``save_checkpoint``, a ``load_checkpoint`` of the checkpoint saved after the second step, or an
 ``export``; then a whole load of it must give its values back, the next step must run, and a
 save or an export after it must leave no temporary file behind (an export: its values, the
-model's). With PHASE ``wrap`` it lands in ``offload.wrap`` (:func:`wrap_trial`). Any other
+model's). PHASE ``pretrained``: a ``save_pretrained`` over an earlier one, whose directory must
+hold one save or the other whole. PHASE ``close`` and ``restore``: ``close()`` and
+``close(restore=True)``, each called again after. With PHASE ``wrap`` or ``weights`` it lands in
+``offload.wrap`` (:func:`wrap_trial`). The IO engine is the native one, or the thread
+fallback under ``OFFLOAD_NATIVE=0``. Any other
 exception, a shard still pinned, a pool buffer without an owner, a file left in ROOT or a
 wait longer than a minute (which exits with every thread's stack) fails the trial. Prints one JSON line: the trials, and the
 failures with where their Ctrl-C landed.
@@ -51,7 +55,7 @@ from engine_models import (  # noqa: E402
     pinned_shards,
     placement_config,
 )
-from safetensors.torch import load_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 import offload  # noqa: E402
 from offload.api.wrap import engine_of  # noqa: E402
@@ -62,10 +66,14 @@ FRAMES = {
     "all": (OFFLOAD, threading.__file__, contextlib.__file__),
     "buffers": tuple(os.path.join(OFFLOAD, p) for p in ("store", "io/buffer_pool.py")),
 }
-PHASES = ("step", "save", "load", "export", "close", "wrap")
+PHASES = ("step", "save", "load", "export", "pretrained", "close", "restore", "wrap", "weights")
 """What the Ctrl-C lands in: the third step; or, after a checkpoint of the second, a
-``save_checkpoint``, a ``load_checkpoint`` of it or an ``export`` (fp32), or ``close()``
-(then closed again: no thread or file may be left); or ``offload.wrap`` (:func:`wrap_trial`)."""
+``save_checkpoint``, a ``load_checkpoint`` of it or an ``export`` (fp32), a ``save_pretrained``
+over the one saved after the first step (the directory must hold one save or the other, whole),
+``close()`` (then closed again: no thread or file may be left), or ``close(restore=True)`` (then
+again: the model must hold the values it had, with no thread or file left, and train as a plain
+model); or ``offload.wrap`` of a live model, or of one on the meta device with ``weights=`` a
+file (:func:`wrap_trial`)."""
 CALLS = {dis.opmap["CALL"], dis.opmap["CALL_FUNCTION_EX"]}
 JUMP_BACK = dis.opmap["JUMP_BACKWARD"]
 
@@ -142,6 +150,10 @@ def trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "
     out: dict = {"n": n}
     try:
         one_step(0)
+        hf = ckpt / "hf"
+        if phase == "pretrained":  # a save for the stopped one to replace
+            offload.save_pretrained(model, hf)
+            first = {k: v.clone() for k, v in model.state_dict().items()}
         one_step(1)
         if phase != "step":  # a whole checkpoint, and the values it holds
             offload.save_checkpoint(ckpt, model, opt)
@@ -155,12 +167,16 @@ def trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "
                     offload.save_checkpoint(ckpt, model, opt, keep_last=2)
                 elif phase == "export":
                     offload.export(model, ckpt / "model.safetensors", dtype=torch.float32)
+                elif phase == "pretrained":
+                    offload.save_pretrained(model, hf)
                 elif phase == "close":
                     opt.close()
+                elif phase == "restore":
+                    opt.close(restore=True)
                 else:
                     offload.load_checkpoint(ckpt, model, opt)
         except KeyboardInterrupt:
-            if phase != "close":
+            if phase not in ("close", "restore"):
                 opt.zero_grad()
         out["at"], out["stack"] = injector.fired, injector.stack
         if phase == "close":  # a close after the stopped one finishes it: no thread, no file
@@ -170,6 +186,10 @@ def trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "
             if alive or left:
                 out["failed"] = f"after a second close: threads {alive}, files {left}"
             return out
+        if phase == "restore":
+            return _restored(out, root, model, opt, saved)
+        if phase == "pretrained" and not any(_same(_files(hf), v) for v in (first, saved)):
+            out["failed"] = "after a stopped save_pretrained, its directory holds neither save"
         if phase != "step":  # loaded whole (again), it holds what was saved
             offload.load_checkpoint(ckpt, model, opt)
             now = model.state_dict()
@@ -192,7 +212,11 @@ def trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "
             differ = [k for k, v in now.items() if not torch.equal(exported[k], v)]
             if differ:
                 out["failed"] = f"the export after a stopped one differs: {differ}"
-        if phase in ("save", "export"):
+        if phase == "pretrained":  # a whole save after the stopped one holds the values
+            offload.save_pretrained(model, hf)
+            if not _same(_files(hf), model.state_dict()):
+                out["failed"] = "the save_pretrained after a stopped one differs"
+        if phase in ("save", "export", "pretrained"):
             temp = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("."))
             if temp:
                 out["failed"] = f"left in the checkpoint directory: {temp}"
@@ -207,27 +231,70 @@ def trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "
     return out
 
 
-def wrap_trial(root: Path, roots: tuple[str, ...], n: int, accum: int) -> dict:
+def _files(directory: Path) -> dict:
+    """The tensors of a ``save_pretrained`` directory, every shard's."""
+    out: dict = {}
+    for f in directory.glob("*.safetensors"):
+        out.update(load_file(f))
+    return out
+
+
+def _same(saved: dict, values: dict) -> bool:
+    """Whether a save holds ``values`` (a tied weight is saved once, under one name)."""
+    return bool(saved) and all(k in values and torch.equal(v, values[k]) for k, v in saved.items())
+
+
+def _restored(out: dict, root: Path, model, opt, saved: dict) -> dict:
+    """After a ``close(restore=True)`` stopped part way, another: the model holds the values it
+    had (fp32, exactly), offload left no thread or file, and a plain step of torch's runs."""
+    opt.close(restore=True)
+    now = model.state_dict()
+    differ = [k for k, v in saved.items() if not torch.equal(now[k], v)]
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("offload")]
+    left = [str(p) for p in root.rglob("*") if p.is_file()]
+    hooked = [n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
+    if differ or alive or left or hooked:
+        out["failed"] = (
+            f"after a second close(restore=True): values changed {differ}, threads {alive}, "
+            f"files {left}, hooks on {hooked}"
+        )
+        return out
+    lm_loss(model, batches(1)[0]).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    return out
+
+
+def wrap_trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str) -> dict:
     """PHASE ``wrap``: the Ctrl-C lands in ``offload.wrap``. Stopped there, the model must be
     as it was (its values, no hook of offload's, no swap file), and wrapping it again must
-    train."""
+    train. PHASE ``weights``: the same for a model on the meta device wrapped with its values
+    from a file (what ``from_pretrained`` does), which must stay on the meta device."""
     cfg = placement_config("nvme", "nvme", root)
     cfg["gradient_accumulation_steps"] = accum
     model = make_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    weights = None
+    if phase == "weights":
+        weights = root.with_name(f"{root.name}-weights.safetensors")
+        save_file(before, weights)
+        with torch.device("meta"):
+            model = make_model()
     out: dict = {"n": n}
     opt = None
     try:
         injector = Injector(roots, n)
         try:
             with injector:
-                model, opt = offload.wrap(model, cfg)
+                model, opt = offload.wrap(model, cfg, weights=weights)
         except KeyboardInterrupt:
             pass
         out["at"], out["stack"] = injector.fired, injector.stack
         if opt is None:
             now = model.state_dict()
-            differ = [k for k, v in before.items() if not torch.equal(now[k], v)]
+            if weights is None:
+                differ = [k for k, v in before.items() if not torch.equal(now[k], v)]
+            else:  # nothing was put on a device
+                differ = [k for k, v in now.items() if not v.is_meta]
             hooked = [
                 name
                 for name, m in model.named_modules()
@@ -240,7 +307,12 @@ def wrap_trial(root: Path, roots: tuple[str, ...], n: int, accum: int) -> dict:
                     f"files {left}"
                 )
                 return out
-            model, opt = offload.wrap(model, cfg)
+            model, opt = offload.wrap(model, cfg, weights=weights)
+            now = model.state_dict()
+            differ = [k for k, v in before.items() if not torch.equal(now[k], v)]
+            if differ:
+                out["failed"] = f"wrapped again after a stopped wrap, not its values: {differ}"
+                return out
         data = batches(4)
         for m in range(accum):
             (lm_loss(model, data[m]) / accum).backward()
@@ -255,6 +327,8 @@ def wrap_trial(root: Path, roots: tuple[str, ...], n: int, accum: int) -> dict:
     finally:
         if opt is not None:
             opt.close()
+        if weights is not None:
+            weights.unlink()
     left = [str(p) for p in root.rglob("*") if p.is_file()]
     if left and "failed" not in out:
         out["failed"] = f"files left: {left}"
@@ -272,10 +346,8 @@ def main() -> None:
     n = first
     while True:
         faulthandler.dump_traceback_later(60, exit=True)  # a hang shows where it waits
-        run = wrap_trial if phase == "wrap" else trial
-        result = run(
-            root / f"t{n}", FRAMES[frames], n, accum, *(() if phase == "wrap" else (phase,))
-        )
+        run = wrap_trial if phase in ("wrap", "weights") else trial
+        result = run(root / f"t{n}", FRAMES[frames], n, accum, phase)
         faulthandler.cancel_dump_traceback_later()
         if os.environ.get("CTRL_C_POINTS_VERBOSE"):
             failed = f"\nFAILED: {result['failed']}" if "failed" in result else ""

@@ -34,16 +34,17 @@ def _interrupts_file() -> str:
     return offload._interrupts.__file__
 
 
-def _child(script: str, *args, timeout: float) -> dict:
-    """Runs a child of this directory with SIGINT at its default (the Ctrl-C children): its
-    last stdout line, a JSON result; a nonzero exit fails with its stderr's end."""
+def _child(script: str, *args, timeout: float, **env: str) -> dict:
+    """Runs a child of this directory with SIGINT at its default (the Ctrl-C children), ``env``
+    added to its environment: its last stdout line, a JSON result; a nonzero exit fails with
+    its stderr's end."""
     worker = Path(__file__).resolve().parent / script
     proc = subprocess.run(
         [sys.executable, str(worker), *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=dict(os.environ, PYTHONPATH=str(ROOT), **env),
         preexec_fn=default_sigint,
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -460,22 +461,30 @@ def test_a_ctrl_c_while_the_forward_waits_for_the_update_leaves_the_engine_closa
 
 
 @pytest.mark.parametrize(
-    "frames, first, stride, phase",
+    "frames, first, stride, phase, native",
     [  # (heavy: CI runs it; slow: by hand, `pytest -m slow -k signal_point`)
         pytest.param(
-            "threading", 1, 1, "step", marks=pytest.mark.heavy, id="every-point-in-threading"
+            "threading", 1, 1, "step", "1", marks=pytest.mark.heavy, id="every-point-in-threading"
         ),
         pytest.param(
-            "all", 1, 97, "step", marks=pytest.mark.slow, id="offload-and-threading-sampled"
+            "all", 1, 97, "step", "1", marks=pytest.mark.slow, id="offload-and-threading-sampled"
         ),
-        pytest.param("threading", 1, 1, "save", marks=pytest.mark.heavy, id="save-threading"),
-        pytest.param("threading", 1, 1, "load", marks=pytest.mark.heavy, id="load-threading"),
-        pytest.param("all", 1, 97, "wrap", marks=pytest.mark.heavy, id="wrap-sampled"),
-        pytest.param("all", 1, 7, "close", marks=pytest.mark.heavy, id="close-sampled"),
+        pytest.param("threading", 1, 1, "save", "1", marks=pytest.mark.heavy, id="save-threading"),
+        pytest.param("threading", 1, 1, "load", "1", marks=pytest.mark.heavy, id="load-threading"),
+        pytest.param("all", 1, 97, "wrap", "1", marks=pytest.mark.heavy, id="wrap-sampled"),
+        pytest.param("all", 1, 7, "close", "1", marks=pytest.mark.heavy, id="close-sampled"),
+        pytest.param("all", 1, 37, "restore", "1", marks=pytest.mark.heavy, id="restore-sampled"),
+        pytest.param(
+            "all", 1, 47, "pretrained", "1", marks=pytest.mark.heavy, id="pretrained-sampled"
+        ),
+        pytest.param("all", 1, 211, "weights", "1", marks=pytest.mark.heavy, id="weights-sampled"),
+        pytest.param(  # the IO engine without the native extension
+            "threading", 1, 1, "step", "0", marks=pytest.mark.heavy, id="fallback-engine-threading"
+        ),
     ],
 )
 def test_a_ctrl_c_at_each_signal_point_of_a_step_then_training_goes_on(
-    tmp_path, frames, first, stride, phase
+    tmp_path, frames, first, stride, phase, native
 ):
     """``_ctrl_c_points.py``: one trial per point where Python can deliver a Ctrl-C on the
     main thread during a step (in ``threading``'s frames: where a Ctrl-C broke the
@@ -486,8 +495,19 @@ def test_a_ctrl_c_at_each_signal_point_of_a_step_then_training_goes_on(
     Ctrl-C and IO in flight). The same in a ``save_checkpoint``, a ``load_checkpoint`` (found
     the verification's executor hanging on a lock of its own, 2026-12-07), ``wrap`` (found the
     model's values lost) and ``close()`` (found its swap files left for good), each followed by
-    their checks (the script's PHASE)."""
-    result = _child("_ctrl_c_points.py", tmp_path, frames, first, stride, 1, phase, timeout=900)
+    their checks (the script's PHASE); and in ``close(restore=True)``, ``save_pretrained``,
+    a ``wrap`` with ``weights=`` and a step with the thread IO engine (2026-12-07: clean)."""
+    result = _child(
+        "_ctrl_c_points.py",
+        tmp_path,
+        frames,
+        first,
+        stride,
+        1,
+        phase,
+        timeout=900,
+        OFFLOAD_NATIVE=native,
+    )
     assert result["trials"] >= 40, result  # the points were reached
     assert result["failures"] == [], json.dumps(result["failures"], indent=1)[-6000:]
 

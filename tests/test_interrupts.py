@@ -479,7 +479,7 @@ def test_a_ctrl_c_while_the_forward_waits_for_the_update_leaves_the_engine_closa
         ),
         pytest.param("all", 1, 211, "weights", "1", marks=pytest.mark.heavy, id="weights-sampled"),
         pytest.param(  # the IO engine without the native extension
-            "threading", 1, 1, "step", "0", marks=pytest.mark.heavy, id="fallback-engine-threading"
+            "threading", 1, 7, "step", "0", marks=pytest.mark.heavy, id="fallback-engine-sampled"
         ),
     ],
 )

@@ -1,7 +1,8 @@
 """A child for ``tests/test_interrupts.py``: a Ctrl-C at each point where Python could deliver
 one during a training step, one point per trial, and training goes on.
 
-``python _ctrl_c_points.py ROOT FRAMES FIRST STRIDE [ACCUM [PHASE]]``: params and optimizer
+``python _ctrl_c_points.py ROOT FRAMES FIRST STRIDE [ACCUM [PHASE [AGAIN]]]``: params and
+optimizer
 state on NVMe under ROOT, the default config (the step in backward) with
 ``gradient_accumulation_steps`` ACCUM (and clipping when ACCUM > 1). Trial ``n`` (``FIRST``,
 ``FIRST + STRIDE``, ... until the phase has fewer points) wraps a fresh model, runs two steps,
@@ -15,7 +16,8 @@ model's). PHASE ``pretrained``: a ``save_pretrained`` over an earlier one, whose
 hold one save or the other whole. PHASE ``close`` and ``restore``: ``close()`` and
 ``close(restore=True)``, each called again after. With PHASE ``wrap`` or ``weights`` it lands in
 ``offload.wrap`` (:func:`wrap_trial`). The IO engine is the native one, or the thread
-fallback under ``OFFLOAD_NATIVE=0``. Any other
+fallback under ``OFFLOAD_NATIVE=0``. With AGAIN > 0 a second Ctrl-C follows the first, at the
+AGAIN-th function the unwinding starts (:class:`Injector`). Any other
 exception, a shard still pinned, a pool buffer without an owner, a file left in ROOT or a
 wait longer than a minute (which exits with every thread's stack) fails the trial. Prints one JSON line: the trials, and the
 failures with where their Ctrl-C landed.
@@ -97,10 +99,17 @@ def _handler(code, offset: int):
 
 
 class Injector:
-    """Raises KeyboardInterrupt on the main thread at its ``target``-th signal point."""
+    """Raises KeyboardInterrupt on the main thread at its ``target``-th signal point; with
+    ``again`` (> 0), a second time at the ``again``-th start of a function of ``roots`` after
+    it (a user pressing Ctrl-C twice in quick succession: the second lands in what the first
+    one's unwinding runs; a function's start is one of the points where CPython delivers a
+    signal). CPython drops a trace function that raises, so the second is placed by a profile
+    function, which sees calls only."""
 
-    def __init__(self, roots: tuple[str, ...], target: int) -> None:
-        self.roots, self.target = roots, target
+    def __init__(self, roots: tuple[str, ...], target: int, again: int = 0) -> None:
+        self.roots, self.target, self.again = roots, target, again
+        self.calls = 0  # function starts seen after the first Ctrl-C
+        self.again_fired: str | None = None
         self.count = 0
         self.fired: str | None = None
         self.stack = ""  # where it fired
@@ -112,6 +121,22 @@ class Injector:
 
     def __exit__(self, *exc) -> None:
         sys.settrace(None)
+        sys.setprofile(None)
+
+    def _profile(self, frame, event, arg):
+        if event != "call" or not frame.f_code.co_filename.startswith(self.roots):
+            return
+        if _signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return  # held back (interrupts_deferred): delivered at the block's end, as it was
+        self.calls += 1
+        if self.calls == self.again:
+            sys.setprofile(None)
+            where = frame.f_code.co_filename.replace(OFFLOAD, "offload")
+            self.again_fired = f"{where}:{frame.f_lineno} in {frame.f_code.co_name}"
+            if os.environ.get("CTRL_C_POINTS_VERBOSE"):
+                stack = "".join(traceback.format_stack(frame, limit=8))
+                print(f"fired again: {self.again_fired}\n{stack}", file=sys.stderr)
+            raise KeyboardInterrupt
 
     def _call(self, frame, event, arg):
         if self.fired is None and frame.f_code.co_filename.startswith(self.roots):
@@ -140,11 +165,15 @@ class Injector:
                 self.stack = "".join(traceback.format_stack(frame, limit=12))
                 if os.environ.get("CTRL_C_POINTS_VERBOSE"):
                     print(f"fired {self.target}: {self.fired}\n{self.stack}", file=sys.stderr)
+                if self.again:
+                    sys.setprofile(self._profile)
                 raise KeyboardInterrupt
         return self._opcode
 
 
-def trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "step") -> dict:
+def trial(
+    root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "step", again: int = 0
+) -> dict:
     model, opt, one_step = nvme_recipe(root, accum)
     ckpt = root.with_name(f"{root.name}-ckpt")  # beside ROOT: the files-left check is ROOT's
     out: dict = {"n": n}
@@ -158,7 +187,7 @@ def trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "
         if phase != "step":  # a whole checkpoint, and the values it holds
             offload.save_checkpoint(ckpt, model, opt)
             saved = {k: v.clone() for k, v in model.state_dict().items()}
-        injector = Injector(roots, n)
+        injector = Injector(roots, n, again)
         try:
             with injector:
                 if phase == "step":
@@ -179,6 +208,8 @@ def trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "
             if phase not in ("close", "restore"):
                 opt.zero_grad()
         out["at"], out["stack"] = injector.fired, injector.stack
+        if injector.again_fired:
+            out["again"] = injector.again_fired
         if phase == "close":  # a close after the stopped one finishes it: no thread, no file
             opt.close()
             alive = [t.name for t in threading.enumerate() if t.name.startswith("offload")]
@@ -264,7 +295,9 @@ def _restored(out: dict, root: Path, model, opt, saved: dict) -> dict:
     return out
 
 
-def wrap_trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str) -> dict:
+def wrap_trial(
+    root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str, again: int = 0
+) -> dict:
     """PHASE ``wrap``: the Ctrl-C lands in ``offload.wrap``. Stopped there, the model must be
     as it was (its values, no hook of offload's, no swap file), and wrapping it again must
     train. PHASE ``weights``: the same for a model on the meta device wrapped with its values
@@ -282,13 +315,15 @@ def wrap_trial(root: Path, roots: tuple[str, ...], n: int, accum: int, phase: st
     out: dict = {"n": n}
     opt = None
     try:
-        injector = Injector(roots, n)
+        injector = Injector(roots, n, again)
         try:
             with injector:
                 model, opt = offload.wrap(model, cfg, weights=weights)
         except KeyboardInterrupt:
             pass
         out["at"], out["stack"] = injector.fired, injector.stack
+        if injector.again_fired:
+            out["again"] = injector.again_fired
         if opt is None:
             now = model.state_dict()
             if weights is None:
@@ -340,6 +375,7 @@ def main() -> None:
     first, stride = int(sys.argv[3]), int(sys.argv[4])
     accum = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     phase = sys.argv[6] if len(sys.argv) > 6 else "step"
+    again = int(sys.argv[7]) if len(sys.argv) > 7 else 0
     if phase not in PHASES:
         raise SystemExit(f"PHASE: got {phase!r}; allowed: {', '.join(PHASES)}")
     trials, failures = 0, []
@@ -347,11 +383,12 @@ def main() -> None:
     while True:
         faulthandler.dump_traceback_later(60, exit=True)  # a hang shows where it waits
         run = wrap_trial if phase in ("wrap", "weights") else trial
-        result = run(root / f"t{n}", FRAMES[frames], n, accum, phase)
+        result = run(root / f"t{n}", FRAMES[frames], n, accum, phase, again)
         faulthandler.cancel_dump_traceback_later()
         if os.environ.get("CTRL_C_POINTS_VERBOSE"):
             failed = f"\nFAILED: {result['failed']}" if "failed" in result else ""
-            print(f"trial {n}: {result.get('at')}{failed}", file=sys.stderr, flush=True)
+            then = f" then {result['again']}" if "again" in result else ""
+            print(f"trial {n}: {result.get('at')}{then}{failed}", file=sys.stderr, flush=True)
         if result.get("at") is None and "failed" not in result:
             break  # the step has fewer points than n
         trials += 1

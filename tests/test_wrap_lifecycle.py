@@ -135,7 +135,7 @@ def test_an_engine_let_go_without_close_is_collected_by_the_next_wrap(tmp_path):
             gc.enable()
 
 
-@pytest.mark.parametrize("where", ["second unit", "hooks"])
+@pytest.mark.parametrize("where", ["second unit", "hooks part way", "hooks"])
 @pytest.mark.parametrize("param_dev,opt_dev", [("nvme", "nvme"), ("cpu", "cpu"), ("none", "cpu")])
 @pytest.mark.parametrize("meta", [False, True], ids=["live", "meta"])
 def test_a_wrap_stopped_part_way_leaves_the_model_as_it_was(
@@ -144,8 +144,10 @@ def test_a_wrap_stopped_part_way_leaves_the_model_as_it_was(
     """A Ctrl-C in ``wrap`` (a large model's values streaming to NVMe) closed the homes that
     held the attached units' only copy: the model's values were gone up to where it stopped
     (``tests/_ctrl_c_points.py``, PHASE wrap: 40 of 71 trials). Stopped after
-    the first unit is attached (``second unit``) or once the runtime is built (``hooks``),
-    the model is as it was (values, buffers, no hook, no swap directory; a model on the meta
+    the first unit is attached (``second unit``), while the runtime's hooks go on (``hooks
+    part way``: its close then raised AttributeError for an attribute those hooks had not set
+    yet, and left a "closed" hook on the model; PHASE weights, 2026-12-07) or once the runtime
+    is built (``hooks``), the model is as it was (values, buffers, no hook, no swap directory; a model on the meta
     device back on it), and wrapping it again trains."""
     from engine_models import TinyLM, batches, lm_loss, make_model
     from safetensors.torch import save_file
@@ -166,6 +168,7 @@ def test_a_wrap_stopped_part_way_leaves_the_model_as_it_was(
         model = live
     cfg = placement_config(param_dev, opt_dev, tmp_path)
     real_trim, real_hooks, calls = wrap_module.trim_host_heap, Runtime.install_hooks, []
+    real_guard = Runtime._guard_parts
 
     def trim() -> None:
         calls.append(1)
@@ -178,8 +181,14 @@ def test_a_wrap_stopped_part_way_leaves_the_model_as_it_was(
         if where == "hooks":
             raise KeyboardInterrupt
 
+    def guard(self) -> None:
+        if where == "hooks part way":
+            raise KeyboardInterrupt
+        real_guard(self)
+
     monkeypatch.setattr(wrap_module, "trim_host_heap", trim)
     monkeypatch.setattr(Runtime, "install_hooks", hooks)
+    monkeypatch.setattr(Runtime, "_guard_parts", guard)
     with pytest.raises(KeyboardInterrupt):
         offload.wrap(model, cfg, **kwargs)
     monkeypatch.undo()

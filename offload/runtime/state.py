@@ -202,6 +202,10 @@ class Runtime:
         # model.zero_grad()); a backward while it is pending is refused (_check_no_clip)
         self.clip_coef: float | None = None
         self._handles: list = []
+        # the modules holding a unit's parameters (_guard_parts); set here, as a close of a
+        # wrap stopped before its hooks were all on reads them (AttributeError, and a "closed"
+        # hook left on the model: tests/_ctrl_c_points.py PHASE weights, 2026-12-07)
+        self._parts: list[nn.Module] = []
         self._step_started = time.perf_counter()
         self._fwd_start: float | None = None
         self._forward_open = False  # a root forward begun and not ended yet
@@ -278,7 +282,6 @@ class Runtime:
         (a block's, a layer's) read those zeros too: it gets the values (:meth:`_part_values`)."""
         owner = {s.param: run for run in self.runs for s in run.unit.layout.segments}
         units = {run.unit.module for run in self.runs}
-        self._parts: list[nn.Module] = []
         for name, module in self.model.named_modules():
             runs = {owner[p] for p in module._parameters.values() if p in owner}
             if runs and module is not self.model:  # (the model's own state dict: below)

@@ -275,6 +275,15 @@ def _same(saved: dict, values: dict) -> bool:
     return bool(saved) and all(k in values and torch.equal(v, values[k]) for k, v in saved.items())
 
 
+def _hooked(model) -> list[str]:
+    """The modules and parameters with a hook on them (offload's, when the model had none)."""
+    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_state_dict_hooks")
+    kinds += ("_state_dict_pre_hooks", "_load_state_dict_pre_hooks")
+    kinds += ("_load_state_dict_post_hooks",)
+    out = [n or "<root>" for n, m in model.named_modules() if any(getattr(m, k) for k in kinds)]
+    return out + [n for n, p in model.named_parameters() if p._post_accumulate_grad_hooks]
+
+
 def _restored(out: dict, root: Path, model, opt, saved: dict) -> dict:
     """After a ``close(restore=True)`` stopped part way, another: the model holds the values it
     had (fp32, exactly), offload left no thread or file, and a plain step of torch's runs."""
@@ -283,7 +292,7 @@ def _restored(out: dict, root: Path, model, opt, saved: dict) -> dict:
     differ = [k for k, v in saved.items() if not torch.equal(now[k], v)]
     alive = [t.name for t in threading.enumerate() if t.name.startswith("offload")]
     left = [str(p) for p in root.rglob("*") if p.is_file()]
-    hooked = [n for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
+    hooked = _hooked(model)
     if differ or alive or left or hooked:
         out["failed"] = (
             f"after a second close(restore=True): values changed {differ}, threads {alive}, "
@@ -330,11 +339,7 @@ def wrap_trial(
                 differ = [k for k, v in before.items() if not torch.equal(now[k], v)]
             else:  # nothing was put on a device
                 differ = [k for k, v in now.items() if not v.is_meta]
-            hooked = [
-                name
-                for name, m in model.named_modules()
-                if m._forward_pre_hooks or m._forward_hooks or m._backward_hooks
-            ]
+            hooked = _hooked(model)
             left = [str(p) for p in root.rglob("*") if p.is_file() or p.name.startswith("offload-")]
             if differ or hooked or left:
                 out["failed"] = (

@@ -135,6 +135,47 @@ def test_an_engine_let_go_without_close_is_collected_by_the_next_wrap(tmp_path):
             gc.enable()
 
 
+def test_a_ctrl_c_as_a_hook_goes_on_leaves_no_hook_of_the_stopped_wrap(
+    tmp_path, monkeypatch, python_ctrl_c
+):
+    """The runtime's hooks go on one by one, each recorded with its handle for ``close`` to
+    take off. A Ctrl-C delivered as a registration returned, before its handle was recorded,
+    left that hook on the model for good: a gradient hook of the stopped wrap's closed engine,
+    whose next backward (after a second wrap) raised "this model's engine was closed"
+    (``tests/_ctrl_c_points.py``, PHASE wrap, at its 9604th point, 2026-12-07). The hooks go on
+    as one block for a Ctrl-C now."""
+    import os
+    import signal
+
+    from engine_models import batches, lm_loss, make_model
+
+    model = make_model()
+    cfg = placement_config("cpu", "cpu", tmp_path)
+    real = torch.Tensor.register_post_accumulate_grad_hook
+    sent = []
+
+    def then_ctrl_c(self, hook):
+        handle = real(self, hook)
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler at the next line
+        return handle
+
+    monkeypatch.setattr(torch.Tensor, "register_post_accumulate_grad_hook", then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        offload.wrap(model, cfg)
+    monkeypatch.undo()
+    assert sent
+    left = [n for n, p in model.named_parameters() if p._post_accumulate_grad_hooks]
+    assert left == [], f"hooks of the stopped wrap left on {left}"
+    model, opt = offload.wrap(model, cfg)
+    try:
+        lm_loss(model, batches(1)[0]).backward()
+        opt.step()
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize("where", ["second unit", "hooks part way", "hooks"])
 @pytest.mark.parametrize("param_dev,opt_dev", [("nvme", "nvme"), ("cpu", "cpu"), ("none", "cpu")])
 @pytest.mark.parametrize("meta", [False, True], ids=["live", "meta"])

@@ -46,6 +46,7 @@ import torch.nn as nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from offload._interrupts import interrupts_deferred
 from offload.device import Transfers
 from offload.homes.decay import StepCounts, UpdateRuns
 from offload.homes.grads import Hyper
@@ -222,6 +223,15 @@ class Runtime:
 
     # ---------------------------------------------------------------- hooks
     def install_hooks(self) -> None:
+        """Puts the runtime's hooks on the model, each recorded with its handle for
+        :meth:`remove_hooks`. One block for a Ctrl-C (a few milliseconds of registrations):
+        delivered as a registration returned, before its handle was recorded, it left a hook
+        that no close took off (a gradient hook of a stopped wrap's closed engine raised in the
+        next wrap's backward: tests/_ctrl_c_points.py, PHASE wrap)."""
+        with interrupts_deferred():
+            self._install_hooks()
+
+    def _install_hooks(self) -> None:
         self._me = weakref.ref(self)  # what the autograd graph holds (see below)
         h = self.model.register_forward_pre_hook(
             self._root_pre_forward, with_kwargs=True, prepend=True

@@ -461,30 +461,48 @@ def test_a_ctrl_c_while_the_forward_waits_for_the_update_leaves_the_engine_closa
 
 
 @pytest.mark.parametrize(
-    "frames, first, stride, phase, native",
+    "frames, first, stride, phase, native, again",
     [  # (heavy: CI runs it; slow: by hand, `pytest -m slow -k signal_point`)
         pytest.param(
-            "threading", 1, 1, "step", "1", marks=pytest.mark.heavy, id="every-point-in-threading"
+            "threading",
+            1,
+            1,
+            "step",
+            "1",
+            0,
+            marks=pytest.mark.heavy,
+            id="every-point-in-threading",
         ),
         pytest.param(
-            "all", 1, 97, "step", "1", marks=pytest.mark.slow, id="offload-and-threading-sampled"
+            "all", 1, 97, "step", "1", 0, marks=pytest.mark.slow, id="offload-and-threading-sampled"
         ),
-        pytest.param("threading", 1, 1, "save", "1", marks=pytest.mark.heavy, id="save-threading"),
-        pytest.param("threading", 1, 1, "load", "1", marks=pytest.mark.heavy, id="load-threading"),
-        pytest.param("all", 1, 97, "wrap", "1", marks=pytest.mark.heavy, id="wrap-sampled"),
-        pytest.param("all", 1, 7, "close", "1", marks=pytest.mark.heavy, id="close-sampled"),
-        pytest.param("all", 1, 37, "restore", "1", marks=pytest.mark.heavy, id="restore-sampled"),
         pytest.param(
-            "all", 1, 47, "pretrained", "1", marks=pytest.mark.heavy, id="pretrained-sampled"
+            "threading", 1, 1, "save", "1", 0, marks=pytest.mark.heavy, id="save-threading"
         ),
-        pytest.param("all", 1, 211, "weights", "1", marks=pytest.mark.heavy, id="weights-sampled"),
+        pytest.param(
+            "threading", 1, 1, "load", "1", 0, marks=pytest.mark.heavy, id="load-threading"
+        ),
+        pytest.param("all", 1, 97, "wrap", "1", 0, marks=pytest.mark.heavy, id="wrap-sampled"),
+        pytest.param("all", 1, 7, "close", "1", 0, marks=pytest.mark.heavy, id="close-sampled"),
+        pytest.param(
+            "all", 1, 37, "restore", "1", 0, marks=pytest.mark.heavy, id="restore-sampled"
+        ),
+        pytest.param(
+            "all", 1, 47, "pretrained", "1", 0, marks=pytest.mark.heavy, id="pretrained-sampled"
+        ),
+        pytest.param(
+            "all", 1, 211, "weights", "1", 0, marks=pytest.mark.heavy, id="weights-sampled"
+        ),
         pytest.param(  # the IO engine without the native extension
-            "threading", 1, 7, "step", "0", marks=pytest.mark.heavy, id="fallback-engine-sampled"
+            "threading", 1, 7, "step", "0", 0, marks=pytest.mark.heavy, id="fallback-engine-sampled"
+        ),
+        pytest.param(  # a second Ctrl-C as the first one unwinds (a user pressing it twice)
+            "all", 5, 131, "step", "1", 1, marks=pytest.mark.heavy, id="twice-sampled"
         ),
     ],
 )
 def test_a_ctrl_c_at_each_signal_point_of_a_step_then_training_goes_on(
-    tmp_path, frames, first, stride, phase, native
+    tmp_path, frames, first, stride, phase, native, again
 ):
     """``_ctrl_c_points.py``: one trial per point where Python can deliver a Ctrl-C on the
     main thread during a step (in ``threading``'s frames: where a Ctrl-C broke the
@@ -495,8 +513,10 @@ def test_a_ctrl_c_at_each_signal_point_of_a_step_then_training_goes_on(
     Ctrl-C and IO in flight). The same in a ``save_checkpoint``, a ``load_checkpoint`` (found
     the verification's executor hanging on a lock of its own, 2026-12-07), ``wrap`` (found the
     model's values lost) and ``close()`` (found its swap files left for good), each followed by
-    their checks (the script's PHASE); and in ``close(restore=True)``, ``save_pretrained``,
-    a ``wrap`` with ``weights=`` and a step with the thread IO engine (2026-12-07: clean)."""
+    their checks (the script's PHASE); in ``close(restore=True)``, ``save_pretrained``, a
+    ``wrap`` with ``weights=`` (found a stopped wrap's close raising AttributeError) and a step
+    with the thread IO engine; and a second Ctrl-C as the first one unwinds (AGAIN: found a
+    gather's and the gradients' pieces pinned for good, and the engine left in its step)."""
     result = _child(
         "_ctrl_c_points.py",
         tmp_path,

@@ -463,13 +463,15 @@ class HeldNvmeGrads(NvmeGrads):
             if not first:  # added to what the earlier backwards of this step left on NVMe
                 self.store.use(key, self.tier)
             held: list[str] = []  # the pin, once taken; cleared once handed over or released
-            try:
-                buf = self.store.take(key, self.tier, read=not first, held=held)
-                recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
-                # a Ctrl-C landing between the sum and the release (at the release's first
-                # line, say) would leave the buffer neither handed over nor released: pinned
-                # for good. Held back over the hand-over or the release, whichever it is
-                with interrupts_deferred():
+            # One block for a Ctrl-C, the piece's take, sum and hand-over (or release): landing
+            # between the sum and the release, it left the buffer neither handed over nor
+            # released; landing in the take or the sum, the release below ran in its unwinding,
+            # where a second Ctrl-C landed first (AGAIN in tests/_ctrl_c_points.py): pinned for
+            # good either way. It comes out between pieces, where nothing is held
+            with interrupts_deferred():
+                try:
+                    buf = self.store.take(key, self.tier, read=not first, held=held)
+                    recs[j] = grad.accumulate(buf[: hi - lo], lo, first)
                     with self._lock:
                         keep = self.handing and self._held < self.hold
                         if keep:
@@ -478,10 +480,10 @@ class HeldNvmeGrads(NvmeGrads):
                     if not keep:
                         self.store.release(key, self.tier, dirty=True)
                     held.clear()
-            except BaseException:  # a failed backward: zero_grad() overwrites what it summed
-                if held:
-                    self.store.release(key, self.tier, discard=True)
-                raise
+                except BaseException:  # a failed backward: zero_grad() overwrites its sums
+                    if held:
+                        self.store.release(key, self.tier, discard=True)
+                    raise
             if keep and streamed:
                 sink.pieces_in(unit, j + 1)
         _drop_device_grads(unit)

@@ -42,7 +42,10 @@ class PhaseError(RuntimeError):
 
 
 class PhaseTracker:
-    """Holds the current phase; :meth:`to` is the only way to change it."""
+    """Holds the current phase; :meth:`to` is the only way to change it, but for the return to
+    IDLE in a ``finally`` (legal from every phase), which stores it: a call's start is where a
+    second Ctrl-C lands while the first one unwinds, and CPython gives no way to hold it back
+    there (``signal.signal`` runs a pending handler before it installs another)."""
 
     __slots__ = ("phase",)
 

@@ -878,7 +878,7 @@ class Runtime:
                 run.release()
             self.schedule.abandon_step()  # (the units released first: an undo rewrites them)
         finally:
-            self.phase.to(Phase.IDLE)
+            self.phase.phase = Phase.IDLE  # (a store, not a call: PhaseTracker's docstring)
 
     def _settle_backward(self) -> None:
         """A backward that failed outside offload's hooks (in the model, a hook of the user's,
@@ -1139,8 +1139,10 @@ class Runtime:
                 self.schedule.step(hyper)
                 for store in self.stores.values():
                     store.end_iteration()
-        finally:
-            self.phase.to(Phase.IDLE)
+        finally:  # a store, not a call (PhaseTracker's docstring): a second Ctrl-C at to()'s
+            # start, in the unwinding of a first one in the step, left the engine in the step
+            # for good ("cannot go from step to forward": tests/_ctrl_c_points.py with AGAIN)
+            self.phase.phase = Phase.IDLE
         self.step_count += 1
         self.missed = hyper.counts.advanced(p for u in self.units for p in u.trainable_params)
         # the update's own time: a background update counts its time on its worker, and waiting

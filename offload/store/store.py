@@ -336,17 +336,21 @@ class TieredStore:
         dirty when it ends. If the block (or the read) fails, the copy is dropped unwritten
         (the shard keeps its value from before) and the error goes up."""
         held: list[str] = []  # the pin, once taken (take's Note on a Ctrl-C as it returns)
-        try:
-            buf = self.take(key, read=read, held=held)
-            yield buf
-            # a Ctrl-C at the release's first line would leave the shard pinned for good
-            with interrupts_deferred():
+        # One block for a Ctrl-C: the take, the caller's block (a piece's sum or copy) and the
+        # release. Landing at the release's first line, it left the shard pinned for good;
+        # landing in the take or the block, the release below ran in its unwinding, where a
+        # second Ctrl-C (a user pressing it twice) landed first: the same (AGAIN in
+        # tests/_ctrl_c_points.py). It comes out once the copy is released
+        with interrupts_deferred():
+            try:
+                buf = self.take(key, read=read, held=held)
+                yield buf
                 self.release(key, Tier.HOST, dirty=True)
                 held.clear()
-        except BaseException:
-            if held:
-                self.release(key, Tier.HOST, discard=True)
-            raise
+            except BaseException:
+                if held:
+                    self.release(key, Tier.HOST, discard=True)
+                raise
 
     # the Fetch's side (see fetch.Driver)
     def drive(self, shard: Shard, read: bool, blocking: bool, readonly: bool = False) -> bool:

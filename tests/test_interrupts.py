@@ -494,7 +494,7 @@ def test_a_ctrl_c_while_the_forward_waits_for_the_update_leaves_the_engine_closa
             "all", 1, 211, "weights", "1", 0, marks=pytest.mark.heavy, id="weights-sampled"
         ),
         pytest.param(  # the IO engine without the native extension
-            "threading", 1, 7, "step", "0", 0, marks=pytest.mark.heavy, id="fallback-engine-sampled"
+            "threading", 1, 5, "step", "0", 0, marks=pytest.mark.heavy, id="fallback-engine-sampled"
         ),
         pytest.param(  # a second Ctrl-C as the first one unwinds (a user pressing it twice)
             "all", 5, 131, "step", "1", 1, marks=pytest.mark.heavy, id="twice-sampled"

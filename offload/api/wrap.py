@@ -35,6 +35,13 @@ Note: a wrap that stops
     were on the meta device go back to it, the buffers are the original tensors again, and the
     hooks, pools, files and threads go. A second Ctrl-C waits for that. Across ranks the
     values are not put back (reading them is a collective the other ranks are not in).
+
+    A second Ctrl-C can land at the cleanup's very entry (a user pressing twice): the start of
+    the call that opens its deferred block, where no Python code can hold back a Ctrl-C already
+    pending (``signal.signal`` runs the pending handler before it swaps). Skipped, the cleanup
+    lost the model's values (54 of 177 trials, ``tests/_ctrl_c_points.py`` with AGAIN 1). So the
+    cleanup is tried again until its block has run (``done``, set inside it, tells a Ctrl-C at
+    the block's entry from one delivered at its end), and the first error goes up.
 """
 
 from __future__ import annotations
@@ -615,8 +622,14 @@ def _build(
         built.append(runtime)  # (for the caller's cleanup: a Ctrl-C may land as this returns)
         return runtime
     except BaseException:
-        with interrupts_deferred():  # (module Note: a wrap that stops)
-            _put_back(attached, devices, Values(plan, params, optim, comm), comm.world)
+        done = False  # (module Note: a wrap that stops, on a second Ctrl-C)
+        while not done:
+            try:
+                with interrupts_deferred():
+                    _put_back(attached, devices, Values(plan, params, optim, comm), comm.world)
+                    done = True
+            except KeyboardInterrupt:
+                pass
         raise
 
 
@@ -863,8 +876,16 @@ def wrap(
         )
         clipping.register(optimizer)  # torch's clipping would see no gradient: guard it
     except BaseException:
-        with interrupts_deferred():  # (module Note: a wrap that stops)
-            _undo(model, built[0] if built else None, resources, buffers, devices, comm.world)
+        done = False  # (module Note: a wrap that stops, on a second Ctrl-C)
+        while not done:
+            try:
+                with interrupts_deferred():
+                    _undo(
+                        model, built[0] if built else None, resources, buffers, devices, comm.world
+                    )
+                    done = True
+            except KeyboardInterrupt:
+                pass
         raise
     logger.info(
         "offload: %d units (+root), params on %s, optimizer on %s, compute %s on %s, piece %d "

@@ -55,6 +55,25 @@ def _ctrl_c() -> None:
     os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler at the next line
 
 
+def test_signal_signal_runs_a_pending_ctrl_c_before_it_swaps_the_handler(python_ctrl_c):
+    """Why a cleanup cannot hold back a second Ctrl-C already pending at its entry (so the step's
+    blocks keep the first one out of it, and the wrap's is tried again: offload.api.wrap, Note: a
+    wrap that stops): a deferral must call ``signal.signal``, and CPython runs the pending
+    handler (the default, which raises) before it installs the new one. The interrupt is set
+    from C and the swap follows from C (``map``), so no Python line runs in between."""
+    import ctypes
+    import functools
+    import operator
+
+    noted = []
+    pending = functools.partial(ctypes.pythonapi.PyErr_SetInterruptEx, ctypes.c_int(2))
+    swap = functools.partial(signal.signal, signal.SIGINT, lambda s, f: noted.append(s))
+    with pytest.raises(KeyboardInterrupt):
+        list(map(operator.call, [pending, swap]))
+    assert noted == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_ctrl_c_inside_the_block_comes_out_when_the_outermost_block_ends(python_ctrl_c):
     ran = []
     handler = signal.getsignal(signal.SIGINT)

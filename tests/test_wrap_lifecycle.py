@@ -135,6 +135,20 @@ def test_an_engine_let_go_without_close_is_collected_by_the_next_wrap(tmp_path):
             gc.enable()
 
 
+def _trains_when_wrapped_again(model: nn.Module, cfg: dict, **kwargs) -> None:
+    """A model a stopped wrap gave back wraps again and takes a step."""
+    from engine_models import batches, lm_loss
+
+    model, opt = offload.wrap(model, cfg, **kwargs)
+    try:
+        loss = lm_loss(model, batches(1)[0])
+        loss.backward()
+        opt.step()
+        assert torch.isfinite(loss)
+    finally:
+        opt.close()
+
+
 def test_a_ctrl_c_as_a_hook_goes_on_leaves_no_hook_of_the_stopped_wrap(
     tmp_path, monkeypatch, python_ctrl_c
 ):
@@ -147,7 +161,7 @@ def test_a_ctrl_c_as_a_hook_goes_on_leaves_no_hook_of_the_stopped_wrap(
     import os
     import signal
 
-    from engine_models import batches, lm_loss, make_model
+    from engine_models import make_model
 
     model = make_model()
     cfg = placement_config("cpu", "cpu", tmp_path)
@@ -168,12 +182,7 @@ def test_a_ctrl_c_as_a_hook_goes_on_leaves_no_hook_of_the_stopped_wrap(
     assert sent
     left = [n for n, p in model.named_parameters() if p._post_accumulate_grad_hooks]
     assert left == [], f"hooks of the stopped wrap left on {left}"
-    model, opt = offload.wrap(model, cfg)
-    try:
-        lm_loss(model, batches(1)[0]).backward()
-        opt.step()
-    finally:
-        opt.close()
+    _trains_when_wrapped_again(model, cfg)
 
 
 @pytest.mark.parametrize("where", ["second unit", "hooks"])
@@ -184,7 +193,7 @@ def test_a_second_ctrl_c_at_a_stopped_wrap_s_cleanup_still_puts_the_model_back(
     deferred block (where nothing can hold back a pending one). The cleanup was skipped and
     the model's values were lost (``tests/_ctrl_c_points.py`` with AGAIN 1: 54 of 177 trials);
     it is tried again until it has run (offload.api.wrap, Note: a wrap that stops)."""
-    from engine_models import batches, lm_loss, make_model
+    from engine_models import make_model
 
     from offload.runtime import Runtime
 
@@ -227,12 +236,7 @@ def test_a_second_ctrl_c_at_a_stopped_wrap_s_cleanup_still_puts_the_model_back(
     now = model.state_dict()
     assert [k for k, v in before.items() if not torch.equal(now[k], v)] == []
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
-    model, opt = offload.wrap(model, cfg)
-    try:
-        lm_loss(model, batches(1)[0]).backward()
-        opt.step()
-    finally:
-        opt.close()
+    _trains_when_wrapped_again(model, cfg)
 
 
 @pytest.mark.parametrize("where", ["second unit", "hooks part way", "hooks"])
@@ -247,9 +251,9 @@ def test_a_wrap_stopped_part_way_leaves_the_model_as_it_was(
     the first unit is attached (``second unit``), while the runtime's hooks go on (``hooks
     part way``: its close then raised AttributeError for an attribute those hooks had not set
     yet, and left a "closed" hook on the model; PHASE weights, 2026-12-07) or once the runtime
-    is built (``hooks``), the model is as it was (values, buffers, no hook, no swap directory; a model on the meta
-    device back on it), and wrapping it again trains."""
-    from engine_models import TinyLM, batches, lm_loss, make_model
+    is built (``hooks``), the model is as it was (values, buffers, no hook, no swap directory;
+    a model on the meta device back on it), and wrapping it again trains."""
+    from engine_models import TinyLM, make_model
     from safetensors.torch import save_file
 
     from offload.runtime import Runtime
@@ -303,11 +307,4 @@ def test_a_wrap_stopped_part_way_leaves_the_model_as_it_was(
         p for d in ("nvme_p", "nvme_o") if (tmp_path / d).is_dir() for p in (tmp_path / d).iterdir()
     ]
     assert swap == []
-    model, opt = offload.wrap(model, cfg, **kwargs)
-    try:
-        loss = lm_loss(model, batches(1)[0])
-        loss.backward()
-        opt.step()
-        assert torch.isfinite(loss)
-    finally:
-        opt.close()
+    _trains_when_wrapped_again(model, cfg, **kwargs)

@@ -28,7 +28,9 @@ class StoreCounters:
         self.prefetch_misses = 0
         """Replayed uses whose shard had not been started (count)."""
         self.prefetches_started = 0
-        """Prefetches that started a transfer or took a buffer (count)."""
+        """Trace prefetches that started a transfer or took a buffer (count)."""
+        self.read_aheads_started = 0
+        """Reads that a ``read_ahead`` hint started (count; not in ``prefetches_started``)."""
         self.prefetches_deferred = 0
         """Prefetches that found no buffer they were allowed to take (retried later; count)."""
         self.rerecords = 0
@@ -54,8 +56,10 @@ class StoreCounters:
         else:
             self.prefetch_misses += 1
 
-    def prefetch_started(self, started: bool) -> None:
-        if started:
+    def prefetch_started(self, started: bool, hint: bool) -> None:
+        if started and hint:
+            self.read_aheads_started += 1
+        elif started:
             self.prefetches_started += 1
         else:
             self.prefetches_deferred += 1
@@ -73,6 +77,7 @@ class StoreCounters:
             "prefetch_misses": self.prefetch_misses,
             "prefetch_hit_rate": self.prefetch_hits / uses if uses else 0.0,
             "prefetches_started": self.prefetches_started,
+            "read_aheads_started": self.read_aheads_started,
             "prefetches_deferred": self.prefetches_deferred,
             "rerecords": self.rerecords,
             "evictions": dict(self.evictions),

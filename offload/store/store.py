@@ -393,7 +393,7 @@ class TieredStore:
             for key in keys:
                 shard = self._get(key, tier)  # a host-homed shard is always ready()
                 if self._wants_read(shard) and shard.pending is None:  # not already on its way
-                    self._prefetch(shard)
+                    self._prefetch(shard, hint=True)
 
     def begin_iteration(self) -> None:
         """Start of an iteration (replays the recorded trace if there is one)."""
@@ -601,8 +601,9 @@ class TieredStore:
         """Counters as a plain dict (JSON-able).
 
         Keys: ``tiers`` -> ``{"nvme->host"|"host->nvme": {bytes, transfers, wait_seconds}}``;
-        ``prefetch_hits``, ``prefetch_misses``, ``prefetch_hit_rate``, ``prefetches_started``,
-        ``prefetches_deferred``, ``rerecords``; ``evictions`` -> ``{host}``; ``budget_waits``;
+        ``prefetch_hits``, ``prefetch_misses``, ``prefetch_hit_rate``, ``prefetches_started``
+        (the trace's), ``read_aheads_started`` (``read_ahead`` hints'), ``prefetches_deferred``
+        (either's), ``rerecords``; ``evictions`` -> ``{host}``; ``budget_waits``;
         ``fetched_bytes``;
         ``host_buffers``, ``host_buffer_size``, ``host_reserved_bytes`` (the pool: count x size),
         ``host_buffers_in_use``, ``peak_host_buffers``, ``peak_host_bytes`` (the most bytes of
@@ -785,12 +786,13 @@ class TieredStore:
         (pinned, or dirty: its host copy is the newest)."""
         return not (shard.pinned() or shard.dirty or shard.ready())
 
-    def _prefetch(self, shard: Shard) -> None:
+    def _prefetch(self, shard: Shard, hint: bool = False) -> None:
         """Start reading ``shard`` as a prefetch (never blocks, never raises: the module Note
-        on whose error); counted started or deferred."""
+        on whose error); counted started (the trace's, or a ``read_ahead`` ``hint``'s) or
+        deferred."""
         before = shard.state
         self._quietly(self._advance, shard, read=True, blocking=False, prefetch=True)
-        self._counters.prefetch_started(shard.state is not before)
+        self._counters.prefetch_started(shard.state is not before, hint)
 
     # -- write-back ------------------------------------------------------------------------------------
     def _write_back(self, shard: Shard) -> None:

@@ -463,7 +463,9 @@ class _HeldWrite:
         return self.handle.wait(*a)
 
 
-def test_a_ctrl_c_while_the_fallback_engine_reads_waits_for_the_read(tmp_path, monkeypatch):
+def test_a_ctrl_c_while_the_fallback_engine_reads_waits_for_the_read(
+    tmp_path, monkeypatch, python_ctrl_c
+):
     """A Ctrl-C while the store waits for a read in flight is delivered once the read is done,
     with the thread engine as with the native one (whose wait runs to its end). Raised between
     the fallback's wait slices, the store took the read for failed and gave its buffer back

@@ -17,7 +17,8 @@ hold one save or the other whole. PHASE ``close`` and ``restore``: ``close()`` a
 ``close(restore=True)``, each called again after. With PHASE ``wrap`` or ``weights`` it lands in
 ``offload.wrap`` (:func:`wrap_trial`). The IO engine is the native one, or the thread
 fallback under ``OFFLOAD_NATIVE=0``. With AGAIN > 0 a second Ctrl-C follows the first, at the
-AGAIN-th function the unwinding starts (:class:`Injector`). Any other
+AGAIN-th function the unwinding starts (:class:`Injector`); AGAIN ``NxK`` (``1x3``): K more,
+each at the N-th function start after the last (a key held down, or pressed in a burst). Any other
 exception, a shard still pinned, a pool buffer without an owner, a file left in ROOT or a
 wait longer than a minute (which exits with every thread's stack) fails the trial. Prints one JSON line: the trials, and the
 failures with where their Ctrl-C landed.
@@ -103,13 +104,18 @@ class Injector:
     ``again`` (> 0), a second time at the ``again``-th start of a function of ``roots`` after
     it (a user pressing Ctrl-C twice in quick succession: the second lands in what the first
     one's unwinding runs; a function's start is one of the points where CPython delivers a
-    signal). CPython drops a trace function that raises, so the second is placed by a profile
-    function, which sees calls only."""
+    signal), and ``repeats`` times in all, each ``again`` starts after the last (a key held
+    down). CPython drops a trace function that raises, so the second is placed by a profile
+    function, which sees calls only, and the later ones by the profile and trace functions in
+    turn (:meth:`_later`)."""
 
-    def __init__(self, roots: tuple[str, ...], target: int, again: int = 0) -> None:
-        self.roots, self.target, self.again = roots, target, again
-        self.calls = 0  # function starts seen after the first Ctrl-C
-        self.again_fired: str | None = None
+    def __init__(
+        self, roots: tuple[str, ...], target: int, again: tuple[int, int] = (0, 1)
+    ) -> None:
+        self.roots, self.target = roots, target
+        self.again, self.repeats = again  # every ``again`` function starts, ``repeats`` times
+        self.calls = 0  # function starts seen since the last Ctrl-C
+        self.again_fired: str | None = None  # where the later ones fired, " then "-joined
         self.count = 0
         self.fired: str | None = None
         self.stack = ""  # where it fired
@@ -124,18 +130,31 @@ class Injector:
         sys.setprofile(None)
 
     def _profile(self, frame, event, arg):
-        if event != "call" or not frame.f_code.co_filename.startswith(self.roots):
+        if event == "call":
+            self._later(frame, lambda: sys.settrace(self._traced))
+
+    def _traced(self, frame, event, arg):
+        if event == "call":
+            self._later(frame, lambda: sys.setprofile(self._profile))
+
+    def _later(self, frame, arm_other) -> None:
+        """The Ctrl-Cs after the first, at function starts. CPython drops a profile or trace
+        function that raises, so each one arms the other kind for the next before it raises."""
+        if not frame.f_code.co_filename.startswith(self.roots):
             return
         if _signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
             return  # held back (interrupts_deferred): delivered at the block's end, as it was
         self.calls += 1
         if self.calls == self.again:
-            sys.setprofile(None)
+            self.calls, self.repeats = 0, self.repeats - 1
+            if self.repeats:
+                arm_other()
             where = frame.f_code.co_filename.replace(OFFLOAD, "offload")
-            self.again_fired = f"{where}:{frame.f_lineno} in {frame.f_code.co_name}"
+            here = f"{where}:{frame.f_lineno} in {frame.f_code.co_name}"
+            self.again_fired = f"{self.again_fired} then {here}" if self.again_fired else here
             if os.environ.get("CTRL_C_POINTS_VERBOSE"):
                 stack = "".join(traceback.format_stack(frame, limit=8))
-                print(f"fired again: {self.again_fired}\n{stack}", file=sys.stderr)
+                print(f"fired again: {here}\n{stack}", file=sys.stderr)
             raise KeyboardInterrupt
 
     def _call(self, frame, event, arg):
@@ -172,7 +191,12 @@ class Injector:
 
 
 def trial(
-    root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str = "step", again: int = 0
+    root: Path,
+    roots: tuple[str, ...],
+    n: int,
+    accum: int,
+    phase: str = "step",
+    again: tuple[int, int] = (0, 1),
 ) -> dict:
     model, opt, one_step = nvme_recipe(root, accum)
     ckpt = root.with_name(f"{root.name}-ckpt")  # beside ROOT: the files-left check is ROOT's
@@ -305,7 +329,12 @@ def _restored(out: dict, root: Path, model, opt, saved: dict) -> dict:
 
 
 def wrap_trial(
-    root: Path, roots: tuple[str, ...], n: int, accum: int, phase: str, again: int = 0
+    root: Path,
+    roots: tuple[str, ...],
+    n: int,
+    accum: int,
+    phase: str,
+    again: tuple[int, int] = (0, 1),
 ) -> dict:
     """PHASE ``wrap``: the Ctrl-C lands in ``offload.wrap``. Stopped there, the model must be
     as it was (its values, no hook of offload's, no swap file), and wrapping it again must
@@ -380,7 +409,8 @@ def main() -> None:
     first, stride = int(sys.argv[3]), int(sys.argv[4])
     accum = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     phase = sys.argv[6] if len(sys.argv) > 6 else "step"
-    again = int(sys.argv[7]) if len(sys.argv) > 7 else 0
+    every, _, repeats = (sys.argv[7] if len(sys.argv) > 7 else "0").partition("x")
+    again = int(every), int(repeats or 1)
     if phase not in PHASES:
         raise SystemExit(f"PHASE: got {phase!r}; allowed: {', '.join(PHASES)}")
     trials, failures = 0, []

@@ -518,7 +518,9 @@ def test_a_ctrl_c_while_the_forward_waits_for_the_update_leaves_the_engine_closa
         pytest.param(  # a second Ctrl-C as the first one unwinds (a user pressing it twice)
             "all", 5, 131, "step", "1", 1, marks=pytest.mark.heavy, id="twice-sampled"
         ),
-        pytest.param("all", 2, 97, "wrap", "1", 1, marks=pytest.mark.heavy, id="wrap-twice"),
+        pytest.param(  # three more as it unwinds (a key held down)
+            "all", 2, 97, "wrap", "1", "1x3", marks=pytest.mark.heavy, id="wrap-burst"
+        ),
     ],
 )
 def test_a_ctrl_c_at_each_signal_point_of_a_step_then_training_goes_on(
@@ -537,7 +539,7 @@ def test_a_ctrl_c_at_each_signal_point_of_a_step_then_training_goes_on(
     ``wrap`` with ``weights=`` (found a stopped wrap's close raising AttributeError) and a step
     with the thread IO engine; and a second Ctrl-C as the first one unwinds (AGAIN: found a
     gather's and the gradients' pieces pinned for good, the engine left in its step, and a
-    stopped wrap's cleanup skipped, the model's values lost)."""
+    stopped wrap's cleanup skipped, the model's values lost), or three more (a key held)."""
     result = _child(
         "_ctrl_c_points.py",
         tmp_path,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_models import batches, make_model, placement_config, train_wrapped
+from engine_models import DIM, batches, make_model, placement_config, train_wrapped
 
 import offload
 from offload.api.checkpoint_files import (
@@ -388,7 +388,8 @@ def test_a_load_stopped_part_way_refuses_steps_and_saves_until_a_whole_one(tmp_p
     a notebook; an error, which ``load_checkpoint`` names), the units held a mix of the loaded
     values and their own, and the next cell's steps trained on it, its saves wrote it. Now a
     step and a save say which load stopped, until a whole load ends; the whole load then
-    gives the loaded values back and training goes on."""
+    gives the loaded values back and training goes on. Forwards (an evaluation) and
+    ``state_dict()`` read the mix as well, and are refused too (they ran until 2026-12-07)."""
     from offload.runtime.values import Values
 
     model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
@@ -424,7 +425,15 @@ def test_a_load_stopped_part_way_refuses_steps_and_saves_until_a_whole_one(tmp_p
             Values.load = real
         what = {"model": r"model\.load_state_dict\(\)", "load_checkpoint": r"load_checkpoint\("}
         match = what.get(kind, r"optimizer\.load_state_dict\(\)") + ".* stopped part way"
-        for refused in (opt.step, lambda: offload.save_checkpoint(tmp_path / "ck2", model, opt)):
+        block = model.blocks[0]
+        reads = (
+            lambda: model(data[0][:, :-1]),  # an evaluation's forward
+            lambda: block(torch.zeros(1, 4, DIM)),  # a part's, called outside the model
+            model.state_dict,
+            block.state_dict,
+        )
+        saves = (opt.step, lambda: offload.save_checkpoint(tmp_path / "ck2", model, opt))
+        for refused in (*saves, *reads):
             with pytest.raises(PhaseError, match=match):
                 refused()
         assert not (tmp_path / "ck2").exists()

@@ -389,6 +389,7 @@ class Runtime:
         if self.phase.phase is Phase.BACKWARD:
             return None  # recomputation of the whole model (unusual) keeps everything gathered
         self.watch.check_in_model("a forward of the model")
+        self._check_whole("a forward of the model")
         # (it gathers: agree's Note). A model with nothing trainable at stages 1-2 gathers
         # nothing, ever: its forwards stay this rank's own, as a replicated model's in torch, so
         # ranks may run different numbers of them (an evaluation split unevenly, generate()
@@ -510,6 +511,7 @@ class Runtime:
     def _pre_forward(self, run: UnitRun) -> None:
         self._settle_backward()
         if self.phase.phase is Phase.IDLE:  # a unit called directly, outside the model
+            self._check_whole("a forward of a part of the model")
             self._begin_micro_step()
             self.phase.to(Phase.FORWARD)
         self._use(run)
@@ -997,12 +999,17 @@ class Runtime:
                 f"({failure}), so some units hold the new values and others the old ones; "
                 "load a checkpoint (offload.load_checkpoint) or optimizer.load_state_dict() first"
             )
+        self._check_whole(what)
+
+    def _check_whole(self, what: str) -> None:
+        """Refuses ``what`` (a step, a save, a forward, a read of the values) after a load that
+        stopped part way (:meth:`restoring`)."""
         if self._torn is not None and what != self._torn:  # (the same load may run again)
             raise PhaseError(
                 f"offload: {what} refused: {self._torn} stopped part way (an error or a Ctrl-C "
                 "after it had begun writing the units' state), so some units hold the loaded "
-                "values and others their own; load a checkpoint (offload.load_checkpoint) or "
-                "optimizer.load_state_dict() again first"
+                "values and others their own; run that load again, whole, or load a checkpoint "
+                "(offload.load_checkpoint) first"
             )
 
     def restoring(self, what: str) -> None:
@@ -1010,7 +1017,9 @@ class Runtime:
         says it ended, the state is a mix of the loaded values and the units' own, and a step
         or a save of it is refused (:meth:`_check_consistent`). A load that stopped part way
         (an error while writing, which it names; a Ctrl-C, which it cannot) left it so, and a
-        notebook's next cell trained on the mix."""
+        notebook's next cell trained on the mix. Its forwards and ``state_dict()`` read the
+        mix too (an evaluation's figures, a plain torch save of it), and are refused as well
+        (until 2026-12-07 they ran)."""
         self._torn = what
 
     def state_restored(self) -> None:
@@ -1247,6 +1256,7 @@ class Runtime:
         the adapters so; they read as the released storage's zeros before) get the values."""
         self._model_state_dict = False
         self.watch.check_in_model("model.state_dict()", pieces=True)
+        self._check_whole("model.state_dict()")
         self.schedule.check_access("model.state_dict()", self.backwards_since_step)  # (above)
         named = self.model.named_parameters(remove_duplicate=False)
         self._fill(state_dict, prefix, named, self.units)
@@ -1257,6 +1267,7 @@ class Runtime:
         (inside the model's own ``state_dict()`` call, that call's hook fills them all)."""
         if self._model_state_dict:
             return
+        self._check_whole("state_dict()")
         self.schedule.check_access("state_dict()", self.backwards_since_step)
         self._fill(state_dict, prefix, module._parameters.items(), [r.unit for r in runs])
 

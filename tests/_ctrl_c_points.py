@@ -104,8 +104,8 @@ class Injector:
     ``again`` (> 0), a second time at the ``again``-th start of a function of ``roots`` after
     it (a user pressing Ctrl-C twice in quick succession: the second lands in what the first
     one's unwinding runs; a function's start is one of the points where CPython delivers a
-    signal), and ``repeats`` times in all, each ``again`` starts after the last (a key held
-    down). CPython drops a trace function that raises, so the second is placed by a profile
+    signal), and again until ``repeats`` have followed the first, each ``again`` starts after
+    the last (a key held down). CPython drops a trace function that raises, so the second is placed by a profile
     function, which sees calls only, and the later ones by the profile and trace functions in
     turn (:meth:`_later`)."""
 

@@ -41,7 +41,9 @@ Note: a wrap that stops
     pending (``signal.signal`` runs the pending handler before it swaps). Skipped, the cleanup
     lost the model's values (54 of 177 trials, ``tests/_ctrl_c_points.py`` with AGAIN 1). So the
     cleanup is tried again until its block has run (``done``, set inside it, tells a Ctrl-C at
-    the block's entry from one delivered at its end), and the first error goes up.
+    the block's entry from one delivered at its end), and the first error goes up. The loop is
+    written out at both cleanups, not a helper's: a helper's own start would be one more point
+    outside its ``try`` where the second Ctrl-C escapes.
 """
 
 from __future__ import annotations

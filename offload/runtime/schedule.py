@@ -132,6 +132,10 @@ class _Worker:
         self._undo: Callable[[], None] | None = None
         self.failure: str | None = None  # an update that failed part way, until state is loaded
 
+    def fail(self, err: BaseException) -> None:
+        """An update failed part way: the state it left is mixed until loaded again."""
+        self.failure = f"{type(err).__name__}: {err}"
+
     @property
     def failed(self) -> bool:
         return self._error is not None
@@ -211,7 +215,7 @@ class _Worker:
                 raise
             except Exception as exc:  # the undo failed too (the same disk): the state is mixed
                 err = exc
-            self.failure = f"{type(err).__name__}: {err}"
+            self.fail(err)
             raise RuntimeError(
                 f"offload: the background optimizer step failed: {err} (the optimizer state now "
                 "mixes updated and old units; load a checkpoint before training on)"
@@ -515,7 +519,7 @@ class InBackward(Background, PieceSink):
                 self.optim.rollback_version()
                 self.optim.derive_params(self.stepped)
             except Exception as exc:  # the undo failed too: refused until state is loaded
-                self.worker.failure = f"{type(exc).__name__}: {exc}"
+                self.worker.fail(exc)
                 raise RuntimeError(
                     f"offload: the optimizer step failed: {err}, and its undo: {exc} (the "
                     "optimizer state now mixes updated and old units; load a checkpoint "
@@ -573,7 +577,7 @@ class InBackward(Background, PieceSink):
         try:
             self._undo()
         except Exception as exc:  # the state is mixed: refused until state is loaded
-            self.worker.failure = f"{type(exc).__name__}: {exc}"
+            self.worker.fail(exc)
             raise
 
     def _undo(self) -> None:

@@ -389,7 +389,7 @@ class Runtime:
         if self.phase.phase is Phase.BACKWARD:
             return None  # recomputation of the whole model (unusual) keeps everything gathered
         self.watch.check_in_model("a forward of the model")
-        self._check_whole("a forward of the model")
+        self._check_consistent("a forward of the model")
         # (it gathers: agree's Note). A model with nothing trainable at stages 1-2 gathers
         # nothing, ever: its forwards stay this rank's own, as a replicated model's in torch, so
         # ranks may run different numbers of them (an evaluation split unevenly, generate()
@@ -511,7 +511,7 @@ class Runtime:
     def _pre_forward(self, run: UnitRun) -> None:
         self._settle_backward()
         if self.phase.phase is Phase.IDLE:  # a unit called directly, outside the model
-            self._check_whole("a forward of a part of the model")
+            self._check_consistent("a forward of a part of the model")
             self._begin_micro_step()
             self.phase.to(Phase.FORWARD)
         self._use(run)
@@ -992,6 +992,10 @@ class Runtime:
         )
 
     def _check_consistent(self, what: str) -> None:
+        """Refuses ``what`` on a mixed state, a failed update's or a torn load's: a step, a
+        save, and since 2026-12-07 a forward and a read of the values (``state_dict()``) too:
+        an evaluation after a failed update computed with the mix, the update's error the
+        only word of it."""
         failure = self.schedule.failure
         if failure is not None:
             raise PhaseError(
@@ -1256,7 +1260,7 @@ class Runtime:
         the adapters so; they read as the released storage's zeros before) get the values."""
         self._model_state_dict = False
         self.watch.check_in_model("model.state_dict()", pieces=True)
-        self._check_whole("model.state_dict()")
+        self._check_consistent("model.state_dict()")
         self.schedule.check_access("model.state_dict()", self.backwards_since_step)  # (above)
         named = self.model.named_parameters(remove_duplicate=False)
         self._fill(state_dict, prefix, named, self.units)
@@ -1267,7 +1271,7 @@ class Runtime:
         (inside the model's own ``state_dict()`` call, that call's hook fills them all)."""
         if self._model_state_dict:
             return
-        self._check_whole("state_dict()")
+        self._check_consistent("state_dict()")
         self.schedule.check_access("state_dict()", self.backwards_since_step)
         self._fill(state_dict, prefix, module._parameters.items(), [r.unit for r in runs])
 

@@ -404,6 +404,72 @@ def test_a_failed_speculative_update_is_undone(tmp_path, param_dev):
         opt.close()
 
 
+@pytest.mark.parametrize("cause", ["update", "backward"])
+def test_a_speculative_update_whose_undo_fails_waits_for_a_checkpoint(tmp_path, cause):
+    """The update in the backward is undone, because it failed (a read error) or because the
+    backward did (a user's hook raised), and the undo fails too (its params' derivation from
+    the master rolled back, made to fail): the state mixes updated and old units (master and
+    moments are back, the compute params half derived). The error says so (the undo of a
+    failed backward raised its bare IO error until 2026-12-07), and step(), saves, forwards
+    and state_dict() are refused, naming the failure, until a checkpoint is loaded; then the
+    values are the checkpoint's and training goes on."""
+    from offload.io import faults
+
+    data = batches(3)
+    model, opt = offload.wrap(
+        make_model(), _config(tmp_path, "none", step_in_backward=True, buffer_count=16)
+    )
+    optim = engine_of(model).schedule.optim
+    try:
+        lm_loss(model, data[0]).backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt = offload.save_checkpoint(tmp_path / "ckpt", model, opt)  # (the update is done)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+        def failing_derive(units):
+            raise OSError(errno.EIO, "injected read error of the undo")
+
+        def boom(grad):
+            raise RuntimeError("boom in a user's hook")
+
+        optim.derive_params = failing_derive
+        try:
+            if cause == "update":
+                faults.inject(5, count=1, op="read")  # the update's first read
+                # the mix named by the update's error; or, where the store reports the read
+                # first to the backward (its next call), the mix by the calls after
+                with pytest.raises((RuntimeError, OSError)):
+                    lm_loss(model, data[1]).backward()
+                    opt.step()
+            else:  # undone by the next call, which finds the backward over
+                handle = model.blocks[0].fc2.weight.register_hook(boom)  # after later units'
+                with pytest.raises(RuntimeError, match="boom"):
+                    lm_loss(model, data[1]).backward()
+                handle.remove()
+                with pytest.raises(RuntimeError, match="undoing.*mixes updated and old units"):
+                    opt.step()
+        finally:
+            faults.clear()
+            del optim.derive_params
+        opt.zero_grad()
+        for refused in (
+            lambda: lm_loss(model, data[2]),
+            lambda: model.state_dict(),
+            opt.step,
+            lambda: offload.save_checkpoint(tmp_path / "bad", model, opt),
+        ):
+            with pytest.raises(PhaseError, match="earlier optimizer update failed part way"):
+                refused()
+        offload.load_checkpoint(ckpt.parent, model, opt)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, saved[k]), k
+        lm_loss(model, data[2]).backward()
+        opt.step()  # training goes on
+    finally:
+        opt.close()
+
+
 def _held_state(model) -> list[str]:
     """The optimizer store's shards someone holds (fetched and not released)."""
     store = engine_of(model).stores["offload_optimizer"]

@@ -578,7 +578,10 @@ class InBackward(Background, PieceSink):
             self._undo()
         except Exception as exc:  # the state is mixed: refused until state is loaded
             self.worker.fail(exc)
-            raise
+            raise RuntimeError(  # (raised bare until 2026-12-07: an IO error, no word of the mix)
+                f"offload: undoing the optimizer step's update failed: {exc} (the optimizer "
+                "state now mixes updated and old units; load a checkpoint before training on)"
+            ) from exc
 
     def _undo(self) -> None:
         """Back to the state before the update: master and moments from the version's start,

@@ -132,9 +132,14 @@ class _Worker:
         self._undo: Callable[[], None] | None = None
         self.failure: str | None = None  # an update that failed part way, until state is loaded
 
-    def fail(self, err: BaseException) -> None:
-        """An update failed part way: the state it left is mixed until loaded again."""
+    def fail(self, err: BaseException, what: str) -> RuntimeError:
+        """An update failed part way (``err``): the state it left is mixed until loaded again.
+        Returns the error to raise, ``what`` happened and what to do."""
         self.failure = f"{type(err).__name__}: {err}"
+        return RuntimeError(
+            f"offload: {what} (the optimizer state now mixes updated and old units; load a "
+            "checkpoint before training on)"
+        )
 
     @property
     def failed(self) -> bool:
@@ -215,11 +220,7 @@ class _Worker:
                 raise
             except Exception as exc:  # the undo failed too (the same disk): the state is mixed
                 err = exc
-            self.fail(err)
-            raise RuntimeError(
-                f"offload: the background optimizer step failed: {err} (the optimizer state now "
-                "mixes updated and old units; load a checkpoint before training on)"
-            ) from err
+            raise self.fail(err, f"the background optimizer step failed: {err}") from err
         self._unit_done = {}
 
 
@@ -519,12 +520,8 @@ class InBackward(Background, PieceSink):
                 self.optim.rollback_version()
                 self.optim.derive_params(self.stepped)
             except Exception as exc:  # the undo failed too: refused until state is loaded
-                self.worker.fail(exc)
-                raise RuntimeError(
-                    f"offload: the optimizer step failed: {err}, and its undo: {exc} (the "
-                    "optimizer state now mixes updated and old units; load a checkpoint "
-                    "before training on)"
-                ) from exc
+                what = f"the optimizer step failed: {err}, and its undo: {exc}"
+                raise self.worker.fail(exc, what) from exc
             raise RuntimeError(
                 f"offload: the optimizer step failed: {err} (the update was undone: the state "
                 "is that of before this step)"
@@ -577,10 +574,9 @@ class InBackward(Background, PieceSink):
         try:
             self._undo()
         except Exception as exc:  # the state is mixed: refused until state is loaded
-            self.worker.fail(exc)
-            raise RuntimeError(  # (raised bare until 2026-12-07: an IO error, no word of the mix)
-                f"offload: undoing the optimizer step's update failed: {exc} (the optimizer "
-                "state now mixes updated and old units; load a checkpoint before training on)"
+            # (raised bare until 2026-12-07: the IO error, no word of the mix)
+            raise self.worker.fail(
+                exc, f"undoing the optimizer step's update failed: {exc}"
             ) from exc
 
     def _undo(self) -> None:

@@ -992,10 +992,10 @@ class Runtime:
         )
 
     def _check_consistent(self, what: str) -> None:
-        """Refuses ``what`` on a mixed state, a failed update's or a torn load's: a step, a
-        save, and since 2026-12-07 a forward and a read of the values (``state_dict()``) too:
-        an evaluation after a failed update computed with the mix, the update's error the
-        only word of it."""
+        """Refuses ``what`` on a mixed state, a failed update's or a torn load's (one that
+        stopped part way, :meth:`restoring`): a step, a save, and since 2026-12-07 a forward
+        and a read of the values (``state_dict()``) too: an evaluation after a failed update
+        computed with the mix, the update's error the only word of it."""
         failure = self.schedule.failure
         if failure is not None:
             raise PhaseError(
@@ -1003,11 +1003,6 @@ class Runtime:
                 f"({failure}), so some units hold the new values and others the old ones; "
                 "load a checkpoint (offload.load_checkpoint) or optimizer.load_state_dict() first"
             )
-        self._check_whole(what)
-
-    def _check_whole(self, what: str) -> None:
-        """Refuses ``what`` (a step, a save, a forward, a read of the values) after a load that
-        stopped part way (:meth:`restoring`)."""
         if self._torn is not None and what != self._torn:  # (the same load may run again)
             raise PhaseError(
                 f"offload: {what} refused: {self._torn} stopped part way (an error or a Ctrl-C "

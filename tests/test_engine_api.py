@@ -1320,11 +1320,10 @@ def test_after_a_failed_update_training_waits_for_a_checkpoint(tmp_path):
         offload.save_checkpoint(tmp_path / "bad", model, opt)
     offload.load_checkpoint(ckpt.parent, model, opt)
     torch.testing.assert_close(model.state_dict(), saved, rtol=0, atol=0)
-    try:
-        lm_loss(model, data[2]).backward()
-    except OSError:  # a read-ahead that also failed in the window, reported by its store's
-        opt.zero_grad()  # next fetch (offload.store's Note: whose error), this backward's
-        lm_loss(model, data[2]).backward()  # (CI, 1 run in ~8)
+    # a read ahead of the later units' state failed in the window too: that error is about
+    # values the load replaced, and no longer raised by this backward's first fetch (CI, 1
+    # run in ~8 before 2026-12-07; offload.store's Note on whose error)
+    lm_loss(model, data[2]).backward()
     opt.step()  # training goes on
     assert opt.state_dict()["offload"]["step_count"] == 2
     opt.close()

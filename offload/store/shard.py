@@ -81,6 +81,9 @@ class Shard:
     """The NVMe extent (``NvmeStore`` key) holding the shard's committed value."""
     shadow: str | None = None
     """A versioned shard's second extent: where a version's writes go (see store.py)."""
+    failed_read: Exception | None = None
+    """A read of it that failed where no caller of its own was waiting (a prefetch): kept for
+    its next fetch, dropped once its value is replaced (store.py, the Note on whose error)."""
 
     def __post_init__(self) -> None:
         self.state = base_state(self.home)

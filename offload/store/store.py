@@ -38,7 +38,15 @@ Note: whose error
     raised there, it broke the caller's loop of releases half way and left pins behind for
     good). So that work never raises: the transfer is rolled back (``_abort``: a read is
     retried by the next fetch, a failed write-back leaves its copy dirty and cached) and its
-    error is kept, to be raised by the next call that can report it before it takes anything:
+    error is kept. A failed read is its shard's (``Shard.failed_read``): the value is on disk
+    as before, and only a caller that wants it has a use for the error, so it is raised by
+    that shard's next ``fetch`` (before its pin) or ``wait()``, and forgotten once the value
+    is replaced (``write_from``, a ``read=False`` fetch, a discard, a rollback). Until
+    2026-12-07 it went to the store's next call, whoever made it: the first backward after a
+    checkpoint's load that had replaced the value it was about, or the step in backward
+    whose update a failed read ahead for the next step undid (``tests/test_store.py``,
+    ``tests/test_faults.py``). Any other error (a write-back's: its copy is still dirty) is
+    raised by the next call that can report it before it takes anything:
     ``fetch`` (before its pin), ``use``, ``read_ahead``, ``begin_iteration``, a ``wait()``,
     ``settle_version`` (a write of the version failed: nothing is committed) and ``flush``
     (after writing every copy home again). ``release`` raises only its own misuse: once it
@@ -217,7 +225,6 @@ class TieredStore:
             shard = self._get(key)
             if shard.pinned():
                 raise RuntimeError(f"{self.name}: unregister({key!r}) while it is fetched")
-            self._settle(shard)
             self._drop_copies(shard)
             self._wanted.pop(key, None)
             del self._shards[key]
@@ -254,6 +261,7 @@ class TieredStore:
         with self._lock:
             shard = self._get(key, tier)
             self._report()
+            self._report_read(shard, read)
             # pinned first, and recorded with it: held even when what follows raises (the
             # prefetches pushed below submit reads and evict; a Ctrl-C may land there)
             shard.pins += 1
@@ -266,6 +274,7 @@ class TieredStore:
             shard.last_used = self._clock
             if not read:
                 shard.dirty = True
+                shard.failed_read = None  # (one the poll above found): about the old value
             elif shard.home is Tier.NVME:
                 self._counters.fetched_bytes += shard.io_nbytes
             # what fails on the way is raised by the wait (the module Note on whose error)
@@ -360,6 +369,7 @@ class TieredStore:
                 if shard.pins <= 0:
                     raise RuntimeError(f"{self.name}: wait on {shard.key!r} after it was released")
                 self._report()
+                self._report_read(shard, read)
             else:
                 self._poll()
             return self._advance(shard, read=read, blocking=blocking, readonly=readonly)
@@ -469,10 +479,6 @@ class TieredStore:
                     self._version[shard.key] = shard  # the version's value: dropped unwritten
                 version = list(self._version.values())
                 for shard in version:
-                    try:
-                        self._settle(shard)
-                    except Exception:  # noqa: BLE001, S110 - its value is dropped below
-                        pass
                     self._drop_copies(shard)
             finally:
                 self._version = None
@@ -554,7 +560,6 @@ class TieredStore:
                 raise RuntimeError(f"{self.name}: write_from({key!r}) while it is fetched")
             if self._version is not None and shard.shadow is not None:
                 raise RuntimeError(f"{self.name}: write_from({key!r}) inside a version")
-            self._settle(shard)
             self._drop_copies(shard)
             flat = src.detach().reshape(-1)
             if shard.home_tensor is not None:
@@ -670,7 +675,11 @@ class TieredStore:
                         return False
                     self._room.block_on(shard.pending)
                     continue  # another thread may have finished it meanwhile: look again
-                self.finish(shard)
+                if read or shard.state is not ShardState.TO_HOST:
+                    self.finish(shard)
+                else:  # a read of the value this caller overwrites: its failure is moot
+                    with contextlib.suppress(Exception):
+                        self.finish(shard)
                 continue
             if shard.ready():
                 return True
@@ -747,19 +756,31 @@ class TieredStore:
             elif self._wants_read(shard):
                 self._quietly(self._advance, shard, read=True, blocking=False, prefetch=True)
 
-    def _quietly(self, step, *args, **kwargs) -> None:
-        """Runs work done for no caller in particular; an error is kept for :meth:`_report`
-        (a Ctrl-C is the caller's: it goes up)."""
+    def _quietly(self, step, shard: Shard, *args, **kwargs) -> None:
+        """Runs work on ``shard`` done for no caller in particular; an error is kept, a failed
+        read's for the shard's next fetch, any other for :meth:`_report` (the module Note on
+        whose error; a Ctrl-C is the caller's: it goes up)."""
         try:
-            step(*args, **kwargs)
+            step(shard, *args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - kept, and raised by the next call that reports
-            if self._failure is None:
+            if shard.state is ShardState.NVME:  # its read failed: nothing changed on disk
+                shard.failed_read = shard.failed_read or exc
+            elif self._failure is None:
                 self._failure = exc
             else:
                 self._failures_after += 1
 
+    @staticmethod
+    def _report_read(shard: Shard, read: bool = True) -> None:
+        """Raises the failed read kept for ``shard``, once (the next fetch reads it again);
+        forgets it for a caller that overwrites the value (``read`` False)."""
+        failure, shard.failed_read = shard.failed_read, None
+        if failure is not None and read:
+            raise failure
+
     def _report(self) -> None:
-        """Raises the first error :meth:`_quietly` kept since the last report, if any."""
+        """Raises the first error :meth:`_quietly` kept since the last report, if any (a
+        failed read is its shard's: :meth:`_report_read`)."""
         failure, more = self._failure, self._failures_after
         if failure is None:
             return
@@ -783,8 +804,9 @@ class TieredStore:
     @staticmethod
     def _wants_read(shard: Shard) -> bool:
         """Whether a prefetch may read ``shard``: not in memory already, nor in a caller's hands
-        (pinned, or dirty: its host copy is the newest)."""
-        return not (shard.pinned() or shard.dirty or shard.ready())
+        (pinned, or dirty: its host copy is the newest), nor waiting to report a failed read to
+        its next fetch, which reads it again."""
+        return not (shard.pinned() or shard.dirty or shard.ready() or shard.failed_read)
 
     def _prefetch(self, shard: Shard, hint: bool = False) -> None:
         """Start reading ``shard`` as a prefetch (never blocks, never raises: the module Note
@@ -823,9 +845,13 @@ class TieredStore:
             self._room.give_aborted(shard, buf)
 
     def _drop_copies(self, shard: Shard) -> None:
-        """A released shard whose value is not needed: its cached copy goes, nothing is written."""
-        self._settle(shard)
-        shard.dirty = False
+        """A released shard whose value is not needed (replaced, discarded, rolled back): a
+        transfer in flight is waited for, its failure dropped with the value it moved (the
+        module Note on whose error); the cached copy goes, nothing is written, and a failed
+        read of the old value is forgotten."""
+        with contextlib.suppress(Exception):  # (a Ctrl-C goes up)
+            self._settle(shard)
+        shard.dirty, shard.failed_read = False, None
         if shard.state is ShardState.HOST and shard.home is Tier.NVME:
             self._room.give_buf(shard)
 

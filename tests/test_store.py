@@ -847,6 +847,46 @@ def test_a_failed_read_of_a_value_since_replaced_is_not_raised(tmp_path, backend
         store.flush()
 
 
+@pytest.mark.parametrize("how", ["rollback", "write_from"])
+def test_a_failed_write_of_a_copy_since_dropped_is_not_raised(tmp_path, backend, how):
+    """A write-back refused by the IO engine keeps its copy dirty, and its error for the
+    store's next call. Once that copy is dropped unwritten (a rollback of the version that
+    wrote it, whose Note says such a write is not raised again; a checkpoint's load over it,
+    ``write_from``) the error is about nothing: it was raised all the same, by whatever call
+    came next (here ``begin_iteration``), until 2026-12-07."""
+    with make_store(tmp_path, buffers=4) as store:
+        for key in "ab":
+            store.register(key, 1000, torch.float32, Tier.NVME, versioned=True,
+                           init=torch.full((1000,), 1.0))  # fmt: skip
+        if how == "rollback":
+            store.begin_version()
+        nvme = store._nvme
+        real_write = nvme.write
+
+        def refuse(*args, **kwargs):
+            raise OSError(errno.EIO, "injected write failure")
+
+        nvme.write = refuse
+        try:
+            with store.borrow("a") as buf:
+                buf.fill_(2.0)  # released dirty: its write is refused, the copy kept
+        finally:
+            nvme.write = real_write
+        assert store.state("a") is ShardState.HOST
+        if how == "rollback":
+            assert store.rollback_version() == 1
+            want = 1.0
+        else:
+            store.write_from("a", torch.full((1000,), 3.0))
+            want = 3.0
+        store.begin_iteration()
+        with store.borrow("b") as got:
+            assert torch.equal(got, torch.full((1000,), 1.0))
+        with store.borrow("a") as got:
+            assert torch.equal(got, torch.full((1000,), want))
+        store.flush()
+
+
 def test_a_take_whose_read_fails_holds_nothing(tmp_path, backend):
     """``take`` (fetch + wait) whose read fails raises that error and leaves no pin (the
     fetch-then-wait it replaced in the update's out buffer, the refresh and the gradient

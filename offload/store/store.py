@@ -45,8 +45,10 @@ Note: whose error
     2026-12-07 it went to the store's next call, whoever made it: the first backward after a
     checkpoint's load that had replaced the value it was about, or the step in backward
     whose update a failed read ahead for the next step undid (``tests/test_store.py``,
-    ``tests/test_faults.py``). Any other error (a write-back's: its copy is still dirty) is
-    raised by the next call that can report it before it takes anything:
+    ``tests/test_faults.py``). Any other error (a write-back's: its copy is still dirty, and
+    written again) is raised by the next call that can report it before it takes anything
+    (and forgotten too where that copy is dropped unwritten: a rollback of the version that
+    wrote it, a checkpoint's load over it):
     ``fetch`` (before its pin), ``use``, ``read_ahead``, ``begin_iteration``, a ``wait()``,
     ``settle_version`` (a write of the version failed: nothing is committed) and ``flush``
     (after writing every copy home again). ``release`` raises only its own misuse: once it
@@ -147,8 +149,9 @@ class TieredStore:
         )
         self._staging: torch.Tensor | None = None
         self._version: dict[str, Shard] | None = None  # shards written in the open version
-        self._failure: Exception | None = None  # kept for the next call that reports it
-        self._failures_after = 0  # and how many more failed since (module Note: whose error)
+        # kept for the next call that reports them, with their shard's key (a write-back's
+        # error is forgotten with the copy it did not write: module Note, whose error)
+        self._failures: list[tuple[str, Exception]] = []
         self._closed = False
 
     # -- registration ----------------------------------------------------------------------------
@@ -765,10 +768,8 @@ class TieredStore:
         except Exception as exc:  # noqa: BLE001 - kept, and raised by the next call that reports
             if shard.state is ShardState.NVME:  # its read failed: nothing changed on disk
                 shard.failed_read = shard.failed_read or exc
-            elif self._failure is None:
-                self._failure = exc
             else:
-                self._failures_after += 1
+                self._failures.append((shard.key, exc))
 
     @staticmethod
     def _report_read(shard: Shard, read: bool = True) -> None:
@@ -781,10 +782,10 @@ class TieredStore:
     def _report(self) -> None:
         """Raises the first error :meth:`_quietly` kept since the last report, if any (a
         failed read is its shard's: :meth:`_report_read`)."""
-        failure, more = self._failure, self._failures_after
-        if failure is None:
+        if not self._failures:
             return
-        self._failure, self._failures_after = None, 0
+        (_, failure), more = self._failures[0], len(self._failures) - 1
+        self._failures.clear()
         if more:
             failure.add_note(f"{self.name}: {more} more transfer(s) failed after it")
         raise failure
@@ -848,10 +849,12 @@ class TieredStore:
         """A released shard whose value is not needed (replaced, discarded, rolled back): a
         transfer in flight is waited for, its failure dropped with the value it moved (the
         module Note on whose error); the cached copy goes, nothing is written, and a failed
-        read of the old value is forgotten."""
+        read of the old value or write of the copy is forgotten."""
         with contextlib.suppress(Exception):  # (a Ctrl-C goes up)
             self._settle(shard)
         shard.dirty, shard.failed_read = False, None
+        if self._failures:  # a failed write-back of the copy that goes
+            self._failures = [(key, exc) for key, exc in self._failures if key != shard.key]
         if shard.state is ShardState.HOST and shard.home is Tier.NVME:
             self._room.give_buf(shard)
 

@@ -16,8 +16,10 @@ global batch (``GLOBAL_BATCH`` rows split evenly over the ranks) and writes ``<n
 Job keys: ``name``, ``param``, ``optim``, ``dtype`` (fp32), ``stage``, ``steps``, ``start``
 (0), ``accum`` (2), ``clip`` (1.0), ``config`` (extra top-level config keys), ``load`` /
 ``save`` (checkpoint directories; the scheduler and the step go in its extra values),
-``fail_at`` ({"rank": r, "step": s, "hang": bool, "kill": bool, "abort": bool}: that rank
-raises there, or sleeps, or kills itself with SIGKILL, or aborts as gloo aborts a rank),
+``fail_at`` ({"rank": r, "step": s, "hang": bool, "kill": bool, "abort": bool, "io": bool}:
+that rank raises there, or sleeps, or kills itself with SIGKILL, or aborts as gloo aborts a
+rank, or (``io``) has every NVMe read fail from that step's ``step()`` on: its update fails),
+``step_in_backward`` (the optimizer's setting, when given),
 ``optimizer_state`` (keep the gathered optimizer state_dict), ``load_model`` (a file of
 ``{"state": values by name}`` that ``model.load_state_dict(strict=False)`` loads after
 wrap), ``export`` and ``save_pretrained`` (paths),
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import os
 import signal
@@ -85,6 +88,7 @@ import offload
 from offload.api import checkpoint_files
 from offload.api.wrap import engine_of
 from offload.dist import init_process_group
+from offload.io import faults
 from offload.runtime.agree import RankDivergenceError
 from offload.runtime.grads import UnitOrderError
 from offload.runtime.phase import PhaseError
@@ -232,6 +236,8 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
     if wrap_classes:
         cfg["wrap"] = wrap_classes
     cfg.update(job.get("config", {}))
+    if "step_in_backward" in job:
+        cfg["offload_optimizer"]["step_in_backward"] = job["step_in_backward"]
     groups = lr_groups(model) if job.get("groups") else None
     model, opt = offload.wrap(model, cfg, param_groups=groups, process_group=group)
     runtime = engine_of(model)
@@ -278,7 +284,7 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
                 if _diverges(diverge, rank, s, "eval") and m == 0:
                     with torch.no_grad():  # (logging on one rank)
                         lm_loss(model, slice_of(data[0], rank, world))
-                if fail.get("rank") == rank and fail.get("step") == s:
+                if fail.get("rank") == rank and fail.get("step") == s and not fail.get("io"):
                     if fail.get("hang"):
                         time.sleep(600)
                     if fail.get("kill"):
@@ -329,6 +335,8 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
                         assert lm_loss(model, batch).item() > 0
             if clip and not _diverges(diverge, rank, s, "clip"):
                 norms.append(float(opt.clip_grad_norm_(clip)))
+            if fail.get("io") and fail.get("rank") == rank and fail.get("step") == s:
+                faults.inject(errno.EIO, count=1 << 30, op="read")  # for good: the update fails
             if not _diverges(diverge, rank, s, "step"):
                 opt.step()
             sched.step()

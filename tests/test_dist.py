@@ -1210,6 +1210,32 @@ def test_a_rank_that_raises_does_not_hang_the_others(tmp_path):
     assert took < 100  # far below the 120 s timeouts: the closed connection ends it
 
 
+@pytest.mark.parametrize(
+    "stage", [pytest.param(2, marks=pytest.mark.heavy), 3], ids=lambda s: f"stage{s}"
+)
+def test_a_rank_whose_update_fails_does_not_hang_the_others(tmp_path, stage):
+    """Rank 1's update after the backward fails part way (every NVMe read fails from its
+    second step's ``step()`` on), leaving its units mixed: its next call (the next step's
+    forward, waiting for that update) raises the update's error, naming the mix, before any
+    collective, and rank 0, in its next collective, fails at once naming rank 1 and that
+    error; no rank waits for the timeout. (The refusals after a failed update were tested in
+    one process only until 2026-12-07.)"""
+    spec = tmp_path / "spec.json"
+    bad = job(f"ioupd-s{stage}", "cpu", "nvme", stage, steps=3, step_in_backward=False,
+              fail_at={"rank": 1, "step": 1, "io": True})  # fmt: skip
+    spec.write_text(json.dumps({"out": str(tmp_path), "jobs": [bad], "timeout": 120}))
+    t0 = time.monotonic()
+    results = wait_all(start_ranks([sys.executable, str(WORKER), str(spec)], 2, tmp_path), 120)
+    took = time.monotonic() - t0
+    (rc0, _, err0), (rc1, _, err1) = results
+    assert rc1 == 1 and "mixes updated and old units" in err1, err1[-3000:]
+    assert "CollectiveError" not in err1, err1[-3000:]  # its own error, not a wait
+    assert rc0 == 1 and "CollectiveError: offload:" in err0, err0[-3000:]
+    error = next(line for line in err0.splitlines() if "CollectiveError: offload:" in line)
+    assert "rank 1 raised" in error, error
+    assert took < 100
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize("how,status", [("kill", -9), ("abort", -6)])
 def test_the_healthy_rank_s_error_names_a_rank_that_was_killed(tmp_path, how, status):

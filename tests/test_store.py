@@ -847,6 +847,28 @@ def test_a_failed_read_of_a_value_since_replaced_is_not_raised(tmp_path, backend
         store.flush()
 
 
+def test_a_wait_for_room_is_not_raised_another_shards_failed_read(tmp_path, backend):
+    """A fetch that waits for room finishes the oldest transfer in flight that nobody holds,
+    a read ahead of another shard. When that read failed, its error was raised to the
+    waiting fetch, whose own shard had nothing to do with it (until 2026-12-07); now it is
+    kept for that other shard's next fetch, and the waiting fetch gets its copy."""
+    with make_store(tmp_path, buffers=1) as store:
+        for key, value in (("a", 1.0), ("c", 3.0)):
+            store.register(key, 1000, torch.float32, Tier.NVME, init=torch.full((1000,), value))
+        real_read = store._nvme.read
+        store._nvme.read = lambda extent, view: _LateFailure()
+        try:
+            store.read_ahead(["c"])  # takes the pool's one buffer, its read in flight
+        finally:
+            store._nvme.read = real_read
+        with store.borrow("a") as got:  # waits for room: finishes "c"'s read
+            assert torch.equal(got, torch.full((1000,), 1.0))
+        with pytest.raises(OSError, match="injected read failure"):
+            store.fetch("c", Tier.HOST)  # its own next fetch, once, before the pin
+        with store.borrow("c") as got:
+            assert torch.equal(got, torch.full((1000,), 3.0))
+
+
 @pytest.mark.parametrize("how", ["rollback", "write_from"])
 def test_a_failed_write_of_a_copy_since_dropped_is_not_raised(tmp_path, backend, how):
     """A write-back refused by the IO engine keeps its copy dirty, and its error for the

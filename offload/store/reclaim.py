@@ -55,8 +55,10 @@ class Transfers(Protocol):
 
     def in_flight(self) -> Iterable[Shard]: ...
 
-    def finish(self, shard: Shard) -> None:
-        """Wait for the shard's pending transfer and apply its transition."""
+    def finish_other(self, shard: Shard) -> None:
+        """Wait for the pending transfer of a shard the waiting caller does not hold and apply
+        its transition; a failure is kept for whom it concerns, not raised to that caller (the
+        store's Note on whose error)."""
 
 
 class Reclaimer:
@@ -156,7 +158,7 @@ class Reclaimer:
         if not transfer.done():
             self.block_on(transfer)  # lock released meanwhile: look at the shard again
         if oldest.pending is transfer:
-            self._transfers.finish(oldest)
+            self._transfers.finish_other(oldest)
         return True
 
     # -- taking a buffer ----------------------------------------------------------------------------

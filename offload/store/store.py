@@ -32,8 +32,9 @@ Note: coherence
     (``offload.device``).
 
 Note: whose error
-    A call does work for other shards on its way: it completes their finished transfers and
-    pushes the wanted prefetches forward, and a last release starts its shard's write-back.
+    A call does work for other shards on its way: it completes their finished transfers (and
+    waits for one to make room), pushes the wanted prefetches forward, and a last release
+    starts its shard's write-back.
     A failure there is no caller's own (a prefetch's read error found by a gather's release;
     raised there, it broke the caller's loop of releases half way and left pins behind for
     good). So that work never raises: the transfer is rolled back (``_abort``: a read is
@@ -721,6 +722,9 @@ class TieredStore:
     # the reclaimer's side (see reclaim.Transfers)
     def in_flight(self) -> Iterable[Shard]:
         return self._inflight.values()
+
+    def finish_other(self, shard: Shard) -> None:
+        self._quietly(self.finish, shard)
 
     def finish(self, shard: Shard) -> None:
         """Wait for the shard's pending transfer and apply its transition."""

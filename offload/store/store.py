@@ -589,8 +589,10 @@ class TieredStore:
             self._report()
 
     def _drain(self) -> None:
+        """Waits for every transfer in flight; what fails is kept (the module Note on whose
+        error): a read ahead's for its shard, a write-back's for the flush's report."""
         while self._inflight:
-            self.finish(next(iter(self._inflight.values())))
+            self._quietly(self.finish, next(iter(self._inflight.values())))
 
     def writing(self, key: str) -> bool:
         """Whether ``key``'s copy is being written home now (a ``readonly`` fetch may hold it

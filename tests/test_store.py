@@ -872,10 +872,13 @@ def test_a_wait_for_room_is_not_raised_another_shards_failed_read(tmp_path, back
             assert torch.equal(got, torch.full((1000,), 3.0))
 
 
-def test_a_flush_is_not_raised_a_read_aheads_failure(tmp_path, backend):
+@pytest.mark.parametrize("call", ["flush", "read"])
+def test_a_flush_is_not_raised_a_read_aheads_failure(tmp_path, backend, call):
     """A flush (a checkpoint's save, a close) waits for every transfer in flight, a read
-    ahead's too; that read's failure was raised by the flush (until 2026-12-07), which
-    needed nothing of it. Now it is kept for the shard's next fetch, once."""
+    ahead's too, and a synchronous read (a checkpoint's, an export's) for the shard's; that
+    read's failure was raised by them (until 2026-12-07), though the flush needed nothing of
+    it and the synchronous read reads the value itself. Now it is kept for the shard's next
+    fetch, once."""
     with make_store(tmp_path, buffers=2) as store:
         store.register("c", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 3.0))
         real_read = store._nvme.read
@@ -884,7 +887,10 @@ def test_a_flush_is_not_raised_a_read_aheads_failure(tmp_path, backend):
             store.read_ahead(["c"])
         finally:
             store._nvme.read = real_read
-        store.flush()
+        if call == "flush":
+            store.flush()
+        else:
+            assert torch.equal(store.read("c"), torch.full((1000,), 3.0))
         with pytest.raises(OSError, match="injected read failure"):
             store.fetch("c", Tier.HOST)
         with store.borrow("c") as got:

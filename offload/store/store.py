@@ -518,11 +518,13 @@ class TieredStore:
     def read_into(self, key: str, out: torch.Tensor, *, committed: bool = False) -> None:
         """Copy the newest data of ``key`` into ``out`` (``numel`` elements), synchronously.
         ``committed``: inside a version, the value a rollback would restore (the committed
-        extent) rather than the one the version wrote."""
+        extent) rather than the one the version wrote. A transfer of the shard in flight is
+        waited out; its failure is not this read's (a read ahead's is kept for the next
+        fetch, a write-back's copy is the newest value), which reads the value all the same."""
         with self._lock:
             shard = self._get(key)
             self._check_out(shard, out, "read_into")
-            self._settle(shard)
+            self._quietly(self._settle, shard)  # kept, whoever it concerns (Note: whose error)
             written = self._version is not None and shard.key in self._version
             if shard.state is ShardState.HOST and not (committed and written):
                 out.copy_(shard.host_view().reshape(out.shape))
@@ -535,7 +537,7 @@ class TieredStore:
         it (Note: synchronous access)."""
         with self._lock:
             shard = self._get(key)
-            self._settle(shard)
+            self._quietly(self._settle, shard)  # as read_into's
             written = self._version is not None and shard.key in self._version
             if shard.state is ShardState.HOST and not (committed and written):
                 return shard.host_view().reshape(-1).clone()

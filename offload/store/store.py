@@ -519,8 +519,9 @@ class TieredStore:
         """Copy the newest data of ``key`` into ``out`` (``numel`` elements), synchronously.
         ``committed``: inside a version, the value a rollback would restore (the committed
         extent) rather than the one the version wrote. A transfer of the shard in flight is
-        waited out; its failure is not this read's (a read ahead's is kept for the next
-        fetch, a write-back's copy is the newest value), which reads the value all the same."""
+        waited out and its failure kept, not raised here: a read ahead's is the next fetch's
+        (this read reads the extent itself), and a failed write-back's copy is the newest
+        value, read here all the same."""
         with self._lock:
             shard = self._get(key)
             self._check_out(shard, out, "read_into")

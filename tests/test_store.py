@@ -806,6 +806,17 @@ class _LateFailure:
         raise OSError(errno.EIO, "injected read failure")
 
 
+def _start_a_read_ahead_that_fails(store, key: str) -> None:
+    """A read ahead of ``key`` still in flight, which fails when it is waited for."""
+    real_read = store._nvme.read
+    store._nvme.read = lambda extent, view: _LateFailure()
+    try:
+        store.read_ahead([key])
+    finally:
+        store._nvme.read = real_read
+    assert store._shards[key].pending is not None
+
+
 @pytest.mark.parametrize("read", ["failed", "in_flight"])
 @pytest.mark.parametrize("how", ["write_from", "overwrite", "unregister"])
 def test_a_failed_read_of_a_value_since_replaced_is_not_raised(tmp_path, backend, how, read):
@@ -826,13 +837,7 @@ def test_a_failed_read_of_a_value_since_replaced_is_not_raised(tmp_path, backend
             store.read_ahead([])  # finds the failure: kept for "c"'s next fetch
             assert store._shards["c"].failed_read is not None
         else:
-            real_read = store._nvme.read
-            store._nvme.read = lambda extent, view: _LateFailure()
-            try:
-                store.read_ahead(["c"])
-            finally:
-                store._nvme.read = real_read
-            assert store._shards["c"].pending is not None
+            _start_a_read_ahead_that_fails(store, "c")
         if how == "write_from":
             store.write_from("c", torch.full((1000,), 5.0))
         elif how == "overwrite":
@@ -858,12 +863,7 @@ def test_a_wait_for_room_is_not_raised_another_shards_failed_read(tmp_path, back
     with make_store(tmp_path, buffers=1) as store:
         for key, value in (("a", 1.0), ("c", 3.0)):
             store.register(key, 1000, torch.float32, Tier.NVME, init=torch.full((1000,), value))
-        real_read = store._nvme.read
-        store._nvme.read = lambda extent, view: _LateFailure()
-        try:
-            store.read_ahead(["c"])  # takes the pool's one buffer, its read in flight
-        finally:
-            store._nvme.read = real_read
+        _start_a_read_ahead_that_fails(store, "c")  # takes the pool's one buffer
         with store.borrow("a") as got:  # waits for room: finishes "c"'s read
             assert torch.equal(got, torch.full((1000,), 1.0))
         with pytest.raises(OSError, match="injected read failure"):
@@ -881,12 +881,7 @@ def test_a_flush_is_not_raised_a_read_aheads_failure(tmp_path, backend, call):
     fetch, once."""
     with make_store(tmp_path, buffers=2) as store:
         store.register("c", 1000, torch.float32, Tier.NVME, init=torch.full((1000,), 3.0))
-        real_read = store._nvme.read
-        store._nvme.read = lambda extent, view: _LateFailure()
-        try:
-            store.read_ahead(["c"])
-        finally:
-            store._nvme.read = real_read
+        _start_a_read_ahead_that_fails(store, "c")
         if call == "flush":
             store.flush()
         else:

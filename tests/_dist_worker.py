@@ -18,7 +18,8 @@ Job keys: ``name``, ``param``, ``optim``, ``dtype`` (fp32), ``stage``, ``steps``
 ``save`` (checkpoint directories; the scheduler and the step go in its extra values),
 ``fail_at`` ({"rank": r, "step": s, "hang": bool, "kill": bool, "abort": bool, "io": bool}:
 that rank raises there, or sleeps, or kills itself with SIGKILL, or aborts as gloo aborts a
-rank, or (``io``) has every NVMe read fail from that step's ``step()`` on: its update fails),
+rank, or (``io``) has every NVMe read fail from that step's ``step()`` on: its update fails;
+``"io": "backward"``: from its last backward on, where the step in backward updates),
 ``step_in_backward`` (the optimizer's setting, when given),
 ``optimizer_state`` (keep the gathered optimizer state_dict), ``load_model`` (a file of
 ``{"state": values by name}`` that ``model.load_state_dict(strict=False)`` loads after
@@ -311,6 +312,9 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
                 if job.get("eval_held"):  # an evaluation (its gathers collective) under that loss
                     with torch.no_grad(), amp():
                         assert lm_loss(model, batch).item() > 0
+                if fail.get("io") == "backward" and (fail["rank"], fail["step"]) == (rank, s):
+                    if m == accum - 1:  # the last backward's update in it fails (and its undo)
+                        faults.inject(errno.EIO, count=fail.get("count", 1 << 30), op="read")
                 try:
                     loss.backward()
                 except UnitOrderError as exc:  # refused on every rank before it took anything:
@@ -335,7 +339,7 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
                         assert lm_loss(model, batch).item() > 0
             if clip and not _diverges(diverge, rank, s, "clip"):
                 norms.append(float(opt.clip_grad_norm_(clip)))
-            if fail.get("io") and fail.get("rank") == rank and fail.get("step") == s:
+            if fail.get("io") is True and fail.get("rank") == rank and fail.get("step") == s:
                 faults.inject(errno.EIO, count=1 << 30, op="read")  # for good: the update fails
             if not _diverges(diverge, rank, s, "step"):
                 opt.step()

@@ -1210,29 +1210,45 @@ def test_a_rank_that_raises_does_not_hang_the_others(tmp_path):
     assert took < 100  # far below the 120 s timeouts: the closed connection ends it
 
 
-@pytest.mark.parametrize(
-    "stage", [pytest.param(2, marks=pytest.mark.heavy), 3], ids=lambda s: f"stage{s}"
-)
-def test_a_rank_whose_update_fails_does_not_hang_the_others(tmp_path, stage):
-    """Rank 1's update after the backward fails part way (every NVMe read fails from its
-    second step's ``step()`` on), leaving its units mixed: its next call (the next step's
-    forward, waiting for that update) raises the update's error, naming the mix, before any
-    collective, and rank 0, in its next collective, fails at once naming rank 1 and that
-    error; no rank waits for the timeout. (The refusals after a failed update were tested in
-    one process only until 2026-12-07.)"""
+# (where the update runs, how long the reads fail, the stage, what rank 1's error says)
+MIX, UNDONE = "mixes updated and old units", "the update was undone: the state is that of before"
+FAILED_UPDATES = [
+    pytest.param("after", "for good", 2, MIX, id="after-stage2", marks=pytest.mark.heavy),
+    pytest.param("after", "for good", 3, MIX, id="after-stage3"),
+    pytest.param("in", "once", 3, UNDONE, id="in-once-stage3"),
+    pytest.param("in", "for good", 2, MIX, id="in-stage2", marks=pytest.mark.heavy),
+]
+
+
+@pytest.mark.parametrize("where,reads,stage,said", FAILED_UPDATES)
+def test_a_rank_whose_update_fails_does_not_hang_the_others(tmp_path, where, reads, stage, said):
+    """Rank 1's update fails part way, its NVMe reads failing (once, or from then on): the
+    update after the backward (from its second step's ``step()`` on; its next call, the next
+    step's forward waiting for that update, raises the update's error naming the mix, before
+    any collective), or the step in backward's (from its second step's last backward on; that
+    backward raises it between its units' reductions, or ``step()`` where the update had not
+    read yet, the update undone where the reads come back, else the undo failing too). Rank 0, in its next collective, fails at once
+    naming rank 1 and that error; no rank waits for the timeout. (The refusals after a failed
+    update were tested in one process only until 2026-12-07; the step in backward's across
+    ranks until its second pass that day.)"""
     spec = tmp_path / "spec.json"
-    bad = job(f"ioupd-s{stage}", "cpu", "nvme", stage, steps=3, step_in_backward=False,
-              fail_at={"rank": 1, "step": 1, "io": True})  # fmt: skip
+    fail = {"rank": 1, "step": 1, "io": True if where == "after" else "backward"}
+    if reads == "once":
+        fail["count"] = 1
+    # (no clipping in the step in backward's: a loop that clips updates after its backward)
+    bad = job(f"io{where}-s{stage}", "cpu", "nvme", stage, steps=3, fail_at=fail,
+              step_in_backward=where == "in", clip=1.0 if where == "after" else 0)  # fmt: skip
     spec.write_text(json.dumps({"out": str(tmp_path), "jobs": [bad], "timeout": 120}))
     t0 = time.monotonic()
     results = wait_all(start_ranks([sys.executable, str(WORKER), str(spec)], 2, tmp_path), 120)
     took = time.monotonic() - t0
     (rc0, _, err0), (rc1, _, err1) = results
-    assert rc1 == 1 and "mixes updated and old units" in err1, err1[-3000:]
+    assert rc1 == 1 and said in err1, err1[-3000:]
     assert "CollectiveError" not in err1, err1[-3000:]  # its own error, not a wait
+    assert "RuntimeError: offload: the background optimizer step failed" in err1, err1[-3000:]
     assert rc0 == 1 and "CollectiveError: offload:" in err0, err0[-3000:]
     error = next(line for line in err0.splitlines() if "CollectiveError: offload:" in line)
-    assert "rank 1 raised" in error, error
+    assert "rank 1 raised" in error and said in error, error
     assert took < 100
 
 

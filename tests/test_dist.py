@@ -1227,10 +1227,10 @@ def test_a_rank_whose_update_fails_does_not_hang_the_others(tmp_path, where, rea
     step's forward waiting for that update, raises the update's error naming the mix, before
     any collective), or the step in backward's (from its second step's last backward on; that
     backward raises it between its units' reductions, or ``step()`` where the update had not
-    read yet, the update undone where the reads come back, else the undo failing too). Rank 0, in its next collective, fails at once
-    naming rank 1 and that error; no rank waits for the timeout. (The refusals after a failed
-    update were tested in one process only until 2026-12-07; the step in backward's across
-    ranks until its second pass that day.)"""
+    read yet; the update undone where the reads come back, else the undo failing too). Rank 0,
+    in its next collective, fails at once naming rank 1 and that error; no rank waits for the
+    timeout. (The refusals after a failed update were tested in one process only until
+    2026-12-07, and the step in backward's across ranks until that day's next pass.)"""
     spec = tmp_path / "spec.json"
     fail = {"rank": 1, "step": 1, "io": True if where == "after" else "backward"}
     if reads == "once":

@@ -19,7 +19,9 @@ Job keys: ``name``, ``param``, ``optim``, ``dtype`` (fp32), ``stage``, ``steps``
 ``fail_at`` ({"rank": r, "step": s, "hang": bool, "kill": bool, "abort": bool, "io": bool}:
 that rank raises there, or sleeps, or kills itself with SIGKILL, or aborts as gloo aborts a
 rank, or (``io``) has every NVMe read fail from that step's ``step()`` on: its update fails;
-``"io": "backward"``: from its last backward on, where the step in backward updates),
+``"io": "backward"``: from its last backward on, where the step in backward updates; with
+``"slow"``: s, the failed update's worker then sleeps s seconds between ending its hand-over
+and recording its error),
 ``step_in_backward`` (the optimizer's setting, when given),
 ``optimizer_state`` (keep the gathered optimizer state_dict), ``load_model`` (a file of
 ``{"state": values by name}`` that ``model.load_state_dict(strict=False)`` loads after
@@ -206,6 +208,17 @@ class _Log:
             )
 
 
+def _late(call, seconds: float):
+    """``call`` followed by a sleep of ``seconds``."""
+
+    def late(*args, **kwargs):
+        result = call(*args, **kwargs)
+        time.sleep(seconds)
+        return result
+
+    return late
+
+
 def run_job(job: dict, out: Path, rank: int, world: int) -> None:
     group, report = None, True
     if job.get("pairs"):
@@ -315,6 +328,9 @@ def run_job(job: dict, out: Path, rank: int, world: int) -> None:
                 if fail.get("io") == "backward" and (fail["rank"], fail["step"]) == (rank, s):
                     if m == accum - 1:  # the last backward's update in it fails (and its undo)
                         faults.inject(errno.EIO, count=fail.get("count", 1 << 30), op="read")
+                        if fail.get("slow"):  # its hand-over ends a while before the update's
+                            owner = runtime.grads.owner  # error is recorded (a busy core)
+                            owner.abandon = _late(owner.abandon, fail["slow"])
                 try:
                     loss.backward()
                 except UnitOrderError as exc:  # refused on every rank before it took anything:

@@ -1217,6 +1217,7 @@ FAILED_UPDATES = [
     pytest.param("after", "for good", 3, MIX, id="after-stage3"),
     pytest.param("in", "once", 3, UNDONE, id="in-once-stage3"),
     pytest.param("in", "for good", 2, MIX, id="in-stage2", marks=pytest.mark.heavy),
+    pytest.param("in", "once, slow", 3, UNDONE, id="in-once-slow-stage3"),
 ]
 
 
@@ -1233,8 +1234,10 @@ def test_a_rank_whose_update_fails_does_not_hang_the_others(tmp_path, where, rea
     2026-12-07, and the step in backward's across ranks until that day's next pass.)"""
     spec = tmp_path / "spec.json"
     fail = {"rank": 1, "step": 1, "io": True if where == "after" else "backward"}
-    if reads == "once":
+    if reads.startswith("once"):
         fail["count"] = 1
+    if reads.endswith("slow"):  # its backward goes on after its update failed, unit by unit
+        fail["slow"] = 0.3
     # (no clipping in the step in backward's: a loop that clips updates after its backward)
     bad = job(f"io{where}-s{stage}", "cpu", "nvme", stage, steps=3, fail_at=fail,
               step_in_backward=where == "in", clip=1.0 if where == "after" else 0)  # fmt: skip

@@ -262,8 +262,11 @@ class ScatteredGrads(Grads):
         self._turns: list[Unit] | None = None  # this backward's order, from its first unit
         self._done: set[int] = set()  # units complete, their reduction not issued yet
         self.seen: set[torch.nn.Parameter] = set()  # got a gradient on some rank
-        # whether the last reductions carried their units' records (the update in the
-        # backward), and whether `seen` is the ranks' agreed record of every gradient so far
+        # whether this backward's reductions carry their units' records (the update in the
+        # backward takes each unit as it lands), decided at its first: None until then
+        self._carry_seen: bool | None = None
+        # whether the last reductions carried their units' records, and whether `seen` is the
+        # ranks' agreed record of every gradient so far
         self._seen_with_units = False
         self._seen_agreed = False
 
@@ -352,8 +355,10 @@ class ScatteredGrads(Grads):
                 self.between()
 
     def _new_order(self) -> None:
-        """The next micro-step's forwards record their order afresh."""
+        """The next micro-step's forwards record their order afresh (and its backward asks
+        afresh whether its reductions carry their records)."""
         self._used, self._turns, self._done = {}, None, set()
+        self._carry_seen = None
 
     def _reduce(self, unit: Unit, first: bool) -> None:
         """Flattens the unit's gradients, starts their reduce-scatter, then hands the previous
@@ -374,9 +379,19 @@ class ScatteredGrads(Grads):
         share = self._recv[slot][: n // self.comm.world]
         handle = self.comm.reduce_scatter(share, send, what=f"{unit.label} gradients")
         flight = _Flight(unit, handle, share, first, slot)
-        if self.owner.handing:  # the update takes this unit as it lands: its record with it
+        # Whether the update takes the units as they land is asked once a backward: every
+        # rank's collectives must be the same, and a rank whose update fails ends its
+        # hand-over (HeldNvmeGrads.abandon, on the update's thread) in the middle of its
+        # backward, before the error that stops it is recorded. Asked per unit, that rank
+        # left out the next unit's record and went on to the reduction after it, which the
+        # other rank received as that record: gloo aborted it ("Received data size doesn't
+        # match", 8192 vs 2 bytes) instead of its collective naming the failed rank
+        # (tests/test_dist.py, ..._update_fails_does_not_hang_the_others, 2026-12-07)
+        if self._carry_seen is None:
+            self._carry_seen = self.owner.handing
+        if self._carry_seen:  # the update takes this unit as it lands: its record with it
             flight.seen, flight.seen_handle = self._reduce_seen([unit])
-        self._seen_with_units = self.owner.handing
+        self._seen_with_units = self._carry_seen
         previous, self._flight = self._flight, flight
         if previous is not None:
             self._land(previous)

@@ -531,69 +531,6 @@ def test_an_update_after_the_backward_reads_its_first_pieces_in_it(tmp_path, par
         opt.close()
 
 
-@pytest.mark.parametrize("param_dev", ["none", "nvme"])
-def test_a_speculative_update_reads_its_first_pieces_before_its_backward(tmp_path, param_dev):
-    """Where the step's next backward is its last and will update speculatively, that
-    update's first pieces (the last unit's: the backward hands them over first) are read as
-    the step's earlier backward ends (the head start, schedule.py's Note), held for it through
-    the forward between, and taken. A state access in between lets them go unused; the
-    results are bitwise those of the update after the backward all the same. Without
-    accumulation nothing is read ahead of a step's backward (a state access or a checkpoint
-    often comes first)."""
-    data = batches(8)
-    ref = _run(tmp_path / "ref", param_dev, data, step_in_backward=False, steps=6, accum=2)
-    model, opt = offload.wrap(
-        make_model(),
-        _config(tmp_path / "sib", param_dev, step_in_backward=True, buffer_count=16, accum=2),
-    )
-    engine = engine_of(model)
-    optim, placement = engine.optim, engine.plan.placement
-    last = max((u for u in engine.plan.units if not u.is_root), key=lambda u: u.index)
-    kinds = optim.master.kinds
-    head = [f"{k}.u{last.index}.{optim.pieces(last)[0][0]}" for k in kinds]
-    count = placement.head_start // len(kinds) * len(kinds)
-    assert count >= len(kinds)  # (the test's premise: the pool leaves room for a head start)
-
-    def held() -> list[str]:
-        return [k for k in _held_state(model) if not k.startswith("grad.")]
-
-    try:
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-        losses = []
-        for s in range(6):
-            total = 0.0
-            for m in range(2):
-                if m == 1:  # read before the backward that updates
-                    assert set(head) <= set(held()) and len(held()) == count, (s, held())
-                if s == 3 and m == 1:
-                    opt.state_dict()  # reads the state: nothing may stay held for the update
-                    assert _held_state(model) == []
-                loss = lm_loss(model, data[(s * 2 + m) % len(data)]) / 2
-                opt.scale_loss(loss).backward()
-                total += float(loss.detach())
-            opt.step()
-            assert held() == [], (s, held())  # taken
-            sched.step()
-            opt.zero_grad()
-            losses.append(total)
-        got = (losses, model.state_dict(), opt.state_dict())
-        _assert_bitwise(got, ref)
-        total = opt.stats()["total"]
-        assert (total["rollbacks"], total["updates_in_backward"]) == (0, 6)
-    finally:
-        opt.close()
-    one = _config(tmp_path / "one", param_dev, step_in_backward=True, buffer_count=16, accum=1)
-    model, opt = offload.wrap(make_model(), one)
-    try:
-        for s in range(3):
-            opt.scale_loss(lm_loss(model, data[s])).backward()
-            opt.step()
-            opt.zero_grad()
-            assert held() == [], (s, held())
-    finally:
-        opt.close()
-
-
 def test_a_skipped_fp16_step_lets_the_head_start_go(tmp_path):
     """fp16 with clipping and a loss scale that overflows again after it grows: steps skipped
     after clipped ones (whose updates run after the backward) had their head start read in

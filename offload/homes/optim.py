@@ -428,8 +428,8 @@ class NvmeOptim(OptimHome):
         return pieces[:room]
 
     def read_head(self, units: list[Unit], buffers: int) -> None:
-        """Starts reading :meth:`head_pieces`, held for the next update: it takes each as it
-        comes to it; :meth:`drop_head` lets go of the rest."""
+        """Starts reading :meth:`head_pieces`, held for the next update: it takes them if it
+        starts with those pieces; :meth:`drop_head` lets them go otherwise."""
         self.drop_head()
         for item in self.head_pieces(units, buffers):
             self._head.append(item)
@@ -448,16 +448,11 @@ class NvmeOptim(OptimHome):
             item.futs.append(self.store.fetch(self.key(item.unit, k, item.lo), held=item.held))
 
     def _from_head(self, unit: Unit, lo: int) -> _Piece | None:
-        """The head start's piece, if it read this one. Not only the next one there: the
-        speculative update's feed puts the units left at the backward's end in the forward's
-        order (``UnitFeed.close``), so an update that lagged takes its last head pieces after
-        the root's; it dropped them there and read them again (the traffic tests' fetched
-        bytes, under load). What it never takes goes at its end (:meth:`step_units`)."""
-        for item in self._head:
-            if item.unit is unit and item.lo == lo:
-                self._head.remove(item)
-                return item
-        return None
+        """The head start's piece when it is the next one there (any other order drops the
+        head start)."""
+        if self._head and (self._head[0].unit is not unit or self._head[0].lo != lo):
+            self.drop_head()
+        return self._head.popleft() if self._head else None
 
     def step_units(self, units: Units, hyper: Hyper, on_unit_done=None) -> None:
         """Streams every piece through the pool: the reads of the next ``lookahead`` pieces are

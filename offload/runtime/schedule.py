@@ -46,24 +46,9 @@ Note: the head start
     in the update's order are left to take, their master and moments are read into the
     buffers the speculative update would have used (``NvmeOptim.read_head``; how many:
     ``offload.plan.placement``'s Note on the NVMe step's buffers) and held for the update,
-    which takes them as it comes to them. Whatever else comes first (a ``flush``: a
+    which takes them when it starts in that order. Whatever else comes first (a ``flush``: a
     state access, a new backward, a skipped step, ``close``) lets them go unused. They are
     reads of values the update has not changed yet, so nothing about the result changes.
-
-    The speculative update has a head start too, for the same reason the other way round: it
-    reads and writes the master and moments of the whole model inside the step's last
-    backward, the disk's busiest phase, while in the forward before it the optimizer's
-    buffers sit idle. On the 50M demo GPT's recipe with norms under the threshold
-    (``benchmarks/nvme_phases.py --recipe under --batch 2``, 2026-12-07) that backward kept the
-    disk busy 0.47 of its 0.54 s, moving 1.33 GB, and waited there for reads of the earlier
-    micro-step's gradient sums (~40 ms an iteration); the forward before it, 0.07 of 0.21 s.
-    So once the step's second-to-last backward has ended, the next being its last and one
-    that will speculate, the first pieces of that update (the last unit's, in the order the
-    backward hands them over) are read into the same buffers and held for it: that
-    backward's ``flush`` keeps them, any other lets them go. The update's version begins
-    after they are read; they hold the committed values, which it reads anyway. Not without
-    accumulation: read as a step ends, they would be read twice wherever a state access,
-    a checkpoint or ``synchronize()`` comes before the next backward, as it often does.
 """
 
 from __future__ import annotations
@@ -159,11 +144,6 @@ class _Worker:
     @property
     def failed(self) -> bool:
         return self._error is not None
-
-    @property
-    def running(self) -> bool:
-        """An update's thread is still at work (it may be taking the head start's pieces)."""
-        return self._thread is not None and self._thread.is_alive()
 
     def start(
         self,
@@ -299,9 +279,6 @@ class StepSchedule:
     def wait_unit(self, unit: Unit) -> None:
         """Blocks until ``unit``'s pending update (if any) is complete (before a forward)."""
 
-    def forward_failed(self) -> None:
-        """A forward raised and was undone: nothing it made the schedule hold stays held."""
-
     def flush(self) -> None:
         """Waits until no update is running; re-raises its error."""
 
@@ -402,9 +379,7 @@ class InBackward(Background, PieceSink):
         self._head_after: set[int] | None = None
 
     def backward_begins(self, hyper: Callable[[], Hyper], pending_backwards: int) -> None:
-        # the speculative update this backward runs takes what was read for it (Note: the head
-        # start); any other backward lets it go
-        self.flush(keep_head=self._speculates(pending_backwards + 1))
+        self.flush()
         self._backwards = pending_backwards + 1
         self._hyper_now = hyper
         if self.accumulation is None or not self._would_keep:
@@ -429,25 +404,6 @@ class InBackward(Background, PieceSink):
             self.optim.begin_version()
             self.feed, self._quiesced = UnitFeed(self.stepped), set()
             self.worker.start(self.stepped, self.feed, self._spec, undo=self._undo)
-
-    def _speculates(self, backward: int) -> bool:
-        """Whether this step's backward number ``backward`` (from 1) runs a speculative update:
-        the step's last, in a loop whose last update would have been kept."""
-        return self.accumulation == backward and self._would_keep
-
-    def _read_speculative_head(self) -> None:
-        """The next backward runs a speculative update (Note: the head start): its first
-        pieces are read, in the order the backward hands them over (the units' reverse; the
-        root, the first unit, comes last)."""
-        buffers = self.optim.plan.placement.head_start
-        if buffers > 0:
-            self.optim.read_head(self.stepped[::-1], buffers)
-
-    def forward_failed(self) -> None:
-        # what was read for the next backward's update goes (nothing stays held after a
-        # failed forward); not under an update still running, which takes from it
-        if not self.worker.running:
-            self.optim.drop_head()
 
     def unit_backward_begins(self, unit: Unit) -> None:
         # its update comes right after its backward: what the update reads (one copy on
@@ -513,8 +469,6 @@ class InBackward(Background, PieceSink):
     def backward_ends(self, runs: list) -> None:
         if self.feed is None:
             super().backward_ends(runs)
-            if self._speculates(self._backwards + 1):  # the step's next backward is its last
-                self._read_speculative_head()
             return
         for run in runs:
             run.release()  # a persistent root too: its update starts now
@@ -637,16 +591,13 @@ class InBackward(Background, PieceSink):
             self.optim.rollback_version()
             self.optim.derive_params(self.stepped)
 
-    def flush(self, keep_head: bool = False) -> None:
-        """:meth:`Background.flush`; what was read for the next update goes too (``keep_head``:
-        the backward that runs it is beginning)."""
+    def flush(self) -> None:
         if self.feed is not None:  # a backward that failed or was interrupted: no more units
             self.feed.close()
             self.feed = None
         self.worker.join()
         self._head_after = None
-        if not keep_head:
-            self.optim.drop_head()  # no update after this backward takes it
+        self.optim.drop_head()  # no update after this backward takes it
 
     def check_access(self, what: str, pending_backwards: int) -> None:
         if self._spec is not None:

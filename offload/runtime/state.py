@@ -442,7 +442,6 @@ class Runtime:
         if self._forward_open:  # (not ended by _root_post_forward)
             self.watch.forward_failed()  # (before the drop releases the units it gathered)
             self._drop_forward()
-            self.schedule.forward_failed()
 
     def _close_forward(self) -> None:
         """The root forward is over: returned (its graph is in ``_graphs``) or stopped (its

@@ -2,6 +2,7 @@
 
     python benchmarks/recipe_waits.py [--steps 10] [--batch 2] [--clipping]
     python benchmarks/recipe_waits.py --plain-hooks 3 [--steps 6]
+    python benchmarks/recipe_waits.py --switch-interval 0.0005   # the GIL handed over sooner
 
 Trains bench_e2e's 50M demo GPT with params and optimizer state on NVMe (bench_e2e's config:
 1 MiB blocks at depth 8, its buffers) through the recipe (accumulation 2, clipping 1.0; with
@@ -17,6 +18,10 @@ It also prints the CPU time the iterations took (the process's, and torch's thre
 its IO and the update's), against plain PyTorch's compute of the same recipe (bench_e2e's
 ``recipe_compute_step``) timed the same way after it: where the cores are all busy, no schedule
 on them beats the CPU time divided by the cores (``os.sched_getaffinity``), whatever overlaps.
+
+``--switch-interval S`` sets ``sys.setswitchinterval(S)`` for the whole run (CPython's default is
+0.005 s): whether the training thread waits for the GIL that offload's update thread holds between
+its native calls (a shorter interval hands it over sooner).
 
 ``--plain-hooks MS`` runs plain PyTorch's recipe compute alone, with a busy-wait of MS
 milliseconds before each block's forward and backward (what a hook on the training thread is to
@@ -133,7 +138,15 @@ def main() -> int:
         "--plain-hooks", type=float, metavar="MS", default=None,
         help="instead: plain compute with MS of busy hook per block pass, against none",
     )  # fmt: skip
+    ap.add_argument(
+        "--switch-interval", type=float, metavar="S", default=None,
+        help="sys.setswitchinterval(S) for the run (the GIL's hand-over; default 0.005)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        if not args.switch_interval > 0:
+            ap.error(f"--switch-interval: got {args.switch_interval}; allowed: seconds > 0")
+        sys.setswitchinterval(args.switch_interval)
     if args.plain_hooks is not None and not args.plain_hooks >= 0:
         ap.error(f"--plain-hooks: got {args.plain_hooks}; allowed: milliseconds >= 0")
     if args.steps < 1:

@@ -179,10 +179,11 @@ def test_the_flags_and_the_swap_directory_apply_to_a_deepspeed_config_too(tmp_pa
     """A DeepSpeed file was used exactly as given: --dtype, --device, --stage and --nvme-path
     were dropped unsaid and an NVMe section without nvme_path was refused; one without
     zero_optimization (bf16 and optimizer.params) was merged into the demo's defaults and
-    refused as a mix of both formats. --stage lost to an offload file's distributed.stage."""
+    refused as a mix of both formats. --stage lost to an offload file's distributed.stage. And
+    "NVMe", which the loader accepts, got no swap directory (refused for its nvme_path)."""
     swap = str(tmp_path / "swap")
     ds = tmp_path / "ds.json"
-    nvme = {"device": "nvme"}
+    nvme = {"device": "NVMe"}
     zero = {"stage": 3, "offload_optimizer": nvme, "offload_param": nvme}
     ds.write_text(json.dumps({"zero_optimization": zero}))
     flags = ["--dtype", "bf16", "--device", "cpu", "--stage", "2"]

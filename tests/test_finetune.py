@@ -249,15 +249,16 @@ def test_an_export_directory_that_cannot_be_written_fails_before_training(setup,
 
 def test_a_deepspeed_config_without_nvme_path_swaps_in_out(setup):
     """As an offload-format config does: the NVMe sections get OUT/swap (a DeepSpeed config
-    was refused for its missing nvme_path)."""
+    was refused for its missing nvme_path), whatever the case of their ``device`` (which the
+    loader accepts in any case: "NVMe" was refused for the nvme_path it did not get)."""
     t = setup
     (t / "ds.json").write_text(
         json.dumps(
             {
                 "zero_optimization": {
                     "stage": 3,
-                    "offload_param": {"device": "nvme", "buffer_count": 4, "buffer_size": 4096},
-                    "offload_optimizer": {"device": "nvme", "buffer_count": 8},
+                    "offload_param": {"device": "NVMe", "buffer_count": 4, "buffer_size": 4096},
+                    "offload_optimizer": {"device": " nvme", "buffer_count": 8},
                 }
             }
         )

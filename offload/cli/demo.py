@@ -205,13 +205,11 @@ def _from_deepspeed(user: dict[str, Any], nvme_dir: str, path: str) -> dict[str,
     """A DeepSpeed config in offload's format, an NVMe section without ``nvme_path`` given the
     demo's swap directory (as ``offload finetune`` gives it ``OUT/swap``)."""
     from offload.config import ConfigError, load_config  # noqa: PLC0415
+    from offload.config.loader import nvme_sections_without_path  # noqa: PLC0415
 
     user = copy.deepcopy(user)
-    zero = user.get("zero_optimization")
-    for section in ("offload_optimizer", "offload_param"):
-        sec = zero.get(section) if isinstance(zero, dict) else None
-        if isinstance(sec, dict) and sec.get("device") == "nvme" and not sec.get("nvme_path"):
-            sec["nvme_path"] = nvme_dir
+    for sec in nvme_sections_without_path(user):
+        sec["nvme_path"] = nvme_dir
     try:
         return load_config(user, deepspeed=True).to_dict()
     except ConfigError as exc:

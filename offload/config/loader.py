@@ -66,6 +66,27 @@ def load_config(src: ConfigSource = None, *, deepspeed: bool | None = None) -> O
     )
 
 
+def nvme_sections_without_path(data: Any) -> list[dict]:
+    """The offload sections of a config as read (offload's format, or DeepSpeed's under
+    ``zero_optimization``) that put their tier on NVMe, spelled as the loader accepts it (any
+    case, spaces around), and name no ``nvme_path``: those to which a command gives its own
+    swap directory (``offload finetune``'s ``OUT/swap``, the demo's). The dicts themselves, to
+    fill in."""
+    if not isinstance(data, dict):
+        return []
+    sections = data.get("zero_optimization") if is_deepspeed_config(data) else data
+    if not isinstance(sections, dict):
+        return []
+    found = []
+    for name in ("offload_param", "offload_optimizer"):
+        sec = sections.get(name)
+        device = sec.get("device") if isinstance(sec, dict) else None
+        if isinstance(device, str) and device.strip().lower() == "nvme":
+            if not sec.get("nvme_path"):
+                found.append(sec)
+    return found
+
+
 def _from_data(data: Any, deepspeed: bool | None) -> OffloadConfig:
     if data is None:
         return OffloadConfig()

@@ -107,21 +107,15 @@ def offload_config(opts: Options, out: Path) -> tuple[dict, Options, bool, bool]
     (else the run leaves out of weight decay what transformers' Trainer does)."""
     from offload.config import ConfigError, load_config  # noqa: PLC0415
     from offload.config.deepspeed import is_deepspeed_config  # noqa: PLC0415
-    from offload.config.loader import read_config_file  # noqa: PLC0415
+    from offload.config.loader import nvme_sections_without_path, read_config_file  # noqa: PLC0415
 
-    raw = read_config_file(opts.config) if opts.config else {}
+    raw = copy.deepcopy(read_config_file(opts.config)) if opts.config else {}
     swap = False
     deepspeed = isinstance(raw, dict) and is_deepspeed_config(raw)
-    if isinstance(raw, dict):
-        raw = copy.deepcopy(raw)
-        # a DeepSpeed config keeps its offload sections under zero_optimization
-        sections = raw.get("zero_optimization") if deepspeed else raw
-        for section in ("offload_param", "offload_optimizer"):
-            sec = sections.get(section) if isinstance(sections, dict) else None
-            if isinstance(sec, dict) and sec.get("device") == "nvme" and not sec.get("nvme_path"):
-                (out / "swap").mkdir(parents=True, exist_ok=True)
-                sec["nvme_path"] = str(out / "swap")
-                swap = True
+    for sec in nvme_sections_without_path(raw):
+        (out / "swap").mkdir(parents=True, exist_ok=True)
+        sec["nvme_path"] = str(out / "swap")
+        swap = True
     try:
         cfg = load_config(raw).to_dict()
     except ConfigError as exc:

@@ -193,6 +193,26 @@ def test_an_explicit_off_is_never_overridden_by_an_auto_beside_it(bf16, fp16, dt
     assert cfg.dtype == dtype
 
 
+@pytest.mark.parametrize("order", ["bf16 first", "bfloat16 first"])
+def test_bf16_wins_over_its_older_name_bfloat16_as_in_deepspeed(caplog, order):
+    """Both sections mapped onto one key, so the last in the file won: bf16 on and bfloat16 off
+    trained in fp32 or bf16 by their order. DeepSpeed reads bfloat16 only where bf16 is
+    absent; so does offload now, and lists the one it ignores. Alone, bfloat16 is read, its
+    errors under its own name (they named bf16.enabled)."""
+    pair = [("bf16", {"enabled": True}), ("bfloat16", {"enabled": False})]
+    ds = dict(pair if order == "bf16 first" else pair[::-1])
+    with caplog.at_level(logging.WARNING, logger="offload.config"):
+        assert load_config(ds).dtype == "bf16"
+    (warning,) = _warnings(caplog)
+    assert "bfloat16 (DeepSpeed's older name of bf16" in warning.getMessage()
+    assert load_config({"bfloat16": {"enabled": True}}).dtype == "bf16"
+    assert load_config({"bfloat16": {"enabled": False}}).dtype == "fp32"
+    with pytest.raises(ConfigError, match=r"^bfloat16\.enabled: got 'yes'"):
+        load_config({"bfloat16": {"enabled": "yes"}})
+    with pytest.raises(ConfigError, match=r"false when bfloat16\.enabled is true"):
+        load_config({"bfloat16": {"enabled": True}, "fp16": {"enabled": True}})
+
+
 def test_hf_trainer_auto_values_take_offload_defaults(caplog):
     ds = {
         "bf16": {"enabled": "auto"},

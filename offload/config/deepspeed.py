@@ -194,6 +194,12 @@ def map_deepspeed(data: Mapping[str, Any]) -> DeepSpeedMapping:
             allowed="DeepSpeed keys only",
         )
     m = _Mapper()
+    if "bf16" in data and "bfloat16" in data:  # both mapped, the last in the file won
+        m.unsupported.append(
+            "bfloat16 (DeepSpeed's older name of bf16, which it reads only where bf16 is "
+            "absent: bf16 is used)"
+        )
+        data = {k: v for k, v in data.items() if k != "bfloat16"}
     m.walk("", data, _MAP)
     out, origin = m.finish()
     try:
@@ -320,24 +326,25 @@ class _Mapper:
 
     def _finish_dtype(self) -> None:
         enabled = {}
-        for name in ("bf16", "fp16"):
-            key = f"{name}.enabled"
+        # the section's older name, which map_deepspeed keeps only where bf16 is absent
+        bf16 = "bfloat16.enabled" if "bfloat16.enabled" in self.raw else "bf16.enabled"
+        for name, key in (("bf16", bf16), ("fp16", "fp16.enabled")):
             if key in self.raw:
                 enabled[name] = as_bool(key, self.raw[key])
         if enabled.get("bf16") and enabled.get("fp16"):
             raise ConfigError.bad(
-                "fp16.enabled", True, "false when bf16.enabled is true (one compute dtype)"
+                "fp16.enabled", True, f"false when {bf16} is true (one compute dtype)"
             )
-        auto = any(k in self.auto for k in ("bf16.enabled", "fp16.enabled"))
+        auto = any(k in self.auto for k in ("bf16.enabled", "bfloat16.enabled", "fp16.enabled"))
         if enabled.get("bf16"):
-            self.put("dtype", "bf16.enabled", "bf16")
+            self.put("dtype", bf16, "bf16")
         elif enabled.get("fp16"):
             self.put("dtype", "fp16.enabled", "fp16")
         elif not auto or enabled.get("bf16") is False:
             # DeepSpeed: no mixed precision section on. Also bf16 said off beside an fp16
             # "auto" (offload cannot know what the Trainer would fill in): offload's default
             # dtype, bf16, would be the one said off
-            self.put("dtype", "bf16.enabled", "fp32")
+            self.put("dtype", bf16, "fp32")
 
     def _finish_optimizer_type(self) -> None:
         if "optimizer.type" not in self.raw:
@@ -458,4 +465,4 @@ _MAP: dict[str, _Rule] = {
         "intra_op_parallelism": "aio.thread_count",
     },
 }
-_MAP["bfloat16"] = {"enabled": lambda m, k, v: _keep(m, "bf16.enabled", v)}
+_MAP["bfloat16"] = {"enabled": _keep}  # bf16's older name (_finish_dtype)

@@ -33,6 +33,23 @@ def offload_cli(*args: str, native: bool = True) -> subprocess.CompletedProcess:
     )
 
 
+def test_a_rank_variable_that_is_no_number_stops_no_command_that_uses_none(tmp_path, capsys):
+    """``RANK=abc offload config FILE`` was int()'s traceback before any command ran (the check
+    that quiets the notes of ranks beyond 0); the commands that join a group name it
+    (``offload.dist.env_int``, tests/test_engine_api.py's WORLD_SIZE test)."""
+    (tmp_path / "c.yaml").write_text("device: cpu\n")
+    env = {**os.environ, "RANK": "abc"}
+    run = subprocess.run(
+        [sys.executable, "-m", "offload.cli.main", "config", str(tmp_path / "c.yaml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "valid offload config" in run.stdout
+
+
 def test_help_lists_the_commands():
     out = offload_cli("--help")
     assert out.returncode == 0, out.stderr

@@ -419,9 +419,14 @@ def test_detection_and_forcing_the_format():
     assert not is_deepspeed_config(OffloadConfig().to_dict())
     with pytest.raises(ConfigError, match=r"^zero_optimization: unknown key"):
         load_config({"zero_optimization": {}}, deepspeed=False)
-    # forced the other way, an offload-only key is refused
-    with pytest.raises(ConfigError, match=r"^prefetch: offload key in a DeepSpeed config"):
+    # forced the other way, an offload-only key is refused, for what it is: the message named
+    # "DeepSpeed keys such as 'optimizer.params'" that the dict did not have
+    with pytest.raises(ConfigError, match=r"^prefetch: offload key in a DeepSpeed config") as e:
         load_config({"prefetch": {"depth": 1}}, deepspeed=True)
+    assert "as asked (deepspeed=True, `--deepspeed`), and has no DeepSpeed key" in str(e.value)
+    assert "optimizer.params" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"DeepSpeed keys such as 'optimizer\.params'"):
+        load_config({"prefetch": {"depth": 1}, "optimizer": {"params": {"lr": 1e-3}}})
 
 
 def test_input_dict_is_not_modified():

@@ -2331,3 +2331,6 @@ def test_a_wrap_under_torchrun_without_a_process_group_is_said(tmp_path, monkeyp
     model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "b"))
     opt.close()
     assert not [r for r in caplog.records if "WORLD_SIZE" in r.getMessage()]
+    monkeypatch.setenv("WORLD_SIZE", "two")  # was int()'s traceback
+    with pytest.raises(ValueError, match=r"variable WORLD_SIZE is 'two'; allowed: an integer"):
+        offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "c"))

@@ -66,9 +66,23 @@ def test_a_grid_value_the_aio_section_refuses_is_refused(tmp_path, capsys, flag,
     assert os.listdir(tmp_path) == []  # nothing measured
 
 
+@pytest.mark.parametrize("size", ["0", "8KiB"])
+def test_a_file_smaller_than_a_block_is_refused_before_the_sweep(tmp_path, capsys, size):
+    """--size 0 swept a 4 KiB file and printed a "best" aio section of it, status 0; a block
+    larger than the file measured nothing either."""
+    argv = ["tune-io", "--path", str(tmp_path), "--size", size, "--block-sizes", "4KiB,16KiB"]
+    argv += ["--queue-depths", "1", "--threads", "1"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "--size" in captured.err and "--block-sizes (16384)" in captured.err
+    assert "allowed: at least 16384 bytes" in captured.err and "block_size" not in captured.out
+    assert os.listdir(tmp_path) == []
+
+
 def test_output_is_checked_before_the_sweep_and_a_config_there_is_kept(tmp_path, capsys):
     """A missing directory or a directory as --output was a traceback after the whole sweep; a
-    config file of the user's as --output was replaced by the aio section alone."""
+    config file of the user's as --output was replaced by the aio section alone. A file where
+    its directory should be was said not to exist."""
     disk = tmp_path / "disk"
     disk.mkdir()
     argv = ["tune-io", "--path", str(disk), "--size", "64KiB", "--block-sizes", "4KiB"]
@@ -77,6 +91,7 @@ def test_output_is_checked_before_the_sweep_and_a_config_there_is_kept(tmp_path,
     config.write_text('{"optimizer": {"lr": 0.0001}, "aio": {"queue_depth": 4}}\n')
     for out, says in [
         (tmp_path / "missing" / "aio.json", "does not exist"),
+        (config / "aio.json", f"its directory '{config}' is not a directory"),
         (disk, "is a directory"),
         (config, "nothing was changed"),
     ]:

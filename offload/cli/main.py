@@ -44,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _rank_beyond_zero() -> bool:
+    """Whether this is a rank other than 0 under torchrun. A ``RANK`` that is no number is not
+    this check's to refuse (``offload config`` uses no rank): a command that joins a group
+    names it (``offload.dist.env_int``; not imported here: it imports torch)."""
+    rank = os.environ.get("RANK", "").strip()
+    return rank.isdigit() and int(rank) > 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -52,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    if int(os.environ.get("RANK", "0") or 0) > 0:
+    if _rank_beyond_zero():
         # a rank other than 0 of a command under torchrun (--nproc, or the user's own): what
         # the config and the plan say is the same on every rank, and rank 0 says it (N copies
         # of each note, interleaved, before); a rank's own errors still reach its stderr

@@ -111,17 +111,17 @@ def join_group(device: str, timeout: float | None = None) -> tuple[int, int, boo
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
-    from offload.dist import init_process_group  # noqa: PLC0415
+    from offload.dist import env_int, init_process_group  # noqa: PLC0415
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(), False
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if env_int("WORLD_SIZE", 1) <= 1:
         return 0, 1, False
     cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if cuda and device in ("auto", "cuda") and "LOCAL_RANK" in os.environ:
         # this rank's GPU is current before NCCL starts: torch's own uses of the group before
         # wrap (a barrier) otherwise guess cuda:0 on every rank (wrap sets it too)
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(env_int("LOCAL_RANK", 0))
     if timeout is None:
         init_process_group("nccl" if cuda else "gloo")
     else:

@@ -83,6 +83,8 @@ def _output_problem(path: str) -> str | None:
     if os.path.isdir(path):
         return "is a directory; give a file name"
     parent = os.path.dirname(path) or "."
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        return f"its directory {parent!r} is not a directory"
     if not os.path.isdir(parent):
         return f"its directory {parent!r} does not exist"
     if not os.path.exists(path) or os.path.getsize(path) == 0:
@@ -134,6 +136,15 @@ def run(args: argparse.Namespace) -> int:
 
     if not os.path.isdir(args.path):
         print(f"offload tune-io: --path {args.path!r} is not a directory", file=sys.stderr)
+        return 2
+    largest = max(args.block_sizes)
+    if args.size < largest:  # (the sweep measured on a 4 KiB file for --size 0)
+        print(
+            f"offload tune-io: --size {args.size} is smaller than the largest of --block-sizes "
+            f"({largest}): a block beyond the file measures nothing; allowed: at least "
+            f"{largest} bytes (GiBs for a figure that is the disk's, not its cache's)",
+            file=sys.stderr,
+        )
         return 2
     problem = _output_problem(args.output) if args.output else None
     if problem is not None:

@@ -185,10 +185,16 @@ def map_deepspeed(data: Mapping[str, Any]) -> DeepSpeedMapping:
     """Map without logging; see :func:`from_deepspeed`."""
     mixed = [k for k in data if k in OFFLOAD_ONLY]
     if mixed:
+        marker = _first_marker(data)
+        why = (
+            f"found DeepSpeed keys such as {marker!r}"
+            if marker
+            else "it was read as one, as asked (deepspeed=True, `--deepspeed`), and has no "
+            "DeepSpeed key"
+        )
         raise ConfigError(
-            f"{mixed[0]}: offload key in a DeepSpeed config (found DeepSpeed keys such as "
-            f"{_first_marker(data)!r}); allowed: one format per file (convert with "
-            "`offload config FILE`, which prints offload's format)",
+            f"{mixed[0]}: offload key in a DeepSpeed config ({why}); allowed: one format per "
+            "file (convert with `offload config FILE`, which prints offload's format)",
             key=mixed[0],
             value=data[mixed[0]],
             allowed="DeepSpeed keys only",
@@ -233,8 +239,14 @@ def _did_you_mean(key: Any, table: Mapping[str, Any]) -> str | None:
     return f"did you mean {close[0]}?" if close else None
 
 
-def _first_marker(data: Mapping[str, Any]) -> str:
-    return next((k for k in data if k in DEEPSPEED_MARKERS), "optimizer.params")
+def _first_marker(data: Mapping[str, Any]) -> str | None:
+    """The first key that makes ``data`` DeepSpeed's (``is_deepspeed_config``); None where it
+    has none (read as DeepSpeed's because the caller said so)."""
+    found = next((k for k in data if k in DEEPSPEED_MARKERS), None)
+    opt = data.get("optimizer")
+    if found is None and isinstance(opt, Mapping) and "params" in opt:
+        found = "optimizer.params"
+    return found
 
 
 def _is_auto(value: Any) -> bool:

@@ -33,8 +33,28 @@ __all__ = [
     "TorchComm",
     "comm_for",
     "completed",
+    "env_int",
     "init_process_group",
 ]
+
+
+def env_int(name: str, default: int) -> int:
+    """torchrun's ``RANK``, ``WORLD_SIZE`` or ``LOCAL_RANK`` as a number (``default`` where it
+    is unset or empty); another value is an error naming the variable (it was a traceback of
+    ``int()``)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"offload: the environment variable {name} is {os.environ[name]!r}; allowed: an "
+            "integer >= 0 (torchrun sets it; unset it to run one process)"
+        )
+    return value
 
 
 def init_process_group(*args, **kwargs) -> None:
@@ -63,7 +83,7 @@ def comm_for(process_group=None, timeout: float = 1800.0, *, one_rank: bool = Fa
             "offload.wrap: process_group was given but torch.distributed is not initialized; "
             "call torch.distributed.init_process_group() first"
         )
-    if not ready and int(os.environ.get("WORLD_SIZE", "1") or "1") > 1:
+    if not ready and env_int("WORLD_SIZE", 1) > 1:
         logger.warning(
             "offload.wrap: WORLD_SIZE=%s (torchrun) but no process group is initialized: this "
             "process trains a model of its own, unsharded, and no gradient is averaged with the "

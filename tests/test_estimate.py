@@ -802,3 +802,24 @@ def test_the_largest_unit_is_the_one_wrap_makes_of_the_config(tmp_path, tied):
         opt.close()
     got = est.estimate(est.count_params(shape), est.Machine(), shape=shape).unit_params
     assert got == largest
+
+
+@pytest.mark.parametrize(
+    "dense_by",
+    [
+        {"first_k_dense_replace": 27},  # every layer of DeepSeek-V2-Lite dense
+        {"first_k_dense_replace": 0},  # none
+        {"first_k_dense_replace": 1},  # both kinds
+    ],
+    ids=["all-dense", "no-dense", "both"],
+)
+def test_the_largest_block_is_one_the_model_has(dense_by):
+    """An MoE config whose layers are all dense sized its largest unit as an expert block that
+    no layer is (larger than the whole model: 58.8M params, a 103.9M unit), and the 'auto'
+    pools and device rows with it."""
+    shape = est.shape_from_hf_config(DEEPSEEK_V2_LITE | dense_by)
+    e = est.estimate(est.count_params(shape), est.Machine(), shape=shape)
+    dense, expert = est.layer_params(shape, dense=True), est.layer_params(shape)
+    present = {27: [dense], 0: [expert], 1: [dense, expert]}[dense_by["first_k_dense_replace"]]
+    assert e.unit_params == max(*present, est.embedding_params(shape))
+    assert e.unit_params <= e.params

@@ -629,9 +629,12 @@ def estimate(
             )
         unit_source = "--unit-params"
     elif shape is not None:
-        blocks = layer_params(shape), layer_params(shape, dense=True)
+        # the blocks the model has: an MoE model's dense ones, its expert ones, or both (every
+        # layer dense sized its unit as an expert block, larger than the whole model)
+        blocks = [layer_params(shape)] if shape.num_layers > shape.dense_layers else []
+        blocks += [layer_params(shape, dense=True)] if shape.dense_layers else []
         # wrap's root unit: the embeddings with the untied head and the final norm
-        unit_params = max(*blocks, embedding_params(shape))
+        unit_params = max([*blocks, embedding_params(shape)])
         unit_source = "largest block or the root (embeddings, untied head) of the config"
     else:
         unit_params = _split(params, 32)

@@ -457,6 +457,48 @@ def test_torch_compile_of_the_wrapped_model_trains_as_torch(tmp_path, param_dev)
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
+def test_a_model_compiled_before_wrap_runs_through_the_hooks_after_it(tmp_path, param_dev):
+    """Dynamo does not guard a compiled frame on its modules' hooks (by default), so code it
+    compiled without offload's hooks - the model's own, compiled and run before wrap, or a
+    torch baseline's of its class, compiled beside it - ran on the wrapped model without them:
+    on the released parameters' zeros, the loss and the update wrong, with no error (0.0 for an
+    output of 0.49). wrap turns dynamo's hook guards on and drops the frames compiled
+    without them."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(StackBlock(), StackBlock(), nn.Linear(STACK_DIM, 1))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    compiled_ref = torch.compile(ref, backend="eager")
+    x0 = torch.randn(4, 3, STACK_DIM)
+    with torch.no_grad():
+        want = compiled_ref(x0)  # compiled and run before the wrap, as a baseline is
+        torch.compile(model, backend="eager")(x0)  # and the model itself, once
+    cfg = placement_config(param_dev, "cpu", tmp_path)
+    cfg["wrap"] = {"module_classes": ["StackBlock"]}
+    model, opt = offload.wrap(model, cfg)
+    compiled = torch.compile(model, backend="eager")
+    gen = torch.Generator().manual_seed(1)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x0), want, rtol=0, atol=0)
+        for _ in range(3):
+            x = torch.randn(4, 3, STACK_DIM, generator=gen)
+            losses = []
+            for m, o in ((compiled_ref, ref_opt), (compiled, opt)):
+                loss = (m(x) - 1).pow(2).mean()
+                loss.backward()
+                o.step()
+                o.zero_grad()
+                losses.append(loss.item())
+            assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+        _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6)
+    finally:
+        opt.close()
+        torch._dynamo.reset()
+
+
 def _train_beside_torch(ref, ref_opt, model, opt) -> None:
     """Three steps of a wrapped language model and of its torch copy on the same batches, the
     losses equal (1e-6) at each step."""

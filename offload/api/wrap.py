@@ -399,6 +399,31 @@ def _take_over(runtime: Runtime, has_weights: bool) -> None:
     runtime.forget()
 
 
+def _guard_compiled_code() -> None:
+    """Makes ``torch.compile``'s code check the modules' hooks. Dynamo does not guard a
+    compiled frame on the hooks of the modules it traced, by default
+    (``torch._dynamo.config.skip_nnmodule_hook_guards``), so code compiled for a module without
+    offload's hooks ran on a wrapped one without them: on released parameters, zeros, with no
+    error (the loss and the update wrong). That code was the model's own, compiled and run
+    before wrap, or that of an unwrapped model of its class compiled before or after (a
+    baseline, a distillation's teacher), whose compiled frame the wrapped model matched. The
+    guard is turned on for the process (the default of FSDP-style hooks added after a compile:
+    a few more checks per compiled call), and the frames compiled without it are recompiled at
+    their next call."""
+    import torch._dynamo  # noqa: PLC0415 - imported by torch.optim already
+    from torch._dynamo import config, convert_frame  # noqa: PLC0415
+
+    if config.skip_nnmodule_hook_guards:
+        config.skip_nnmodule_hook_guards = False
+        logger.info(
+            "offload.wrap: torch._dynamo.config.skip_nnmodule_hook_guards set to False: "
+            "torch.compile's code checks the modules' hooks (code compiled without offload's "
+            "would run a wrapped model on released parameters)"
+        )
+        if convert_frame.input_codes.seen:  # compiled without that check: compiled again
+            torch._dynamo.reset_code_caches()
+
+
 def _materialize(unit) -> None:
     """Gives the unit's meta parameters an empty CPU storage in place (see the module Note);
     the param home's ``attach`` points them at their working storage right after."""
@@ -866,6 +891,7 @@ def wrap(
         finally:
             source.close()
         runtime.install_hooks()
+        _guard_compiled_code()
         if cfg.wrap.check_reads and runtime.params.releases:
             runtime._handles.append(ReadCheck(model, runtime, cfg.wrap.check_reads))
         _RUNTIMES[model] = weakref.ref(runtime)

@@ -121,6 +121,15 @@ def model_calls(model: nn.Module, frame) -> int:
     return calls
 
 
+class _Fresh:
+    """Whether one unit's values are the last step's (``Runtime._fresh``)."""
+
+    __slots__ = ("on",)
+
+    def __init__(self) -> None:
+        self.on = True
+
+
 class Runtime:
     def __init__(
         self,
@@ -207,6 +216,11 @@ class Runtime:
         # wrap stopped before its hooks were all on reads them (AttributeError, and a "closed"
         # hook left on the model: tests/_ctrl_c_points.py PHASE weights, 2026-12-07)
         self._parts: list[nn.Module] = []
+        # per unit: whether its values are the last step's (_ready_for_forward ran since the
+        # step). Off from a step until then, it sends a part of a unit whose parameters are
+        # never released, called outside the unit's forward, to _check_gathered, which waits
+        # for the unit's update (the released units' parts go there by their gathered flag)
+        self._fresh = [_Fresh() for _ in self.units]
         self._step_started = time.perf_counter()
         self._fwd_start: float | None = None
         self._forward_open = False  # a root forward begun and not ended yet
@@ -308,8 +322,11 @@ class Runtime:
             for run in runs:
                 # the check's fast path reads the unit's flag alone: traced by torch.compile
                 # inside the unit's forward, it is guarded on that flag (``_Gathered``), and
-                # the graph breaks only where the unit is not gathered
+                # the graph breaks only where the unit is not gathered. A unit never released
+                # is always gathered: its flag is whether its values are the last step's
                 flag = run.home.flag(run.unit)
+                if not run.home.releases:
+                    flag = self._fresh[run.unit.index]
                 self._handles.append(
                     module.register_forward_pre_hook(
                         lambda m, a, r=run, n=name, g=flag: (
@@ -324,8 +341,19 @@ class Runtime:
         that calls part of the model: Hugging Face's ``generate`` runs an encoder-decoder's
         encoder by itself, ``model.get_encoder()(...)``, whose embedding is the root unit's),
         the part gathers its unit for the call; with gradients on it raises (the unit's
-        backward would not follow it)."""
-        if run.home.gathered(run.unit) or self.closed:
+        backward would not follow it). A part of a unit whose parameters are never released
+        (``offload_param.device: none``) computes with them whenever it is called, but between a
+        step and its unit's forward it waits for the unit's update first, which the step may
+        have left running (it read the values of before the step, or a mix)."""
+        if self.closed:
+            return
+        if not run.home.releases:
+            # (in a backward the step's update is done: the backward began by waiting for
+            # it; an update in this backward may wait for this backward's end)
+            if self.phase.phase in (Phase.IDLE, Phase.FORWARD):
+                self._ready_for_forward(run)
+            return
+        if run.home.gathered(run.unit):
             return
         if not torch.is_grad_enabled() and self.phase.phase is Phase.IDLE:
             self._ready_for_forward(run)
@@ -533,6 +561,7 @@ class Runtime:
         ``step()``), and at stages 1-2 the other ranks' updated shares in."""
         self.schedule.wait_unit(run.unit)
         self.params.refresh(run.unit)
+        self._fresh[run.unit.index].on = True
 
     @_hook
     def _watch_inputs(self, run: UnitRun, args, kwargs):
@@ -1159,6 +1188,8 @@ class Runtime:
         waited = self.timers["step_wait_seconds"] - waited
         self.timers["optimizer_seconds"] += time.perf_counter() - t0 - waited
         self._end_step()
+        for fresh in self._fresh:  # (before the launch: an update may end before the loop)
+            fresh.on = False
         self.schedule.launch(hyper)
 
     def flush_pending(self) -> None:

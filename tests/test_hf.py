@@ -7,9 +7,11 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -282,6 +284,38 @@ def test_save_pretrained_where_nothing_can_be_staged_writes_in_place(tmp_path, c
         opt.close()
     assert "writing into it file by file" in caplog.text
     back = AutoModelForCausalLM.from_pretrained(out)
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+def test_save_pretrained_over_a_link_a_shared_directory_or_the_working_one(tmp_path, monkeypatch):
+    """The save replaced the directory it was given: a symbolic link (a cluster's ``out ->
+    /scratch/out``) became a real directory, its target left without the weights and a link
+    left as the staging directory; a shared directory's mode (2770) and group came back as
+    755 and the process's; the working directory was removed under the process (and ``.``
+    refused as busy after every shard was written). Now the link's target is replaced, the
+    mode kept, and a directory holding the working directory written file by file."""
+    d = write_model(tmp_path / "m")
+    real, link = tmp_path / "scratch" / "out", tmp_path / "out"
+    real.mkdir(parents=True)
+    os.chmod(real, 0o2770)
+    link.symlink_to(real, target_is_directory=True)
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path / "a", "cpu", "cpu"))
+    try:
+        for _ in range(2):  # (the second over the first's export)
+            offload.save_pretrained(model, link)
+            assert link.is_symlink() and (real / "model.safetensors").is_file()
+            assert oct(os.stat(real).st_mode & 0o7777) == oct(0o2770)
+            assert sorted(p.name for p in real.parent.iterdir()) == ["out"]
+            assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+        (real / "tokenizer.json").write_text("{}")
+        monkeypatch.chdir(real)
+        offload.save_pretrained(model, ".")
+        assert Path.cwd() == real and (Path(".") / "tokenizer.json").read_text() == "{}"
+        state = model.state_dict()
+    finally:
+        opt.close()
+    back = AutoModelForCausalLM.from_pretrained(real)
     for k, v in back.state_dict().items():
         assert torch.equal(v, state[k]), k
 
@@ -874,6 +908,7 @@ def test_accelerate_imported_after_wrap_is_guarded_too(tmp_path):
     for its spec without loading it. A fresh process: here it is imported already."""
     script = f"""
 import sys
+from pathlib import Path
 import offload
 from offload.api.clipping import ClipError
 from offload.demo.model import GPT, config_for_size

@@ -44,8 +44,10 @@ Note: all or nothing (``_staged``)
     first, a moment in which the directory is missing (logged); the next save puts it back
     if a kill came in that moment, and removes it if the kill came while it was being deleted
     (it kept every later save from moving its own old one aside). Where nothing can be written
-    beside the directory (a mount point, a read-only parent) it is written file by file as
-    before, with a warning.
+    beside the directory (a mount point, a read-only parent, a directory that holds the
+    process's working directory) it is written file by file as before, with a warning. A
+    symbolic link is followed (its target is exchanged, the link kept), and the new directory
+    takes the old one's mode, group and owner.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -478,16 +481,26 @@ def _write_config(model: nn.Module, engine, directory: Path, dtype: torch.dtype 
 def _staged(directory: Path):
     """Yields the directory to write a save of ``directory`` into; on a clean exit it becomes
     ``directory`` whole (the module Note: all or nothing), on an error it is removed and
-    ``directory`` is as it was."""
+    ``directory`` is as it was. A symbolic link is followed (its target is replaced, the
+    link kept: the link was replaced by a real directory, the target left without the
+    weights); the new directory gets the old one's mode, group and owner (where this process
+    may set them); and a directory holding the working directory is written file by file (it
+    was removed under the process, or refused as busy after every shard was written)."""
+    directory = Path(os.path.realpath(directory))
     stage = directory.parent / f".{directory.name}.offload-new"
     aside = directory.parent / f".{directory.name}.offload-old"
     try:
         if os.path.ismount(directory):  # a volume mounted there is not renamed
             raise OSError(errno.EBUSY, "a mount point", str(directory))
+        here = Path(os.path.realpath(os.getcwd()))
+        if directory.exists() and (here == directory or directory in here.parents):
+            raise OSError(errno.EBUSY, "it holds the working directory", str(directory))
         if stage.exists():  # left by a save that was killed
             shutil.rmtree(stage)
         _put_back(directory, aside)
         stage.mkdir(parents=True)
+        if directory.exists():
+            _same_owner_and_mode(directory, stage, writable=True)
     except OSError as exc:  # (a read-only parent, say): as before, file by file
         logger.warning(
             "save_pretrained: cannot write beside '%s' (%s); writing into it file by file, "
@@ -502,6 +515,7 @@ def _staged(directory: Path):
         yield stage
         if directory.exists():
             _keep_the_rest(directory, stage)
+            _same_owner_and_mode(directory, stage, writable=False)
             fsync_dir(stage)
             if not _exchange(stage, directory):
                 logger.info("save_pretrained: no atomic exchange here; '%s' moved aside", directory)
@@ -515,6 +529,20 @@ def _staged(directory: Path):
     finally:
         if stage.exists():  # the old directory after the exchange, or a save that failed
             shutil.rmtree(stage, ignore_errors=True)
+
+
+def _same_owner_and_mode(old: Path, new: Path, *, writable: bool) -> None:
+    """``new`` gets ``old``'s permission bits (a shared directory's 2770 became 755: its
+    set-group-ID bit gives the files written into it the group) and its group and owner where
+    this process may give them (root, or the owner to a group of its); ``writable``: still
+    writable by this process (the bits exactly once the files are in)."""
+    st = old.stat()
+    with contextlib.suppress(PermissionError):
+        os.chown(new, st.st_uid, st.st_gid)
+    with contextlib.suppress(PermissionError):
+        os.chown(new, -1, st.st_gid)
+    mode = stat.S_IMODE(st.st_mode)
+    os.chmod(new, mode | stat.S_IRWXU if writable else mode)
 
 
 def _put_back(directory: Path, aside: Path) -> None:

@@ -424,6 +424,52 @@ def test_a_buffer_a_checkpoint_cannot_hold_is_refused_before_writing(tmp_path):
         opt.close()
 
 
+def test_int8_int16_and_float64_buffers_are_saved_exported_and_loaded(tmp_path):
+    """Packed int8 weights kept as buffers (as the README advises for what does not train),
+    int16 and float64 ones: ``save_checkpoint`` refused them (its files held fewer dtypes
+    than safetensors), and ``export`` dropped them without a word. Both write them now, and
+    a load puts them back, bit for bit; a buffer safetensors cannot hold is refused by the
+    export before it writes, as by the save."""
+    cfg = placement_config("nvme", "cpu", tmp_path / "w", wrap={"module_classes": ["_NormBlock"]})
+    gen = torch.Generator().manual_seed(0)
+    extra = {
+        "qweight": torch.randint(-128, 127, (4, 4), dtype=torch.int8, generator=gen),
+        "codes": torch.randint(-3000, 3000, (5,), dtype=torch.int16, generator=gen),
+        "table": torch.randn(3, dtype=torch.float64, generator=gen),
+    }
+
+    def with_buffers(values):
+        model = _norm_model()
+        for name, value in values.items():
+            model.register_buffer(name, value.clone())
+        return model
+
+    model, opt = offload.wrap(with_buffers(extra), cfg)
+    try:
+        offload.save_checkpoint(tmp_path / "ck", model, opt)
+        offload.export(model, tmp_path / "m.safetensors", dtype=torch.float32)
+    finally:
+        opt.close()
+    exported = load_file(tmp_path / "m.safetensors")
+    for name in ("qweight", "codes"):
+        assert exported[name].dtype == extra[name].dtype and torch.equal(exported[name], extra[name])
+    assert torch.equal(exported["table"], extra["table"].float())  # floats in the export's dtype
+    zeros = {k: torch.zeros_like(v) for k, v in extra.items()}
+    other, opt = offload.wrap(with_buffers(zeros), cfg | {"offload_optimizer": {"device": "cpu"}})
+    try:
+        offload.load_checkpoint(tmp_path / "ck", other, opt)
+        for name, want in extra.items():  # (a float buffer held in the compute dtype)
+            got = getattr(other, name)
+            assert got.dtype == (torch.float32 if name == "table" else want.dtype), name
+            assert torch.equal(got, want.to(got.dtype)), name
+        other.register_buffer("phase", torch.zeros(2, dtype=torch.complex64))
+        with pytest.raises(TypeError, match="export: buffer phase is complex64"):
+            offload.export(other, tmp_path / "c.safetensors", dtype=torch.float32)
+        assert not (tmp_path / "c.safetensors").exists()
+    finally:
+        opt.close()
+
+
 def test_a_save_from_a_signal_handler_in_the_middle_of_a_forward(tmp_path):
     """A signal handler that saves a checkpoint (preemption: Slurm's ``--signal``) runs on the
     training thread between two of its lines, here in the middle of the model's forward. The

@@ -883,6 +883,16 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
     engine.check_readable("export")
     check_float_dtype("export", dtype)
     engine.watch.check_in_model("export", pieces=True)
+    for full, buf in persistent_buffers(model):  # (one safetensors cannot hold was dropped)
+        if not buf.is_floating_point() and buf.dtype not in NAMES:
+            allowed = ", ".join(
+                str(d).removeprefix("torch.") for d in NAMES if not d.is_floating_point
+            )
+            raise TypeError(
+                f"export: buffer {full} is {str(buf.dtype).removeprefix('torch.')}, which "
+                f"safetensors cannot hold (it holds the floating dtypes and {allowed}); "
+                "nothing was written"
+            )
     path = Path(path)
     names: dict[nn.Parameter, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -898,8 +908,7 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
                     entries.append((name, dtype, list(seg.shape), produce))
         for full, buf in persistent_buffers(model):
             bdt = dtype if buf.is_floating_point() else buf.dtype
-            if bdt in files.ST_DTYPES:
-                entries.append((full, bdt, list(buf.shape), lambda b=buf, d=bdt: iter([b.to(d)])))
+            entries.append((full, bdt, list(buf.shape), lambda b=buf, d=bdt: iter([b.to(d)])))
         write_file(path, entries, metadata={"format": "pt", "producer": "offload"})
 
     written_by_rank0(engine, "export", write)

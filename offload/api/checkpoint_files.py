@@ -97,8 +97,11 @@ ST_DTYPES = {
     torch.float32: "F32",
     torch.bfloat16: "BF16",
     torch.float16: "F16",
+    torch.float64: "F64",  # buffers (a float64 buffer, an int8 one were refused by the save)
     torch.int64: "I64",
     torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }

@@ -452,7 +452,9 @@ def test_int8_int16_and_float64_buffers_are_saved_exported_and_loaded(tmp_path):
         opt.close()
     exported = load_file(tmp_path / "m.safetensors")
     for name in ("qweight", "codes"):
-        assert exported[name].dtype == extra[name].dtype and torch.equal(exported[name], extra[name])
+        assert exported[name].dtype == extra[name].dtype and torch.equal(
+            exported[name], extra[name]
+        )
     assert torch.equal(exported["table"], extra["table"].float())  # floats in the export's dtype
     zeros = {k: torch.zeros_like(v) for k, v in extra.items()}
     other, opt = offload.wrap(with_buffers(zeros), cfg | {"offload_optimizer": {"device": "cpu"}})

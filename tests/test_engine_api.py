@@ -1023,6 +1023,43 @@ def test_a_part_s_state_dict_holds_its_values(tmp_path, param_dev):
         model.blocks[0].state_dict()
 
 
+@pytest.mark.parametrize("placement", [("cpu", "cpu"), ("nvme", "nvme"), ("none", "nvme")])
+def test_a_part_s_load_state_dict_loads_its_values(tmp_path, placement):
+    """``model.blocks[0].load_state_dict(...)`` (one layer swapped in, a block from another
+    run) copied into released storage and said "All keys matched": nothing was loaded, the
+    next forward raised that parameters were written in place, once, and the one after ran on
+    the old values. A part's load now goes into the homes as the model's does; training on
+    matches torch's doing the same, and a part's strict load still names a missing key."""
+    data = batches(3)
+    plain, other = make_model(), make_model(seed=1)
+    ref = torch.optim.AdamW(
+        [p for p in plain.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1
+    )
+    model, opt = offload.wrap(make_model(), placement_config(*placement, tmp_path))
+    try:
+        for i, batch in enumerate(data):
+            for m, o in ((plain, ref), (model, opt)):
+                if i == 1:
+                    for part in ("blocks.0", "blocks.1.fc2"):
+                        result = m.get_submodule(part).load_state_dict(
+                            other.get_submodule(part).state_dict()
+                        )
+                        assert not result.missing_keys and not result.unexpected_keys
+                lm_loss(m, batch).backward()
+                o.step()
+                o.zero_grad()
+        trained = model.state_dict()
+        for k, v in plain.state_dict().items():
+            torch.testing.assert_close(trained[k], v, rtol=1e-5, atol=1e-6, msg=k)
+        with torch.no_grad():
+            torch.testing.assert_close(model(data[0][:, :-1]), plain(data[0][:, :-1]))
+        part = other.blocks[1].fc2.state_dict()
+        with pytest.raises(RuntimeError, match='Missing key\\(s\\) in state_dict: "bias"'):
+            model.blocks[1].fc2.load_state_dict({"weight": part["weight"]})
+    finally:
+        opt.close()
+
+
 def test_model_load_state_dict_partial_and_refused(tmp_path):
     """``strict=False`` with some keys loads those and keeps the rest; a missing key (strict)
     or a shape that differs is torch's error, and then no parameter was changed."""

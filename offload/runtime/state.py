@@ -282,8 +282,13 @@ class Runtime:
         self._model_state_dict = False  # inside the model's own state_dict() (_part_values)
         self._handles.append(self.model.register_state_dict_pre_hook(self._state_dict_begins))
         self._handles.append(self.model._register_state_dict_hook(self._state_dict_hook))
-        self._handles.append(self.model.register_load_state_dict_pre_hook(self._load_values))
-        self._handles.append(self.model.register_load_state_dict_post_hook(self._loaded_values))
+        # a load of the model, or of any module in it holding parameters (a block's, a
+        # layer's: it copied into released storage, said success and loaded nothing); a
+        # module's hook finds nothing where an enclosing module's load took its keys first
+        for module in self.model.modules():
+            if module is self.model or next(module.parameters(), None) is not None:
+                self._handles.append(module.register_load_state_dict_pre_hook(self._load_values))
+                self._handles.append(module.register_load_state_dict_post_hook(self._loaded_values))
         self._loaded_keys: set[str] = set()
         # what code outside offload did to the parameters between uses (its module docstring)
         self.watch = ModelWatch(
@@ -1325,12 +1330,19 @@ class Runtime:
         the model itself (``load_strict``, :class:`~offload.runtime.overrides.ModelOverrides`), no parameter is changed
         (torch's load would have changed the others). The hook's own ``strict`` is always True
         (torch's), so a partial ``strict=False`` load loaded nothing, silently (PEFT's
-        ``load_adapter`` and the Trainer's ``load_best_model_at_end`` load so)."""
+        ``load_adapter`` and the Trainer's ``load_best_model_at_end`` load so). It is the
+        hook of every module holding parameters: a part's own load (``model.blocks[0].
+        load_state_dict``) went into released storage; where an enclosing module's load took
+        the part's keys first, the part's finds none of them."""
+        if not prefix:  # the module the load was called on (its hook runs first)
+            self._loaded_keys = set()
+        names = list(module.named_parameters(remove_duplicate=False))
+        if not any(prefix + name in state_dict for name, _ in names):
+            return  # (a module whose enclosing module's load took its keys, or a buffers' load)
         self.check_idle("model.load_state_dict()")
         segments = {s.param: s for u in self.units for s in u.layout.segments}
         given: dict[nn.Parameter, torch.Tensor] = {}
-        self._loaded_keys = set()
-        for name, p in self.model.named_parameters(remove_duplicate=False):
+        for name, p in names:
             key = prefix + name
             if key not in state_dict or p not in segments:
                 continue
@@ -1348,8 +1360,8 @@ class Runtime:
                 )
             else:
                 given[p] = value.detach()
-        if self.load_strict:  # torch raises for a missing key after loading the others
-            absent = [
+        if self.load_strict and module is self.model:  # torch raises for a missing key
+            absent = [  # after loading the others
                 prefix + n
                 for n, p in self.model.named_parameters()
                 if p in segments and p not in given
@@ -1373,7 +1385,6 @@ class Runtime:
         incompatible.missing_keys[:] = [
             k for k in incompatible.missing_keys if k not in self._loaded_keys
         ]
-        self._loaded_keys = set()
 
     def _differ_from_master(self, run: UnitRun, names: list[str]) -> list[str]:
         """Those of ``names`` (parameters of ``run``'s unit, which stays on the device with

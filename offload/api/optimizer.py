@@ -249,14 +249,19 @@ class OffloadOptimizer(torch.optim.Optimizer):
         parameter whose ``p.grad`` is None: no moment decays, no weight decay, the step count
         (bias correction) stays. It raised, hours into a run that torch would have kept
         training; said once. (A step before any backward reached the model is still refused:
-        ``Runtime.check_can_step``.)"""
+        ``Runtime.check_can_step``.) Where torch's ``p.grad`` would still be set (zeroed with
+        ``set_to_none=False``, or not zeroed since the last step) torch's step differs, and
+        the warning says how: offload's gradients went to the last step."""
         self._clip_coef = None
         self.empty_steps += 1
         if self.empty_steps == 1:
             logger.warning(
-                "offload: optimizer.step() with no backward since the last step updates nothing "
-                "(as torch's step() when no parameter has a gradient); counted in "
-                "optimizer.empty_steps, said once"
+                "offload: optimizer.step() with no backward since the last step updates nothing, "
+                "as torch's step() after zero_grad() (gradients set to None). Where torch's "
+                "p.grad would still be set, torch's differs: zeros after "
+                "zero_grad(set_to_none=False), whose step still moves the weights by the "
+                "moments, or the last step's gradients again without a zero_grad(); offload's "
+                "gradients went to the last step. Counted in optimizer.empty_steps, said once"
             )
 
     def _refuse_grad_scaler(self) -> None:

@@ -468,3 +468,30 @@ def test_a_full_disk_during_a_save_names_the_file(tmp_path, monkeypatch):
     assert (tmp_path / "ck" / "latest").read_text().strip() == first.name
     offload.load_checkpoint(tmp_path / "ck", model, opt)
     opt.close()
+
+
+@pytest.mark.parametrize("writer", ["export", "save_pretrained"])
+def test_a_full_disk_during_an_export_names_the_file(tmp_path, monkeypatch, writer):
+    """As the checkpoint's: ``export`` and ``save_pretrained`` said only "[Errno 28] No space
+    left on device". They name the file now; nothing is left under its name."""
+    from offload.runtime import safetensors  # noqa: PLC0415
+
+    model, opt = offload.wrap(make_model(), placement_config("cpu", "cpu", tmp_path))
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / ("m.safetensors" if writer == "export" else "hf")
+    monkeypatch.setattr(safetensors.os, "fsync", full)
+    try:
+        with pytest.raises(OSError) as err:
+            if writer == "export":
+                offload.export(model, out, dtype=torch.float32)
+            else:
+                offload.save_pretrained(model, out)
+    finally:
+        monkeypatch.undo()
+        opt.close()
+    assert err.value.errno == errno.ENOSPC and err.value.filename, err.value
+    assert str(tmp_path) in str(err.value) and "free space there" in str(err.value)
+    assert not out.exists()

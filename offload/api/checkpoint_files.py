@@ -78,7 +78,7 @@ from pathlib import Path
 import torch
 
 from offload._interrupts import map_in_threads
-from offload.runtime.safetensors import fsync_dir, write_stream
+from offload.runtime.safetensors import fsync_dir, naming_write_errors, write_stream
 
 logger = logging.getLogger("offload.checkpoint")
 
@@ -194,7 +194,7 @@ def write_safetensors(
         digest.update(data)
         size += len(data)
 
-    with _naming(path), open(path, "wb") as f:
+    with naming_write_errors(path, "a checkpoint file"), open(path, "wb") as f:
         header = write_stream(f, entries, metadata, sink=sink, names=ST_DTYPES, what="checkpoint")
         f.flush()
         os.fsync(f.fileno())
@@ -215,23 +215,8 @@ def seal_meta(meta: dict) -> dict:
     return dict(meta, meta_sha256=hashlib.sha256(_canonical(meta)).hexdigest())
 
 
-@contextlib.contextmanager
-def _naming(path: Path):
-    """An OSError of a write names the file (a full disk said only "[Errno 28] No space left
-    on device")."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.filename is not None or exc.errno is None:
-            raise
-        hint = "; free space there or save elsewhere" if exc.errno == errno.ENOSPC else ""
-        raise type(exc)(
-            exc.errno, f"{exc.strerror} (writing a checkpoint file{hint})", str(path)
-        ) from exc
-
-
 def _write_text(path: Path, text: str) -> None:
-    with _naming(path), open(path, "w") as f:
+    with naming_write_errors(path, "a checkpoint file"), open(path, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

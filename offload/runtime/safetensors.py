@@ -19,6 +19,8 @@ Note: writing
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import struct
@@ -208,6 +210,19 @@ def write_stream(
     return header
 
 
+@contextlib.contextmanager
+def naming_write_errors(path: str | os.PathLike, what: str):
+    """An OSError of a write to ``path`` names it (a full disk said only "[Errno 28] No space
+    left on device", with no file: a checkpoint's, an export's or a shard's)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        hint = "; free space there or save elsewhere" if exc.errno == errno.ENOSPC else ""
+        raise type(exc)(exc.errno, f"{exc.strerror} (writing {what}{hint})", str(path)) from exc
+
+
 def write_file(
     path: str | os.PathLike, entries: list[Entry], metadata: dict[str, str] | None = None
 ) -> Path:
@@ -216,7 +231,7 @@ def write_file(
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with naming_write_errors(path, "a safetensors file"), open(tmp, "wb") as f:
             write_stream(f, entries, metadata, what=str(path))
             f.flush()
             os.fsync(f.fileno())

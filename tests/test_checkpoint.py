@@ -566,3 +566,46 @@ def test_keep_last_keeps_this_run_s_saves_after_a_machine_whose_clock_was_ahead(
     b = offload.save_checkpoint(tmp_path / "ck", model, opt, keep_last=2)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == sorted([a.name, b.name, "latest"])
     opt.close()
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class _Pair(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.extra = _Inner(), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.extra(self.inner(x))
+
+
+def test_a_checkpoint_of_units_cut_otherwise_says_so(tmp_path):
+    """Loaded into the same model wrapped with another ``wrap.module_classes``, a checkpoint
+    was refused as not holding a parameter it holds ("parameter '0.extra.weight' of unit 0
+    ('<root>') is not in the checkpoint"): in another unit. It says so now, and what to do."""
+
+    def wrapped(classes, where):
+        torch.manual_seed(0)
+        cfg = placement_config("cpu", "cpu", tmp_path / where, wrap={"module_classes": classes})
+        return offload.wrap(torch.nn.Sequential(_Pair(), _Pair()), cfg)
+
+    model, opt = wrapped(["_Pair"], "a")
+    offload.save_checkpoint(tmp_path / "ck", model, opt)
+    opt.close()
+    model, opt = wrapped(["_Inner"], "b")
+    try:
+        with pytest.raises(ckpt_files.CheckpointError) as err:
+            offload.load_checkpoint(tmp_path / "ck", model, opt)
+    finally:
+        opt.close()
+    assert "parameter '0.extra.weight' is in unit 0 ('<root>') in the model and in unit 1" in str(
+        err.value
+    )
+    assert "the units are cut otherwise" in str(err.value) and "module_classes" in str(err.value)

@@ -831,7 +831,7 @@ def check_layout(ckpt: VerifiedCheckpoint, units: list[dict], tensors: dict[str,
         )
     for i, (mine, saved) in enumerate(zip(units, saved_units)):
         if saved != mine:
-            _unit_difference(path, i, mine, saved)
+            _unit_difference(path, i, mine, saved, saved_units)
     listed = ckpt.meta["files"]
     for name in sorted(set(listed) | set(tensors)):
         if name not in tensors:
@@ -850,8 +850,9 @@ def check_layout(ckpt: VerifiedCheckpoint, units: list[dict], tensors: dict[str,
             )
 
 
-def _unit_difference(path: Path, index: int, mine: dict, saved) -> None:
-    """Raises the error that says how the saved unit record differs from the model's."""
+def _unit_difference(path: Path, index: int, mine: dict, saved, saved_units: list) -> None:
+    """Raises the error that says how the saved unit record differs from the model's (a
+    parameter the checkpoint holds in another unit: the units were cut otherwise)."""
     label = f"unit {index} ('{mine['name'] or '<root>'}')"
     if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
         raise meta_error(path, f"the record of {label} is malformed")
@@ -866,6 +867,23 @@ def _unit_difference(path: Path, index: int, mine: dict, saved) -> None:
     for name, _offset, _numel, shape, trainable in mine["params"]:
         rec = theirs.get(name)
         if rec is None:
+            elsewhere = next(
+                (
+                    j
+                    for j, u in enumerate(saved_units)
+                    if isinstance(u, dict)
+                    and isinstance(u.get("params"), list)
+                    and any(isinstance(r, list) and r[:1] == [name] for r in u["params"])
+                ),
+                None,
+            )
+            if elsewhere is not None:
+                raise meta_error(
+                    path,
+                    f"parameter '{name}' is in {label} in the model and in unit {elsewhere} in "
+                    "the checkpoint: the units are cut otherwise (wrap the model with the "
+                    "wrap config it was saved with: wrap.module_classes, the unit sizes)",
+                )
             raise meta_error(path, f"parameter '{name}' of {label} is not in the checkpoint")
         if rec[3] != shape:
             raise meta_error(

@@ -307,10 +307,10 @@ def test_a_unit_one_rank_skips_is_refused_on_every_rank(two, name):
     _close(_final(two, name), model.state_dict())
 
 
-def _diverge(name, param, stage, rank, what, **kw) -> dict:
+def _diverge(name, param, stage, rank, what, optim="cpu", **kw) -> dict:
     """A job whose ``rank`` alone does ``what`` differently in step 1 (``_dist_worker``)."""
     at = {"rank": rank, "step": 1, "what": what}
-    return job(name, param, "cpu", stage, steps=3, model="stack", diverge=at, timeout=20, **kw)
+    return job(name, param, optim, stage, steps=3, model="stack", diverge=at, timeout=20, **kw)
 
 
 DIVERGE = [  # (job, the calls each rank is at when they find out)
@@ -323,6 +323,10 @@ DIVERGE = [  # (job, the calls each rank is at when they find out)
         ("a forward of the model under no_grad", "a forward of the model ("),
     ),
     (_diverge("div-micro-s2", "cpu", 2, 1, "micro"), ("a backward", "the gradient norm")),
+    (  # stage 1, but the step in backward (the NVMe optimizer's default) reduces in it
+        _diverge("div-micro-s1-sib", "none", 1, 1, "micro", optim="nvme"),
+        ("a backward", "the gradient norm"),
+    ),
     (
         _diverge("div-micro-s3", "nvme", 3, 1, "micro"),
         ("a forward of the model (", "the gradient norm"),
@@ -363,6 +367,8 @@ def test_ranks_at_different_calls_stop_at_once_saying_where_each_is(diverged, ca
         assert "the ranks reached different calls" in message, message
         assert f"rank 0 at {at0}" in message and f"rank 1 at {at1}" in message, message
         assert "Every rank must run the same forwards" in message, message
+        if spec["name"] == "div-micro-s1-sib":  # (it said "at stages 2-3" alone)
+            assert "stage 1 with offload_optimizer.step_in_backward" in message, message
 
 
 @pytest.mark.heavy

@@ -655,6 +655,9 @@ def test_the_ranks_check_names_every_rank_s_call_grouped_and_compares_details_ap
     assert "ranks 0, 2 at a forward of the model (step 5, backwards into it: 1" in message
     assert "rank 1 at the gradient norm (clip_grad_norm_) (step 5" in message
     assert agreement.seq == 1  # (the next check is the second, on every rank alike)
+    assert "stage 1 with offload_optimizer.step_in_backward" in message  # (backwards counted)
+    with pytest.raises(RankDivergenceError, match="at least one backward per step"):
+        Agreement(_Rows(0, split), count_backwards=False).check(Call.FORWARD, 4, 1)
     stage1 = _Rows(0, [[4, 0, 4, 1, 1, 0]] * 2)
     assert Agreement(stage1, count_backwards=False).check(Call.STEP, 4, 3) is True
     assert stage1.sent == [[4, 0, 4, 1, 1, 0]]  # 3 backwards sent as "some"

@@ -20,7 +20,8 @@ Note: why the ranks check in
     none of a model with nothing trainable, which never gathers there, so ranks may run
     different numbers of its forwards); each step's backward at stages 2-3 (its reductions go
     out unit by unit; stage 1 reduces at the step, so ranks may run different numbers of
-    micro-steps there); the gradient norm; ``step()``. One small blocking collective each, not
+    micro-steps there, but for the step in backward, which reduces in the step's last backward
+    as stages 2-3 do); the gradient norm; ``step()``. One small blocking collective each, not
     counted with the training's collectives (``offload.dist``, Note: what is counted). A unit
     skipped inside a forward is seen by the backward's check, whose digest of the order of
     reductions then differs: :meth:`offload.runtime.grads.ScatteredGrads.backward_begins`
@@ -114,12 +115,19 @@ class Agreement:
             f"{_says([*row, 0], self.count_backwards)}"
             for row, ranks in groups.items()
         )
+        backwards = (
+            "the same number of backwards per step (here each backward reduces the gradients: "
+            "stages 2-3, and stage 1 with offload_optimizer.step_in_backward, whose update runs "
+            "in the step's last backward; at stage 1 step_in_backward false lets ranks run "
+            "fewer micro-steps)"
+            if self.count_backwards
+            else "at least one backward per step"
+        )
         raise RankDivergenceError(
             f"offload: the ranks reached different calls (rank {me} of {self.comm.world}): "
             f"{each}. Every rank must run the same forwards (an evaluation or logging forward "
             "too: run it on every rank, each on its own slice, or on a copy from "
-            "model.state_dict() taken on every rank), the same number of backwards per step "
-            "at stages 2-3, and clip_grad_norm_, step() and zero_grad() alike. Nothing was "
-            "changed by this call on any rank; the run cannot go on in step (end it on every "
-            "rank)"
+            f"model.state_dict() taken on every rank), {backwards}, and clip_grad_norm_, "
+            "step() and zero_grad() alike. Nothing was changed by this call on any rank; the "
+            "run cannot go on in step (end it on every rank)"
         )

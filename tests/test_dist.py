@@ -1029,11 +1029,15 @@ def test_destroy_process_group_ends_the_group(request, group, world):
 
 
 def test_each_rank_has_its_own_nvme_directory(two, root):
+    """... which ``close()`` removes with the files in it (every close across ranks left the
+    ``rank-NNNNN`` directories, empty, in each ``nvme_path``)."""
     for name in ("s1-nvme-nvme", "s2-none-nvme"):
         dirs = [result(two, name, r)["nvme_dirs"] for r in range(2)]
         for rank, mine in enumerate(dirs):
             assert mine and all(f"/rank-{rank:05d}/" in d for d in mine), mine
         assert not set(dirs[0]) & set(dirs[1])
+        left = [p for d in dirs for p in map(Path, d) if p.parent.exists()]
+        assert not left, left
 
 
 # ------------------------------------------------------------------------------ collectives

@@ -483,6 +483,7 @@ def _make_store(cfg: OffloadConfig, section: str, depth: int, b: _Parts, aio, re
         nvme = NvmeStore(
             rank_path(sec.nvme_path, b.comm),
             reclaim=swap_dirs(sec.nvme_path),
+            own_path=b.comm.world > 1,  # its rank-NNNNN directory
             aio=aio,
             checksum=cfg.aio.checksum,
             urgent_reads=section in URGENT_READS,

@@ -34,6 +34,7 @@ its checksum (its bytes stay valid, just unverified).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -114,6 +115,9 @@ class NvmeStore:
         reclaim: more directories whose dead owners' swap directories are reclaimed before
             this store makes its own (``path`` always is): where runs at another rank count
             put theirs (``offload.api.wrap.swap_dirs``).
+        own_path: ``path`` is offload's own (a rank's ``rank-NNNNN`` under ``nvme_path``):
+            :meth:`close` removes it too once it is empty (the last store in it; left behind,
+            empty, by every close across ranks before).
     """
 
     def __init__(
@@ -126,8 +130,10 @@ class NvmeStore:
         file_bytes: int = 64 << 30,
         urgent_reads: bool = False,
         reclaim: Sequence[str | os.PathLike] = (),
+        own_path: bool = False,
     ) -> None:
         path = os.fspath(path)
+        self._path, self._own_path = path, own_path
         _make_path(path)
         if not os.path.isdir(path):
             raise NotADirectoryError(
@@ -433,6 +439,7 @@ class NvmeStore:
                 self._aio.close()
             if not self.keep:
                 _remove_tree(self._dir)
+                self._remove_own_path()
         with interrupts_deferred():  # done, and no longer tracked, together
             self._closed_whole = True
             lifecycle.untrack(self)
@@ -448,6 +455,13 @@ class NvmeStore:
             self._aio.abandon()
         if not self.keep:
             _remove_tree(self._dir)
+            self._remove_own_path()
+
+    def _remove_own_path(self) -> None:
+        """``own_path``: the path goes once no store's directory is left in it."""
+        if self._own_path:
+            with contextlib.suppress(OSError):  # not empty: another store's, or a file
+                os.rmdir(self._path)
 
     def __enter__(self) -> NvmeStore:
         return self

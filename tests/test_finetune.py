@@ -137,6 +137,17 @@ def test_data_formats(tmp_path):
     plain = load_data(tmp_path / "plain.txt", tok, 2)
     assert plain.format == "text" and plain.documents == 2 and len(plain) == 5  # 11 tokens
 
+    # JSON allows U+2028, U+2029 and U+0085 raw inside a string (ensure_ascii=False writes
+    # them so): the file was split at them too and refused as "not JSON"
+    raw = [{"text": "the cat\u2028sat"}, {"text": "on\u2029the\x85mat"}]
+    (tmp_path / "raw.jsonl").write_text(
+        "\r\n".join(json.dumps(r, ensure_ascii=False) for r in raw), encoding="utf-8"
+    )
+    got = load_data(tmp_path / "raw.jsonl", tok, 4)
+    want = [*tok(raw[0]["text"])["input_ids"], eos, *tok(raw[1]["text"])["input_ids"], eos]
+    assert got.format == "jsonl text" and got.documents == 2
+    assert got.input_ids.flatten().tolist() == want[: len(want) // 4 * 4]
+
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"x": 1}))
     with pytest.raises(ValueError, match=r"bad\.jsonl' line 2: expected string values for 'text'"):
         load_data(tmp_path / "bad.jsonl", tok, 4)

@@ -68,7 +68,10 @@ def _documents(path: Path) -> tuple[str, list[tuple[str, str | None]]]:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not the first line's
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"--data: cannot read '{path}': {exc}") from None
-    lines = text.splitlines()
+    # JSONL's lines end at "\n" alone (read_text made "\r\n" and "\r" that); str.splitlines()
+    # also ended them at U+2028, U+2029 and U+0085, which JSON allows raw inside a string: a
+    # file written with ensure_ascii=False was refused as "not JSON"
+    lines = text.split("\n")
     first = next((ln for ln in lines if ln.strip()), None)
     if first is None:
         raise ValueError(f"--data: '{path}' is empty")

@@ -383,6 +383,33 @@ def test_init_empty_weights_and_a_meta_context_both_load(tmp_path):
             opt.close()
 
 
+def test_the_directory_s_generation_config_is_read_and_saved_again(tmp_path):
+    """An instruct model's ``generation_config.json`` (its stop tokens, its sampling defaults)
+    was never read: ``generate`` ran without them (20 tokens instead of 77, no repetition
+    penalty, one stop token of two), and ``save_pretrained`` wrote the defaults built from
+    ``config.json`` over the file. Read as transformers reads it now, and written back."""
+    from transformers import GenerationConfig  # noqa: PLC0415
+
+    d = write_model(tmp_path / "m")
+    settings = {"eos_token_id": [2, 5], "max_new_tokens": 7, "repetition_penalty": 1.5}
+    gen = GenerationConfig.from_pretrained(d)
+    gen.update(**settings)
+    gen.save_pretrained(d)
+    ref = AutoModelForCausalLM.from_pretrained(d)
+    ids = torch.tensor([[4, 5, 6]])
+    want = ref.generate(ids, do_sample=False)
+    model, opt = offload.from_pretrained(d, nvme_config(tmp_path / "a", "cpu", "cpu"))
+    try:
+        for key, value in settings.items():
+            assert getattr(model.generation_config, key) == value, key
+        assert torch.equal(model.generate(ids, do_sample=False), want)
+        offload.save_pretrained(model, tmp_path / "out")
+    finally:
+        opt.close()
+    saved = GenerationConfig.from_pretrained(tmp_path / "out")
+    assert {k: getattr(saved, k) for k in settings} == settings
+
+
 @pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
 def test_an_encoder_decoder_generates_as_transformers(tmp_path, param_dev):
     """``generate`` on a wrapped T5 raised: it runs the encoder by itself

@@ -174,9 +174,30 @@ def from_pretrained(
             model_kwargs.pop("trust_remote_code", None)  # a class of transformers' own
             model = cls._from_config(hf_config, **model_kwargs)
     model.eval()  # as transformers' from_pretrained: dropout off until model.train()
+    _read_generation_config(transformers, model, path)
     if before_wrap is not None:
         before_wrap(model)
     return wrap(model, config, weights=path, _new_head=model_class is not None, _resized=resized)
+
+
+def _read_generation_config(transformers, model: nn.Module, path: Path) -> None:
+    """As transformers' ``from_pretrained``: the directory's ``generation_config.json`` (an
+    instruct model's stop tokens, its sampling defaults) replaces the one the model built from
+    ``config.json``. It was never read: ``generate`` ran without them, and every
+    ``save_pretrained`` wrote the defaults over the file. One that cannot be read is said, and
+    the model's own kept (transformers says it too)."""
+    file = path / "generation_config.json"
+    if not file.is_file() or getattr(model, "generation_config", None) is None:
+        return
+    try:
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        logger.warning(
+            "offload.from_pretrained: cannot read '%s' (%s); generate uses the settings built "
+            "from config.json",
+            file,
+            exc,
+        )
 
 
 def _check_model_class(transformers, model_class) -> None:

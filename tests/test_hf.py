@@ -564,6 +564,44 @@ def test_trainer_clips_through_offload_for_every_placement(
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
 
 
+def test_trainer_s_max_grad_norm_decides_the_clipping_over_the_config_s(tmp_path, caplog):
+    """``max_grad_norm=0`` (no clipping, in a plain Trainer) beside a config's
+    ``gradient_clipping`` (a DeepSpeed user's 1.0): the optimizer clipped in ``step()`` anyway,
+    silently (1.4e-2 off the Trainer's weights in 5 steps). The Trainer's setting decides now,
+    the difference said once; the optimizer's own is back after ``train()``."""
+    from transformers import Trainer  # noqa: PLC0415
+
+    d = write_model(tmp_path / "m")
+    ref = AutoModelForCausalLM.from_pretrained(d)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, foreach=False)
+    args = dict(max_grad_norm=0.0)
+    plain = Trainer(
+        model=ref, args=_trainer_args(tmp_path / "r", **args), train_dataset=_dataset(),
+        optimizers=(opt, None),
+    )  # fmt: skip
+    plain.train()
+    cfg = nvme_config(tmp_path, "cpu", "cpu")
+    cfg["optimizer"]["lr"] = LR
+    cfg["gradient_clipping"] = CLIP
+    model, oopt = offload.from_pretrained(d, cfg)
+    try:
+        trainer = offload.OffloadTrainer(
+            model=model, args=_trainer_args(tmp_path / "o", **args), train_dataset=_dataset(),
+            optimizers=(oopt, None),
+        )  # fmt: skip
+        with caplog.at_level("WARNING", logger="offload.api"):
+            trainer.train()
+        assert oopt.gradient_clipping == CLIP
+        got = model.state_dict()
+    finally:
+        oopt.close()
+    assert "max_grad_norm=0.0 decides the clipping (none)" in caplog.text
+    losses, ref_losses = _history(trainer)[0], _history(plain)[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for name, want in ref.state_dict().items():
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_trainer_with_the_configs_param_groups_matches_the_plain_trainer_over_them(tmp_path):
     """A Hugging Face model's param groups come by name in the config (``from_pretrained``
     builds the model: there are no tensors to list before it): the second layer at a larger

@@ -7,7 +7,8 @@ Use it as ``Trainer``, with the pair ``wrap`` (or ``from_pretrained``) returned:
                                      optimizers=(optimizer, scheduler_or_None))
 
 What it changes (``offload.api.clipping``): ``max_grad_norm`` clips through
-``optimizer.clip_grad_norm_`` and the logged ``grad_norm`` is the real one whatever the placement
+``optimizer.clip_grad_norm_`` (and it alone: the config's ``gradient_clipping`` is off while the
+Trainer trains, said where the two differ) and the logged ``grad_norm`` is the real one whatever the placement
 (a plain ``Trainer`` would get no gradient from the parameters and is stopped by the guard);
 with fp16 compute the loss is scaled (``optimizer.scale_loss``) before its backward.
 The model is never moved to ``args.device``: its homes own the parameters and inputs are moved
@@ -154,6 +155,29 @@ class OffloadTrainer(transformers.Trainer):
             _some(more),
             f", and leaves undecayed {len(extra)} that it decays ({_some(extra)})" if extra else "",
         )
+
+    def train(self, *args, **kwargs):
+        """``Trainer.train``, its ``max_grad_norm`` deciding the clipping as in a plain
+        Trainer (0: none). The optimizer clips in ``step()`` to the config's
+        ``gradient_clipping`` where its loop did not clip first: with ``max_grad_norm=0`` it
+        clipped anyway, silently (1.4e-2 off the Trainer's weights in 5 steps), and a config's
+        value other than ``max_grad_norm`` went unused unsaid. While the Trainer trains it is
+        off (said where the two differ), and back after."""
+        optimizer = self._offload_optimizer
+        kept, wanted = optimizer.gradient_clipping, float(self.args.max_grad_norm or 0.0)
+        if kept > 0 and kept != wanted:
+            logger.warning(
+                "OffloadTrainer: TrainingArguments' max_grad_norm=%r decides the clipping (%s); "
+                "the config's gradient_clipping=%r is not applied while the Trainer trains",
+                self.args.max_grad_norm,
+                "none" if wanted <= 0 else "the Trainer clips each step",
+                kept,
+            )
+        optimizer.gradient_clipping = 0.0
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            optimizer.gradient_clipping = kept
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

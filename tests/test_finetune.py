@@ -201,6 +201,17 @@ def test_a_new_run_into_an_out_holding_one_is_refused(setup, capsys):
     err = capsys.readouterr().err
     assert f"--out '{t / 'a'}' already holds a run" in err and "--resume" in err
     assert {p: p.stat().st_mtime_ns for p in (t / "a").rglob("*")} == before
+    # another tool's checkpoints there (DeepSpeed's latest -> global_step100), or a file where
+    # the checkpoints go: found at the first save, after --save-every steps of training
+    (t / "ds" / "checkpoints" / "global_step100").mkdir(parents=True)
+    (t / "ds" / "checkpoints" / "latest").write_text("global_step100")
+    (t / "f").mkdir()
+    (t / "f" / "checkpoints").write_text("a file")
+    for out, says in (("ds", "already holds a run (checkpoints/latest)"), ("f", "is a file")):
+        assert main(_args(t, t / out)) == 2
+        err = capsys.readouterr().err
+        assert says in err, err
+        assert not (t / out / "metrics.jsonl").exists()  # refused before training
 
 
 def test_the_config_s_lr_and_accumulation_are_used_unless_a_flag_says_otherwise(setup, capsys):

@@ -227,7 +227,14 @@ def _check_out(out: Path, ckpt_dir: Path, resume: bool) -> None:
         if not (ckpt_dir / "latest").exists():
             raise ValueError(f"--resume: no checkpoint in '{ckpt_dir}'")
         return
+    if ckpt_dir.exists() and not ckpt_dir.is_dir():  # (found at the first save, after
+        raise ValueError(  # --save-every steps of training, which were lost)
+            f"--out '{out}': its '{ckpt_dir.name}' is a file, where the run's checkpoints go; "
+            "give a new --out (nothing there was changed)"
+        )
     held = sorted(p.name for p in ckpt_dir.glob("ckpt-*")) if ckpt_dir.is_dir() else []
+    if (ckpt_dir / "latest").exists():  # another tool's (DeepSpeed's global_stepN), or ours
+        held = held or [f"{ckpt_dir.name}/latest"]
     export = out / "hf"
     if held or (export.is_dir() and any(export.iterdir())):
         raise ValueError(

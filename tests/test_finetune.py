@@ -108,6 +108,28 @@ def test_resume_refuses_another_run(setup, capsys):
     assert "the checkpoint's run had seq_len=16" in capsys.readouterr().err
 
 
+def test_a_resume_knows_its_data_by_content_not_by_path(setup, capsys):
+    """The data was named by its absolute path: a byte-identical copy elsewhere (data staged
+    into a requeued job's scratch directory) was refused, and the file edited in place was
+    resumed without a word. Its packed tokens name it now."""
+    import shutil  # noqa: PLC0415
+
+    t = setup
+    assert main([*_args(t, t / "a"), "--steps", "2", "--save-every", "1"]) == 0
+    (t / "staged").mkdir()
+    shutil.copy(t / "data.jsonl", t / "staged" / "data.jsonl")
+    args = _args(t, t / "a", "--resume", "--steps", "3")
+    args[args.index(str(t / "data.jsonl"))] = str(t / "staged" / "data.jsonl")
+    assert main(args) == 0, capsys.readouterr().err
+    assert [r["step"] for r in _steps(t / "a")] == [1, 2, 3]
+    edited = (t / "data.jsonl").read_text().replace("the", "a")
+    (t / "staged" / "data.jsonl").write_text(edited)
+    args[args.index("3")] = "4"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--resume: the checkpoint's run had data='tokens sha256:" in err, err
+
+
 def test_data_formats(tmp_path):
     from transformers import AutoTokenizer  # noqa: PLC0415
 

@@ -354,7 +354,7 @@ def _run(opts, out, cfg, no_decay_given, lr_flag, rank, world, on_step) -> int:
         "accum": opts.accum,
         "seed": opts.seed,
         "sequences": len(data),
-        "data": str(Path(opts.data).resolve()),
+        "data": _tokens_digest(data),
         "ranks": world,
     }
     rss_before = current_rss()
@@ -379,6 +379,9 @@ def _run(opts, out, cfg, no_decay_given, lr_flag, rank, world, on_step) -> int:
             extra = offload.load_checkpoint(ckpt_dir, model, optimizer)
             saved = extra["run"]
             saved = {"ranks": 1} | saved  # (a run saved before it said: one process)
+            if not str(saved.get("data", "")).startswith(_DIGEST):  # named by its path (older)
+                here = str(Path(opts.data).resolve())
+                saved["data"] = run_id["data"] if saved.get("data") == here else saved.get("data")
             changed = [k for k in run_id if saved.get(k) != run_id[k]]
             if _same_global_batch(saved, run_id, changed, say=lead):
                 changed = []
@@ -411,6 +414,7 @@ def _run(opts, out, cfg, no_decay_given, lr_flag, rank, world, on_step) -> int:
                 writer.write(r)
             if not opts.resume:
                 run = {"kind": "run", "model": str(opts.model), "config": cfg, "steps": total}
+                run["data_path"] = str(Path(opts.data).resolve())
                 writer.write(run | run_id | {"rss_before_model_bytes": rss_before})
                 records.append(run)
         order = Order(len(data), opts.batch * world, opts.seed)
@@ -556,6 +560,22 @@ def _remove_swap(folder: Path) -> None:
     for sub in sorted(folder.glob("**/"), key=lambda p: len(p.parts), reverse=True):
         with contextlib.suppress(OSError):  # not empty
             sub.rmdir()
+
+
+_DIGEST = "tokens sha256:"
+
+
+def _tokens_digest(data) -> str:
+    """What identifies a run's data for ``--resume``: its packed tokens and labels (the file's
+    content as this tokenizer and ``--seq-len`` made it). The file's absolute path did: a
+    byte-identical copy elsewhere (data staged into a job's scratch directory, a requeued
+    Slurm job) was refused, and the file edited in place was resumed without a word."""
+    import hashlib  # noqa: PLC0415
+
+    digest = hashlib.sha256()
+    for t in (data.input_ids, data.labels):
+        digest.update(t.contiguous().numpy().tobytes())
+    return _DIGEST + digest.hexdigest()
 
 
 def _same_global_batch(saved: dict, run_id: dict, changed: list[str], say: bool) -> bool:

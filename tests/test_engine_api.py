@@ -989,6 +989,11 @@ def test_a_module_holding_the_wrapped_model_reads_and_loads_its_values(tmp_path,
         holder.load_state_dict(changed)
         for k, v in model.state_dict().items():
             assert torch.equal(v, changed[f"inner.{k}"]), k
+        # a second load missing a key the first loaded: torch's error, not hidden by the first
+        with pytest.raises(
+            RuntimeError, match='Missing key\\(s\\) in state_dict: "inner.norm.weight"'
+        ):
+            holder.load_state_dict({k: v for k, v in changed.items() if k != "inner.norm.weight"})
     finally:
         opt.close()
 

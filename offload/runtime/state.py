@@ -290,6 +290,7 @@ class Runtime:
                 self._handles.append(module.register_load_state_dict_pre_hook(self._load_values))
                 self._handles.append(module.register_load_state_dict_post_hook(self._loaded_values))
         self._loaded_keys: set[str] = set()
+        self._load_missing: list | None = None  # the load _loaded_keys are of (its missing keys)
         # what code outside offload did to the parameters between uses (its module docstring)
         self.watch = ModelWatch(
             self.model,
@@ -1334,8 +1335,8 @@ class Runtime:
         hook of every module holding parameters: a part's own load (``model.blocks[0].
         load_state_dict``) went into released storage; where an enclosing module's load took
         the part's keys first, the part's finds none of them."""
-        if not prefix:  # the module the load was called on (its hook runs first)
-            self._loaded_keys = set()
+        if missing is not self._load_missing:  # a new load (one list for all its hooks)
+            self._load_missing, self._loaded_keys = missing, set()
         names = list(module.named_parameters(remove_duplicate=False))
         if not any(prefix + name in state_dict for name, _ in names):
             return  # (a module whose enclosing module's load took its keys, or a buffers' load)

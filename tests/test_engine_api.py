@@ -95,6 +95,8 @@ def test_a_step_with_no_backward_since_the_last_updates_nothing_as_torch(
         assert opt.empty_steps == 3
         said = [r for r in caplog.records if "updates nothing" in r.getMessage()]
         assert len(said) == 1
+        # and where torch's step would differ (it said "as torch's" whatever p.grad held)
+        assert "zeros after zero_grad(set_to_none=False)" in said[0].getMessage()
         got, want = model.state_dict(), ref.state_dict()
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -379,9 +379,8 @@ def _run(opts, out, cfg, no_decay_given, lr_flag, rank, world, on_step) -> int:
             extra = offload.load_checkpoint(ckpt_dir, model, optimizer)
             saved = extra["run"]
             saved = {"ranks": 1} | saved  # (a run saved before it said: one process)
-            if not str(saved.get("data", "")).startswith(_DIGEST):  # named by its path (older)
-                here = str(Path(opts.data).resolve())
-                saved["data"] = run_id["data"] if saved.get("data") == here else saved.get("data")
+            if saved.get("data") == str(Path(opts.data).resolve()):  # (older: named by path)
+                saved["data"] = run_id["data"]
             changed = [k for k in run_id if saved.get(k) != run_id[k]]
             if _same_global_batch(saved, run_id, changed, say=lead):
                 changed = []
@@ -562,9 +561,6 @@ def _remove_swap(folder: Path) -> None:
             sub.rmdir()
 
 
-_DIGEST = "tokens sha256:"
-
-
 def _tokens_digest(data) -> str:
     """What identifies a run's data for ``--resume``: its packed tokens and labels (the file's
     content as this tokenizer and ``--seq-len`` made it). The file's absolute path did: a
@@ -575,7 +571,7 @@ def _tokens_digest(data) -> str:
     digest = hashlib.sha256()
     for t in (data.input_ids, data.labels):
         digest.update(t.contiguous().numpy().tobytes())
-    return _DIGEST + digest.hexdigest()
+    return "tokens sha256:" + digest.hexdigest()
 
 
 def _same_global_batch(saved: dict, run_id: dict, changed: list[str], say: bool) -> bool:

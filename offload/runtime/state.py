@@ -330,14 +330,12 @@ class Runtime:
                 # inside the unit's forward, it is guarded on that flag (``_Gathered``), and
                 # the graph breaks only where the unit is not gathered. A unit never released
                 # is always gathered: its flag is whether its values are the last step's
-                flag = run.home.flag(run.unit)
+                flag, check = run.home.flag(run.unit), self._check_gathered
                 if not run.home.releases:
-                    flag = self._fresh[run.unit.index]
+                    flag, check = self._fresh[run.unit.index], self._settle_part
                 self._handles.append(
                     module.register_forward_pre_hook(
-                        lambda m, a, r=run, n=name, g=flag: (
-                            None if g.on else self._check_gathered(r, n, m)
-                        )
+                        lambda m, a, r=run, n=name, g=flag, c=check: None if g.on else c(r, n, m)
                     )
                 )
 
@@ -347,19 +345,8 @@ class Runtime:
         that calls part of the model: Hugging Face's ``generate`` runs an encoder-decoder's
         encoder by itself, ``model.get_encoder()(...)``, whose embedding is the root unit's),
         the part gathers its unit for the call; with gradients on it raises (the unit's
-        backward would not follow it). A part of a unit whose parameters are never released
-        (``offload_param.device: none``) computes with them whenever it is called, but between a
-        step and its unit's forward it waits for the unit's update first, which the step may
-        have left running (it read the values of before the step, or a mix)."""
-        if self.closed:
-            return
-        if not run.home.releases:
-            # (in a backward the step's update is done: the backward began by waiting for
-            # it; an update in this backward may wait for this backward's end)
-            if self.phase.phase in (Phase.IDLE, Phase.FORWARD):
-                self._ready_for_forward(run)
-            return
-        if run.home.gathered(run.unit):
+        backward would not follow it)."""
+        if run.home.gathered(run.unit) or self.closed:
             return
         if not torch.is_grad_enabled() and self.phase.phase is Phase.IDLE:
             self._ready_for_forward(run)
@@ -382,6 +369,17 @@ class Runtime:
             "no gradient (an inference, a value read for saving), make it under "
             "torch.no_grad(), where the part gathers its unit for the call"
         )
+
+    @torch.compiler.disable
+    def _settle_part(self, run: UnitRun, name: str, module: nn.Module) -> None:
+        """A part of a unit whose parameters are never released (``offload_param.device:
+        none``), called outside its unit's forward between a step and that forward: it computes
+        with them as they are, so it waits for the unit's update first, which the step may have
+        left running (it read the values of before the step, or a mix). Not in a backward: the
+        step's update is done there (the backward began by waiting for it), and an update in
+        this backward may wait for its end."""
+        if not self.closed and self.phase.phase in (Phase.IDLE, Phase.FORWARD):
+            self._ready_for_forward(run)
 
     def _settle_update_for_read(self) -> None:
         """The parameters are read through the model between a step and the next forward (an

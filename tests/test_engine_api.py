@@ -1286,6 +1286,45 @@ def test_backward_twice_over_a_retained_graph(tmp_path):
     opt.close()
 
 
+@pytest.mark.parametrize(
+    "param_dev, opt_dev, step_in_backward",
+    [
+        ("nvme", "nvme", True),
+        ("nvme", "nvme", False),
+        ("cpu", "cpu", False),
+        ("none", "nvme", True),
+    ],
+)
+def test_a_backward_through_a_graph_saved_before_the_step_is_refused_as_torch_s(
+    tmp_path, param_dev, opt_dev, step_in_backward
+):
+    """A graph kept over a step (``retain_graph=True``, the GAN loop's bug) holds the weights
+    of before it: torch's backward through it raises "modified by an inplace operation", the
+    update having moved the weights' version counters. offload's did not move them and the
+    backward went through on the new values, unsaid (found 2026-12-07). It raises as torch's,
+    and after ``zero_grad()`` training goes on bitwise as if that backward had not been."""
+    data = batches(3)
+    ref = make_model()
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    cfg = _recovery_config(tmp_path / "ref", param_dev, opt_dev, step_in_backward, 1)
+    expected = _reference(cfg, data, 1)
+    model, opt = offload.wrap(
+        make_model(), _recovery_config(tmp_path, param_dev, opt_dev, step_in_backward, 1)
+    )
+    try:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            loss = lm_loss(m, data[0][:2])
+            loss.backward(retain_graph=True)
+            o.step()
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
+            o.zero_grad()
+        _steps(model, opt, data[1:], 1)
+        _assert_bitwise(model, expected)
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
 def test_persistent_units_match_plain_pytorch(tmp_path, param_dev):
     """Units under persistence_threshold stay gathered from first use to the step."""

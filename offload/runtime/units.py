@@ -65,6 +65,17 @@ class UnitRun:
         tensor; offload's own writes go through other views of the storage: ``written``)."""
         self.versions = [s.param._version for s in self.unit.layout.segments]
 
+    def stepped(self, seen: set[torch.nn.Parameter] | None) -> None:
+        """The step moved the unit's trainable parameters that got a gradient (``seen``; None:
+        all of them): their version counters move as torch's in-place update moves them, so a
+        backward through a graph saved before the step (``retain_graph=True``) raises torch's
+        "modified by an inplace operation" instead of reading the new values. The noted
+        versions move with them: this write is offload's, not one :meth:`written` names."""
+        for i, s in enumerate(self.unit.layout.segments):
+            if s.trainable and (seen is None or s.param in seen):
+                torch.autograd.graph.increment_version(s.param)
+                self.versions[i] += 1
+
     def written(self, trainable_only: bool = False) -> list[str]:
         """The unit's parameters written in place through the tensor since the last note: an
         ``nn.init`` call, ``model.apply(...)``, a ``copy_`` under ``no_grad``, after ``wrap``."""

@@ -203,9 +203,15 @@ class _Log:
             run.unit.module.register_forward_pre_hook(
                 lambda m, a, label=label: self.events.append(["forward", label])
             )
-            run.unit.module.register_full_backward_pre_hook(
-                lambda m, g, label=label: self.events.append(["backward", label])
-            )
+
+            # the backward reaching the unit's output, before offload's gather for it (a
+            # tensor hook on the output registered before offload's, which runs after every
+            # forward hook of the user's; a full backward pre-hook runs after that gather)
+            def reached(m, a, out, label=label) -> None:
+                if out.requires_grad:
+                    out.register_hook(lambda g: self.events.append(["backward", label]))
+
+            run.unit.module.register_forward_hook(reached)
 
 
 def _late(call, seconds: float):

@@ -592,24 +592,40 @@ def test_a_block_weight_the_model_also_holds_is_the_roots(tmp_path, param_dev, o
         opt.close()
 
 
+@pytest.mark.parametrize("hook", ["module", "inner layer", "module pre"])
 @pytest.mark.parametrize("param_dev,opt_dev", [("cpu", "cpu"), ("nvme", "nvme"), ("none", "nvme")])
-def test_backward_hooks_on_a_unit_read_its_weights_as_torch(tmp_path, param_dev, opt_dev):
+def test_backward_hooks_on_a_unit_read_its_weights_as_torch(tmp_path, param_dev, opt_dev, hook):
     """A full backward hook on a block that reads the block's weights (a gradient rescaled by
     a weight statistic) runs as the block's inputs' gradients are computed, after its
     parameters' last gradient: it read them released (zeros, 5e-6 off torch after a step) or,
     where the update ran in the backward (parameters on the device, the NVMe optimizer),
     already updated (3e-6). The unit now waits for its inputs' gradients, as one holding
-    frozen layers does."""
+    frozen layers does. So does one whose inner layer has such a hook (``inner layer``: it
+    read zeros with a warning, 3.2e-2 off torch in three steps, or at ``none`` the update in
+    flight, until 2026-12-07). A full backward pre-hook on the block (``module pre``) runs
+    before the tensor hook on the block's outputs that gathers it (torch wraps the outputs
+    after the forward hooks): it read zeros and the gather raised; offload's gather runs
+    first in it now."""
 
     seen = {}  # model -> the weight statistic its hook read, backward after backward
 
     def hook_up(m):
         def rescale(mod, grad_in, grad_out):
-            stat = mod.fc1.weight.abs().mean()
+            stat = mod.weight.abs().mean() if hook == "inner layer" else mod.fc1.weight.abs().mean()
             seen.setdefault(id(m), []).append(float(stat))
             return (grad_in[0] * (1 + stat),)
 
-        m.blocks[1].register_full_backward_hook(rescale)
+        def rescale_out(mod, grad_out):
+            stat = mod.fc2.weight.abs().mean()
+            seen.setdefault(id(m), []).append(float(stat))
+            return (grad_out[0] * (1 + stat),)
+
+        if hook == "module":
+            m.blocks[1].register_full_backward_hook(rescale)
+        elif hook == "inner layer":
+            m.blocks[1].fc1.register_full_backward_hook(rescale)
+        else:
+            m.blocks[1].register_full_backward_pre_hook(rescale_out)
 
     ref, ref_opt, model, opt = _hooked_stack(tmp_path, param_dev, opt_dev, hook_up)
     try:
@@ -618,6 +634,8 @@ def test_backward_hooks_on_a_unit_read_its_weights_as_torch(tmp_path, param_dev,
         _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-6)
     finally:
         opt.close()
+    users = [*model.blocks[1]._backward_pre_hooks.values()]  # the user's own again
+    assert [h.__name__ for h in users] == (["rescale_out"] if hook == "module pre" else [])
 
 
 class _ReadsOtherBlocksWeights(nn.Module):

@@ -108,6 +108,23 @@ def _grad_hook(runtime: weakref.ref, index: int):
     return hook
 
 
+class _GatheredFirst:
+    """A full backward pre-hook of the user's on unit ``index``'s module, with the unit's
+    pre-backward gather run before it (``Runtime._gather_for_backward_pre_hooks``); holds its
+    runtime weakly, as :func:`_grad_hook` does. ``hook`` is the user's."""
+
+    __slots__ = ("hook", "runtime", "index")
+
+    def __init__(self, hook, runtime: weakref.ref, index: int) -> None:
+        self.hook, self.runtime, self.index = hook, runtime, index
+
+    def __call__(self, module, grad_output):
+        me = self.runtime()
+        if me is not None and not me.closed:
+            me._pre_backward(me.runs[self.index])
+        return self.hook(module, grad_output)
+
+
 _WRAPPED_CALL = nn.Module._wrapped_call_impl.__code__
 
 
@@ -272,6 +289,7 @@ class Runtime:
             self._handles.append(h)
             self._outermost.append((module._forward_hooks, h.id, True))
         self._guard_parts()
+        self._gather_for_backward_pre_hooks()
         # A tensor's hooks are held from C++, where the cycle collector cannot see them: one that
         # held this runtime would keep it and the model alive for good once the caller let go
         # of both without closing. So it holds the runtime weakly, and the unit by position.
@@ -393,6 +411,11 @@ class Runtime:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for run in self.runs[1:]:  # the user's backward pre-hooks as they were
+            hooks = run.unit.module._backward_pre_hooks
+            for key, hook in list(hooks.items()):
+                if isinstance(hook, _GatheredFirst):
+                    hooks[key] = hook.hook
 
     def _cast_input(self, x):
         if isinstance(x, torch.Tensor):
@@ -413,10 +436,29 @@ class Runtime:
             if key in hooks and next(reversed(hooks) if last else iter(hooks)) != key:
                 hooks.move_to_end(key, last=last)
 
+    def _gather_for_backward_pre_hooks(self) -> None:
+        """A full backward pre-hook on a unit's module (``register_full_backward_pre_hook``)
+        runs as the gradients of the module's outputs arrive, before the tensor hooks that
+        gather the unit for its backward (``_hook_outputs``: torch wraps a module's outputs
+        for its backward hooks after its forward hooks ran): it read the unit released, zeros,
+        and the gather after it raised as at a read between uses (until 2026-12-07). Each
+        such hook is wrapped so that the gather runs first in it. Done at wrap and as the
+        model's forward begins (torch takes a module's hooks as it is called: one registered
+        inside the forward counts from the next); the dicts change only for a new hook
+        (``torch.compile`` guards on them)."""
+        for i, run in enumerate(self.runs[1:], start=1):
+            hooks = run.unit.module._backward_pre_hooks
+            if not hooks:
+                continue
+            for key, hook in list(hooks.items()):
+                if not isinstance(hook, _GatheredFirst):
+                    hooks[key] = _GatheredFirst(hook, self._me, i)
+
     @_hook
     def _root_pre_forward(self, module, args, kwargs):
         self._check_open()
         self._keep_outermost()
+        self._gather_for_backward_pre_hooks()
         self._settle_backward()
         if self.phase.phase is Phase.BACKWARD:
             return None  # recomputation of the whole model (unusual) keeps everything gathered

@@ -34,6 +34,7 @@ class UnitRun:
         "may_watch_inputs",
         "watches_inputs",
         "inputs",
+        "modules",
         "versions",
         "views",
         "storages",
@@ -47,14 +48,18 @@ class UnitRun:
         # A frozen layer's backward (its input's gradient) can come after the last gradient
         # of the unit's trainable parameters; where that gradient would release the unit, the
         # unit's backward also waits for the gradients of its forward inputs (OffloadUnitInputs).
-        # So does a unit whose module has backward hooks (``register_full_backward_hook``,
-        # registered before or after wrap), which run as its inputs' gradients are computed
-        # and may read its weights (``watches_inputs_now``): released, or already updated by
-        # the step in backward, also where the parameters stay on the device.
+        # So does a unit whose module, or a layer in it, has backward hooks (registered before
+        # or after wrap), which run as its (or the layer's) inputs' gradients are computed and
+        # may read its weights (``watches_inputs_now``): released, or already updated by the
+        # step in backward, also where the parameters stay on the device.
         frozen = any(not s.trainable for s in unit.layout.segments)
         self.may_watch_inputs = self.residency.finishes_in_backward
         self.watches_inputs = frozen and self.may_watch_inputs and home.releases
         self.inputs: list[weakref.ref] = []  # the OffloadUnitInputs nodes of its forwards (weakly)
+        # the unit's module and the layers in it: a backward hook on any of them may read the
+        # unit's weights (on an inner layer, ``fc1.register_full_backward_hook``, it ran after
+        # the unit's release, on zeros with a warning, until 2026-12-07)
+        self.modules = list(unit.module.modules())
         # each parameter's tensor onto offload's storage, as its home made it (``replaced``)
         self.views = [s.param.data for s in unit.layout.segments]
         self.storages = [(v.untyped_storage()._cdata, v.storage_offset()) for v in self.views]
@@ -202,12 +207,10 @@ class UnitRun:
             return True
         if not self.may_watch_inputs:
             return False
-        module = self.unit.module
         return bool(
-            module._backward_hooks
-            or module._backward_pre_hooks
-            or nn.modules.module._global_backward_hooks
+            nn.modules.module._global_backward_hooks
             or nn.modules.module._global_backward_pre_hooks
+            or any(m._backward_hooks or m._backward_pre_hooks for m in self.modules)
         )
 
     def grad_ready(self) -> bool:

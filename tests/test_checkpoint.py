@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -243,6 +244,85 @@ def test_paths_that_cannot_hold_the_result_are_refused_before_writing(tmp_path, 
         with pytest.raises(NotADirectoryError, match=r"not a directory: save_pretrained.*afile'"):
             offload.save_pretrained(model, tmp_path / "afile")
         assert not gathered and (tmp_path / "afile").read_text() == "mine"
+    finally:
+        opt.close()
+
+
+def _count_gathers(monkeypatch) -> list:
+    gathered = []
+    real = offload.api.checkpoint.UnitValues.of
+    monkeypatch.setattr(
+        offload.api.checkpoint.UnitValues, "of", lambda *a: gathered.append(1) or real(*a)
+    )
+    return gathered
+
+
+def test_a_directory_through_a_broken_link_is_refused_naming_the_link(tmp_path, monkeypatch):
+    """A checkpoint directory that is a symbolic link to a missing target (a scratch disk not
+    mounted), or under one, gave only "[Errno 17] File exists". Refused naming the link and
+    its target, before anything is written, and the target is not created."""
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "w"))
+    gathered = _count_gathers(monkeypatch)
+    (tmp_path / "ck").symlink_to(tmp_path / "mnt" / "ckpts")
+    (tmp_path / "up").symlink_to(tmp_path / "mnt")
+    try:
+        for target, link in ((tmp_path / "ck", "ck"), (tmp_path / "up" / "run" / "ck", "up")):
+            with pytest.raises(FileNotFoundError) as err:
+                offload.save_checkpoint(target, model, opt)
+            assert err.value.filename == str(tmp_path / link), err.value
+            assert "symbolic link to '" + str(tmp_path / "mnt") in str(err.value)
+            assert "nothing was written" in str(err.value)
+        assert not gathered and sorted(p.name for p in tmp_path.iterdir()) == ["ck", "up"]
+    finally:
+        opt.close()
+
+
+def test_a_latest_that_is_a_directory_is_refused_before_writing(tmp_path, monkeypatch):
+    """A directory named 'latest' (or a link to one) where the save keeps its pointer: the
+    whole checkpoint was written, then the rename 'latest.tmp' -> 'latest' failed with a raw
+    IsADirectoryError, leaving 'latest.tmp' and a checkpoint nothing named. Refused first."""
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "w"))
+    gathered = _count_gathers(monkeypatch)
+    (tmp_path / "a" / "latest").mkdir(parents=True)
+    (tmp_path / "a" / "latest" / "mine").write_text("kept")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "latest").symlink_to(tmp_path / "a")
+    try:
+        for root, what in (("a", "is a directory,"), ("b", f"to the directory '{tmp_path}/a'")):
+            with pytest.raises(IsADirectoryError, match="keeps its pointer") as err:
+                offload.save_checkpoint(tmp_path / root, model, opt)
+            assert err.value.filename == str(tmp_path / root / "latest")
+            assert what in str(err.value) and "nothing was written" in str(err.value)
+        assert not gathered
+        assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["latest"]
+        assert (tmp_path / "a" / "latest" / "mine").read_text() == "kept"
+        assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["latest"]
+    finally:
+        opt.close()
+
+
+def test_an_empty_directory_is_refused_not_taken_as_the_working_directory(tmp_path, monkeypatch):
+    """``save_checkpoint("")`` (an unset variable) wrote a whole checkpoint into the working
+    directory and then raised "FileNotFoundError: ''"; ``load_checkpoint("")`` loaded the
+    working directory's. Both are refused, naming the value and what is allowed."""
+    model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "w"))
+    gathered = _count_gathers(monkeypatch)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    try:
+        lm_loss(model, batches(1)[0]).backward()
+        opt.step()
+        offload.save_checkpoint(".", model, opt)  # the working directory, said so
+        gathered.clear()
+        before = sorted(os.listdir("."))
+        allowed = "allowed: a non-empty directory path ('.' for the working directory)"
+        for empty in ("", " "):  # (Path("") is Path("."): nothing tells them apart)
+            with pytest.raises(ValueError, match=rf"save_checkpoint: directory: got '{empty}'"):
+                offload.save_checkpoint(empty, model, opt)
+            with pytest.raises(offload.CheckpointError, match=re.escape(allowed)):
+                offload.load_checkpoint(empty, model, opt)
+        assert not gathered and sorted(os.listdir(".")) == before
+        assert offload.load_checkpoint(".", model, opt) == {}
     finally:
         opt.close()
 

@@ -439,7 +439,70 @@ def test_a_path_starting_with_a_tilde_is_in_the_home_directory(monkeypatch, tmp_
     assert cfg.offload_optimizer.nvme_path == str(tmp_path / "nvme")
     assert cfg.offload_param.nvme_path == str(tmp_path)
     assert cfg.telemetry.jsonl_path == str(tmp_path / "steps.jsonl")
-    assert load_config({"telemetry": {"jsonl_path": "a~/b"}}).telemetry.jsonl_path == "a~/b"
+    monkeypatch.chdir(tmp_path)
+    jsonl = load_config({"telemetry": {"jsonl_path": "a~/b"}}).telemetry.jsonl_path
+    assert jsonl == str(tmp_path / "a~" / "b")
+
+
+def test_a_relative_path_is_made_absolute_when_the_config_is_read(monkeypatch, tmp_path):
+    """A relative nvme_path was kept as written and reopened at every swap read and write, so
+    an os.chdir() between steps (a notebook's %cd) failed the next step. Every spelling the
+    loader takes (a dict, a file, a section built in code, a DeepSpeed config) now holds the
+    path joined to the working directory of the moment it is read; absolute paths stay as
+    written, and a '..' is kept (the kernel resolves it after any link before it)."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    run = tmp_path / "run"
+    data = {
+        "offload_param": {"device": "NVMe ", "nvme_path": "swap"},
+        "offload_optimizer": {"device": "nvme", "nvme_path": "./swap/../opt"},
+        "telemetry": {"jsonl_path": "steps.jsonl"},
+    }
+    (run / "c.yaml").write_text(yaml.safe_dump(data))
+    deepspeed = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": "swap"},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "123"},
+        }
+    }
+    configs = [load_config(data), load_config("c.yaml"), load_config(deepspeed)]
+    section = OffloadOptimizerConfig(device="nvme", nvme_path=Path("swap"))
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for cfg in configs[:2]:
+        assert cfg.offload_param.nvme_path == str(run / "swap")
+        assert cfg.offload_optimizer.nvme_path == f"{run}/swap/../opt"
+        assert cfg.telemetry.jsonl_path == str(run / "steps.jsonl")
+    assert configs[2].offload_param.nvme_path == str(run / "swap")
+    assert configs[2].offload_optimizer.nvme_path == str(run / "123")
+    assert section.nvme_path == str(run / "swap")
+    assert OffloadConfig.from_dict(configs[0].to_dict()) == configs[0]  # read back elsewhere
+    assert load_config({"telemetry": {"jsonl_path": "/x//y/"}}).telemetry.jsonl_path == "/x//y/"
+
+
+def test_a_relative_nvme_path_survives_a_chdir_between_steps(monkeypatch, tmp_path):
+    """Wrapped with a relative nvme_path, a step after os.chdir() failed reading
+    'swap/offload-.../...', left the engine in its failed state, and close() left the swap
+    directories behind."""
+    from engine_models import batches, lm_loss, make_model, placement_config
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", Path("swap")))
+    data = batches(2)
+    try:
+        for tokens in data:
+            lm_loss(model, tokens).backward()
+            opt.step()
+            opt.zero_grad()
+            monkeypatch.chdir(tmp_path / "elsewhere")
+    finally:
+        opt.close()
+    swap = tmp_path / "run" / "swap"
+    assert [list(d.iterdir()) for d in (swap / "nvme_p", swap / "nvme_o")] == [[], []]
+    assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
 @pytest.mark.parametrize("config, key, value", BAD, ids=[f"{k}={v!r}" for _, k, v in BAD])

@@ -143,6 +143,20 @@ def _to_json(extra: dict) -> dict:
     return files.encode_extra(extra)
 
 
+def _directory(what: str, directory, cls: type[Exception], nothing: str) -> Path:
+    """``directory`` as a Path; an empty one is refused: ``Path("")`` is the working
+    directory, so ``save_checkpoint("")`` (an unset variable, say) wrote a checkpoint into it
+    without a word, and ``load_checkpoint("")`` read whatever was there."""
+    if isinstance(directory, (str, os.PathLike)):
+        text = os.fspath(directory)
+        if isinstance(text, str) and not text.strip():
+            raise cls(
+                f"{what}: directory: got {text!r}; allowed: a non-empty directory path ('.' "
+                f"for the working directory); {nothing}"
+            )
+    return Path(directory)
+
+
 def _check_keep_last(keep_last) -> None:
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(
@@ -240,16 +254,15 @@ def save_checkpoint(
     engine = _engine(model)
     engine.check_readable("save_checkpoint")
     optimizer = _optimizer_of(engine, optimizer, "save_checkpoint")
+    directory = _directory("save_checkpoint", directory, ValueError, "nothing was written")
     _check_keep_last(keep_last)
     extra = _to_json(extra)
     group = _param_groups(optimizer)
     buffers = _buffer_entries(model)
-    name = files.checkpoint_name(engine.step_count, Path(directory))
+    name = files.checkpoint_name(engine.step_count, directory)
     if engine.comm.world > 1:
-        return _save_ranks(
-            Path(directory), name, engine, optimizer, keep_last, extra, group, buffers
-        )
-    with files.CheckpointWriter(Path(directory), name) as out:
+        return _save_ranks(directory, name, engine, optimizer, keep_last, extra, group, buffers)
+    with files.CheckpointWriter(directory, name) as out:
         for unit in engine.units:
             out.add_file(_unit_file(unit), _unit_entries(engine, unit))
         if buffers:
@@ -468,11 +481,12 @@ def _load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) 
     engine = _engine(model)
     engine.check_idle("load_checkpoint", restoring=True)
     optimizer = _optimizer_of(engine, optimizer, "load_checkpoint")
+    directory = _directory("load_checkpoint", directory, CheckpointError, "nothing was changed")
     if engine.comm.world > 1:
-        return _load_ranks(Path(directory), engine, optimizer)
-    path = files.resolve(Path(directory))
+        return _load_ranks(directory, engine, optimizer)
+    path = files.resolve(directory)
     if _saved_world(path, files.read_meta(path)) > 1:
-        return _load_ranks(Path(directory), engine, optimizer)
+        return _load_ranks(directory, engine, optimizer)
     with files.open_checkpoint(path) as ckpt:  # (1)
         tensors = {_unit_file(u): _unit_tensors(u) for u in engine.units}
         buffers = _buffers_listed(ckpt.meta, model, _buffers_file())

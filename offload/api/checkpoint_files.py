@@ -226,7 +226,19 @@ def _check_pointer(pointer: Path) -> None:
     """``pointer`` (``root/latest``) is absent or offload's, which the commit replaces: one
     that names a directory without ``meta.json`` under another naming (DeepSpeed's "latest"
     holds its tag, "global_step100") is another tool's, and replacing it loses that tool's
-    way to its checkpoint."""
+    way to its checkpoint. A directory there (a link to one too) is refused as well: the
+    commit's rename onto it failed only after the whole checkpoint was written."""
+    if pointer.is_dir():
+        what = "a directory"
+        if pointer.is_symlink():
+            what = f"a symbolic link to the directory '{os.readlink(pointer)}'"
+        raise IsADirectoryError(
+            errno.EISDIR,
+            f"is {what}, where save_checkpoint keeps its pointer to the newest checkpoint (a "
+            "file holding its name); move it aside or save into another directory (nothing "
+            "was written)",
+            str(pointer),
+        )
     if not pointer.is_file():
         return
     try:
@@ -264,6 +276,36 @@ def checkpoint_name(step: int, root: Path | None = None) -> str:
     return f"ckpt-{step:08d}-{stamp}"
 
 
+def _check_root(root: Path) -> None:
+    """``root`` is a directory, or can be made one: mkdir said only "File exists" for a file
+    there and for a symbolic link whose target is missing (a scratch disk not mounted), at
+    ``root`` or at a directory above it; the link is not followed to make its target."""
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            "is not a directory: a checkpoint goes into a directory (created if missing), "
+            "beside the others saved there; nothing was written",
+            str(root),
+        )
+    for path in (root, *root.parents):
+        if path.exists():
+            return
+        if path.is_symlink():
+            why = "No such file or directory"
+            try:
+                path.stat()  # ENOENT for a missing target, ELOOP for a loop of links
+            except OSError as exc:
+                why = exc.strerror or why
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"is a symbolic link to '{os.readlink(path)}', which cannot be reached "
+                f"({why}; a disk not mounted?): a checkpoint goes into a directory (created "
+                "if missing), not through a broken link; mount or create its target, or save "
+                "elsewhere; nothing was written",
+                str(path),
+            )
+
+
 class CheckpointWriter:
     """Writes one checkpoint directory ``root/name`` (see Note: commit). Use as a context
     manager: leaving it with an exception before :meth:`commit` removes the temp directory.
@@ -278,13 +320,7 @@ class CheckpointWriter:
         self.root, self.name, self.owner = root, name, owner
         self.tmp = root / f".{name}.tmp"
         if owner:
-            if root.exists() and not root.is_dir():  # mkdir said only "File exists"
-                raise NotADirectoryError(
-                    errno.ENOTDIR,
-                    "is not a directory: a checkpoint goes into a directory (created if "
-                    "missing), beside the others saved there; nothing was written",
-                    str(root),
-                )
+            _check_root(root)
             _check_pointer(root / LATEST)
             root.mkdir(parents=True, exist_ok=True)
             self._remove_leftovers()

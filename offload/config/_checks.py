@@ -18,6 +18,7 @@ import math
 import os
 import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from offload.config.errors import ConfigError
@@ -163,15 +164,21 @@ def as_buffer_size(key: str, value: Any, *, cap: int, lo: int, hi: int, align: i
 
 
 def as_opt_path(key: str, value: Any) -> str | None:
-    """``None`` or a non-empty path string (``os.PathLike`` accepted, stored as ``str``), a
-    leading ``~`` expanded to the home directory as a shell would: ``nvme_path: ~/nvme`` made a
-    directory named ``~`` in the working directory, which a later ``rm -rf ~`` would not clean."""
+    """``None`` or a non-empty path string (``os.PathLike`` accepted, stored as ``str``), made
+    absolute once, here: a leading ``~`` expanded to the home directory as a shell would
+    (``nvme_path: ~/nvme`` made a directory named ``~`` in the working directory, which a later
+    ``rm -rf ~`` would not clean), then a relative path joined to the working directory of the
+    moment the config is read. The stores and the telemetry reopen their files by this path at
+    every step: kept relative, an ``os.chdir()`` between steps (a notebook's ``%cd``) sent the
+    next swap read to another directory, failed the step and left the swap behind at close."""
     if value is None:
         return None
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if isinstance(value, str) and value.strip() and "\0" not in value:
-        return os.path.expanduser(value)
+        value = os.path.expanduser(value)
+        # not os.path.abspath: its normpath folds "link/.." to "." where the kernel follows link
+        return value if os.path.isabs(value) else str(Path.cwd() / value)
     raise ConfigError.bad(key, value, "null or a non-empty path string")
 
 

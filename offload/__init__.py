@@ -87,7 +87,9 @@ def __getattr__(name: str) -> Any:
 # without torch loaded yet it is installed as torch finishes loading (importing torch here
 # would cost every `import offload` ~2 s). Until a wrap registers a model whose gradients
 # live outside .grad the guard only passes the call on to torch.
-_CLIP_GUARDED = ("clip_grad_norm_", "clip_grad_value_")
+# (clip_grads_with_norm_, torch >= 2.6's two-step clipping after get_total_norm over the .grad
+# tensors, clipped nothing unsaid until 2026-12-07: get_total_norm takes no parameters to refuse)
+_CLIP_GUARDED = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
 
 
 def _guard_torch_clipping() -> None:
@@ -97,8 +99,8 @@ def _guard_torch_clipping() -> None:
 
     for module in (torch.nn.utils, torch.nn.utils.clip_grad):
         for name in _CLIP_GUARDED:
-            fn = getattr(module, name)
-            if not getattr(fn, "_offload_guard", False):
+            fn = getattr(module, name, None)  # (None: a torch without it)
+            if fn is not None and not getattr(fn, "_offload_guard", False):
                 setattr(module, name, _clip_guard(fn, name))
 
 

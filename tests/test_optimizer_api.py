@@ -16,6 +16,7 @@ import torch
 from engine_models import batches, lm_loss, make_model, placement_config
 
 import offload
+from offload.api.clipping import ClipError
 from offload.api.wrap import engine_of
 from offload.runtime.phase import PhaseError
 
@@ -432,5 +433,129 @@ def test_torch_grad_scaler(tmp_path, owner):
             _assert_close(model.state_dict(), ref.state_dict())
         lm_loss(model, data[0]).backward()  # without the scaler, it trains
         opt.step()
+    finally:
+        opt.close()
+
+
+def _state_dict_hooks(opt, calls: list):
+    """torch.optim.Optimizer's four state-dict hooks on ``opt``, each recording its call; the
+    post-hook replaces the state dict, the load pre-hook sets its copy's lr to 0.005."""
+
+    def load_pre(o, sd):
+        calls.append(("load_pre", "marked" in sd))
+        sd["param_groups"] = [dict(g, lr=0.005) for g in sd["param_groups"]]
+        del sd["marked"]  # the caller's dict keeps it: the hook has a shallow copy
+
+    opt.register_state_dict_pre_hook(lambda o: calls.append(("pre", o is opt)))
+    opt.register_state_dict_post_hook(
+        lambda o, sd: (calls.append(("post", "state" in sd)), dict(sd, marked=True))[1]
+    )
+    opt.register_load_state_dict_pre_hook(load_pre)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("load_post", o is opt)))
+
+
+@pytest.mark.parametrize("owner", ["autograd", "nvme"])
+def test_state_dict_hooks_run_as_torchs(tmp_path, owner):
+    """The hooks of ``register_state_dict_pre_hook`` / ``_post_hook`` and
+    ``register_load_state_dict_pre_hook`` / ``_post_hook`` (torch.optim.Optimizer's API, which
+    torch.distributed.checkpoint and schedulers' wrappers use) run as torch's: in the same
+    order with the same arguments, a returned dict replacing the state dict, the load pre-hook
+    on a shallow copy. They were accepted and never called."""
+    data = batches(1)
+    ref = make_model()
+    ref_opt = _torch_adamw(ref)
+    model, opt = _wrap(tmp_path, owner)
+    try:
+        seen = {}
+        for m, o in ((ref, ref_opt), (model, opt)):
+            calls = seen.setdefault(o is opt, [])
+            _state_dict_hooks(o, calls)
+            lm_loss(m, data[0]).backward()
+            o.step()
+            o.zero_grad()
+            sd = o.state_dict()
+            assert sd["marked"] is True
+            o.load_state_dict(sd)
+            assert "marked" in sd and o.param_groups[0]["lr"] == 0.005
+        want = [("pre", True), ("post", True), ("load_pre", True), ("load_post", True)]
+        assert seen[False] == want and seen[True] == want, seen
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("owner", list(GRAD_OWNERS))
+def test_torch_two_step_clipping_is_guarded(tmp_path, owner):
+    """torch >= 2.6's ``clip_grads_with_norm_(params, max_norm, get_total_norm(grads))``: where
+    offload holds the gradients it found no ``.grad``, got a norm of 0 and clipped nothing,
+    silently (the steps' updates unclipped); it is refused, naming the call to use, as torch's
+    ``clip_grad_norm_`` is. Where the gradients are in ``p.grad`` it trains as torch's."""
+    data = batches(3)
+    ref = make_model()
+    ref_opt = _torch_adamw(ref)
+    model, opt = _wrap(tmp_path, owner)
+    try:
+        for tokens in data:
+            for m, o in ((ref, ref_opt), (model, opt)):
+                lm_loss(m, tokens).backward()
+                params = [p for p in m.parameters() if p.requires_grad]
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+                if o is opt and owner != "autograd":
+                    with pytest.raises(ClipError, match=r"optimizer\.clip_grad_norm_"):
+                        torch.nn.utils.clip_grads_with_norm_(m.parameters(), 0.5, norm)
+                    o.clip_grad_norm_(0.5)
+                else:
+                    torch.nn.utils.clip_grads_with_norm_(params, 0.5, norm)
+                o.step()
+                o.zero_grad()
+        _assert_close(model.state_dict(), ref.state_dict())
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("owner", ["autograd", "nvme"])
+def test_a_step_after_gradients_set_by_hand_says_why_it_updates_nothing(tmp_path, caplog, owner):
+    """``gs = torch.autograd.grad(loss, params); p.grad = g`` then ``step()``: offload takes its
+    gradients from the backward through the model, so the step has none and updates nothing;
+    its warning said only "no backward since the last step", with p.grad plainly set. It now
+    says that p.grad set by hand is not read, and what to do. A step that finds only the last
+    step's gradients still in p.grad (no zero_grad) says what it said."""
+    data = batches(3)
+    model, opt = _wrap(tmp_path, owner)
+    try:
+        lm_loss(model, data[0]).backward()
+        opt.step()
+        if owner == "autograd":  # the last step's p.grad, not set by hand
+            opt.step()
+            said = [r.getMessage() for r in caplog.records if "updates nothing" in r.getMessage()]
+            assert len(said) == 1 and "set by hand" not in said[0], said
+        opt.zero_grad()
+        caplog.clear()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        params = [p for p in model.parameters() if p.requires_grad]
+        for tokens in data[1:]:
+            for p, g in zip(params, torch.autograd.grad(lm_loss(model, tokens), params)):
+                p.grad = g
+            opt.step()
+            opt.zero_grad()
+        said = [r.getMessage() for r in caplog.records if "updates nothing" in r.getMessage()]
+        assert len(said) == 1, said
+        assert f"{len(params)} of the {len(params)} trainable parameters" in said[0]
+        assert "not from p.grad set by hand" in said[0] and "loss.backward()" in said[0]
+        assert ("works here" in said[0]) == (owner == "autograd")
+        _assert_close(model.state_dict(), before, rtol=0, atol=0)
+    finally:
+        opt.close()
+
+
+def test_a_first_step_after_gradients_set_by_hand_says_they_are_not_read(tmp_path):
+    """The same before any backward: the refusal said to call loss.backward() first, with
+    p.grad plainly set; it says now that p.grad set by hand is not read."""
+    model, opt = _wrap(tmp_path, "nvme")
+    try:
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p, g in zip(params, torch.autograd.grad(lm_loss(model, batches(1)[0]), params)):
+            p.grad = g
+        with pytest.raises(PhaseError, match=rf"{len(params)} trainable parameters have a p.grad"):
+            opt.step()
     finally:
         opt.close()

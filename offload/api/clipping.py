@@ -29,7 +29,12 @@ Note: the guard
     parameters whose ``.grad`` is set and clips them with ``get_total_norm`` and
     ``clip_grads_with_norm_``, so offload's parameters never reached the torch guard and a
     plain ``Trainer`` again logged ``grad_norm`` 0.0 and trained unclipped
-    (``tests/test_hf.py``).
+    (``tests/test_hf.py``). torch's own two-step form of that,
+    ``clip_grads_with_norm_(params, max_norm, get_total_norm([p.grad ...]))`` (torch >= 2.6),
+    clipped nothing just as silently: ``clip_grads_with_norm_`` is guarded too, with the
+    others at ``import offload``. ``get_total_norm`` takes the gradient tensors, not the
+    parameters, so it cannot tell offload's parameters from others; the guard on the clipping
+    that follows it refuses the pair. Where the gradients are in ``.grad`` both are torch's.
 
 Note: routing Trainer and Accelerate
     :func:`route_clipping` gives one ``accelerate.Accelerator`` a ``clip_grad_norm_`` that sends
@@ -124,12 +129,18 @@ def _refuse(params: list, call: str) -> None:
     if owned:
         opt, hit = next(iter(owned.items()))
         where = GRADS_HELD_IN.get(opt._engine.plan.placement.grads, "offload's buffers")
+        two_step = (
+            "; torch.nn.utils.get_total_norm over their .grad misses them too: "
+            "optimizer.grad_norm() gives their norm"
+            if call.endswith("clip_grads_with_norm_")
+            else ""
+        )
         raise ClipError(
             f"{call}: {sum(len(h) for h in owned.values())} of the "
             f"{len(params)} parameters passed are trained by offload, which keeps their "
             f"gradients in {where}, not in .grad: this call would find no gradient and "
-            "clip nothing (a norm of 0). Call optimizer.clip_grad_norm_(max_norm) on the "
-            "optimizer offload.wrap returned (it returns the global norm and the clip is "
+            f"clip nothing (a norm of 0{two_step}). Call optimizer.clip_grad_norm_(max_norm) on "
+            "the optimizer offload.wrap returned (it returns the global norm and the clip is "
             "applied in optimizer.step()), or set gradient_clipping in the config; with "
             "Hugging Face Trainer use offload.OffloadTrainer, with Accelerate call "
             "offload.route_clipping(accelerator) once"

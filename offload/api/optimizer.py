@@ -58,6 +58,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         # ``grad_scale`` / ``found_inf`` before step(), which refuses it (_refuse_grad_scaler);
         # gradients in p.grad are GradScaler's to unscale, as with any torch optimizer
         self._step_supports_amp_scaling = runtime.plan.placement.grads is not GradOwner.AUTOGRAD
+        # the p.grad tensors the last step took, weakly (where they stay in p.grad): any other
+        # p.grad at an empty step was set by hand (_hand_set_grads)
+        self._stepped_grads: tuple = ()
+        self._said_hand_set = False  # _empty_step's warning on gradients set by hand, said once
 
     @property
     def _clip_coef(self) -> float | None:
@@ -212,6 +216,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 self._say_stuck_at_min_scale()
                 self._clip_coef = None
                 engine.skip_step()
+                self._note_stepped_grads()
                 return loss
             inv_scale = 1.0 / self.scaler.scale
         if self._clip_coef is None and self.gradient_clipping > 0:
@@ -221,9 +226,29 @@ class OffloadOptimizer(torch.optim.Optimizer):
             engine.step(grad_scale=inv_scale * coef, clipped=coef < 1.0)
         finally:
             self._clip_coef = None
+        self._note_stepped_grads()
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
         return loss
+
+    def _note_stepped_grads(self) -> None:
+        """Records the ``p.grad`` tensors this step took where the gradients stay in ``p.grad``
+        (elsewhere a backward leaves ``p.grad`` None): one still there at the next step is the
+        same gradient, not zeroed or zeroed in place, not one set by hand."""
+        if self._engine.plan.placement.grads is GradOwner.AUTOGRAD:
+            self._stepped_grads = tuple(
+                None if p.grad is None else weakref.ref(p.grad) for p in self._params
+            )
+
+    def _hand_set_grads(self) -> int:
+        """How many trainable parameters have a ``p.grad`` no backward through the model put
+        there: none is where offload holds the gradients, and none but the last step's where
+        they stay in ``p.grad`` (:meth:`_note_stepped_grads`), at a step no backward reached."""
+        stepped = self._stepped_grads or (None,) * len(self._params)
+        return sum(
+            p.grad is not None and (ref is None or ref() is not p.grad)
+            for p, ref in zip(self._params, stepped, strict=True)
+        )
 
     def _say_stuck_at_min_scale(self) -> None:
         """An fp16 overflow with the loss scale already at ``loss_scale.min_scale``: the scale
@@ -254,7 +279,18 @@ class OffloadOptimizer(torch.optim.Optimizer):
         the warning says how: offload's gradients went to the last step."""
         self._clip_coef = None
         self.empty_steps += 1
-        if self.empty_steps == 1:
+        hand_set = self._hand_set_grads()
+        if hand_set and not self._said_hand_set:
+            self._said_hand_set = True
+            logger.warning(
+                "offload: optimizer.step() with no backward since the last step updates "
+                "nothing, though %d of the %d trainable parameters have a p.grad that no "
+                "backward through the model set: %s",
+                hand_set,
+                len(self._params),
+                hand_set_grads_advice(self._engine.plan.placement.grads),
+            )
+        elif self.empty_steps == 1:
             logger.warning(
                 "offload: optimizer.step() with no backward since the last step updates nothing, "
                 "as torch's step() after zero_grad() (gradients set to None). Where torch's "
@@ -334,7 +370,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
         numbers them (group by group, each in its order: with one group, the trainable ones in
         ``model.parameters()`` order), so ``torch.optim.AdamW`` over the same groups loads it.
         This pulls the whole optimizer state into RAM; use ``offload.save_checkpoint`` for
-        models whose state does not fit."""
+        models whose state does not fit. The hooks of ``register_state_dict_pre_hook`` and
+        ``register_state_dict_post_hook`` run as torch's do: ``pre(optimizer)`` before anything
+        is read, ``post(optimizer, state_dict)`` on the result, which a hook that returns a dict
+        replaces."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self._gather_state()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            replaced = post_hook(self, state_dict)
+            if replaced is not None:
+                state_dict = replaced
+        return state_dict
+
+    def _gather_state(self) -> dict:
+        """:meth:`state_dict`'s dict, before its post-hooks."""
         engine = self._engine
         self._check_groups("optimizer.state_dict()")
         engine.check_readable("optimizer.state_dict()")
@@ -369,7 +419,22 @@ class OffloadOptimizer(torch.optim.Optimizer):
         units), or a ``torch.optim.AdamW`` / ``Adam`` state dict over the same groups of
         trainable parameters (one group: in ``model.parameters()`` order): its moments and step,
         the fp32 master staying the model's current values (load the weights with
-        ``model.load_state_dict``)."""
+        ``model.load_state_dict``). The hooks of ``register_load_state_dict_pre_hook`` and
+        ``register_load_state_dict_post_hook`` run as torch's do: ``pre(optimizer, state_dict)``
+        on a shallow copy of ``state_dict`` before anything is checked (a hook that returns a
+        dict replaces it: one that renames keys or drops a group adapts a state dict to this
+        optimizer), ``post(optimizer)`` once the load is complete."""
+        state_dict = state_dict.copy()  # shallow, as torch's: a pre-hook may change its keys
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            replaced = pre_hook(self, state_dict)
+            if replaced is not None:
+                state_dict = replaced
+        self._load_state(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state(self, state_dict: dict) -> None:
+        """:meth:`load_state_dict`'s load, between its hooks."""
         engine = self._engine
         self._check_groups("optimizer.load_state_dict()")
         engine.check_idle("optimizer.load_state_dict()", restoring=True)
@@ -545,6 +610,28 @@ _TORCH_FLAGS = frozenset(
 
 # where offload holds gradients that are not in p.grad, in words (errors name it)
 GRADS_HELD_IN = {GradOwner.HOST: "a host buffer", GradOwner.NVME: "NVMe shards"}
+
+
+def hand_set_grads_advice(grads: GradOwner) -> str:
+    """What to do instead of ``p.grad`` set by hand (``torch.autograd.grad`` and assignment),
+    which offload does not read, for a model whose gradients ``grads`` owns: said where a step
+    finds such gradients and no backward."""
+    where = GRADS_HELD_IN.get(grads)
+    surgery = (
+        "which works here, where the gradients stay in p.grad"
+        if where is None
+        else f"which works only where the gradients stay in p.grad: this model's are in {where}, "
+        "so a backward leaves p.grad None; clip with optimizer.clip_grad_norm_(max_norm)"
+    )
+    return (
+        "offload takes its gradients from loss.backward() through the wrapped model, not from "
+        "p.grad set by hand (torch.autograd.grad(loss, params) and p.grad = g), which it does "
+        "not read. Call loss.backward() on the wrapped model's output instead; to change the "
+        "gradients (gradient surgery), edit p.grad after loss.backward() and before step(), "
+        f"{surgery}"
+    )
+
+
 _FIXED_GROUPS = (
     "{what} is not supported: offload's optimizer has the param groups wrap built, fixed "
     "then: all of the model's trainable parameters with the config's optimizer "

@@ -1152,9 +1152,17 @@ class Runtime:
                 "run the step's backwards again"
             )
         if self.backwards_ever == 0:
+            hand = sum(p.grad is not None for u in self.units for p in u.trainable_params)
             raise PhaseError(
                 "offload: optimizer.step() called before any backward reached this optimizer's "
                 "model; call loss.backward() on the wrapped model's output first"
+                + (
+                    f" ({hand} trainable parameters have a p.grad set by hand, as "
+                    "torch.autograd.grad(loss, params) and p.grad = g do: offload takes its "
+                    "gradients from loss.backward() through the model and does not read those)"
+                    if hand
+                    else ""
+                )
             )
 
     def _step_hyper(self, grad_scale: float | None = None) -> Hyper:

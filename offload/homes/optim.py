@@ -25,6 +25,7 @@ from itertools import islice
 
 import torch
 
+from offload._interrupts import interrupts_deferred
 from offload.homes.grads import GradHome, Hyper, adam_runs
 from offload.homes.params import ParamHome
 from offload.optim.kernels import adam_params_from_moments
@@ -130,6 +131,10 @@ class ParamsMaster:
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
         self.params.changed(unit, lo, hi)
 
+    def give_up(self, unit: Unit, lo: int, hi: int) -> None:
+        """The piece's update stopped before :meth:`commit`: what :meth:`out` took goes back
+        unwritten."""
+
 
 class HostMaster(ParamsMaster):
     """A flat fp32 host buffer of its own; the update writes the compute params out of it,
@@ -154,6 +159,9 @@ class HostMaster(ParamsMaster):
 
     def commit(self, unit: Unit, lo: int, hi: int) -> None:
         self.params.commit(unit, lo, hi)
+
+    def give_up(self, unit: Unit, lo: int, hi: int) -> None:
+        self.params.give_up_out(unit, lo, hi)
 
 
 class HostOptim(OptimHome):
@@ -204,8 +212,18 @@ class HostOptim(OptimHome):
 
     def step(self, unit: Unit, hyper: Hyper) -> None:
         for lo, hi in self.pieces(unit):
-            self.grads.update(*self._piece(unit, lo, hi), hyper)
-            self.master.commit(unit, lo, hi)
+            # a piece whole: a Ctrl-C between taking its out buffer (the param home's, on
+            # NVMe a pool buffer) and committing it left that buffer pinned for good, and the
+            # load that was then needed (``offload.runtime.schedule.Immediate``) failed on it
+            with interrupts_deferred():
+                piece = self._piece(unit, lo, hi)
+                try:
+                    self.grads.update(*piece, hyper)
+                except BaseException:
+                    with contextlib.suppress(Exception):  # the update's error is raised
+                        self.master.give_up(unit, lo, hi)
+                    raise
+                self.master.commit(unit, lo, hi)
 
     def _piece(self, unit: Unit, lo: int, hi: int) -> tuple:
         """What the gradients' owner's ``update`` takes for a piece, before ``hyper``."""

@@ -122,24 +122,20 @@ class UnitFeed(Units):
 
 class _Worker:
     """One update in flight on a thread: per-unit completion events and the error to re-raise.
-    ``timers`` is the runtime's per-step seconds."""
+    ``timers`` is the runtime's per-step seconds; ``fail`` is the schedule's
+    (:meth:`StepSchedule.fail`)."""
 
-    def __init__(self, optim: OptimHome, timers: dict[str, float]) -> None:
-        self.optim, self.timers = optim, timers
+    def __init__(
+        self,
+        optim: OptimHome,
+        timers: dict[str, float],
+        fail: Callable[[BaseException, str], RuntimeError],
+    ) -> None:
+        self.optim, self.timers, self.fail = optim, timers, fail
         self._thread: threading.Thread | None = None
         self._unit_done: dict[int, threading.Event] = {}
         self._error: BaseException | None = None
         self._undo: Callable[[], None] | None = None
-        self.failure: str | None = None  # an update that failed part way, until state is loaded
-
-    def fail(self, err: BaseException, what: str) -> RuntimeError:
-        """An update failed part way (``err``): the state it left is mixed until loaded again.
-        Returns the error to raise, ``what`` happened and what to do."""
-        self.failure = f"{type(err).__name__}: {err}"
-        return RuntimeError(
-            f"offload: {what} (the optimizer state now mixes updated and old units; load a "
-            "checkpoint before training on)"
-        )
 
     @property
     def failed(self) -> bool:
@@ -235,6 +231,18 @@ class StepSchedule:
     ) -> None:
         self.optim, self.params, self.stepped = optim, params, stepped
         self.timers = timers
+        # what made an update fail part way (its state is then mixed), until state is loaded
+        self.failure: str | None = None
+
+    def fail(self, err: BaseException, what: str) -> RuntimeError:
+        """An update failed part way (``err``): the state it left is mixed until loaded again
+        (:attr:`failure`, which the runtime's calls refuse on). Returns the error to raise,
+        ``what`` happened and what to do."""
+        self.failure = f"{type(err).__name__}: {err}"
+        return RuntimeError(
+            f"offload: {what} (the optimizer state now mixes updated and old units; load a "
+            "checkpoint before training on)"
+        )
 
     def backward_begins(self, hyper: Callable[[], Hyper], pending_backwards: int) -> None:
         """A backward starts (``hyper`` gives this step's hyperparameters as they are now)."""
@@ -298,26 +306,35 @@ class StepSchedule:
     def check_accumulation(self, backwards: int, who: str) -> None:
         """Raises if a loop of ``backwards`` backwards per step (``who`` says it) cannot run."""
 
-    @property
-    def failure(self) -> str | None:
-        """What made an update fail part way (its state is then mixed), until state is loaded."""
-        return None
-
     def state_restored(self) -> None:
         """Every unit's state was loaded again: a failed update's mix is gone."""
+        self.failure = None
 
 
 class Immediate(StepSchedule):
+    """The update inside ``optimizer.step()``, over host state rewritten in place (no version
+    to roll back, and a copy to undo it from would double the optimizer's host memory): one
+    that fails part way (an IO error writing a unit's new params to NVMe, reported as the next
+    unit's are taken; a Ctrl-C between units) leaves the units before updated and the rest not,
+    and is a failed update (:meth:`StepSchedule.fail`), refused on until state is loaded.
+    Until 2026-12-07 its error was raised bare and training went on from the mix."""
+
     def step(self, hyper: Hyper) -> None:
         super().step(hyper)
         with torch.profiler.record_function("offload::update"):
-            self.optim.step_units(Units(self.stepped), hyper)
+            try:
+                self.optim.step_units(Units(self.stepped), hyper)
+            except Exception as err:
+                raise self.fail(err, f"the optimizer step failed: {err}") from err
+            except BaseException as err:  # a Ctrl-C between units: the same mix
+                self.fail(err, "the optimizer step was interrupted")
+                raise  # (the interrupt goes up as it came)
 
 
 class Background(StepSchedule):
     def __init__(self, optim, params, stepped, timers) -> None:
         super().__init__(optim, params, stepped, timers)
-        self.worker = _Worker(optim, timers)
+        self.worker = _Worker(optim, timers, self.fail)
 
     def launch(self, hyper: Hyper) -> None:
         self.worker.start(self.stepped, Units(self.stepped), hyper)
@@ -327,13 +344,6 @@ class Background(StepSchedule):
 
     def flush(self) -> None:
         self.worker.join()
-
-    @property
-    def failure(self) -> str | None:
-        return self.worker.failure
-
-    def state_restored(self) -> None:
-        self.worker.failure = None
 
 
 class InBackward(Background, PieceSink):
@@ -521,7 +531,7 @@ class InBackward(Background, PieceSink):
                 self.optim.derive_params(self.stepped)
             except Exception as exc:  # the undo failed too: refused until state is loaded
                 what = f"the optimizer step failed: {err}, and its undo: {exc}"
-                raise self.worker.fail(exc, what) from exc
+                raise self.fail(exc, what) from exc
             raise RuntimeError(
                 f"offload: the optimizer step failed: {err} (the update was undone: the state "
                 "is that of before this step)"
@@ -575,9 +585,7 @@ class InBackward(Background, PieceSink):
             self._undo()
         except Exception as exc:  # the state is mixed: refused until state is loaded
             # (raised bare until 2026-12-07: the IO error, no word of the mix)
-            raise self.worker.fail(
-                exc, f"undoing the optimizer step's update failed: {exc}"
-            ) from exc
+            raise self.fail(exc, f"undoing the optimizer step's update failed: {exc}") from exc
 
     def _undo(self) -> None:
         """Back to the state before the update: master and moments from the version's start,

@@ -73,6 +73,40 @@ def test_clipping_twice_clips_the_clipped_gradients_as_torch(tmp_path, owner):
         opt.close()
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("owner", list(GRAD_OWNERS))
+def test_clipping_non_finite_gradients_gives_torch_s_norm_and_step(tmp_path, owner, bad):
+    """Gradients with a NaN: torch's norm is NaN and its clipping scales every gradient by NaN,
+    so every weight turns NaN (a diverged run stops there). offload returned inf and scaled by
+    0, so the weights whose gradient was finite (the embedding rows the batch missed) trained
+    on (found 2026-12-07). With an inf and no NaN, both are inf; NaN and inf masks as torch's."""
+    tokens = batches(1)[0]
+    ref = make_model()
+    ref_opt = _torch_adamw(ref)
+    ref_params = [p for p in ref.parameters() if p.requires_grad]
+    model, opt = _wrap(tmp_path, owner)
+
+    def poisoned(m):
+        loss = lm_loss(m, tokens)
+        # a non-finite gradient at the head alone (inf * 0 would make NaN)
+        return loss + float(bad) * m.head.weight[0, 0] if bad == "inf" else loss * float(bad)
+
+    try:
+        poisoned(ref).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref_params, 1.0)
+        ref_opt.step()
+        poisoned(model).backward()
+        got = opt.clip_grad_norm_(1.0)
+        opt.step()
+        assert str(float(got)) == str(float(want)) == bad
+        for name, v in ref.state_dict().items():
+            mine = model.state_dict()[name]
+            assert torch.equal(mine.isnan(), v.isnan()), name
+            assert torch.equal(mine.isinf(), v.isinf()), name
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize("owner", list(GRAD_OWNERS))
 def test_a_backward_after_clipping_and_before_the_step_is_refused(tmp_path, owner):
     """``clip_grad_norm_`` between two backwards of a step: torch clips the gradients so far

@@ -188,7 +188,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         """The norm of the gradients the next step would apply: loss scale removed, and times
         the clipping asked so far (torch's clipping scales ``p.grad`` in place)."""
         found_inf, ss = self._engine.grad_norm_sq()
-        norm = math.sqrt(ss) if not found_inf else math.inf
+        # torch's norm: NaN where a gradient is NaN (the sum of squares carries it; inf before
+        # 2026-12-07, which clipped by 0 where torch's NaN scale stops every weight), inf
+        # where one is inf alone
+        norm = math.sqrt(ss) if not found_inf or not math.isfinite(ss) else math.inf
         if self.scaler is not None:
             norm /= self.scaler.scale
         return norm * self._pending_coef()

@@ -13,6 +13,7 @@ from engine_models import batches, lm_loss, make_model, placement_config
 
 import offload
 from offload.api.checkpoint_files import CheckpointError
+from offload.runtime.phase import PhaseError
 
 STEPS, ACCUM, CLIP, LR, WD = 6, 2, 0.5, 1e-2, 0.5
 # group 0: the middle block, a slower LR and other moments; group 1: the default (the config's
@@ -189,6 +190,27 @@ def test_a_changed_group_lr_after_the_update_in_backward_is_named_by_its_group(t
             Exception, match=r"param_groups\[0\]\.betas \(0\.8, 0\.99\) -> \(0\.5, 0\.9\)"
         ):
             opt.step()
+    finally:
+        opt.close()
+
+
+def test_a_first_clip_after_the_update_in_backward_says_it_is_the_clipping(tmp_path):
+    """A loop that clips from a later step on (after a warm-up): the first clip comes after an
+    update in the backward whose gradients were not kept, so the step is taken unclipped and
+    refused. The refusal said param_groups had changed (they had not; its only change was
+    the gradient scale); it names the clipping now and what to do."""
+    model, opt = offload.wrap(make_model(), placement_config("nvme", "nvme", tmp_path))
+    try:
+        for tokens in batches(2):  # no norm asked for: the gradients are not kept
+            lm_loss(model, tokens).backward()
+            opt.step()
+            opt.zero_grad()
+        lm_loss(model, batches(1)[0]).backward()
+        opt.clip_grad_norm_(1e-3)
+        with pytest.raises(PhaseError, match="clip_grad_norm_ clipped it after") as err:
+            opt.step()
+        assert "param_groups" not in str(err.value)
+        assert "optimizer.grad_norm() or clip_grad_norm_ from the first step" in str(err.value)
     finally:
         opt.close()
 

@@ -558,10 +558,24 @@ class InBackward(Background, PieceSink):
             changed = {k: (a, b) for k, a, b in _diff(used, hyper)}
             grad_scale = changed.pop("grad_scale", None)
             what = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            if not what:  # the gradient scale alone: the loop clipped for the first time
+                # (loss scaling keeps the gradients from the start); this blamed param_groups
+                # until 2026-12-07, which had not changed
+                raise PhaseError(
+                    "offload: with offload_optimizer.step_in_backward this step's update ran "
+                    "in its last backward, unclipped, and optimizer.clip_grad_norm_ clipped it "
+                    f"after (a gradient scale of {grad_scale[1]!r}); no step before had asked "
+                    "for the norm, so its gradients were not kept to redo the update: the step "
+                    "was taken unclipped (clipping applies from the next step, whose gradients "
+                    "are kept). Where the loop clips from a later step on (after a warm-up), "
+                    "call optimizer.grad_norm() or clip_grad_norm_ from the first step (a "
+                    "norm asked for keeps the gradients, 4 bytes a parameter written more a "
+                    "step), set gradient_clipping in the config, or set step_in_backward false"
+                )
             raise PhaseError(
                 "offload: with offload_optimizer.step_in_backward this step used the values "
                 "param_groups held when loss.backward() started, but they changed before "
-                f"optimizer.step() ({what or f'gradient scale {grad_scale[1]!r}'}), and the "
+                f"optimizer.step() ({what}), and the "
                 "gradients were not kept to redo it: the step was taken with the earlier "
                 "values (the new ones apply from the next step). Change them before the "
                 "backward (an LR scheduler stepped after optimizer.step() does), or set "

@@ -177,7 +177,7 @@ def test_the_update_worker_runs_its_kernels_on_the_pool():
         def step_units(self, source, hyper, on_unit_done) -> None:
             seen.append(_native.compute_backend())
 
-    worker = _Worker(Optim(), collections.defaultdict(float))
+    worker = _Worker(Optim(), collections.defaultdict(float), lambda err, what: RuntimeError(what))
     worker.start([], Units([]), hyper=None)
     worker.join()
     assert seen == ["pool"]

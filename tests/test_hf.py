@@ -383,6 +383,85 @@ def test_init_empty_weights_and_a_meta_context_both_load(tmp_path):
             opt.close()
 
 
+@pytest.mark.parametrize("head", ["other values", "the same values"])
+def test_a_tied_file_holding_both_names_is_tied_as_transformers_ties_it(tmp_path, head, caplog):
+    """A ``tie_word_embeddings`` model whose file holds ``lm_head.weight`` beside the embedding
+    (torch's .bin conversions write both): transformers ties the pair where the values are the
+    same and leaves it untied, warning, where not. ``offload.from_pretrained`` built the model
+    tied already and read one of the two (logits 18.45 off with other values, no word), and
+    ``wrap(weights=)`` of a model built empty left the pair untied also with the same values
+    (trained apart where transformers trains one tensor). Both follow transformers now, and
+    training matches it."""
+    from accelerate import init_empty_weights  # noqa: PLC0415
+
+    d = write_model(tmp_path / "m", tie=True)
+    sd = load_file(d / "model.safetensors")
+    emb = sd["model.embed_tokens.weight"]
+    sd["lm_head.weight"] = emb.clone() if head == "the same values" else torch.randn_like(emb)
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    ref = AutoModelForCausalLM.from_pretrained(d)
+    tied = ref.lm_head.weight is ref.model.embed_tokens.weight
+    assert tied == (head == "the same values")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    data = _batches(2)
+    want = []
+    for x in data:
+        loss = _loss(ref, x)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(loss.item())
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(hf_config(tie=True))
+    for i, load in enumerate(
+        (
+            lambda cfg: offload.from_pretrained(d, cfg),
+            lambda cfg: offload.wrap(empty, cfg, weights=d),
+        )
+    ):
+        caplog.clear()
+        model, opt = load(nvme_config(tmp_path / str(i), "cpu", "cpu"))
+        try:
+            assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+            assert any("different values" in r.getMessage() for r in caplog.records) != tied
+            model.train()
+            got = []
+            for x in data:
+                loss = _loss(model, x)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                got.append(loss.item())
+            assert got == pytest.approx(want, rel=1e-5)
+            for k, v in ref.state_dict().items():
+                torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+        finally:
+            opt.close()
+
+
+def test_a_model_with_buffers_made_in_init_loads(tmp_path):
+    """GPT-Neo's and GPTBigCode's causal masks are buffers made in ``__init__``, in no file:
+    ``offload.from_pretrained`` built the model under ``torch.device("meta")``, which left
+    them without values, and refused the directory. It builds as transformers does now
+    (parameters on meta, buffers real)."""
+    import transformers  # noqa: PLC0415
+
+    cfg = transformers.GPTNeoConfig(
+        vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=64,
+        attention_types=[[["global", "local"], 1]], window_size=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "neo")
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "neo")
+    model, opt = offload.from_pretrained(tmp_path / "neo", nvme_config(tmp_path, "nvme", "nvme"))
+    try:
+        x = _batches(1)[0]
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=x).logits, ref(input_ids=x).logits)
+    finally:
+        opt.close()
+
+
 def test_the_directory_s_generation_config_is_read_and_saved_again(tmp_path):
     """An instruct model's ``generation_config.json`` (its stop tokens, its sampling defaults)
     was never read: ``generate`` ran without them (20 tokens instead of 77, no repetition

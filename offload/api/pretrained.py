@@ -1,7 +1,8 @@
 """Hugging Face models in and out of offload: ``from_pretrained`` and ``save_pretrained``.
 
-``from_pretrained(path, config)`` builds the model of a local Hugging Face directory on the meta
-device from its ``config.json`` and wraps it with ``weights=path``: every tensor streams from the
+``from_pretrained(path, config)`` builds the model of a local Hugging Face directory from its
+``config.json``, its parameters on the meta device (buffers real, as transformers builds it),
+and wraps it with ``weights=path``: every tensor streams from the
 safetensors shards into its home (``offload.runtime.weights``). ``save_pretrained(model, dir)``
 writes the layout ``from_pretrained`` and the Hub expect: ``model.safetensors``, or shards
 ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json`` when the model is
@@ -161,7 +162,13 @@ def from_pretrained(
     cls = _saved_architecture(transformers, hf_config)
     if model_class is not None:
         _check_model_class(transformers, model_class)
-    with torch.device("meta"):
+    # parameters on the meta device, buffers real, as transformers builds a model to load: under
+    # torch.device("meta") a buffer made in __init__ and in no file (GPT-Neo's and GPTBigCode's
+    # causal masks) had no value and the model was refused, and the tied pair came out tied
+    # already, so a file holding both with other values lost its head (untied by transformers)
+    from accelerate import init_empty_weights  # noqa: PLC0415 - the hf extra's, as transformers
+
+    with init_empty_weights():
         if model_class is not None:
             if hasattr(model_class, "_model_mapping"):  # an AutoModelFor... class
                 model = model_class.from_config(hf_config, **model_kwargs)

@@ -31,8 +31,10 @@ Note: tied weights the model forgot
     built under ``accelerate.init_empty_weights()`` comes out with two untied meta parameters,
     and the file holds only one of them. Before the model is planned, :func:`tie_declared`
     ties them the way ``from_pretrained`` does: ``model.tie_weights(missing_keys=...)``, with
-    the names the file lacks, so the one in the file is kept (either side), and a pair the
-    file holds both of is left untied (both read).
+    the names the file lacks, so the one in the file is kept (either side). A pair the file
+    holds both of is tied where the two hold the same values (torch's .bin conversions write
+    both) and left untied, warned of, where not, as transformers does (until 2026-12-07 it was
+    left untied either way, and ``from_pretrained``, which built the model tied, read one).
 
 Note: buffers the model computes
     A non-persistent buffer is not in the file. On a model built on the meta device it has no
@@ -404,11 +406,36 @@ def tie_declared(model: nn.Module, source) -> None:
 
     tensors, files, where = open_weights(source)
     try:
-        names = set(convert_checkpoint(model, tensors, where))
+        found = convert_checkpoint(model, tensors, where)
+        names = set(found)
+        for target, tied_to in declared(all_submodels=True).items():
+            if target not in found or tied_to not in found:
+                continue
+            if _same_values(found[target], found[tied_to]):
+                names.discard(target)  # one value twice (torch's .bin files): tied, as transformers
+                continue
+            logger.warning(  # (tie_weights leaves a pair it finds both of untied)
+                "weights: the config ties '%s' to '%s' (tie_word_embeddings), but %s holds both "
+                "with different values: they are not tied, as transformers does (set "
+                "tie_word_embeddings false in config.json to silence this)",
+                target,
+                tied_to,
+                where,
+            )
+            getattr(model, "all_tied_weights_keys", {}).pop(target, None)  # (saved untied too)
     finally:
         for f in files:
             f.close()
     model.tie_weights(missing_keys={n for n in model.state_dict() if n not in names})
+
+
+def _same_values(a, b, chunk: int = 1 << 24) -> bool:
+    """Whether two tensors or lazy tensors hold the same elements, read ``chunk`` at a time."""
+    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+        return False
+    n = math.prod(a.shape)
+    a, b = (t.reshape(-1) if isinstance(t, torch.Tensor) else t for t in (a, b))
+    return all(torch.equal(a[lo : lo + chunk], b[lo : lo + chunk]) for lo in range(0, n, chunk))
 
 
 def _sentinel(buf: torch.Tensor) -> torch.Tensor:

@@ -162,6 +162,56 @@ def test_a_forked_child_never_removes_its_parents_files(tmp_path):
     aio.close()
 
 
+FORKED_CHILD_USES_THE_MODEL = """
+import os, sys, torch, torch.nn as nn
+import offload
+torch.set_num_threads(1)
+class Block(nn.Module):
+    def __init__(s): super().__init__(); s.fc = nn.Linear(64, 64)
+    def forward(s, x): return x + s.fc(x)
+model = nn.Sequential(*(Block() for _ in range(12)))
+cfg = {{"device": "cpu", "dtype": "fp32", "wrap": {{"module_classes": ["Block"]}},
+       "offload_param": {{"device": "nvme", "nvme_path": {root!r}, "buffer_count": 2,
+                         "buffer_size": "64KiB", "persistence_threshold": 0}},
+       "offload_optimizer": {{"device": "nvme", "nvme_path": {root!r}}}}}
+model, opt = offload.wrap(model, cfg)
+x = torch.randn(4, 64)
+{before}
+pid = os.fork()
+if pid == 0:  # uses the model, fails, and exits through the interpreter's finalization
+    {child}
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), flush=True)
+model(x).sum().backward()  # the parent trains on
+opt.step()
+opt.close()
+print("parent done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("child", ["evaluates", "trains", "evaluates before any step"])
+def test_a_forked_child_that_uses_a_model_on_nvme_fails_and_exits(tmp_path, child):
+    """A child forked after wrap (a DataLoader worker calling a teacher model, a fork pool)
+    that runs the model waited forever for a read the parent's IO threads were to do, and,
+    once that raised, hung again at exit destroying the engine's condition variables (the
+    parent's waiters counted in them). It is an error naming the fork now, the child exits,
+    and the parent trains on."""
+    use = {  # (the update the parent's step left running, or the IO engine's reads)
+        "evaluates": "with torch.no_grad(): model(x)",
+        "trains": "model(x).sum().backward(); opt.step()",
+        "evaluates before any step": "with torch.no_grad(): model(x)",
+    }[child]
+    step = "model(x).sum().backward(); opt.step(); opt.zero_grad()"
+    before = "with torch.no_grad(): model(x)" if child.endswith("any step") else step
+    code = FORKED_CHILD_USES_THE_MODEL.format(root=str(tmp_path), before=before, child=use)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "child 1" in out.stdout and "parent done" in out.stdout, out.stdout
+    assert "forked from the process that made its" in out.stderr, out.stderr[-3000:]
+
+
 # ---- native code on a daemon thread when the interpreter finalizes ---------------------------
 # A daemon thread blocks inside a native call (AioEngine.submit opening a FIFO for reading, GIL
 # released) until the __del__ of a garbage cycle opens the FIFO for writing. Automatic

@@ -213,12 +213,15 @@ SCHEDULES = {
 TRACE_STARTS = {"offload_param": "forward", "offload_optimizer": "backward"}
 
 
-def _close_at_exit(ref: weakref.ref) -> None:
+def _close_at_exit(ref: weakref.ref, pid: int) -> None:
     """At interpreter exit: a runtime nobody closed is closed (its update thread joined, its
     files removed) before the IO layer shuts down (``offload.io.lifecycle``'s Note on order:
-    registered at wrap time, so it runs before the IO layer's own handler)."""
+    registered at wrap time, so it runs before the IO layer's own handler). Not in a process
+    forked from the one that wrapped (``pid``), which inherits the handler and owns nothing:
+    its close waited for locks the parent's threads held at the fork, for good (a DataLoader
+    worker that used the model hung at exit until 2026-12-07)."""
     runtime = ref()
-    if runtime is not None:  # (closed: what a close stopped part way left, if any)
+    if runtime is not None and os.getpid() == pid:  # (closed: what a close stopped left)
         runtime.close()
 
 
@@ -896,7 +899,7 @@ def wrap(
         if cfg.wrap.check_reads and runtime.params.releases:
             runtime._handles.append(ReadCheck(model, runtime, cfg.wrap.check_reads))
         _RUNTIMES[model] = weakref.ref(runtime)
-        atexit.register(_close_at_exit, weakref.ref(runtime))
+        atexit.register(_close_at_exit, weakref.ref(runtime), os.getpid())
         trim_host_heap()
         group_of = {p: i for i, g in enumerate(groups) for p in g["params"] if i}
         runtime.update_runs = UpdateRuns(no_decay, group_of)

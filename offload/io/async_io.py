@@ -26,6 +26,7 @@ ENOSPC adds the bytes the request needed and the bytes free on that filesystem.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -65,6 +66,7 @@ class IOHandle:
         "_error",
         "_finished",
         "_lock",
+        "_pid",
     )
 
     def __init__(
@@ -80,6 +82,7 @@ class IOHandle:
         self._error: BaseException | None = None
         self._finished = False
         self._lock = threading.Lock()
+        self._pid = os.getpid()  # the process whose engine runs it (see the Note on lifetimes)
 
     @property
     def path(self) -> str:
@@ -114,6 +117,10 @@ class IOHandle:
                 request stays in flight (wait again later).
         """
         if not self._finished:
+            if os.getpid() != self._pid:  # its engine's threads stayed in the parent
+                raise RuntimeError(
+                    lifecycle.forked(f"a wait for the {self._what} of {self._path!r}", "IO engine")
+                )
             if self._req is not None and not self._req.wait(-1.0 if timeout is None else timeout):
                 raise TimeoutError(
                     f"{self._what} of {self._path!r} still in flight after {timeout} s"
@@ -247,6 +254,8 @@ class AsyncIO:
             raise RuntimeError("AsyncIO is closed")
         what = "write" if is_write else "read"
         path = os.fspath(path)
+        if os.getpid() != self._pid:
+            raise RuntimeError(lifecycle.forked(f"a {what} of {label or repr(path)}", "IO engine"))
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"AsyncIO.{what}: expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -301,6 +310,15 @@ class AsyncIO:
         lifecycle.untrack(self)
         if os.getpid() == self._pid:  # see the Note on lifetimes
             self._engine.close()
+
+    def forked(self) -> None:
+        """Called in a child just forked from this engine's process (``offload.io.lifecycle``):
+        the native engine is never freed there. Its condition variables may count the parent's
+        threads as waiters, which the child does not have, and destroying one with waiters
+        blocks for good (a forked child that used a model on NVMe, and exited, hung until
+        2026-12-07): one small object leaked, in a process whose memory goes with it."""
+        if self.backend == "native":
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._engine))
 
     def abandon(self) -> None:
         """:meth:`close` from a signal handler (``offload.io.lifecycle``): takes no Python lock.

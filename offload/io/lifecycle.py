@@ -22,7 +22,9 @@ never keeps one alive. What is still open when the process ends is closed by thi
 Note: forked children. A child made by ``fork`` (a DataLoader worker) inherits this registry and
 the SIGTERM handler but owns none of the files: after a fork the registry is emptied and the
 handler removed in the child, and every resource remembers the pid that made it, so a child can
-never remove its parent's swap space.
+never remove its parent's swap space. Nor can it use the engines, whose threads stayed in the
+parent: a request or a wait there raises (``AsyncIO``), and an engine is never freed there
+(``AsyncIO.forked``).
 
 Note: order with the layers above. ``atexit`` runs handlers last-registered first. This module
 registers its handler when ``offload.io`` is imported, so an upper layer that registers its own
@@ -126,9 +128,26 @@ def _on_sigterm(signum: int, frame: object) -> None:
     signal.raise_signal(signal.SIGTERM)
 
 
+def forked(what: str, whose: str) -> str:
+    """The error for ``what`` in a process forked from the one whose ``whose`` (the IO engine,
+    the background update) would run it (the Note on forked children): its threads are not in
+    the child, which waited for them for good (a DataLoader worker or a fork pool using a model
+    on NVMe: until 2026-12-07 a hang)."""
+    return (
+        f"offload: {what} in process {os.getpid()}, forked from the process that made its "
+        f"{whose}: its threads live there, not in a forked child (a DataLoader worker, a "
+        "multiprocessing pool with the 'fork' start method), so a model wrapped with parameters "
+        "or optimizer state on NVMe, or whose update runs in the background, cannot be used in "
+        "one. Use it in the process that wrapped it, or wrap a model in the child (the 'spawn' "
+        "start method)"
+    )
+
+
 def _after_fork_in_child() -> None:
     global _sigterm_installed, _lock
     _lock = threading.RLock()  # the parent's may have been held by another thread at fork
+    for engine in list(_engines):
+        engine.forked()
     _engines.clear()
     _stores.clear()
     if _sigterm_installed and signal.getsignal(signal.SIGTERM) is _on_sigterm:

@@ -53,6 +53,7 @@ Note: the head start
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -65,6 +66,7 @@ from offload._interrupts import interrupts_deferred, wait
 from offload.homes.grads import Hyper, PieceSink
 from offload.homes.optim import OptimHome, Part, Units
 from offload.homes.params import ParamHome
+from offload.io import lifecycle
 from offload.plan import Unit
 from offload.runtime.phase import PhaseError
 
@@ -136,6 +138,7 @@ class _Worker:
         self._unit_done: dict[int, threading.Event] = {}
         self._error: BaseException | None = None
         self._undo: Callable[[], None] | None = None
+        self._pid = os.getpid()  # the process the thread runs in (see _check_here)
 
     @property
     def failed(self) -> bool:
@@ -180,6 +183,7 @@ class _Worker:
         # waited on them for good): held back over the lines that make the update this one
         with interrupts_deferred():
             self._unit_done, self._error, self._undo = events, None, undo
+            self._pid = os.getpid()
             self._thread = threading.Thread(target=run, name="offload-step", daemon=True)
             self._thread.start()
 
@@ -187,6 +191,7 @@ class _Worker:
         """Blocks until ``unit``'s update (if any) is complete; re-raises a failure."""
         event = self._unit_done.get(unit.index)
         if event is not None and not event.is_set():
+            self._check_here()
             t0 = time.perf_counter()
             with torch.profiler.record_function("offload::wait_update"):
                 wait(event)  # a Ctrl-C inside Event.wait left it locked (Note: waits)
@@ -194,10 +199,18 @@ class _Worker:
         if self._error is not None:
             self.join()
 
+    def _check_here(self) -> None:
+        """Raises in a process forked while the update ran: its thread stayed in the parent,
+        and its events are never set here."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(lifecycle.forked("a wait for the optimizer update", "update"))
+
     def join(self) -> None:
         """Waits for the update to finish; re-raises its error."""
         if self._thread is None:
             return
+        if not all(e.is_set() for e in self._unit_done.values()):
+            self._check_here()
         t0 = time.perf_counter()
         self._thread.join()
         self.timers["step_wait_seconds"] += time.perf_counter() - t0

@@ -304,7 +304,8 @@ def test_a_latest_that_is_a_directory_is_refused_before_writing(tmp_path, monkey
 def test_an_empty_directory_is_refused_not_taken_as_the_working_directory(tmp_path, monkeypatch):
     """``save_checkpoint("")`` (an unset variable) wrote a whole checkpoint into the working
     directory and then raised "FileNotFoundError: ''"; ``load_checkpoint("")`` loaded the
-    working directory's. Both are refused, naming the value and what is allowed."""
+    working directory's; ``save_pretrained("")`` wrote the model among the working
+    directory's files. All are refused, naming the value and what is allowed."""
     model, opt = offload.wrap(make_model(), placement_config("none", "cpu", tmp_path / "w"))
     gathered = _count_gathers(monkeypatch)
     (tmp_path / "cwd").mkdir()
@@ -321,6 +322,12 @@ def test_an_empty_directory_is_refused_not_taken_as_the_working_directory(tmp_pa
                 offload.save_checkpoint(empty, model, opt)
             with pytest.raises(offload.CheckpointError, match=re.escape(allowed)):
                 offload.load_checkpoint(empty, model, opt)
+            # save_pretrained("") wrote the model's files among the working directory's;
+            # export("") said only that '.' is a directory
+            with pytest.raises(ValueError, match=rf"save_pretrained: directory: got '{empty}'"):
+                offload.save_pretrained(model, empty)
+            with pytest.raises(ValueError, match=rf"export: file: got '{empty}'; allowed: a non"):
+                offload.export(model, empty)
         assert not gathered and sorted(os.listdir(".")) == before
         assert offload.load_checkpoint(".", model, opt) == {}
     finally:

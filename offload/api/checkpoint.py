@@ -143,18 +143,22 @@ def _to_json(extra: dict) -> dict:
     return files.encode_extra(extra)
 
 
-def _directory(what: str, directory, cls: type[Exception], nothing: str) -> Path:
-    """``directory`` as a Path; an empty one is refused: ``Path("")`` is the working
-    directory, so ``save_checkpoint("")`` (an unset variable, say) wrote a checkpoint into it
-    without a word, and ``load_checkpoint("")`` read whatever was there."""
-    if isinstance(directory, (str, os.PathLike)):
-        text = os.fspath(directory)
+def path_given(
+    what: str, path, cls: type[Exception], nothing: str, kind: str = "directory"
+) -> Path:
+    """``path`` as a Path; an empty one is refused: ``Path("")`` is the working directory, so
+    ``save_checkpoint("")`` (an unset variable, say) wrote a checkpoint into it without a word,
+    ``load_checkpoint("")`` read whatever was there, ``save_pretrained("")`` wrote the model's
+    files among the working directory's, and ``export("")`` said only that '.' is a
+    directory. ``kind`` says what is asked for: a directory, or a file."""
+    if isinstance(path, (str, os.PathLike)):
+        text = os.fspath(path)
         if isinstance(text, str) and not text.strip():
+            here = " ('.' for the working directory)" if kind == "directory" else ""
             raise cls(
-                f"{what}: directory: got {text!r}; allowed: a non-empty directory path ('.' "
-                f"for the working directory); {nothing}"
+                f"{what}: {kind}: got {text!r}; allowed: a non-empty {kind} path{here}; {nothing}"
             )
-    return Path(directory)
+    return Path(path)
 
 
 def _check_keep_last(keep_last) -> None:
@@ -254,7 +258,7 @@ def save_checkpoint(
     engine = _engine(model)
     engine.check_readable("save_checkpoint")
     optimizer = _optimizer_of(engine, optimizer, "save_checkpoint")
-    directory = _directory("save_checkpoint", directory, ValueError, "nothing was written")
+    directory = path_given("save_checkpoint", directory, ValueError, "nothing was written")
     _check_keep_last(keep_last)
     extra = _to_json(extra)
     group = _param_groups(optimizer)
@@ -481,7 +485,7 @@ def _load_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer) 
     engine = _engine(model)
     engine.check_idle("load_checkpoint", restoring=True)
     optimizer = _optimizer_of(engine, optimizer, "load_checkpoint")
-    directory = _directory("load_checkpoint", directory, CheckpointError, "nothing was changed")
+    directory = path_given("load_checkpoint", directory, CheckpointError, "nothing was changed")
     if engine.comm.world > 1:
         return _load_ranks(directory, engine, optimizer)
     path = files.resolve(directory)
@@ -907,7 +911,7 @@ def export(model: nn.Module, path: str | os.PathLike, dtype: torch.dtype = torch
                 f"safetensors cannot hold (it holds the floating dtypes and {allowed}); "
                 "nothing was written"
             )
-    path = Path(path)
+    path = path_given("export", path, ValueError, "nothing was written", kind="file")
     names: dict[nn.Parameter, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(p, []).append(name)

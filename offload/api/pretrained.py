@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from offload.api.checkpoint import UnitValues, check_float_dtype, written_by_rank0
+from offload.api.checkpoint import UnitValues, check_float_dtype, path_given, written_by_rank0
 from offload.config import parse_size
 from offload.plan import Segment, Unit
 from offload.runtime.safetensors import Entry, fsync_dir, write_file
@@ -465,7 +465,7 @@ def save_pretrained(
     engine = engine_of(model)
     engine.check_readable("save_pretrained")
     engine.watch.check_in_model("save_pretrained", pieces=True)
-    directory = Path(directory)
+    directory = path_given("save_pretrained", directory, ValueError, "nothing was written")
 
     def write(values: UnitValues) -> None:
         if directory.exists() and not directory.is_dir():  # found after every shard was written

@@ -1289,6 +1289,33 @@ def test_peft_merge_and_unload_is_refused_until_close_restore(tmp_path):
             opt.close()
 
 
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_resize_token_embeddings_after_wrap_is_refused_naming_the_resize(tmp_path, tie):
+    """``resize_token_embeddings`` after ``wrap`` sets the embedding's new table through
+    ``p.data = ...`` and replaces an untied output layer: refused at the next forward, but the
+    message spoke of ``p.data`` and ``vector_to_parameters``, or of PEFT's merge, not of the
+    resize. It names the resize, the shapes, and what is not put back (the config's
+    ``vocab_size``)."""
+    model = AutoModelForCausalLM.from_config(hf_config("llama", tie=tie))
+    _, opt = offload.wrap(model, nvme_config(tmp_path, "cpu", "cpu"))
+    try:
+        vocab = model.config.vocab_size
+        model.resize_token_embeddings(vocab + 8, mean_resizing=False)
+        x = _batches(1)[0]
+        if tie:
+            said = (
+                rf"resized after offload.wrap \(model\.embed_tokens\.weight \[{vocab}, \d+\] "
+                rf"-> \[{vocab + 8}, \d+\]; transformers' resize_token_embeddings\(\).*"
+                r"vocab_size\) is not put back. Resize before offload.wrap"
+            )
+        else:
+            said = r"no longer in the model \(lm_head\.weight\).*resize_token_embeddings\(\)"
+        with pytest.raises(PhaseError, match=said):
+            model(input_ids=x)
+    finally:
+        opt.close()
+
+
 @_PEFT_ASKS_DEPRECATED
 def test_peft_prompt_tuning_saves_through_offload_trainer(tmp_path):
     """Prompt tuning trains parameters of the PeftModel itself, so the PeftModel is wrapped

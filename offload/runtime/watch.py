@@ -99,11 +99,13 @@ class ModelWatch:
                 f"longer in the model ({', '.join(gone[:3])}{', ...' if len(gone) > 3 else ''}): "
                 "a module was replaced or removed after offload.wrap (PEFT's merge_and_unload() "
                 "and unload() do so; a merge reads and writes the parameters themselves, which "
-                "offload releases between uses: it merged zeros), or the parameters were "
-                "swapped for a call (torch.func.functional_call, torch.nn.utils.stateless: not "
-                "supported on a wrapped model, whose forward computes with offload's own). "
+                "offload releases between uses: it merged zeros; transformers' "
+                "resize_token_embeddings() replaces an untied output layer), or the parameters "
+                "were swapped for a call (torch.func.functional_call, torch.nn.utils.stateless: "
+                "not supported on a wrapped model, whose forward computes with offload's own). "
                 "Call optimizer.close(restore=True) first, which puts every value back into the "
-                "model, then merge_and_unload(); or change the model before offload.wrap"
+                "model, then merge_and_unload(); or change the model (a resize too) before "
+                "offload.wrap"
             )
         if any(p.requires_grad and id(p) not in self.owned for p in params):
             self._warn_added(what)  # (after the refusal above: a replaced module's are new)
@@ -310,9 +312,26 @@ class ModelWatch:
         replaced = [(run, run.replaced()) for run in self.runs]
         names = [n for _, names in replaced for n in names]
         if names:
+            resized = [
+                f"{s.name} {list(s.shape)} -> {list(s.param.shape)}"
+                for run, some in replaced
+                for s in run.unit.layout.segments
+                if s.name in some and s.param.shape != s.shape
+            ]
             for run, some in replaced:
                 if some:
                     run.restore()
+            if resized:  # transformers' resize_token_embeddings() sets the new table so
+                raise PhaseError(
+                    f"offload: {what}: {len(resized)} parameter(s) were resized after "
+                    f"offload.wrap ({', '.join(resized[:3])}{', ...' if len(resized) > 3 else ''}"
+                    "; transformers' resize_token_embeddings() does so, through p.data = ...): "
+                    "offload holds each parameter at the shape it had at wrap, so the new "
+                    "tensor would be neither filled nor trained. They view offload's storage "
+                    "again, at their old shape, with offload's values; what else the resize "
+                    "changed (a model config's vocab_size) is not put back. Resize before "
+                    "offload.wrap (or close(restore=True), resize, and wrap again)"
+                )
             raise PhaseError(
                 f"offload: {what}: {len(names)} parameter(s) were given another tensor through "
                 f"p.data = ... after offload.wrap ({', '.join(names[:3])}"

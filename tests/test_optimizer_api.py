@@ -546,6 +546,43 @@ def test_torch_two_step_clipping_is_guarded(tmp_path, owner):
         opt.close()
 
 
+def test_torch_clipping_of_loss_scaled_gradients_in_p_grad_is_refused(tmp_path):
+    """Gradients in ``p.grad`` (fp32, all on the CPU) with offload's loss scaler on: ``.grad``
+    holds them times the scale until ``step()``, and torch's clipping, let through where the
+    gradients are in ``.grad``, took that norm (1024x the true one) and clipped 1024x too
+    hard, silently. Refused, naming the scale; ``optimizer.clip_grad_norm_`` trains as
+    torch's ``GradScaler`` with ``unscale_`` before the clip."""
+    data = batches(3)
+    ref = make_model()
+    ref_opt = _torch_adamw(ref)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    model, opt = _wrap(tmp_path, "autograd", loss_scale={"enabled": True, "initial": 1024.0})
+    params = [p for p in model.parameters() if p.requires_grad]
+    refused = r"loss scaler on .*\(1024\).*optimizer\.clip_grad_norm_"
+    try:
+        for tokens in data:
+            scaler.scale(lm_loss(ref, tokens)).backward()
+            scaler.unscale_(ref_opt)
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            scaler.step(ref_opt)
+            scaler.update()
+            ref_opt.zero_grad()
+            opt.scale_loss(lm_loss(model, tokens)).backward()
+            for clip in (
+                lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5),
+                lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 0.1),
+                lambda: torch.nn.utils.clip_grads_with_norm_(params, 0.5, torch.tensor(1.0)),
+            ):
+                with pytest.raises(ClipError, match=refused):
+                    clip()
+            torch.testing.assert_close(opt.clip_grad_norm_(0.5), want, rtol=1e-5, atol=0)
+            opt.step()
+            opt.zero_grad()
+        _assert_close(model.state_dict(), ref.state_dict())
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize("owner", ["autograd", "nvme"])
 def test_a_step_after_gradients_set_by_hand_says_why_it_updates_nothing(tmp_path, caplog, owner):
     """``gs = torch.autograd.grad(loss, params); p.grad = g`` then ``step()``: offload takes its

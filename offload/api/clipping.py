@@ -36,6 +36,14 @@ Note: the guard
     parameters, so it cannot tell offload's parameters from others; the guard on the clipping
     that follows it refuses the pair. Where the gradients are in ``.grad`` both are torch's.
 
+Note: scaled gradients
+    Where the gradients stay in ``.grad`` (``GradOwner.AUTOGRAD``) but offload's loss scaler
+    is on (``loss_scale.enabled``, fp16), ``.grad`` holds them times the loss scale until
+    ``step()`` unscales them: torch's clipping took that norm (2620 for a true 2.56 at a scale
+    of 1024) and clipped 1024 times too hard, silently (1.27e-2 off torch's ``GradScaler``
+    with ``unscale_`` after four steps; a scratch probe of 2026-12-08). Those parameters are
+    guarded too, with their own message; ``optimizer.clip_grad_norm_`` unscales first.
+
 Note: routing Trainer and Accelerate
     :func:`route_clipping` gives one ``accelerate.Accelerator`` a ``clip_grad_norm_`` that sends
     offload's parameters to their optimizer (``max_norm=inf``, which ``Trainer`` uses to log the
@@ -67,8 +75,9 @@ class ClipError(RuntimeError):
 
 
 def register(optimizer) -> None:
-    """Called by ``wrap``: guards torch's clipping once gradients are held outside ``.grad``."""
-    if optimizer._engine.plan.placement.grads is GradOwner.AUTOGRAD:
+    """Called by ``wrap``: guards torch's clipping once gradients are held outside ``.grad``,
+    or are in ``.grad`` but multiplied by offload's loss scale (Note: scaled gradients)."""
+    if optimizer._engine.plan.placement.grads is GradOwner.AUTOGRAD and optimizer.scaler is None:
         return
     _HELD.add(optimizer)
     _install()
@@ -128,6 +137,17 @@ def _refuse(params: list, call: str) -> None:
     owned = _owned(params)
     if owned:
         opt, hit = next(iter(owned.items()))
+        if opt._engine.plan.placement.grads is GradOwner.AUTOGRAD:
+            raise ClipError(
+                f"{call}: {sum(len(h) for h in owned.values())} of the {len(params)} "
+                "parameters passed are trained by offload with its loss scaler on "
+                "(loss_scale.enabled, or fp16): their .grad holds the gradients times the loss "
+                f"scale ({opt.scaler.scale:g}) until step() unscales them, so this call would "
+                "take a norm that many times too large and clip by a coefficient that many "
+                "times too small. Call optimizer.clip_grad_norm_(max_norm) on the optimizer "
+                "offload.wrap returned (it unscales first), or set gradient_clipping in the "
+                "config"
+            )
         where = GRADS_HELD_IN.get(opt._engine.plan.placement.grads, "offload's buffers")
         two_step = (
             "; torch.nn.utils.get_total_norm over their .grad misses them too: "

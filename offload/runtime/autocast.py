@@ -36,6 +36,16 @@ Note: what autocast holds, and what offload holds instead
     ``torch.compile`` compiled were not checked (compiled blocks under autocast train with
     torch's numbers, the copies they keep were not counted).
 
+Note: a cast made again
+    The backward's cast is the forward's only while the weight has not changed between them.
+    torch's own backward through a graph saved before ``optimizer.step()`` (``retain_graph``
+    over a step, a GAN loop's slip) raises "modified by an inplace operation", except under
+    autocast, where it has the forward's copies; offload cast the stepped weights instead and
+    ran silently on them (1.7e-2 off torch's weights after two steps; a scratch probe of
+    2026-12-08). The parameter's version counter (which ``step()`` moves, as torch's in-place
+    update does) is kept with the reference and checked at the cast: a change is torch's error,
+    naming the parameter, where torch would have run on the copy.
+
 Note: fp16 autocast needs a loss scale
     Under ``torch.autocast(dtype=torch.float16)`` the activations' gradients are fp16: those
     below 2**-24 are flushed to zero (a 3-layer MLP whose loss was scaled by 1e-6: every
@@ -62,12 +72,16 @@ logger = logging.getLogger("offload.runtime")
 
 
 class _CastOf:
-    """What is saved for a cast of ``param`` (or a view of the cast: a linear's ``weight.t()``)."""
+    """What is saved for a cast of ``param`` (or a view of the cast: a linear's ``weight.t()``),
+    with the parameter's version then (Note: a cast made again)."""
 
-    __slots__ = ("param", "dtype", "view")
+    __slots__ = ("param", "dtype", "view", "version", "name")
 
-    def __init__(self, param: torch.Tensor, dtype: torch.dtype, saved: torch.Tensor) -> None:
-        self.param, self.dtype = param, dtype
+    def __init__(
+        self, param: torch.Tensor, dtype: torch.dtype, saved: torch.Tensor, name: str
+    ) -> None:
+        self.param, self.dtype, self.name = param, dtype, name
+        self.version = param._version
         self.view = (
             (saved.size(), saved.stride(), saved.storage_offset())
             if saved._base is not None
@@ -75,6 +89,16 @@ class _CastOf:
         )
 
     def cast(self) -> torch.Tensor:
+        if self.param._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: the parameter {self.name} is at version "
+                f"{self.param._version}; expected version {self.version} instead. Under "
+                "torch.autocast offload casts a weight again in the backward rather than keep "
+                "autocast's copy from the forward, and the weight changed since that forward "
+                "(optimizer.step(), or a write into it): torch would have used the copy of "
+                "before the change. Run the backward before the step, or the forward again"
+            )
         out = self.param.to(self.dtype)
         return out if self.view is None else out.as_strided(*self.view)
 
@@ -85,6 +109,7 @@ class AutocastSaves:
     def __init__(self, runs: list[UnitRun], device: torch.device) -> None:
         self.device_type = device.type
         self.trainable = {id(p): p for run in runs for p in run.unit.trainable_params}
+        self.names = {id(s.param): s.name for run in runs for s in run.unit.layout.segments}
         # per unit index: its frozen parameters by shape, what a frozen cast is matched to
         self.frozen: dict[int, dict[torch.Size, list[torch.Tensor]]] = {}
         for run in runs:
@@ -163,7 +188,7 @@ class AutocastSaves:
     def _pack(self, saved: torch.Tensor):
         base = saved if saved._base is None else saved._base
         param = self._cast_source(base)
-        return saved if param is None else _CastOf(param, base.dtype, saved)
+        return saved if param is None else _CastOf(param, base.dtype, saved, self.names[id(param)])
 
     @staticmethod
     def _unpack(packed):

@@ -258,6 +258,28 @@ def test_fp16_overflows_at_the_least_loss_scale_are_said(tmp_path, caplog):
         opt.close()
 
 
+def test_fp16_overflows_at_a_static_loss_scale_are_said(tmp_path, caplog):
+    """A static scale (``growth_factor`` = ``backoff_factor`` = 1, what DeepSpeed's
+    ``fp16.loss_scale: S`` maps to) cannot back off either: its overflows skipped every step
+    and said nothing, where the same stuck run at ``min_scale`` is said. Said the same way,
+    naming the static scale and what to change."""
+    cfg = placement_config("cpu", "cpu", tmp_path, dtype="fp16")
+    cfg["loss_scale"] = {"initial": 2.0**20, "growth_factor": 1.0, "backoff_factor": 1.0}
+    model, opt = offload.wrap(make_model(), cfg)
+    data = batches(2)
+    try:
+        for _ in range(10):
+            opt.scale_loss(lm_loss(model, data[0]) * 1e30).backward()
+            opt.step()
+            opt.zero_grad()
+        said = [r.getMessage() for r in caplog.records if "static loss scale" in r.getMessage()]
+        assert opt.skipped_steps == 10 and opt.scaler.scale == 2.0**20
+        assert [m.split(" fp16")[0] for m in said] == ["offload: 1", "offload: 10"], said
+        assert "(loss_scale.backoff_factor: 1)" in said[0] and "loss_scale.initial" in said[0]
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize("param_dev, opt_dev", [("cpu", "cpu"), ("nvme", "nvme")])
 def test_fp16_without_scale_loss_is_refused(tmp_path, param_dev, opt_dev):
     """The step divides the gradients by the loss scale (2**16 at first): a loop that forgot

@@ -23,12 +23,13 @@ class DynamicLossScaler:
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.min_scale = growth_interval, min_scale
         self.good_steps = 0
-        # overflows in a row with the scale at min_scale: no step trains (see OffloadOptimizer)
+        # overflows in a row with a scale that cannot back off (at min_scale, or a static one:
+        # backoff_factor 1): no step trains (see OffloadOptimizer)
         self.overflows_at_min = 0
 
     def update(self, *, found_inf: bool) -> None:
         if found_inf:
-            at_min = self.scale <= self.min_scale
+            at_min = self.scale <= self.min_scale or self.backoff_factor >= 1  # (static)
             self.overflows_at_min = self.overflows_at_min + 1 if at_min else 0
             self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self.good_steps = 0

@@ -254,21 +254,28 @@ class OffloadOptimizer(torch.optim.Optimizer):
         )
 
     def _say_stuck_at_min_scale(self) -> None:
-        """An fp16 overflow with the loss scale already at ``loss_scale.min_scale``: the scale
-        cannot back off, so every step skips while the gradients overflow at that scale, and
-        the run trains nothing (DeepSpeed stops there; ``skipped_steps`` counted it without a
-        word). Said at the 1st, 10th, 100th... such overflow in a row; the run goes on (a
-        data-dependent stop hours in is the user's to choose)."""
+        """An fp16 overflow with a loss scale that cannot back off: already at
+        ``loss_scale.min_scale``, or a static scale (``backoff_factor: 1``, what DeepSpeed's
+        ``fp16.loss_scale: S`` maps to, which said nothing at all). Every step then skips
+        while the gradients overflow at that scale, and the run trains nothing (DeepSpeed
+        stops there; ``skipped_steps`` counted it without a word). Said at the 1st, 10th,
+        100th... such overflow in a row; the run goes on (a data-dependent stop hours in is
+        the user's to choose)."""
         n = self.scaler.overflows_at_min
         if n and 10 ** round(math.log10(n)) == n:
+            static = self.scaler.backoff_factor >= 1
             logger.warning(
-                "offload: %d fp16 step(s) in a row overflowed with the loss scale at "
-                "loss_scale.min_scale=%s and were skipped: the run trains nothing while this "
-                "lasts (optimizer.skipped_steps=%d). Lower loss_scale.min_scale, lower the LR, "
-                "or train in bf16",
+                "offload: %d fp16 step(s) in a row overflowed with %s and were skipped: the "
+                "run trains nothing while this lasts (optimizer.skipped_steps=%d). %s, lower "
+                "the LR, or train in bf16",
                 n,
-                self.scaler.min_scale,
+                f"the static loss scale {self.scaler.scale:g} (loss_scale.backoff_factor: 1)"
+                if static
+                else f"the loss scale at loss_scale.min_scale={self.scaler.min_scale:g}",
                 self.skipped_steps,
+                "Lower loss_scale.initial or let it back off (backoff_factor < 1)"
+                if static
+                else "Lower loss_scale.min_scale",
             )
 
     def _empty_step(self) -> None:

@@ -546,6 +546,34 @@ def test_torch_two_step_clipping_is_guarded(tmp_path, owner):
         opt.close()
 
 
+@pytest.mark.parametrize("owner", ["autograd", "nvme"])
+def test_a_large_loss_scale_over_finite_gradients_is_no_overflow(tmp_path, owner):
+    """A loss scale grown large (2**70 here: the scale grows without an fp16 overflow to stop
+    it where the compute is fp32 or bf16) over finite gradients: where they stay in ``p.grad``
+    the overflow check took an fp32 norm of the scaled gradients, inf once their squares
+    passed 3.4e38, so the step was skipped and the scale halved, where torch's ``GradScaler``
+    (per element) and the other owners step. The elements decide; a real inf still skips."""
+    data = batches(2)
+    ref = make_model()
+    ref_opt = _torch_adamw(ref)
+    model, opt = _wrap(tmp_path, owner, loss_scale={"enabled": True, "initial": 2.0**70})
+    try:
+        lm_loss(ref, data[0]).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)  # (the norm alone)
+        ref_opt.step()
+        opt.scale_loss(lm_loss(model, data[0])).backward()
+        torch.testing.assert_close(opt.grad_norm(), want, rtol=1e-5, atol=0)
+        opt.step()
+        opt.zero_grad()
+        assert opt.skipped_steps == 0 and opt.scaler.scale == 2.0**70
+        _assert_close(model.state_dict(), ref.state_dict())
+        opt.scale_loss(lm_loss(model, data[1]) * float("inf")).backward()
+        opt.step()
+        assert opt.skipped_steps == 1 and opt.scaler.scale == 2.0**69
+    finally:
+        opt.close()
+
+
 def test_torch_clipping_of_loss_scaled_gradients_in_p_grad_is_refused(tmp_path):
     """Gradients in ``p.grad`` (fp32, all on the CPU) with offload's loss scaler on: ``.grad``
     holds them times the scale until ``step()``, and torch's clipping, let through where the

@@ -14,6 +14,7 @@ Note: accumulation
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -205,8 +206,17 @@ class AutogradGrads(GradHome):
         grads = [p.grad for u in self.plan.units for p in u.trainable_params if p.grad is not None]
         if not grads:
             return False, 0.0
-        ss = float(sum(float(n.double() ** 2) for n in torch._foreach_norm(grads, 2.0)))
-        return not torch.isfinite(torch.tensor(ss)).item(), ss
+        norms = torch._foreach_norm(grads, 2.0)
+        if all(torch.isfinite(n) for n in norms):
+            return False, float(sum(float(n.double() ** 2) for n in norms))
+        # an fp32 norm is inf also where every element is finite but their squares pass
+        # 3.4e38 (a loss scale grown past ~2**64 over a norm of a few): the step was skipped
+        # as an overflow and the scale halved, where the other homes (fp64 sums) and torch's
+        # GradScaler (per-element checks) step. The elements decide; the sum then in fp64.
+        if not all(torch.isfinite(n) for n in torch._foreach_norm(grads, math.inf)):
+            return True, math.inf
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+        return False, float(sum(float(n) ** 2 for n in norms))
 
     def update(self, unit, lo, hi, master, exp_avg, exp_avg_sq, out, hyper: Hyper) -> None:
         """Adam over the parameters inside ``[lo, hi)`` whose ``p.grad`` is set, in one native

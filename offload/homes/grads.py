@@ -214,7 +214,7 @@ class AutogradGrads(GradHome):
         # as an overflow and the scale halved, where the other homes (fp64 sums) and torch's
         # GradScaler (per-element checks) step. The elements decide; the sum then in fp64.
         if not all(torch.isfinite(n) for n in torch._foreach_norm(grads, math.inf)):
-            return True, math.inf
+            return True, float(sum(float(n.double() ** 2) for n in norms))  # (NaN stays NaN)
         norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
         return False, float(sum(float(n) ** 2 for n in norms))
 

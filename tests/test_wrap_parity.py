@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import types
 import warnings
 
 import pytest
@@ -253,48 +254,73 @@ class _BlockOut:
     unused: torch.Tensor
 
 
-@dataclasses.dataclass
-class _ModelOut:
-    logits: torch.Tensor
+class _PlainOut:
+    """A result class of the user's own: attributes, no pytree, no dataclass."""
+
+    def __init__(self, hidden, unused) -> None:
+        self.hidden, self.unused = hidden, unused
 
 
-class _DataclassBlock(StackBlock):
+class _SlotsOut:
+    __slots__ = ("hidden", "unused")
+
+    def __init__(self, hidden, unused) -> None:
+        self.hidden, self.unused = hidden, unused
+
+
+_OUTPUTS = {
+    "dataclass": _BlockOut,
+    "object": _PlainOut,
+    "slots": _SlotsOut,
+    "namespace": types.SimpleNamespace,
+}
+
+
+class _ObjectBlock(StackBlock):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
     def forward(self, x):
-        return _BlockOut(hidden=super().forward(x), unused=x)
+        return _OUTPUTS[self.kind](hidden=super().forward(x), unused=x)
 
 
-class _DataclassLM(StackLM):
-    """Units and the model return plain dataclasses (not pytree nodes)."""
+class _ObjectLM(StackLM):
+    """Units and the model return objects the pytree takes as one leaf each."""
 
-    def __init__(self) -> None:
-        super().__init__(n=3, block=_DataclassBlock)
+    def __init__(self, kind: str) -> None:
+        super().__init__(n=3, block=lambda: _ObjectBlock(kind))
+        self.kind = kind
 
     def forward(self, tokens):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x).hidden
-        return _ModelOut(logits=self.head(x))
+        return _OUTPUTS[self.kind](hidden=self.head(x), unused=None)
 
 
+@pytest.mark.parametrize("kind", list(_OUTPUTS))
 @pytest.mark.parametrize("param_dev", ["cpu", "nvme"])
-def test_dataclass_outputs_train_as_torch(tmp_path, param_dev):
-    """A forward returning a plain dataclass of tensors: the pytree takes it as one leaf, so a
-    unit returning one got no pre-backward gather and a model returning one was taken for an
-    inference (its units let go before the backward): the backward ran on released parameters,
-    7e-2 off torch after two steps, no error."""
+def test_outputs_in_objects_train_as_torch(tmp_path, param_dev, kind):
+    """A forward returning its tensors inside an object the pytree takes as one leaf (a plain
+    dataclass; since 2026-12-08 also a class of the user's own, one with ``__slots__``, a
+    ``SimpleNamespace``): a unit returning one got no pre-backward gather and a model
+    returning one was taken for an inference (its units let go before the backward): the
+    backward ran on released parameters, 7e-2 off torch after two steps, only the "read
+    between uses" warning."""
     torch.manual_seed(0)
-    model = _DataclassLM()
+    model = _ObjectLM(kind)
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(
         [p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1, foreach=False
     )
     cfg = placement_config(param_dev, "cpu", tmp_path)
-    cfg["wrap"] = {"module_classes": ["_DataclassBlock"]}
+    cfg["wrap"] = {"module_classes": ["_ObjectBlock"]}
     model, opt = offload.wrap(model, cfg)
     try:
         for tokens in batches(3, batch=2, seq=8):
             for m, o in ((ref, ref_opt), (model, opt)):
-                logits = m(tokens[:, :-1]).logits
+                logits = m(tokens[:, :-1]).hidden
                 F.cross_entropy(
                     logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
                 ).backward()

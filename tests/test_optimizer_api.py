@@ -305,6 +305,38 @@ def test_state_dict_numbers_parameters_as_torch_does(tmp_path, owner):
 
 
 @pytest.mark.parametrize("owner", ["autograd", "nvme"])
+def test_a_state_of_another_shape_is_refused_before_anything_loads(tmp_path, owner):
+    """A state dict whose parameter has the model's element count in another shape (a weight
+    saved [144, 48], the model's now [48, 144]) loaded: its master and moments were read in
+    the new shape and trained on, where torch's step raises and ``load_checkpoint`` refuses.
+    Refused, naming both shapes, before any unit loads: training goes on as if the load had
+    not been asked."""
+    data = batches(3)
+    model, opt = _wrap(tmp_path, owner)
+    try:
+        _train(model, opt, data[:1])
+        saved = opt.state_dict()
+        index = next(
+            i for i, p in enumerate(opt._params) if p.dim() == 2 and p.shape[0] != p.shape[1]
+        )
+        for k in ("master", "exp_avg"):
+            broken = copy.deepcopy(saved)
+            entry = broken["state"][index]
+            entry[k] = entry[k].t().contiguous()
+            want = (
+                rf"'{k}' of parameter index {index} has shape \[\d+, \d+\]; .*nothing was changed"
+            )
+            with pytest.raises(ValueError, match=want):
+                opt.load_state_dict(broken)
+        before = opt.state_dict()
+        for k, v in saved["state"][index].items():
+            torch.testing.assert_close(before["state"][index][k], v, rtol=0, atol=0)
+        _train(model, opt, data[1:])  # (not refused: the load changed nothing)
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("owner", ["autograd", "nvme"])
 def test_torch_adamw_state_dict_loads(tmp_path, owner):
     """A ``torch.optim.AdamW`` state dict (a run resumed from torch) loads: its moments and
     step, the master being the model's values (was: a bare KeyError 'master'; with 'master'

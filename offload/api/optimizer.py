@@ -498,6 +498,14 @@ class OffloadOptimizer(torch.optim.Optimizer):
                     "(with 'master') or a torch.optim.AdamW / Adam one"
                 )
             for k in kinds:
+                shape = getattr(entry[k], "shape", None)
+                if shape is not None and tuple(shape) != tuple(p.shape):  # (checked before
+                    raise ValueError(  # any unit loads; the count alone let a transpose in)
+                        f"load_state_dict: '{k}' of parameter index {i} has shape "
+                        f"{list(shape)}; the model's parameter there is {list(p.shape)} (the "
+                        "model changed since the save, or its parameters are in another "
+                        "order); nothing was changed"
+                    )
                 values[k][p] = entry[k]
             if "step" in entry:
                 steps[p] = _saved_step(entry["step"], i, step_count)

@@ -103,13 +103,15 @@ class ParamTensors(ValueSource):
         def view(seg: Segment) -> torch.Tensor:
             if seg.param not in by_param:
                 raise ValueError(f"{self.what}: no saved state for parameter '{seg.name}'")
-            src = by_param[seg.param].reshape(-1)
-            if src.numel() != seg.numel:
+            saved = by_param[seg.param]
+            # (the shape, not only the count: a [144, 48] state loaded into a [48, 144]
+            # parameter was read in the new shape, and trained on, where torch's step raises)
+            if tuple(saved.shape) != tuple(seg.shape):
                 raise ValueError(
-                    f"{self.what}: '{kind}' of parameter '{seg.name}' has {src.numel()} "
-                    f"elements; the model's has {seg.numel}"
+                    f"{self.what}: '{kind}' of parameter '{seg.name}' has shape "
+                    f"{list(saved.shape)}; the model's parameter is {list(seg.shape)}"
                 )
-            return src
+            return saved.reshape(-1)
 
         return gather_piece(unit.layout, lo, hi, torch.float32, view)
 

@@ -414,6 +414,35 @@ def test_hyperparameters_the_update_cannot_take_are_refused(tmp_path, owner):
         opt.close()
 
 
+@pytest.mark.parametrize("owner", ["autograd", "nvme"])
+def test_torch_switches_set_in_param_groups_are_refused_not_ignored(tmp_path, owner):
+    """``param_groups[0]["maximize"] = True`` (or ``amsgrad``, or ``decoupled_weight_decay``
+    False on AdamW's group) set after ``wrap``, as on torch's groups, was ignored: the run
+    went on minimizing (0.45 where torch's ascended to 1.28). Refused at the step, naming the
+    switch; put back, training goes on as torch's AdamW; the implementation options that
+    change no value (``foreach``, ``fused``) and the switches at their defaults are fine."""
+    data = batches(4)
+    ref = make_model()
+    ref_opt = _torch_adamw(ref)
+    model, opt = _wrap(tmp_path, owner, model=copy.deepcopy(ref))
+    group = opt.param_groups[0]
+    try:
+        for key, value in (("maximize", True), ("amsgrad", True), ("decoupled_weight_decay", 0)):
+            group[key] = value
+            lm_loss(model, data[0]).backward()
+            with pytest.raises(ValueError, match=rf"param_groups\[0\]: {key}={value}: .*ignored"):
+                opt.step()
+            opt.zero_grad()
+            del group[key]
+        group.update(maximize=False, amsgrad=False, decoupled_weight_decay=True, foreach=True)
+        group["fused"] = None
+        _train(model, opt, data)
+        _train(ref, ref_opt, data)
+        _assert_close(model.state_dict(), ref.state_dict())
+    finally:
+        opt.close()
+
+
 def test_state_dict_of_before_the_torch_order_still_loads(tmp_path):
     """A state dict saved before the parameters were numbered in ``model.parameters()`` order
     (no ``param_order`` in its ``offload`` entry: the units' order) loads as it was meant."""

@@ -130,7 +130,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         groups: list[dict], scaler: DynamicLossScaler | None = None
     ) -> tuple[tuple[dict, ...], float]:
         """Each param group's hyperparameters as the update takes them (``Hyper.groups``), and
-        the loss scale's unscaling (1 without fp16), before any clipping."""
+        the loss scale's unscaling (1 without fp16), before any clipping. torch's switches
+        the update has not (``maximize``, ``amsgrad``, a ``decoupled_weight_decay`` that is
+        not the group's ``adamw_mode``) are refused where set (Note: torch's switches)."""
+        for i, g in enumerate(groups):
+            _check_switches(g, f"optimizer.param_groups[{i}]")
         out = tuple(
             dict(
                 lr=hyperparameter(g, "lr", f"optimizer.param_groups[{i}]"),
@@ -624,6 +628,27 @@ _TORCH_FLAGS = frozenset(
     ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
     + ("decoupled_weight_decay",)
 )
+
+
+def _check_switches(group: dict, where: str) -> None:
+    """Note: torch's switches. ``group["maximize"] = True`` (or ``amsgrad``, or
+    ``decoupled_weight_decay=False`` on an AdamW group) set by hand after ``wrap``, as on
+    torch's groups, was taken and ignored: the run went on minimizing (a loss of 0.45 where
+    torch's ascended to 1.28 in three steps; a scratch probe of 2026-12-08), where the config,
+    ``wrap(param_groups=)`` and ``load_state_dict`` refuse them. Refused at the step that
+    would have ignored them; the implementation options (``foreach``, ``fused``,
+    ``capturable``, ``differentiable``) change no value and are left alone."""
+    bad = [f"{k}={group[k]!r}" for k in ("maximize", "amsgrad") if group.get(k)]
+    decoupled = group.get("decoupled_weight_decay")
+    if decoupled is not None and bool(decoupled) != bool(group["adamw_mode"]):
+        bad.append(f"decoupled_weight_decay={decoupled!r}")
+    if bad:
+        raise ValueError(
+            f"{where}: {', '.join(bad)}: offload's update is AdamW (adamw_mode True: decoupled "
+            "weight decay) or Adam (adamw_mode False: L2), without amsgrad and maximize, so "
+            "this would be ignored. Allowed: maximize and amsgrad False or absent; for the "
+            "weight decay's kind set the group's 'adamw_mode'"
+        )
 
 
 # where offload holds gradients that are not in p.grad, in words (errors name it)

@@ -297,8 +297,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if hand_set and not self._said_hand_set:
             self._said_hand_set = True
             logger.warning(
-                "offload: optimizer.step() with no backward since the last step updates "
-                "nothing, though %d of the %d trainable parameters have a p.grad that no "
+                "offload: optimizer.step() with no backward since the last step (or since "
+                "the zero_grad() that dropped them) updates nothing, though %d of the %d trainable parameters have a p.grad that no "
                 "backward through the model set: %s",
                 hand_set,
                 len(self._params),
@@ -306,8 +306,9 @@ class OffloadOptimizer(torch.optim.Optimizer):
             )
         elif self.empty_steps == 1:
             logger.warning(
-                "offload: optimizer.step() with no backward since the last step updates nothing, "
-                "as torch's step() after zero_grad() (gradients set to None). Where torch's "
+                "offload: optimizer.step() with no backward since the last step (or since the "
+                "zero_grad() that dropped them) updates nothing, as torch's step() after "
+                "zero_grad() (gradients set to None). Where torch's "
                 "p.grad would still be set, torch's differs: zeros after "
                 "zero_grad(set_to_none=False), whose step still moves the weights by the "
                 "moments, or the last step's gradients again without a zero_grad(); offload's "

@@ -145,6 +145,29 @@ def test_accumulation_is_learned_from_the_first_step(tmp_path):
         opt.close()
 
 
+def test_a_step_of_more_backwards_than_learned_says_the_count_was_learned(tmp_path):
+    """gradient_accumulation_steps "auto": a step of more backwards than the first step's is
+    refused (the update ran in the last of them), and the refusal named the learned count as
+    if the user had set it (a first step whose first backward a ``zero_grad()`` dropped learns
+    one fewer); it says the count was learned."""
+    data = batches(3)
+    cfg = _config(tmp_path, "nvme", step_in_backward=True, accum="auto")
+    model, opt = offload.wrap(make_model(), cfg)
+    try:
+        for _ in range(2):  # the first step counts 2; the second updates in its backward
+            lm_loss(model, data[0]).backward()
+            lm_loss(model, data[1]).backward()
+            opt.step()
+            opt.zero_grad()
+        lm_loss(model, data[0]).backward()
+        lm_loss(model, data[1]).backward()
+        learned = r'2 \("auto": the backwards of the first step, counted then\)'
+        with pytest.raises(PhaseError, match=learned):
+            lm_loss(model, data[2]).backward()
+    finally:
+        opt.close()
+
+
 def test_bitwise_with_config_clipping_that_does_not_trigger(tmp_path):
     """gradient_clipping in the config, above every norm: the speculative updates are kept."""
     data = batches(8)

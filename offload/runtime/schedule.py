@@ -385,6 +385,7 @@ class InBackward(Background, PieceSink):
         # backwards per step; None until the first step has counted them (its update runs
         # after its backwards, as the background step's)
         self.accumulation = accumulation
+        self._learned = accumulation is None  # "auto": errors say where the count came from
         self.feed: UnitFeed | None = None  # being filled, until the backward ends
         self._quiesced: set[int] = set()  # units the feed got some of (their homes quiesced)
         self._spec: Hyper | None = None  # the speculative update's hyperparameters, until step()
@@ -412,7 +413,7 @@ class InBackward(Background, PieceSink):
         if self._spec is not None or pending_backwards >= self.accumulation:
             raise PhaseError(
                 f"offload: backward number {pending_backwards + 1} before optimizer.step(), "
-                f"but gradient_accumulation_steps is {self.accumulation}: with "
+                f"but gradient_accumulation_steps is {self._accumulation_said}: with "
                 "offload_optimizer.step_in_backward the last of them already updated the "
                 "weights (for more gradient accumulation raise gradient_accumulation_steps; or "
                 "call step() sooner, or set step_in_backward false)"
@@ -639,7 +640,7 @@ class InBackward(Background, PieceSink):
             raise PhaseError(
                 f"offload: {what} called between loss.backward() and optimizer.step(); with "
                 "offload_optimizer.step_in_backward the last backward of the step "
-                f"(gradient_accumulation_steps: {self.accumulation}) already updated the "
+                f"(gradient_accumulation_steps: {self._accumulation_said}) already updated the "
                 "weights, so call it after optimizer.step() (for more gradient accumulation "
                 "raise gradient_accumulation_steps, or set step_in_backward false)"
             )
@@ -647,11 +648,20 @@ class InBackward(Background, PieceSink):
     def check_grad_norm(self) -> None:
         self._norm_asked = True
 
+    @property
+    def _accumulation_said(self) -> str:
+        """The count as errors say it: learned ones say so (a first step whose first backward a
+        ``zero_grad()`` dropped learned one fewer, and the refusals named a count the user never
+        set)."""
+        if not self._learned:
+            return str(self.accumulation)
+        return f'{self.accumulation} ("auto": the backwards of the first step, counted then)'
+
     def check_accumulation(self, backwards: int, who: str) -> None:
         if self.accumulation is not None and self.accumulation != backwards:
             raise ValueError(
                 f"{who} makes a step of {backwards} backwards, but offload's "
-                f"gradient_accumulation_steps is {self.accumulation}: with "
+                f"gradient_accumulation_steps is {self._accumulation_said}: with "
                 "offload_optimizer.step_in_backward the update runs in the step's last "
                 f'backward, so they must agree (set the config\'s to {backwards} or "auto")'
             )

@@ -7,6 +7,8 @@ not accept raises with what happened and what was expected, instead of silently 
     IDLE --backward again over a retained graph--> BACKWARD
     IDLE --step()--> STEP --done--> IDLE
     FORWARD --forward (eval / no_grad / a second forward)--> FORWARD
+    FORWARD --a backward inside the forward (torch.autograd.grad there)--> BACKWARD
+              --its end--> FORWARD
     FORWARD --no forward of the micro-step can get a backward any more: each one ran under
               no_grad, raised, was stopped by Ctrl-C or had its graph let go (the last two seen
               at the caller's next call)--> IDLE
@@ -32,7 +34,7 @@ class Phase(enum.Enum):
 LEGAL_TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.IDLE: frozenset({Phase.FORWARD, Phase.BACKWARD, Phase.STEP, Phase.IDLE}),
     Phase.FORWARD: frozenset({Phase.FORWARD, Phase.BACKWARD, Phase.IDLE}),
-    Phase.BACKWARD: frozenset({Phase.BACKWARD, Phase.IDLE}),
+    Phase.BACKWARD: frozenset({Phase.BACKWARD, Phase.IDLE, Phase.FORWARD}),
     Phase.STEP: frozenset({Phase.IDLE}),
 }
 

@@ -19,6 +19,11 @@ Note: the hooks (what FSDP2 does, in words)
     - one callback queued on the autograd engine at the first pre-backward hook finishes every
       unit that did not complete (unused params, frozen units, the root) and returns to IDLE.
     - during backward a forward hook means activation-checkpoint recomputation: gather, keep.
+      A reentrant checkpoint's recomputation runs a backward of its own, which may make a
+      unit's gradients final before the backward around it reaches another call of the unit:
+      that call gathers it again (``Runtime._reached_again``).
+    - a backward begun inside the model's forward (``torch.autograd.grad`` there) ends back
+      in FORWARD, with what that forward had gathered gathered again (``_end_backward``).
     - a root forward under ``torch.autocast`` (found at its start or at its first unit) runs
       with autocast's cache off and saves casts of the weights as references
       (:class:`~offload.runtime.autocast.AutocastSaves`, its Note).
@@ -61,7 +66,7 @@ from offload.runtime.overrides import ModelOverrides
 from offload.runtime.phase import Phase, PhaseError, PhaseTracker
 from offload.runtime.schedule import StepSchedule
 from offload.runtime.telemetry import Telemetry
-from offload.runtime.units import OffloadUnitInputs, UnitRun, will_run
+from offload.runtime.units import OffloadUnitInputs, UnitRun, outside_transforms, will_run
 from offload.runtime.values import GivenValues, Values
 from offload.runtime.watch import ModelWatch
 
@@ -210,6 +215,9 @@ class Runtime:
         self._ran_last: UnitRun | None = None
         self._backward_first: UnitRun | None = self.runs[-1] if self._keeps else None
         self._callback_queued = False
+        # the backward running began inside the model's forward (_inside_forward): the units
+        # gathered for that forward then, gathered again at its end, which returns to FORWARD
+        self._forward_held: list[UnitRun] | None = None
         self._grad_free = False  # the backward running reaches no trainable parameter
         self._discarding = False  # ... or its gradients are dropped (_discards)
         self.load_strict = False  # inside the root's load_state_dict(strict=True)
@@ -381,6 +389,10 @@ class Runtime:
 
             once = module.register_forward_hook(release, always_call=True)
             return
+        if self.phase.phase is Phase.BACKWARD and run.backward_done:
+            # the recomputation of the unit's body, checkpointed inside its forward with
+            # use_reentrant=True, for another call of it (_reached_again)
+            self._check_one_backward(run)
         raise RuntimeError(
             f"offload: {name} ({type(module).__name__}) was called outside the forward of "
             f"its unit {run.unit.label}, whose parameters are released there (they would "
@@ -595,7 +607,9 @@ class Runtime:
     def _use(self, run: UnitRun) -> None:
         """Gathers a unit for its forward (or its recomputation inside a backward)."""
         if self.phase.phase is Phase.BACKWARD:
-            self._check_one_backward(run)
+            if run.backward_done:  # a recomputation after its gradients were final
+                self._check_one_backward(run)
+                run.again()
         else:  # an update starts only after the backward
             self._ready_for_forward(run)
             self.watch.check_pieces("a forward of the model", run)  # (its update is done)
@@ -667,6 +681,9 @@ class Runtime:
         self.transfers.capture_stream()
         self._grad_free = not self._reaches_trainable()
         self._discarding = False
+        self._forward_held = None
+        if self._inside_forward():
+            self._forward_held = [r for r in self.runs if r.home.gathered(r.unit)]
         try:
             self._check_trainable()
             self._check_no_create_graph()
@@ -674,6 +691,10 @@ class Runtime:
                 self._begin_step_backward()
         except PhaseError:
             self.grads.backward_failed()
+            if self._forward_held is not None:  # the forward goes on (its error, say)
+                self._forward_held = None
+                self._fwd_start = time.perf_counter()
+                raise
             for run in self.runs:  # back to between steps: step() can still close the first
                 run.residency.end_of_pass(run)
             self.phase.to(Phase.IDLE)
@@ -687,9 +708,30 @@ class Runtime:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
+    def _inside_forward(self) -> bool:
+        """Whether the backward beginning now runs inside the model's forward: a root forward
+        is open and its call is on its thread's stack (a forward stopped by Ctrl-C is open,
+        but its call is not there: :meth:`_forward_on_stack`). That thread may be another
+        than this one: autograd runs a device's backward on a thread of its own, the
+        forward's waiting in it."""
+        if not self._forward_open:
+            return False
+        frame = sys._current_frames().get(self._forward_thread)
+        return frame is not None and model_calls(self.model, frame) > 0
+
     def _begin_step_backward(self) -> None:
         """The backward starting is one of the step's: its checks, then the gradients' owner
         and the schedule hear of it (before it takes any gradient)."""
+        if self._forward_held is not None:
+            raise PhaseError(
+                "offload: a backward that reaches the model's trainable parameters "
+                "(loss.backward(), backward(inputs=...) naming parameters) began inside the "
+                "model's forward: offload counts it as one of the step's backwards, whose "
+                "gradients it takes and whose update may run in it, before the rest of the "
+                "forward computes with the weights. Call it after the forward returns; "
+                "torch.autograd.grad inside the forward (a gradient with respect to an "
+                "activation or the input, or to parameters without create_graph) works"
+            )
         # the first backward after a step with no zero_grad() since
         after_step = not (self._zeroed or self.backwards_since_step)
         if self._discards(after_step):  # (before the scale check: a GAN's generator loss is
@@ -730,18 +772,8 @@ class Runtime:
         micro-step of the step: it gathers and releases the units and leaves the gradients,
         the step's count of backwards and the update in backward alone. Counted, it was taken
         for the step's last backward and ran the update in it (the next forward refused).
-        Asked of autograd per parameter's accumulation node (private: ``will_run``);
-        inside ``autograd.grad`` no parameter accumulates, and torch refuses the question."""
-        for run in self.runs:
-            for p in run.unit.trainable_params:
-                if not p.requires_grad:  # frozen for now (_check_trainable): no edge
-                    continue
-                try:
-                    if will_run(get_gradient_edge(p).node):
-                        return True
-                except RuntimeError:  # "... currently running autograd.grad()"
-                    return False
-        return False
+        Asked of autograd per parameter's accumulation node (:meth:`_params_ahead`)."""
+        return any(self._params_ahead(run) for run in self.runs)
 
     def mark_scaled(self) -> None:
         """The backward now starting begins at a loss ``scale_loss`` scaled (its hook)."""
@@ -864,7 +896,9 @@ class Runtime:
             raise PhaseError(
                 "offload: a backward with create_graph=True (torch.autograd.grad or "
                 "backward with create_graph=True: a gradient penalty, a gradient of a "
-                "gradient) over units whose parameters offload releases after the backward "
+                "gradient; the backward of torch.func.grad, vjp, jacrev or hessian, which "
+                "builds its graph so) over units whose parameters offload releases after the "
+                "backward "
                 f"({', '.join(released[:3])}{', ...' if len(released) > 3 else ''}): the graph "
                 "it builds would read released parameters. Keep the parameters on the "
                 "device (offload_param.device: none, distributed.stage 1 or 2) to train "
@@ -889,11 +923,55 @@ class Runtime:
     def _pre_backward(self, run: UnitRun) -> None:
         if self.phase.phase is not Phase.BACKWARD:
             self._begin_backward()
+        elif run.backward_done and self._reached_again(run):
+            run.again()
         if not run.backward_done:
             self.schedule.unit_backward_begins(run.unit)
             run.gather(Phase.BACKWARD.value)
             if not self._grad_free:
                 run.residency.backward_begins(self.grads, run)
+
+    def _reached_again(self, run: UnitRun) -> bool:
+        """Whether the backward, reaching an output of ``run`` after the unit's gradients were
+        final, goes through the unit again. Autograd sums every use of a parameter in one
+        backward before its hook runs, so in the backward that made them final an output
+        reached later passes an input through (``return h, x``): nothing of the unit runs.
+        They were made final in another, then: the backward of a call of the unit under
+        ``checkpoint(use_reentrant=True)``, nested in this one, which now reaches another
+        call (``x = blk(x); x = checkpoint(blk, x, use_reentrant=True)``; a unit checkpointing
+        its own body so, called twice). That call's backward reads the unit's parameters,
+        which the first round's end released: it computed with zeros (the gradients of
+        ``blk.a`` and of everything before the unit half torch's, with only a "read between
+        uses" warning, until 2026-12-08), or its recomputation raised as a call of a layer
+        outside its unit's forward. Where the gradients stay in ``p.grad`` the unit is
+        gathered again and its rounds add up as in PyTorch; where offload took them
+        (:meth:`_check_one_backward`) this is refused here, before anything reads the
+        released parameters, when the unit's parameters are ahead in this backward, and
+        otherwise at the recomputation of the unit's body (:meth:`_check_gathered`)."""
+        if run.done_in == torch._C._current_graph_task_id():
+            return False
+        if not self.grads.owner.kept_after_step and self._params_ahead(run):
+            self._check_one_backward(run)  # (raises)
+        return self.grads.owner.kept_after_step
+
+    @staticmethod
+    def _params_ahead(run: UnitRun) -> bool | None:
+        """Whether the backward running now accumulates a gradient of ``run``'s parameters,
+        asked of autograd per parameter's accumulation node (private: ``will_run``); None
+        inside ``autograd.grad``, where none accumulates and torch refuses the question. Asked
+        outside the ``torch.func`` transforms (``outside_transforms``): inside one (the
+        backward of ``torch.func.grad``) a parameter's edge was not found, and the backward
+        raised an AttributeError in torch, at every placement (until 2026-12-08)."""
+        with outside_transforms():
+            for p in run.unit.trainable_params:
+                if not p.requires_grad:  # frozen for now (_check_trainable): no edge
+                    continue
+                try:
+                    if will_run(get_gradient_edge(p).node):
+                        return True
+                except RuntimeError:  # "... currently running autograd.grad()"
+                    return None
+        return False
 
     @staticmethod
     def _dense_only(run: UnitRun, param: torch.Tensor) -> str:
@@ -927,19 +1005,21 @@ class Runtime:
 
     def _check_one_backward(self, run: UnitRun) -> None:
         """A unit's gradients come in one backward graph: autograd sums every use of a
-        parameter before its hook runs. A unit called more than once, each call under
-        ``torch.utils.checkpoint(use_reentrant=True)``, is the exception: each recomputation
-        runs a backward of its own, so the unit's gradients came in rounds, and an owner that
-        takes them out of ``p.grad`` at the first round's end (a host buffer, NVMe) lost the
-        rest without a word. Where they stay in ``p.grad`` the rounds add up as in PyTorch."""
+        parameter before its hook runs. A unit called more than once, a call of it (or its
+        body, checkpointed inside its forward) under ``torch.utils.checkpoint(use_reentrant=
+        True)``, is the exception: each such recomputation runs a backward of its own, so the
+        unit's gradients came in rounds, and an owner that takes them out of ``p.grad`` at
+        the first round's end (a host buffer, NVMe) lost the rest without a word. Where they
+        stay in ``p.grad`` the rounds add up as in PyTorch (:meth:`_reached_again`)."""
         if run.backward_done and not self.grads.owner.kept_after_step:
             self._abort_backward()
             raise RuntimeError(
                 f"offload: unit {run.unit.label} is used again in a backward after its "
-                "gradients were final and taken: it is called more than once, each call under "
-                "torch.utils.checkpoint(use_reentrant=True), whose recomputations run "
-                "backwards of their own. Use use_reentrant=False (torch's recommendation), "
-                "or call the unit once per forward"
+                "gradients were final and taken: it is called more than once in the forward, "
+                "and a call of it (or its body) runs under torch.utils.checkpoint("
+                "use_reentrant=True), whose recomputation runs a backward of its own. Use "
+                "use_reentrant=False (torch's recommendation), or call the unit once per "
+                "forward"
             )
 
     def _abort_backward(self) -> None:
@@ -948,6 +1028,7 @@ class Runtime:
         still runs, does nothing). The gradients it left are incomplete: an update that ran
         speculatively in it is undone, and ``step()`` refuses them until ``zero_grad()``."""
         self._callback_queued = False
+        self._forward_held = None
         self._grads_incomplete = True
         self.grads.backward_failed()
         try:
@@ -975,7 +1056,7 @@ class Runtime:
         the unit (in that order, but where the update takes the unit's gradient pieces as
         they come: ``Schedule.takes_pieces``), then the schedule hears of the units whose
         gradients were taken."""
-        run.backward_done = True
+        run.done()
         if self._grad_free:  # (_reaches_trainable): nothing to take
             run.residency.backward_done(run, self.schedule)
             return
@@ -1008,7 +1089,20 @@ class Runtime:
         self.backwards_since_step += not self._grad_free
         self.backwards_ever += not self._grad_free
         self._stop_timer("_bwd_start", "backward_seconds")
-        self.phase.to(Phase.IDLE)
+        held, self._forward_held = self._forward_held, None
+        if held is None:
+            self.phase.to(Phase.IDLE)
+            return
+        # A backward inside the model's forward (torch.autograd.grad of an activation there,
+        # which reaches no trainable parameter: _begin_step_backward refuses the others) ends
+        # back in that forward, with what it had gathered gathered again (the root, the unit
+        # whose forward called it): it released them, and went to IDLE, so the rest of the
+        # forward raised at its next root layer "called outside the forward of its unit
+        # <root>", and its units gathered again as a forward of their own (until 2026-12-08)
+        self.phase.to(Phase.FORWARD, "the end of a backward inside the forward")
+        for run in held:
+            run.gather(Phase.FORWARD.value)
+        self._fwd_start = time.perf_counter()
 
     def _stop_timer(self, attr: str, timer: str) -> None:
         start = getattr(self, attr)

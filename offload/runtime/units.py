@@ -7,12 +7,14 @@ Every gather and release is a profiler range (``offload::gather``, ``offload::re
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import weakref
 
 import torch
 import torch.nn as nn
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from offload.homes.params import ParamHome
 from offload.plan import Residency, Unit
@@ -31,6 +33,7 @@ class UnitRun:
         "timers",
         "grads_pending",
         "backward_done",
+        "done_in",
         "may_watch_inputs",
         "watches_inputs",
         "inputs",
@@ -45,6 +48,7 @@ class UnitRun:
         self.residency = RESIDENCY[unit.residency]
         self.grads_pending = 0  # trainable params whose grad is not final yet in this backward
         self.backward_done = False  # grads of this backward are off the device
+        self.done_in = -1  # the backward (graph task) that made them final (:meth:`done`)
         # A frozen layer's backward (its input's gradient) can come after the last gradient
         # of the unit's trainable parameters; where that gradient would release the unit, the
         # unit's backward also waits for the gradients of its forward inputs (OffloadUnitInputs).
@@ -142,7 +146,7 @@ class UnitRun:
         self._check_untouched(phase)
         transfers = self.home.transfers
         t0, copied = time.perf_counter(), transfers.copy_seconds_here()
-        with torch.profiler.record_function("offload::gather"):
+        with torch.profiler.record_function("offload::gather"), outside_transforms():
             self.home.unshard(self.unit)
         took = time.perf_counter() - t0
         copied = transfers.copy_seconds_here() - copied
@@ -188,7 +192,7 @@ class UnitRun:
 
     def release(self) -> None:
         if self.home.gathered(self.unit):
-            with torch.profiler.record_function("offload::release"):
+            with torch.profiler.record_function("offload::release"), outside_transforms():
                 self.home.reshard(self.unit)
             logger.debug("offload::release %s", self.unit.label)
 
@@ -199,6 +203,20 @@ class UnitRun:
             task = torch._C._current_graph_task_id()
             for node in self._live_inputs():
                 node.expected = task if will_run(node) else None
+
+    def done(self) -> None:
+        """The unit's gradients of this backward are final (in the graph task running now)."""
+        self.backward_done = True
+        self.done_in = torch._C._current_graph_task_id()
+
+    def again(self) -> None:
+        """The backward goes through the unit again after its gradients were final: a call
+        of it under ``checkpoint(use_reentrant=True)`` ran a backward of its own, which made
+        them final, and the backward it is nested in reaches another call (``Runtime.
+        _reached_again``). Its countdown starts over, so that its gradients are final, and
+        it is released, after this round too."""
+        self.grads_pending = len(self.unit.trainable_params)
+        self.backward_done = False
 
     def watches_inputs_now(self) -> bool:
         """Whether this forward's inputs go through :class:`OffloadUnitInputs` (see
@@ -239,6 +257,17 @@ class UnitRun:
             if (node.expected is not None and node.task != node.expected) or will_run(node):
                 return False
         return True
+
+
+def outside_transforms():
+    """A context in which no ``torch.func`` transform is active: a gather's or release's
+    copies into the parameters' storage are offload's own, not the transformed function's
+    (under ``torch.func.grad``, ``vjp``, ``jacrev`` or ``jvp`` of the wrapped model, torch
+    refused them as "in-place operation (aten::copy_) that would mutate a captured Tensor",
+    naming no offload, until 2026-12-08). Private in torch, as ``torch.compile`` uses it."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return contextlib.nullcontext()
+    return temporarily_clear_interpreter_stack()
 
 
 def will_run(node) -> bool:

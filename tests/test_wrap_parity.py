@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import types
 import warnings
 
@@ -962,5 +963,64 @@ def test_check_reads_passes_the_parity_model(tmp_path, fp32_reference, param_dev
         torch.testing.assert_close(
             torch.tensor(losses), torch.tensor(ref_losses[:3]), rtol=1e-5, atol=0
         )
+    finally:
+        opt.close()
+
+
+class _SacBlock(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class _SacModel(nn.Module):
+    """Selective activation checkpointing around two units."""
+
+    def __init__(self, policy) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.blocks = nn.Sequential(_SacBlock(), _SacBlock())
+        self.policy = policy
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        context = functools.partial(create_selective_checkpoint_contexts, self.policy)
+        return self.out(
+            checkpoint(self.blocks, self.inp(x), use_reentrant=False, context_fn=context)
+        )
+
+
+@pytest.mark.parametrize("policy", ["recompute", "save"])
+@pytest.mark.parametrize("param_dev,opt_dev", [("cpu", "cpu"), ("nvme", "nvme"), ("none", "nvme")])
+def test_selective_checkpointing_around_units_trains_as_torch(tmp_path, param_dev, opt_dev, policy):
+    """Selective activation checkpointing (a ``TorchDispatchMode``) around several units saw
+    offload's gathers and releases as the model's operations: the recomputation met others
+    than the forward ("aten.view.default encountered during backward but not found in
+    storage", params on NVMe) or a tensor it cached mutated by the next gather (a MUST_SAVE
+    policy). offload's own operations run outside the caller's dispatch modes now."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    kind = (
+        CheckpointPolicy.PREFER_RECOMPUTE if policy == "recompute" else CheckpointPolicy.MUST_SAVE
+    )
+    plain = _SacModel(lambda ctx, op, *args, **kwargs: kind)
+    ref = copy.deepcopy(plain)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    cfg = placement_config(param_dev, opt_dev, tmp_path, wrap={"module_classes": ["_SacBlock"]})
+    model, opt = offload.wrap(copy.deepcopy(plain), cfg)
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(3):
+            x, y = torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
+            for m, o in ((ref, ref_opt), (model, opt)):
+                F.mse_loss(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+        _assert_params_close(model.state_dict(), ref.state_dict(), rtol=1e-5, atol=1e-7)
     finally:
         opt.close()

@@ -15,6 +15,7 @@ import weakref
 import torch
 import torch.nn as nn
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+from torch.utils._python_dispatch import _disable_current_modes
 
 from offload.homes.params import ParamHome
 from offload.plan import Residency, Unit
@@ -259,15 +260,24 @@ class UnitRun:
         return True
 
 
+@contextlib.contextmanager
 def outside_transforms():
-    """A context in which no ``torch.func`` transform is active: a gather's or release's
-    copies into the parameters' storage are offload's own, not the transformed function's
-    (under ``torch.func.grad``, ``vjp``, ``jacrev`` or ``jvp`` of the wrapped model, torch
-    refused them as "in-place operation (aten::copy_) that would mutate a captured Tensor",
-    naming no offload, until 2026-12-08). Private in torch, as ``torch.compile`` uses it."""
-    if torch._C._functorch.peek_interpreter_stack() is None:
-        return contextlib.nullcontext()
-    return temporarily_clear_interpreter_stack()
+    """A context for offload's own tensor operations (a gather's or release's copies into the
+    parameters' storage), in which no ``torch.func`` transform and no ``TorchDispatchMode``
+    of the caller's is active: they are not the model's. Under ``torch.func.grad``, ``vjp``,
+    ``jacrev`` or ``jvp`` of the wrapped model torch refused the copies as "in-place operation
+    (aten::copy_) that would mutate a captured Tensor", naming no offload; under selective
+    activation checkpointing (``create_selective_checkpoint_contexts``, a dispatch mode)
+    around several units the recomputation met other operations than the forward ("aten.view
+    .default encountered during backward but not found in storage") or found a tensor it had
+    cached mutated by the next gather (until 2026-12-08). Private in torch, as
+    ``torch.compile`` uses them."""
+    with contextlib.ExitStack() as stack:
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            stack.enter_context(temporarily_clear_interpreter_stack())
+        if torch._C._len_torch_dispatch_stack() > 0:
+            stack.enter_context(_disable_current_modes())
+        yield
 
 
 def will_run(node) -> bool:

@@ -863,3 +863,44 @@ def test_a_close_stopped_part_way_is_finished_by_the_next(tmp_path, monkeypatch,
     assert stopped
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
     assert [t.name for t in threading.enumerate() if t.name.startswith("offload")] == []
+
+
+@pytest.mark.parametrize("param_dev,opt_dev", [("cpu", "cpu"), ("nvme", "nvme")])
+def test_a_ctrl_c_as_the_step_moves_a_version_counter_then_training_goes_on(
+    tmp_path, python_ctrl_c, monkeypatch, param_dev, opt_dev
+):
+    """``step()`` moves each stepped parameter's version counter and the version offload noted
+    for it (offload/runtime/units.py, ``UnitRun.stepped``). A Ctrl-C between the two (found
+    by the sampled sweep above, 2026-12-08) left a counter moved and not noted: the next
+    forward refused it as a write of the user's ("written in place after offload.wrap").
+    The moves are one block for a Ctrl-C: it comes out after them, and training goes on."""
+    import torch
+    from engine_models import batches, lm_loss, make_model, placement_config
+
+    import offload
+
+    real = torch.autograd.graph.increment_version
+    sent = []
+
+    def ctrl_c_after_the_first(tensor):
+        real(tensor)
+        if not sent:
+            sent.append(True)
+            _ctrl_c()  # delivered at the next line: the version's note
+
+    model, opt = offload.wrap(make_model(), placement_config(param_dev, opt_dev, tmp_path))
+    data = batches(3)
+    try:
+        lm_loss(model, data[0]).backward()
+        monkeypatch.setattr(torch.autograd.graph, "increment_version", ctrl_c_after_the_first)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        monkeypatch.setattr(torch.autograd.graph, "increment_version", real)
+        assert sent
+        opt.zero_grad()
+        for tokens in data[1:]:
+            lm_loss(model, tokens).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        opt.close()

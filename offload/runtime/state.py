@@ -1331,8 +1331,12 @@ class Runtime:
             self.phase.phase = Phase.IDLE
         self.step_count += 1
         self.missed = hyper.counts.advanced(p for u in self.units for p in u.trainable_params)
-        for run in self.runs:
-            run.stepped(hyper.counts.seen)
+        # each version counter moved and noted together: a Ctrl-C between the two left a
+        # version moved and not noted, which the next forward refused as a write of the
+        # user's (tests/_ctrl_c_points.py, sampled, 2026-12-08)
+        with interrupts_deferred():
+            for run in self.runs:
+                run.stepped(hyper.counts.seen)
         # the update's own time: a background update counts its time on its worker, and waiting
         # for it here is step_wait_seconds (counting it twice put more update than step in a
         # step whose update ran in its backward)

@@ -480,8 +480,16 @@ def _make_store(cfg: OffloadConfig, section: str, depth: int, b: _Parts, aio, re
     from offload.store import TieredStore  # noqa: PLC0415
 
     sec = getattr(cfg, section)
-    size = b.plan.placement.buffer_sizes[section]
-    check_host_buffers(section, sec.buffer_count, size, psutil.virtual_memory().available)
+    size, lent = b.plan.placement.buffer_sizes[section], 0
+    if section == "offload_param":
+        # the param store's gathers lend pieces' pages to the unit they gather: the buffers
+        # they hold meanwhile come on top of the configured ones (the gathered unit's own
+        # memory, which it then does not need: offload/device/pages.py, Note on lent pages),
+        # each a piece's bytes (offload/homes/params.py, Note on the pool's buffer size)
+        size = NvmeParams.buffer_bytes(b.plan, cfg.aio.block_size)
+        lent = NvmeParams.lend_slots(b.plan)
+    available = psutil.virtual_memory().available
+    check_host_buffers(section, sec.buffer_count, size, available, lent=lent)
     try:
         nvme = NvmeStore(
             rank_path(sec.nvme_path, b.comm),
@@ -495,10 +503,6 @@ def _make_store(cfg: OffloadConfig, section: str, depth: int, b: _Parts, aio, re
         raise ConfigError(f"{section}.nvme_path={sec.nvme_path!r}: {exc}") from exc
     resources.append(nvme)
     pin = b.memory.pins(b.plan.placement.pin[section])
-    # the param store's gathers lend pieces' pages to the unit they gather: the buffers they
-    # hold meanwhile come on top of the configured ones (the gathered unit's own memory,
-    # which it then does not need: offload/device/pages.py, Note on lent pages)
-    lent = NvmeParams.lend_slots(b.plan) if section == "offload_param" else 0
     pool = BufferPool(sec.buffer_count + lent, size, pin=pin)
     resources.append(pool)
     return TieredStore(pool=pool, nvme=nvme, prefetch_depth=depth, name=section)

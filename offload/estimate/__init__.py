@@ -56,7 +56,13 @@ Note: staging pools
     here): "auto" is the largest unit's bytes (in the compute dtype for params, fp32 for the
     optimizer state), rounded up to 4096, at least one IO block, at most 256 MiB
     (``offload.config.resolve_auto_buffer_size``). ``Machine.buffer_count`` /
-    ``Machine.buffer_size``, when given, replace them for both pools.
+    ``Machine.buffer_size``, when given, replace them for both pools. Those are the config's
+    figures, which bound what wrap allocates: it makes the param pool's buffers no larger than
+    the largest piece (``offload.homes.params``, Note on the pool's buffer size), so with a
+    ``buffer_size`` above a unit's share that pool is smaller than shown. With the compute on
+    the CPU the param pool also has a buffer for each piece of a unit (the pages its gathers
+    lend to the unit: ``offload.device.pages``), which stands in for the unit's own memory;
+    on the devices estimated here (GPUs) there are none.
 
 Note: the documented host budget
     README "Memory: what host RAM holds": with params and optimizer state on NVMe, training grows

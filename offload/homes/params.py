@@ -33,6 +33,23 @@ Note: the gather's window
     ``offload_param.buffer_count`` (:meth:`NvmeParams.lend_slots`: the largest such unit's
     pieces; a unit that finds them taken, by another one gathered meanwhile, is copied).
 
+Note: the pool's buffer size
+    Everything the param store holds in a buffer is one of ``Plan.pieces``' pieces (a gather's,
+    a read ahead's, the update's where these shards are the master; reads and writes outside
+    the pool, a checkpoint's, have buffers of their own: ``offload.store.store``, Note on
+    synchronous access), so no buffer is filled beyond the largest of them. The pool's buffers
+    are that piece's bytes, rounded up to the IO alignment, at most ``offload_param.buffer_size``
+    and at least one IO request, as "auto" sizes them (:meth:`NvmeParams.buffer_bytes`;
+    ``offload.config.auto_size``: a model of units below ``aio.block_size``, 1 MiB by default,
+    keeps buffers of that, at most 1 MiB more a lent buffer than its unit). They were
+    ``buffer_size`` each, allocated and populated whole (``offload.io.aligned``), the lent ones
+    too, so a ``buffer_size`` larger than a unit (DeepSpeed configs set 1e8 elements) made each
+    lent buffer cost that size instead of the piece of the unit it stands in for: params and
+    optimizer on NVMe, fp32, 8 blocks of 8 MiB, ``buffer_count`` 1, 128 MiB buffers, training's
+    peak RSS growth was 366-374 MiB against README's budget of 256 (a lent buffer of 128 MiB for
+    a unit of 8), and is 126-130 now (8 MiB buffers, which this leaves as they were: 126-138
+    against 136; 2026-12-08, ``tests/test_lent_slots.py``).
+
 Note: across ranks
     Stages 1 and 2 (:class:`DeviceParams`, :class:`HostParams`, :class:`NvmeParams` with more
     than one rank): the home holds the whole unit, but each rank's update writes only its own
@@ -520,6 +537,17 @@ class NvmeParams(_Released):
             return 0
         transient = [u for u in plan.units if u.residency is Residency.TRANSIENT]
         return max((len(plan.pieces(u)) for u in transient), default=0)
+
+    @staticmethod
+    def buffer_bytes(plan: Plan, block_size: int) -> int:
+        """Bytes per buffer of the param store's pool (module Note on the pool's buffer
+        size): the largest piece, rounded up to the IO alignment, at least one IO request
+        (``aio.block_size``, as "auto" is), at most ``offload_param.buffer_size``."""
+        from offload.store.budget import round_up  # noqa: PLC0415
+
+        size = plan.placement.buffer_sizes["offload_param"]
+        largest = max((b - a for u in plan.units for a, b in plan.pieces(u)), default=0)
+        return min(size, max(round_up(largest * plan.placement.dtype.itemsize), block_size))
 
     @property
     def _lend_room(self) -> int:

@@ -15,7 +15,10 @@ Note: the param pool's buffers
     buffer the other holds while it waits (with one buffer each, neither holds one while it
     waits for another). The pieces a CPU gather lends to the unit it gathers are held in
     buffers the pool has beyond ``buffer_count`` (``offload.homes.params``, Note on the
-    gather's window), outside this arithmetic.
+    gather's window), outside this arithmetic, though not outside RAM's:
+    ``check_host_buffers`` counts them. Every buffer of that pool is at most its largest
+    piece (``offload.homes.params``, Note on the pool's buffer size), so those lent cost
+    about the unit whose memory they stand in for, whatever ``buffer_size`` is.
 
 Note: reading ahead
     ``prefetch.depth`` counts units: each NVMe store's trace prefetcher keeps ``depth`` times the
@@ -384,13 +387,18 @@ def _check_param_ahead(
     )
 
 
-def check_host_buffers(section: str, count: int, size: int, available: int) -> None:
-    """Refuses a pool of ``count x size`` bytes that would not fit in ``available`` bytes of
-    RAM (90%), naming the keys to lower."""
-    need = count * size
+def check_host_buffers(
+    section: str, count: int, size: int, available: int, *, lent: int = 0
+) -> None:
+    """Refuses a pool of ``(count + lent) x size`` bytes that would not fit in ``available``
+    bytes of RAM (90%), naming the keys to lower. ``lent``: the buffers the param pool has
+    beyond ``buffer_count`` for lent pages (Note: the param pool's buffers); ``size``: bytes
+    per buffer as allocated (the param pool's are at most its largest piece)."""
+    need = (count + lent) * size
     if need > available * 0.9:
+        counted = f"({count} + {lent} for the pages gathers lend to units)" if lent else count
         raise ConfigError(
-            f"{section}.buffer_count x {section}.buffer_size = {count} x {size} = {need} bytes "
-            f"of host buffers, but only {available} bytes of RAM are available; lower "
-            f"{section}.buffer_count or {section}.buffer_size"
+            f"{section}.buffer_count x {section}.buffer_size = {counted} x {size} = "
+            f"{need} bytes of host buffers, but only {available} bytes of RAM are available; "
+            f"lower {section}.buffer_count or {section}.buffer_size"
         )

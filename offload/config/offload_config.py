@@ -75,8 +75,9 @@ class OffloadConfig:
     """Clip gradients to this global L2 norm before the step (>= 0; 0 = off)."""
     gradient_accumulation_steps: int | str = "auto"
     """Backwards per optimizer step (count >= 1): the last one is where the step in backward
-    updates each unit; fewer before optimizer.step() is fine, more is an error. "auto": the
-    first step counts them (its update runs after its backwards)."""
+    updates each unit; fewer before optimizer.step() is fine; more is an error where the step
+    in backward updates (the NVMe optimizer's default), and fine where the update runs after
+    the backward. "auto": the first step counts them (its update runs after its backwards)."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Dynamic loss scaling: with dtype "fp16", or asked for (fp16 autocast over fp32)."""
     wrap: WrapConfig = field(default_factory=WrapConfig)
